@@ -1,0 +1,1 @@
+"""dsv4: the DeepSeek-V4 sparse-MLA attention layer, composed from injected strategies."""

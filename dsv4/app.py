@@ -1,0 +1,123 @@
+"""The app behind `run.py`: compose -> instantiate -> device -> check -> (only then) build and run.
+
+Modes: `run` (workload through the paged caches, compared with the oracle), `check` (validate the
+combination for the device, allocate nothing), `info` (every option's verdict on the device).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from dsv4.compat import Combination, check
+from dsv4.device import DeviceInfo, local_platform
+from dsv4.errors import IncompatibleCombination, Problem
+from dsv4.report import result_row, table, write_row
+from dsv4.spec import ModelSpec
+
+GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout")
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+MODES = ("run", "check", "info")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Job:
+    """A composed config turned into values; nothing allocated yet."""
+    cfg: Any
+    spec: ModelSpec
+    device: DeviceInfo
+    combo: Combination
+    choices: dict[str, str]
+    out_dir: Path
+
+
+def instantiate_group(node: Any):
+    from hydra.utils import instantiate
+
+    return instantiate(node, _convert_="all")
+
+
+def make_job(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None) -> Job:
+    spec = ModelSpec.from_config(OmegaConf.to_container(cfg.model, resolve=True))
+    device = DeviceInfo.from_config(OmegaConf.to_container(cfg.device, resolve=True))
+    strategies = {g: instantiate_group(cfg[g]) for g in GROUPS}
+    combo = Combination(spec=spec, tp_size=int(cfg.tp_size), dtype=str(cfg.dtype), **strategies)
+    if choices is None:
+        choices = {g: getattr(strategies[g], "name", "?") for g in GROUPS} | {"model": spec.name}
+    return Job(cfg=cfg, spec=spec, device=device, combo=combo, choices=dict(choices),
+               out_dir=Path(out_dir) if out_dir is not None else Path.cwd())
+
+
+def problems_for(job: Job, *, running: bool) -> list[Problem]:
+    here = local_platform()
+    problems = check(job.combo, job.device, here=here)
+    if running and job.device.platform != here:
+        problems.append(Problem(group="deployment", value=job.choices.get("deployment", "?"),
+                                reason=f"describes a {job.device.describe()} machine; this machine's platform is {here}",
+                                fix="deployment=cpu" if here == "cpu" else None))
+    return problems
+
+
+def raise_if(job: Job, problems: list[Problem]) -> None:
+    if problems:
+        order = ("model", "backend", "deployment") + GROUPS
+        shown = " ".join(f"{k}={job.choices[k]}" for k in order if k in job.choices)
+        shown += f" tp_size={job.combo.tp_size} dtype={job.combo.dtype}"
+        raise IncompatibleCombination(
+            problems, header=f"Incompatible attention combination for model={job.spec.name} on {job.device.describe()}:",
+            choices=shown)
+
+
+def settings(job: Job) -> dict[str, Any]:
+    return {"tp_size": job.combo.tp_size, "dtype": job.combo.dtype, "seed": int(job.cfg.seed)}
+
+
+def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None) -> float | None:
+    mode = str(cfg.mode)
+    if mode not in MODES:
+        raise ValueError(f"mode={mode} is unknown; available modes: {', '.join(MODES)}")
+    job = make_job(cfg, choices=choices, out_dir=out_dir)
+    if mode == "info":
+        print(info(job))
+        return None
+    problems = problems_for(job, running=mode == "run")
+    if mode == "check":
+        raise_if(job, problems)
+        print(f"OK: model={job.spec.name} on {job.device.describe()}, tp_size={job.combo.tp_size}, "
+              f"{job.spec.num_attention_heads // job.combo.tp_size} heads per rank padded to "
+              f"{job.combo.head_padding.padded_heads(job.spec.num_attention_heads // job.combo.tp_size)}")
+        print("  " + " ".join(f"{k}={v}" for k, v in job.choices.items()))
+        return None
+    if problems:
+        write_row(job.out_dir, result_row(status="incompatible", problems=problems, choices=job.choices,
+                                          device=job.device, settings=settings(job)))
+        raise_if(job, problems)
+    try:
+        from dsv4.runner import execute
+        return execute(job)
+    except Exception as e:
+        write_row(job.out_dir, result_row(status="error", problems=[], choices=job.choices, device=job.device,
+                                          settings=settings(job), error=f"{type(e).__name__}: {e}"))
+        raise
+
+
+def info(job: Job) -> str:
+    """Every option of every strategy group, swapped into the current combination, with its verdict."""
+    from dataclasses import replace
+
+    here = local_platform()
+    rows = []
+    for group in GROUPS:
+        for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
+            strat = instantiate_group(OmegaConf.load(path))
+            probs = check(replace(job.combo, **{group: strat}), job.device, here=here)
+            verdict = "ok" if not probs else "no"
+            reason = "; ".join(f"{p.group}={p.value}: {p.reason}" for p in probs)
+            mark = "*" if getattr(job.combo, group).name == strat.name else ""
+            rows.append([f"{group}={path.stem}{mark}", verdict, reason])
+    head = (f"dsv4 info: model={job.spec.name}, tp_size={job.combo.tp_size}, dtype={job.combo.dtype}, "
+            f"device {job.device.describe()} (this machine: {here}; packages checked only on it)\n"
+            f"* = current choice\n")
+    return head + table(["option", "verdict", "why not"], rows)

@@ -1,0 +1,125 @@
+"""`check()`: every problem of a strategy combination for a device, before anything is allocated.
+
+Pure: no torch, no CUDA, no kernel-library imports (a missing package is found with
+`importlib.util.find_spec`). Generic rules read each strategy's `Needs`; the few rules that span
+several choices live in CROSS_RULES. Each Problem names `group=value`, the supported set and an
+override that fixes it.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+from dsv4.device import DeviceInfo
+from dsv4.dtypes import ACTIVATION_DTYPES
+from dsv4.errors import Problem
+from dsv4.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Combination:
+    """Everything `check()` judges: the model, the four strategies and the run-level settings."""
+    spec: ModelSpec
+    mqa_kernel: object
+    o_proj: object
+    head_padding: object
+    cache_layout: object
+    tp_size: int = 1
+    dtype: str = "float32"
+
+    @property
+    def local_heads(self) -> int | None:
+        ok = self.tp_size >= 1 and self.spec.num_attention_heads % self.tp_size == 0
+        return self.spec.num_attention_heads // self.tp_size if ok else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
+    H, G, tp = c.spec.num_attention_heads, c.spec.o_groups, c.tp_size
+    if tp >= 1 and H % tp == 0 and G % tp == 0:
+        return []
+    ok = [d for d in _divisors(H) if G % d == 0]
+    best = max((d for d in ok if d <= max(tp, 1)), default=1)
+    return [Problem(group="tp_size", value=str(tp),
+                    reason=f"must divide num_attention_heads={H} and o_groups={G} of model={c.spec.name} "
+                           f"(heads and output groups are split across ranks)",
+                    supported=tuple(map(str, ok)), fix=f"tp_size={best}")]
+
+
+def _padding_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
+    h = c.local_heads
+    if h is None or c.head_padding.padded_heads(h) is not None:
+        return []
+    buckets = c.head_padding.supported()
+    H, G = c.spec.num_attention_heads, c.spec.o_groups
+    tps = [d for d in _divisors(H) if G % d == 0 and H // d <= max(buckets)]
+    fix = f"tp_size={min(tps)}" if tps else "head_padding=none"
+    return [Problem(group="head_padding", value=c.head_padding.name,
+                    reason=f"its buckets cannot hold {h} heads per rank "
+                           f"(num_attention_heads={H} / tp_size={c.tp_size})",
+                    supported=tuple(map(str, buckets)), fix=fix)]
+
+
+def _dtype_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
+    if c.dtype in ACTIVATION_DTYPES:
+        return []
+    return [Problem(group="dtype", value=c.dtype, reason="unknown activation dtype",
+                    supported=ACTIVATION_DTYPES, fix="dtype=float32")]
+
+
+CROSS_RULES: tuple[Callable[[Combination, DeviceInfo], list[Problem]], ...] = (_tp_rule, _padding_rule, _dtype_rule)
+
+
+def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str | None) -> list[Problem]:
+    n = strat.needs(device)
+    name, out = strat.name, []
+    fix_self = f"{group}=reference"
+    if n.platforms and device.platform not in n.platforms:
+        out.append(Problem(group=group, value=name, reason=f"runs on {'/'.join(sorted(n.platforms))}, "
+                           f"this device is {device.describe()}", supported=tuple(sorted(n.platforms)), fix=fix_self))
+    elif n.archs and device.arch not in n.archs:
+        out.append(Problem(group=group, value=name, reason=f"needs arch in {sorted(n.archs)}, "
+                           f"this device is {device.describe()}", supported=tuple(sorted(n.archs)), fix=fix_self))
+    layout = c.cache_layout.name
+    if n.cache_layouts and layout not in n.cache_layouts:
+        out.append(Problem(group="cache_layout", value=layout, reason=f"{group}={name} reads only "
+                           f"{sorted(n.cache_layouts)}", supported=tuple(sorted(n.cache_layouts)),
+                           fix=f"cache_layout={sorted(n.cache_layouts)[0]}"))
+    h = c.local_heads
+    hp = c.head_padding.padded_heads(h) if h is not None else None
+    if n.padded_heads and hp is not None and hp not in n.padded_heads:
+        out.append(Problem(group="head_padding", value=c.head_padding.name,
+                           reason=f"{group}={name} needs padded heads in {sorted(n.padded_heads)}; "
+                                  f"got {hp} ({h} heads per rank)",
+                           supported=tuple(map(str, sorted(n.padded_heads))),
+                           fix="head_padding=buckets_64_128" if n.padded_heads <= {64, 128}
+                           else "head_padding=buckets_pow2"))
+    if n.dtypes and c.dtype not in n.dtypes:
+        out.append(Problem(group="dtype", value=c.dtype, reason=f"{group}={name} takes activations in "
+                           f"{sorted(n.dtypes)}", supported=tuple(sorted(n.dtypes)), fix=f"dtype={sorted(n.dtypes)[0]}"))
+    if here is not None and device.platform == here:
+        for module, dist in n.modules:
+            if importlib.util.find_spec(module) is None:
+                out.append(Problem(group=group, value=name, reason=f"Python module '{module}' not found "
+                                   f"(pip package {dist})", fix=f"pip install {dist}  (or {fix_self})"))
+    return out
+
+
+def check(c: Combination, device: DeviceInfo, *, here: str | None = None) -> list[Problem]:
+    """All problems of `c` on `device`. `here` is this machine's platform: packages are looked
+    for only when `device` is of that platform (checking another machine's deployment cannot
+    know what is installed there)."""
+    problems: list[Problem] = []
+    for group in ("mqa_kernel", "o_proj", "cache_layout"):
+        problems += _needs_rule(group, getattr(c, group), c, device, here)
+    for rule in CROSS_RULES:
+        problems += rule(c, device)
+    unique: list[Problem] = []
+    for p in problems:
+        if p not in unique:
+            unique.append(p)
+    return unique

@@ -1,0 +1,1 @@
+"""Platform-free parts of the layer: norms, RoPE, paged KV pool, compressor, indexer, the module."""

@@ -1,0 +1,215 @@
+"""The paged KV pool of one layer on one rank: SWA cache, compressed cache, indexer key cache.
+
+Each cache is pages of `block_size` rows in a `CacheLayout`, handed out by its own allocator; a
+request owns a block table per cache (logical page -> physical page, -1 once freed). Slot ids follow
+vLLM: `slot = table[idx // block_size] * block_size + idx % block_size`, idx being the raw position
+(SWA) or the compressed entry index (compressed caches). SWA pages wholly behind the window are
+freed when a step commits, so SWA memory per request is bounded by the window.
+
+Steps are two-phase: `reserve` takes pages for the new tokens (or raises before taking any),
+`commit` makes the new length and compressor states current, `rollback` undoes a reservation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+from dsv4.errors import InvalidRequest
+
+
+class BlockAllocator:
+    """A free list of page ids."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"internal: took {n} pages with {len(self._free)} free")
+        out = [self._free.pop() for _ in range(n)]
+        return out
+
+    def give(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+@dataclass(slots=True, kw_only=True)
+class PagedCache:
+    """One cache: storage in a layout, its page size and allocator."""
+    name: str
+    layout: Any                 # CacheLayout
+    data: Any                   # layout.allocate(...)
+    block_size: int
+    head_dim: int
+    allocator: BlockAllocator
+
+    def write(self, slots, rows) -> None:
+        self.layout.write(self.data, slots, rows, block_size=self.block_size)
+
+    def read(self, slots):
+        return self.layout.read(self.data, slots, block_size=self.block_size)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.layout.page_bytes(self.block_size, self.head_dim)
+
+
+@dataclass(slots=True)
+class RequestKV:
+    seq_len: int = 0
+    tables: dict[str, list[int]] = field(default_factory=dict)    # cache name -> physical pages
+    states: dict[str, Any] = field(default_factory=dict)          # compressor name -> state
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Segment:
+    """The tokens of one request in a step: batch rows [offset, offset+count), positions from start."""
+    rid: Hashable
+    start: int
+    offset: int
+    count: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.offset, self.offset + self.count)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepMeta:
+    segments: tuple[Segment, ...]
+    positions: Any              # [T] int64
+    segment_of_token: Any       # [T] int64, index into segments
+
+
+class LayerKV:
+    """The caches of one layer (one rank) and every request's tables in them."""
+
+    def __init__(self, *, ratio: int, window: int, swa: PagedCache, compressed: PagedCache | None = None,
+                 indexer: PagedCache | None = None) -> None:
+        self.ratio, self.window = ratio, window
+        self.caches = {c.name: c for c in (swa, compressed, indexer) if c is not None}
+        self.requests: dict[Hashable, RequestKV] = {}
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(self, rid: Hashable) -> None:
+        self.requests[rid] = RequestKV(tables={n: [] for n in self.caches})
+
+    def release(self, rid: Hashable) -> None:
+        req = self.requests.pop(rid)
+        for name, table in req.tables.items():
+            self.caches[name].allocator.give([b for b in table if b >= 0])
+
+    # ---- two-phase step ------------------------------------------------------------------
+    def _entries_after(self, name: str, new_len: int) -> int:
+        """How many rows of cache `name` a request of `new_len` tokens has written."""
+        return new_len if name == "swa" else new_len // self.ratio
+
+    def pages_needed(self, rid: Hashable, new_tokens: int) -> dict[str, int]:
+        req = self.requests[rid]
+        out = {}
+        for name, cache in self.caches.items():
+            rows = self._entries_after(name, req.seq_len + new_tokens)
+            out[name] = max(0, -(-rows // cache.block_size) - len(req.tables[name]))
+        return out
+
+    def reserve(self, counts: dict[Hashable, int]) -> dict[Hashable, dict[str, int]]:
+        """Take the pages `counts` (rid -> new tokens) need, or raise InvalidRequest taking none."""
+        need = {rid: self.pages_needed(rid, n) for rid, n in counts.items()}
+        for name, cache in self.caches.items():
+            total = sum(n[name] for n in need.values())
+            if total > cache.allocator.num_free:
+                big = [rid for rid, n in need.items()
+                       if n[name] + self._live_pages(rid, name) > cache.allocator.num_blocks]
+                who = (f"request(s) {', '.join(map(repr, big))} alone need more than the whole pool"
+                       if big else f"the step needs {total} new pages")
+                raise InvalidRequest(
+                    f"KV pool full: {who} of the {name} cache ({cache.allocator.num_free} of "
+                    f"{cache.allocator.num_blocks} pages of {cache.block_size} rows free); "
+                    f"raise workload.kv_pool.{'swa' if name == 'swa' else 'compressed'}_blocks or "
+                    f"shorten the request. Nothing was written.")
+        for rid, n in need.items():
+            for name, k in n.items():
+                self.requests[rid].tables[name].extend(self.caches[name].allocator.take(k))
+        return need
+
+    def rollback(self, taken: dict[Hashable, dict[str, int]]) -> None:
+        for rid, n in taken.items():
+            for name, k in n.items():
+                if k:
+                    table = self.requests[rid].tables[name]
+                    self.caches[name].allocator.give(table[-k:])
+                    del table[-k:]
+
+    def commit(self, rid: Hashable, new_len: int, states: dict[str, Any]) -> None:
+        req = self.requests[rid]
+        req.seq_len = new_len
+        req.states.update(states)
+        swa = self.caches["swa"]
+        first_needed = max(0, new_len - self.window + 1)      # lowest position a future query reads
+        table = req.tables["swa"]
+        for b in range(min(len(table), first_needed // swa.block_size)):
+            if table[b] >= 0:
+                swa.allocator.give([table[b]])
+                table[b] = -1
+
+    def _live_pages(self, rid: Hashable, name: str) -> int:
+        return sum(1 for b in self.requests[rid].tables[name] if b >= 0)
+
+    # ---- addressing ----------------------------------------------------------------------
+    def _token_tables(self, name: str, meta: StepMeta):
+        import torch
+
+        tables = [self.requests[s.rid].tables[name] for s in meta.segments]
+        width = max(1, max(len(t) for t in tables))
+        dev = meta.positions.device
+        tab = torch.full((len(tables), width), -1, dtype=torch.int64, device=dev)
+        for i, t in enumerate(tables):
+            if t:
+                tab[i, : len(t)] = torch.tensor(t, dtype=torch.int64, device=dev)
+        return tab[meta.segment_of_token]                       # [T, width]
+
+    def global_slots(self, name: str, meta: StepMeta, local):
+        """Global slot ids for per-token local row indices `local` [T, N] (-1 stays -1)."""
+        import torch
+
+        bs = self.caches[name].block_size
+        tab = self._token_tables(name, meta)
+        page = tab.gather(1, (local.clamp(min=0) // bs).clamp(max=tab.shape[1] - 1))
+        slots = page * bs + local.clamp(min=0) % bs
+        ok = (local >= 0) & (page >= 0)
+        if bool(((local >= 0) & (page < 0)).any()):
+            raise RuntimeError(f"internal: {name} row without a page (freed or never reserved)")
+        return torch.where(ok, slots, torch.full_like(slots, -1)).to(torch.int32)
+
+    def swa_write_slots(self, meta: StepMeta):
+        return self.global_slots("swa", meta, meta.positions[:, None])[:, 0]
+
+    def swa_indices(self, meta: StepMeta):
+        """Per token the window's positions max(0, p-W+1)..p as global SWA slots, and the count."""
+        import torch
+
+        p = meta.positions
+        lo = (p - self.window + 1).clamp(min=0)
+        local = lo[:, None] + torch.arange(self.window, device=p.device)[None, :]
+        local = torch.where(local <= p[:, None], local, torch.full_like(local, -1))
+        lens = torch.minimum(p + 1, torch.full_like(p, self.window)).to(torch.int32)
+        return self.global_slots("swa", meta, local), lens
+
+    def request_rows(self, name: str, rid: Hashable, count: int):
+        """Global slots of rows 0..count-1 of one request's cache `name` (for reading them back)."""
+        import torch
+
+        cache = self.caches[name]
+        bs, dev = cache.block_size, cache.data.device
+        table = torch.tensor(self.requests[rid].tables[name] or [-1], dtype=torch.int64, device=dev)
+        idx = torch.arange(count, device=dev)
+        return (table[idx // bs] * bs + idx % bs).to(torch.int32)
+
+    # ---- accounting ----------------------------------------------------------------------
+    def bytes_in_use(self) -> int:
+        return sum(c.page_bytes * (c.allocator.num_blocks - c.allocator.num_free) for c in self.caches.values())

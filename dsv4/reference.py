@@ -1,0 +1,205 @@
+"""The oracle: a whole-sequence float32 recomputation of one DSV4 attention layer.
+
+No paging, no caches, no incremental state, and nothing shared with `dsv4.components`: every
+request's full history is recomputed densely, as DSV4_SPEC §5 writes it. Everything paged and
+incremental is tested against this. It takes the dump contract's plain data (the `model` dict of
+spec.json and weights under checkpoint names), so a dump can be recomputed anywhere.
+
+Cached KV rows (SWA and compressed) are rounded as the run's cache stored them (`kv_row_dtype`).
+With random weights the indexer's top-k has near ties, so outputs can be recomputed over a given
+selection (`topk`) and the selection graded separately (`grade_selection`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+
+ROW_ROUNDINGS = ("float32", "bfloat16")
+
+
+def _rms(x, w=None, eps=1e-6):
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return y if w is None else y * w
+
+
+def _freqs(model: Mapping[str, Any], ratio: int):
+    i = torch.arange(32, dtype=torch.float64)
+    if ratio <= 1:
+        return model["rope_theta"] ** (-2 * i / 64)
+    base = model["compress_rope_theta"]
+    ys = model["rope_scaling"]
+    orig, fac = ys["original_max_position_embeddings"], ys["factor"]
+    f = base ** (-2 * i / 64)
+    d = lambda n: 64 * math.log(orig / (n * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+    lo, hi = max(math.floor(d(ys["beta_fast"])), 0), min(math.ceil(d(ys["beta_slow"])), 63)
+    hi = hi + 1e-3 if hi == lo else hi
+    ramp = ((i - lo) / (hi - lo)).clamp(0, 1)
+    return f * (1 - ramp) + (f / fac) * ramp
+
+
+def _rope(x, pos, f, inverse=False):
+    """GPT-J pairs on the last 64 dims; pos broadcasts against x[..., 0]."""
+    ang = pos.to(torch.float64)[..., None] * f
+    c, s = ang.cos().float(), ang.sin().float() * (-1 if inverse else 1)
+    r = x[..., -64:].unflatten(-1, (32, 2))
+    ev, od = r[..., 0], r[..., 1]
+    return torch.cat((x[..., :-64], torch.stack((ev * c - od * s, od * c + ev * s), -1).flatten(-2)), -1)
+
+
+def round_rows(rows, kv_row_dtype: str):
+    if kv_row_dtype == "float32":
+        return rows
+    if kv_row_dtype == "bfloat16":
+        return rows.bfloat16().float()
+    raise NotImplementedError(f"oracle: kv_row_dtype={kv_row_dtype!r} (have {', '.join(ROW_ROUNDINGS)})")
+
+
+def _compress(x, wkv, wgate, ape, norm, R, D, f, eps):
+    """All complete compressed entries of one request, one at a time (DSV4_SPEC §5.3)."""
+    L = x.shape[0]
+    a = x @ wkv.T
+    s = x @ wgate.T + ape[torch.arange(L) % R]
+    out = []
+    for j in range(L // R):
+        if R == 4:
+            prev = [(a[p, :D], s[p, :D]) if p >= 0 else (torch.zeros(D), torch.full((D,), -math.inf))
+                    for p in range(4 * j - 4, 4 * j)]
+            cur = [(a[p, D:], s[p, D:]) for p in range(4 * j, 4 * j + 4)]
+            A = torch.stack([r[0] for r in prev + cur])
+            S = torch.stack([r[1] for r in prev + cur])
+        else:
+            A, S = a[j * R:(j + 1) * R], s[j * R:(j + 1) * R]
+        v = _rms((A * torch.softmax(S, 0)).sum(0), norm, eps)
+        out.append(_rope(v, torch.tensor(j * R), f))
+    return torch.stack(out) if out else torch.zeros(0, D)
+
+
+def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, *, kv_row_dtype: str,
+                 topk=None) -> dict[str, Any]:
+    """One request's whole history x [L, hidden] at positions 0..L-1.
+
+    Returns `out` [L, hidden]; for ratio 4 also `scores` [L, n] (the indexer's, -inf where not
+    visible) and `topk` [L, K] (the selection attended over: `topk` if given, else the oracle's own).
+    """
+    w = {k: v.float() for k, v in w.items()}
+    x = x.float()
+    L, D, W, eps = x.shape[0], model["head_dim"], model["sliding_window"], model["rms_norm_eps"]
+    H = w["attn_sink"].shape[0]
+    G = model["o_groups"]
+    f = _freqs(model, ratio)
+    pos = torch.arange(L)
+    qr = _rms(x @ w["wq_a.weight"].T, w["q_norm.weight"], eps)
+    q = _rope(_rms((qr @ w["wq_b.weight"].T).view(L, H, D), None, eps), pos[:, None], f)
+    raw = round_rows(_rope(_rms(x @ w["wkv.weight"].T, w["kv_norm.weight"], eps), pos, f), kv_row_dtype)
+
+    keys, res = raw, {}
+    p_, i_ = pos[:, None], pos[None, :]
+    mask = (i_ <= p_) & (i_ > p_ - W)                              # the sliding window, [L, L]
+    if ratio > 1:
+        c = "compressor."
+        comp = round_rows(_compress(x, w[c + "wkv.weight"], w[c + "wgate.weight"], w[c + "ape"],
+                                    w[c + "norm.weight"], ratio, D, f, eps), kv_row_dtype)
+        n = comp.shape[0]
+        j_ = torch.arange(n)[None, :]
+        visible = j_ < ((pos + 1) // ratio)[:, None]               # causally complete entries
+        if ratio == 4:
+            c = "indexer.compressor."
+            Hi, Di, K = model["index_n_heads"], model["index_head_dim"], model["index_topk"]
+            kidx = _compress(x, w[c + "wkv.weight"], w[c + "wgate.weight"], w[c + "ape"],
+                             w[c + "norm.weight"], 4, Di, f, eps)
+            iq = _rope((qr @ w["indexer.wq_b.weight"].T).view(L, Hi, Di), pos[:, None], f)
+            hw = (x @ w["indexer.weights_proj.weight"].T) * Di ** -0.5 * Hi ** -0.5
+            scores = (torch.einsum("lhd,nd->lhn", iq, kidx).relu() * hw[..., None]).sum(1)
+            scores = scores.masked_fill(~visible, -math.inf)
+            topk = _own_topk(scores, K) if topk is None else torch.as_tensor(topk).long()
+            chosen = torch.zeros(L, n + 1, dtype=torch.bool)
+            chosen.scatter_(1, torch.where(topk >= 0, topk, n), True)
+            visible = chosen[:, :n]
+            res |= {"scores": scores, "topk": topk}
+        keys = torch.cat((raw, comp))
+        mask = torch.cat((mask, visible), 1)
+    logits = torch.einsum("lhd,nd->lhn", q, keys) * D ** -0.5
+    logits = logits.masked_fill(~mask[:, None, :], -math.inf)
+    sink = w["attn_sink"][None, :, None].expand(L, H, 1)
+    prob = torch.softmax(torch.cat((logits, sink), -1), -1)[..., :-1]     # the sink takes mass only
+    o = _rope(torch.einsum("lhn,nd->lhd", prob, keys), pos[:, None], f, inverse=True)
+    wa = w["wo_a.weight"].view(G, -1, (H // G) * D)
+    z = torch.einsum("lgd,grd->lgr", o.reshape(L, G, -1), wa)
+    res["out"] = z.flatten(1) @ w["wo_b.weight"].T
+    return res
+
+
+def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], hidden, positions,
+                   request_index, *, kv_row_dtype: str, topk=None) -> dict[str, Any]:
+    """Recompute every token of a run (tokens in any order, grouped by `request_index`).
+
+    Each request's tokens must be its whole history 0..L-1. Returns `out` [T, hidden] aligned with
+    the inputs and, for ratio 4, `scores` (list per request) and the oracle's own `topk` [T, K].
+    """
+    T = hidden.shape[0]
+    out = torch.zeros(T, hidden.shape[1])
+    own_topk = torch.full((T, model["index_topk"]), -1, dtype=torch.int64) if ratio == 4 else None
+    scores = {}
+    for r in torch.unique(request_index).tolist():
+        rows = torch.nonzero(request_index == r).squeeze(1)
+        rows = rows[torch.argsort(positions[rows])]
+        if positions[rows].tolist() != list(range(len(rows))):
+            raise ValueError(f"request {r}: tokens are not its whole history 0..L-1")
+        given = None if topk is None else topk[rows]
+        res = oracle_layer(model, ratio, w, hidden[rows], kv_row_dtype=kv_row_dtype, topk=given)
+        out[rows] = res["out"]
+        if ratio == 4:
+            scores[r] = (rows, res["scores"])
+            own_topk[rows] = _own_topk(res["scores"], model["index_topk"])
+    return {"out": out, "scores": scores, "topk": own_topk}
+
+
+def _own_topk(scores, K: int):
+    """Local indices [L, K] of the K best visible entries, -1 padded."""
+    L, n = scores.shape
+    k = min(K, n)
+    out = torch.full((L, K), -1, dtype=torch.int64)
+    if k:
+        val, idx = scores.topk(k, -1)
+        out[:, :k] = torch.where(torch.isinf(val), -1, idx)
+    return out
+
+
+def grade_selection(run_topk, scores, K: int) -> dict[str, float]:
+    """How a run's top-k compares with the oracle's scores, token by token.
+
+    `exact`: share of tokens whose selected set equals the oracle's own. `max_gap`: the largest
+    amount (relative to the token's largest |score|) by which a selected entry scores below the
+    oracle's k-th best; near-ties give ~1e-7, a wrong selection gives O(1). `count_ok`: every token
+    selected exactly min(K, visible) distinct entries.
+    """
+    exact, gaps, count_ok, n_tok = 0, [0.0], True, 0
+    for tok in range(run_topk.shape[0]):
+        s = scores[tok]
+        vis = int(torch.isfinite(s).sum())
+        k = min(K, vis)
+        sel = run_topk[tok][run_topk[tok] >= 0].long()
+        n_tok += 1
+        if len(sel) != k or len(set(sel.tolist())) != k or (k and int(sel.max()) >= vis):
+            count_ok = False
+            continue
+        if k == 0:
+            exact += 1
+            continue
+        kth = s.topk(k).values[-1]
+        own = set(s.topk(k).indices.tolist())
+        exact += own == set(sel.tolist())
+        scale = float(s[torch.isfinite(s)].abs().max()) or 1.0
+        gaps.append(float((kth - s[sel].min()).clamp(min=0)) / scale)
+    return {"exact": exact / max(n_tok, 1), "max_gap": max(gaps), "count_ok": float(count_ok)}
+
+
+def rel_err(out, ref) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def cosine(out, ref) -> float:
+    a, b = out.float().flatten(), ref.float().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))

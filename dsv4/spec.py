@@ -1,0 +1,113 @@
+"""The model's attention-relevant configuration (DSV4_SPEC §1.1) as a frozen value.
+
+Pure Python: `mode=check` builds it without importing torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+LAYER_TYPES = {1: "swa", 4: "c4a", 128: "c128a"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class YarnScaling:
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    index_topk: int
+    index_n_heads: int
+    index_head_dim: int
+    rope_theta: float
+    compress_rope_theta: float
+    rope_scaling: YarnScaling
+    max_position_embeddings: int
+    rms_norm_eps: float
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> "ModelSpec":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(cfg) - known)
+        missing = sorted(known - set(cfg))
+        if unknown or missing:
+            raise ValueError(f"model config: unknown keys {unknown}, missing keys {missing}")
+        kw = dict(cfg)
+        kw["compress_ratios"] = tuple(int(r) for r in kw["compress_ratios"])
+        kw["rope_scaling"] = YarnScaling(**dict(kw["rope_scaling"]))
+        spec = cls(**kw)
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        """Structural invariants of the layer itself (not of a strategy combination)."""
+        errs = []
+        if self.qk_rope_head_dim != 64 or self.head_dim <= 64:
+            errs.append(f"qk_rope_head_dim must be 64 and head_dim > 64 (got {self.qk_rope_head_dim}, {self.head_dim})")
+        if self.index_head_dim < 64:
+            errs.append(f"index_head_dim must be >= 64 (RoPE on its last 64 dims), got {self.index_head_dim}")
+        if self.num_attention_heads % self.o_groups:
+            errs.append(f"num_attention_heads ({self.num_attention_heads}) must be divisible by o_groups ({self.o_groups})")
+        if len(self.compress_ratios) < self.num_hidden_layers:
+            errs.append(f"compress_ratios has {len(self.compress_ratios)} entries for {self.num_hidden_layers} layers")
+        bad = sorted({r for r in self.compress_ratios if max(1, r) not in LAYER_TYPES})
+        if bad:
+            errs.append(f"compress_ratios may hold only 0, 4 or 128, got {bad}")
+        if errs:
+            raise ValueError(f"model={self.name}: " + "; ".join(errs))
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def nope_dim(self) -> int:
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.o_groups
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    def compress_ratio(self, layer: int) -> int:
+        """vLLM: max(1, compress_ratios[layer]); 1 means SWA-only."""
+        if not 0 <= layer < self.num_hidden_layers:
+            raise ValueError(f"layer {layer} out of range: model={self.name} has {self.num_hidden_layers} layers")
+        return max(1, self.compress_ratios[layer])
+
+    def layer_type(self, layer: int) -> str:
+        return LAYER_TYPES[self.compress_ratio(layer)]
+
+    def one_layer_per_type(self) -> tuple[int, ...]:
+        """The first layer of each type present (SWA-only, ratio 4, ratio 128), in that order."""
+        first: dict[int, int] = {}
+        for layer in range(self.num_hidden_layers):
+            first.setdefault(self.compress_ratio(layer), layer)
+        return tuple(first[r] for r in sorted(first))
+
+    def to_dump(self) -> dict[str, Any]:
+        """The `model` object of the dump contract's spec.json (DESIGN.md §3)."""
+        keys = ("hidden_size", "num_attention_heads", "head_dim", "qk_rope_head_dim", "q_lora_rank",
+                "o_lora_rank", "o_groups", "sliding_window", "index_topk", "index_n_heads",
+                "index_head_dim", "rope_theta", "compress_rope_theta", "rms_norm_eps")
+        out: dict[str, Any] = {k: getattr(self, k) for k in keys}
+        rs = self.rope_scaling
+        out["rope_scaling"] = {"factor": rs.factor,
+                               "original_max_position_embeddings": rs.original_max_position_embeddings,
+                               "beta_fast": rs.beta_fast, "beta_slow": rs.beta_slow}
+        return out

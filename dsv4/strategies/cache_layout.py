@@ -1,0 +1,55 @@
+"""CacheLayout options: how one 512-dim latent KV row is stored in a paged cache.
+
+Storage is always a tensor with one leading page dimension; `write`/`read` address rows by global
+slot id (`page * block_size + offset`), so a byte-packed layout (fp8_ds_mla, 584 B/token with
+page-level regions) fits the same Protocol as these plain rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4.strategies.protocols import Needs
+
+_ROW_DTYPES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlainRowLayout:
+    """Rows stored as-is in `dtype` ([pages, block_size, head_dim]); reading rounds nothing further."""
+    name: str
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _ROW_DTYPES:
+            raise ValueError(f"cache_layout={self.name}: dtype must be one of {sorted(_ROW_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def kv_row_dtype(self) -> str:
+        return self.dtype
+
+    def needs(self, device) -> Needs:
+        return Needs()
+
+    def bytes_per_token(self, head_dim: int) -> int:
+        return head_dim * _ROW_DTYPES[self.dtype]
+
+    def page_bytes(self, block_size: int, head_dim: int) -> int:
+        return block_size * self.bytes_per_token(head_dim)
+
+    def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str):
+        import torch
+
+        from dsv4.dtypes import torch_dtype
+        return torch.zeros(num_blocks, block_size, head_dim, dtype=torch_dtype(self.dtype), device=device)
+
+    def write(self, cache, slots, rows, *, block_size: int) -> None:
+        flat = cache.view(-1, cache.shape[-1])
+        keep = slots >= 0
+        flat[slots[keep].long()] = rows[keep].to(flat.dtype)
+
+    def read(self, cache, slots, *, block_size: int):
+        import torch
+
+        flat = cache.view(-1, cache.shape[-1])
+        rows = flat[slots.clamp(min=0).long()].float()
+        return torch.where((slots >= 0)[..., None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))

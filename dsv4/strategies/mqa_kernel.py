@@ -1,0 +1,66 @@
+"""MQAKernelStrategy options shipped with the core: the torch reference."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4.strategies.protocols import Needs, SparseKV
+
+
+def _gather(cache, indices, lens):
+    """Rows named by `indices` (float32, zero for -1) and which of them count."""
+    import torch
+
+    width = indices.shape[1]
+    valid = (indices >= 0) & (torch.arange(width, device=indices.device)[None, :] < lens[:, None])
+    return cache.read(indices), valid
+
+
+def sparse_mqa_with_sink(q, rows, valid, sink, scale: float):
+    """DSV4_SPEC §2.7 in float32. q [T,H,D], rows [T,N,D], valid [T,N] -> out [T,H,D] f32, lse [T,H].
+
+    The sink adds mass only to the denominator; a query with no valid row gets 0 (lse = +inf).
+    """
+    import torch
+
+    s = torch.einsum("thd,tnd->thn", q.float(), rows) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m0 = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m0)
+    l = p.sum(-1, keepdim=True)
+    denom = l + torch.exp(sink.float()[None, :, None] - m0)
+    out = torch.einsum("thn,tnd->thd", p, rows) / denom
+    has = l > 0
+    out = torch.where(has, out, torch.zeros_like(out))
+    lse = torch.where(has, m0 + torch.log(l), torch.full_like(m0, float("inf"))).squeeze(-1)
+    return out, lse
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReferenceMQA:
+    """Torch sparse MQA on any device: reads rows through the cache layout, computes in float32.
+
+    Queries are processed `chunk` at a time so the gathered rows stay bounded in memory.
+    """
+    name: str = "reference"
+    chunk: int = 64
+
+    def needs(self, device) -> Needs:
+        return Needs()
+
+    def __call__(self, q, kv: SparseKV, *, sink, scale: float):
+        import torch
+
+        outs, lses = [], []
+        for t0 in range(0, q.shape[0], self.chunk):
+            sl = slice(t0, t0 + self.chunk)
+            rows, valid = _gather(kv.swa, kv.swa_indices[sl], kv.swa_lens[sl])
+            if kv.extra is not None:
+                er, ev = _gather(kv.extra, kv.extra_indices[sl], kv.extra_lens[sl])
+                rows, valid = torch.cat((rows, er), 1), torch.cat((valid, ev), 1)
+            o, lse = sparse_mqa_with_sink(q[sl], rows, valid, sink, scale)
+            outs.append(o.to(q.dtype))
+            lses.append(lse)
+        if not outs:
+            return q.new_zeros(q.shape), q.new_zeros(q.shape[:2], dtype=torch.float32)
+        return torch.cat(outs), torch.cat(lses)

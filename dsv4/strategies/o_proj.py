@@ -1,0 +1,34 @@
+"""OProjStrategy options shipped with the core: the float reference (bf16/fp32 einsum)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dsv4.strategies.protocols import Needs, OProjWeights
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReferenceOProj:
+    """Inverse RoPE, per-group einsum with `wo_a`, then `wo_b`, in the activation dtype."""
+    name: str = "reference"
+
+    def needs(self, device) -> Needs:
+        return Needs()
+
+    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
+        from dsv4.dtypes import torch_dtype
+
+        dt = torch_dtype(dtype)
+        g = weights.groups
+        wa = weights.wo_a.to(device=device.torch_device, dtype=dt)
+        return {"wo_a": wa.view(g, wa.shape[0] // g, wa.shape[1]),
+                "wo_b": weights.wo_b.to(device=device.torch_device, dtype=dt)}
+
+    def __call__(self, o, positions, *, rope, prepared):
+        import torch
+
+        wa, wb = prepared["wo_a"], prepared["wo_b"]
+        o = rope.apply(o, positions, inverse=True).to(wa.dtype)        # [T, H, D]
+        og = o.reshape(o.shape[0], wa.shape[0], -1)                   # [T, G, hpg*D]
+        z = torch.einsum("tgd,grd->tgr", og, wa)                      # [T, G, o_lora]
+        return z.flatten(1) @ wb.T

@@ -1,0 +1,97 @@
+"""The four seams of the layer, as structural Protocols, and the data they exchange.
+
+Nothing here is subclassed: a strategy is any frozen, keyword-only dataclass with these members.
+Requirements are data (`Needs`), read by the one pure `dsv4.compat.check()`. torch is imported only
+for type checking, so `mode=check` never loads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from dsv4.components.kv_pool import PagedCache
+    from dsv4.components.rope import Rope
+    from dsv4.device import DeviceInfo
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Needs:
+    """What a strategy requires of the machine and of the other strategies. Empty = anything."""
+    platforms: frozenset[str] = frozenset()        # {"cuda"}, {"rocm"}
+    archs: frozenset[str] = frozenset()            # {"sm90", "sm100"}
+    cache_layouts: frozenset[str] = frozenset()    # {"fp8_ds_mla"}
+    padded_heads: frozenset[int] = frozenset()     # {64, 128}
+    dtypes: frozenset[str] = frozenset()           # activation dtypes: {"bfloat16"}
+    modules: tuple[tuple[str, str], ...] = ()      # (import name, pip distribution)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SparseKV:
+    """What one sparse-MQA call attends to: per query, rows of the SWA cache and of the extra
+    (compressed) cache, named by global slot ids (-1 = padding) with per-query lengths.
+
+    This is the two-pool form of FlashMLA's decode API (DSV4_SPEC §4.2, §5.5); kernels that want
+    another shape (one combined table, CSR) build it from these.
+    """
+    swa: PagedCache
+    swa_indices: Tensor            # [T, W] int32 global slots into `swa`
+    swa_lens: Tensor               # [T] int32
+    extra: PagedCache | None = None
+    extra_indices: Tensor | None = None   # [T, K] int32 global slots into `extra`
+    extra_lens: Tensor | None = None      # [T] int32
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OProjWeights:
+    """One rank's output projection: `wo_a` [G·o_lora, hpg·D] (its groups), `wo_b` [hidden, G·o_lora]."""
+    wo_a: Tensor
+    wo_b: Tensor
+    groups: int
+
+
+@runtime_checkable
+class CacheLayout(Protocol):
+    """Bytes of one cached KV row, and how rows are written to and read from paged storage."""
+    name: str
+
+    @property
+    def kv_row_dtype(self) -> str: ...          # how a stored row is rounded (the dump's kv_row_dtype)
+
+    def needs(self, device: DeviceInfo) -> Needs: ...
+    def bytes_per_token(self, head_dim: int) -> int: ...
+    def page_bytes(self, block_size: int, head_dim: int) -> int: ...
+    def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str) -> Tensor: ...
+    def write(self, cache: Tensor, slots: Tensor, rows: Tensor, *, block_size: int) -> None: ...
+    def read(self, cache: Tensor, slots: Tensor, *, block_size: int) -> Tensor: ...
+
+
+@runtime_checkable
+class HeadPaddingPolicy(Protocol):
+    """How many heads the q/out buffers are allocated at, for a rank's real head count."""
+    name: str
+
+    def padded_heads(self, heads: int) -> int | None: ...   # None: this policy cannot hold `heads`
+    def supported(self) -> tuple[int, ...]: ...              # () = any head count
+
+
+@runtime_checkable
+class MQAKernelStrategy(Protocol):
+    """Sparse MQA with attention sink: q [T, Hp, D] over the rows `kv` names, V = K."""
+    name: str
+
+    def needs(self, device: DeviceInfo) -> Needs: ...
+    def __call__(self, q: Tensor, kv: SparseKV, *, sink: Tensor, scale: float) -> tuple[Tensor, Tensor]: ...
+    # returns out [T, Hp, D] in q's dtype and lse [T, Hp] float32 (natural log, sink not included)
+
+
+@runtime_checkable
+class OProjStrategy(Protocol):
+    """Inverse RoPE on the attention output, grouped `wo_a`, then `wo_b` (this rank's partial sum)."""
+    name: str
+
+    def needs(self, device: DeviceInfo) -> Needs: ...
+    def prepare(self, weights: OProjWeights, *, device: DeviceInfo, dtype: str) -> Any: ...   # once, at build
+    def __call__(self, o: Tensor, positions: Tensor, *, rope: Rope, prepared: Any) -> Tensor: ...

@@ -1,0 +1,115 @@
+"""What a `run` executes: requests with prompts, chunked prefill, then decode steps.
+
+Prefill steps batch every request still in its prompt, `prefill_chunk` tokens each (requests of
+different lengths mix, and finish at different steps); decode steps give every request
+`decode_tokens` new tokens (more than one = multi-token prediction). Hidden states are seeded random,
+the same for every layer (a layer bench, not a model).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    prompt_lens: tuple[int, ...]
+    prefill_chunk: int
+    decode_steps: int
+    decode_tokens: int
+    layers: tuple[int, ...] | None = None      # None: one layer of each type of the model
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "Workload":
+        layers = cfg.get("layers")
+        w = cls(prompt_lens=tuple(int(n) for n in cfg["prompt_lens"]), prefill_chunk=int(cfg["prefill_chunk"]),
+                decode_steps=int(cfg["decode_steps"]), decode_tokens=int(cfg["decode_tokens"]),
+                layers=None if layers is None else tuple(int(x) for x in layers))
+        bad = []
+        if not w.prompt_lens or min(w.prompt_lens) < 1:
+            bad.append(f"prompt_lens={list(w.prompt_lens)}")
+        if w.prefill_chunk < 1:
+            bad.append(f"prefill_chunk={w.prefill_chunk}")
+        if w.decode_tokens < 1 or w.decode_steps < 0:
+            bad.append(f"decode_tokens={w.decode_tokens}, decode_steps={w.decode_steps}")
+        if bad:
+            raise ValueError(f"workload: invalid {'; '.join(bad)} (lengths, chunks and tokens per step must be >= 1)")
+        return w
+
+    def layer_indices(self, spec: ModelSpec) -> tuple[int, ...]:
+        return self.layers if self.layers is not None else spec.one_layer_per_type()
+
+    def total_len(self, i: int) -> int:
+        return self.prompt_lens[i] + self.decode_steps * self.decode_tokens
+
+    def steps(self) -> list[tuple[str, dict[int, int]]]:
+        """[(phase, {request: new tokens})] in order."""
+        done = [0] * len(self.prompt_lens)
+        out: list[tuple[str, dict[int, int]]] = []
+        while any(d < n for d, n in zip(done, self.prompt_lens)):
+            chunk = {i: min(self.prefill_chunk, n - d) for i, (d, n) in enumerate(zip(done, self.prompt_lens)) if d < n}
+            for i, k in chunk.items():
+                done[i] += k
+            out.append(("prefill", chunk))
+        for _ in range(self.decode_steps):
+            out.append(("decode", {i: self.decode_tokens for i in range(len(self.prompt_lens))}))
+        return out
+
+
+@dataclass(slots=True)
+class RunRecord:
+    """Every processed token in processing order, and what each layer produced for it."""
+    hidden: list = field(default_factory=list)          # chunks of [n, hidden]
+    positions: list = field(default_factory=list)
+    request_index: list = field(default_factory=list)
+    outputs: dict = field(default_factory=dict)         # layer -> list of [n, hidden]
+    topk: dict = field(default_factory=dict)            # layer -> list of [n, K]
+    seconds: dict = field(default_factory=dict)         # (phase, layer) -> seconds
+    steps: dict = field(default_factory=dict)           # phase -> count
+    tokens: dict = field(default_factory=dict)          # phase -> count
+    pool_bytes: dict = field(default_factory=dict)      # layer -> KV bytes held at the end (rank 0)
+
+    def cat(self) -> dict[str, Any]:
+        import torch
+
+        return {"hidden": torch.cat(self.hidden), "positions": torch.cat(self.positions),
+                "request_index": torch.cat(self.request_index),
+                "outputs": {l: torch.cat(v) for l, v in self.outputs.items()},
+                "topk": {l: torch.cat(v) for l, v in self.topk.items()}}
+
+
+def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, progress=None) -> RunRecord:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(workload.total_len(i), hidden_size, generator=g) for i in range(len(workload.prompt_lens))]
+    done = [0] * len(xs)
+    rec = RunRecord()
+    for i in range(len(xs)):
+        engine.add_request(i)
+    steps = workload.steps()
+    for n_step, (phase, chunk) in enumerate(steps):
+        x = torch.cat([xs[i][done[i]:done[i] + k] for i, k in chunk.items()])
+        pos = torch.cat([torch.arange(done[i], done[i] + k) for i, k in chunk.items()])
+        rid = [i for i, k in chunk.items() for _ in range(k)]
+        out = engine.step(x, pos, rid)
+        rec.hidden.append(x)
+        rec.positions.append(pos)
+        rec.request_index.append(torch.tensor(rid, dtype=torch.int32))
+        for layer, y in out.outputs.items():
+            rec.outputs.setdefault(layer, []).append(y.float().cpu())
+            rec.seconds[(phase, layer)] = rec.seconds.get((phase, layer), 0.0) + out.seconds[layer]
+        for layer, t in out.topk.items():
+            rec.topk.setdefault(layer, []).append(t.cpu())
+        rec.steps[phase] = rec.steps.get(phase, 0) + 1
+        rec.tokens[phase] = rec.tokens.get(phase, 0) + len(rid)
+        for i, k in chunk.items():
+            done[i] += k
+        if progress is not None:
+            progress(n_step + 1, len(steps), phase)
+    rec.pool_bytes = {layer: kvs[0].bytes_in_use() for layer, kvs in engine.kvs.items()}
+    for i in range(len(xs)):
+        engine.release(i)
+    return rec
