@@ -7,11 +7,11 @@ from omegaconf import DictConfig
 def main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
 
-    from dsv4.app import main as app_main   # heavy imports only after composition (hydra#934)
+    from dsv4.app import cli   # heavy imports only after composition (hydra#934)
 
     hc = HydraConfig.get()
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra") and v is not None}
-    return app_main(cfg, choices=choices, out_dir=hc.runtime.output_dir)
+    return cli(cfg, choices=choices, out_dir=hc.runtime.output_dir)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo, local_platform
-from dsv4.errors import IncompatibleCombination, Problem
+from dsv4.errors import IncompatibleCombination, InvalidRequest, Problem
 from dsv4.report import result_row, table, write_row
 from dsv4.spec import ModelSpec
 
@@ -101,6 +101,15 @@ def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str
         write_row(job.out_dir, result_row(status="error", problems=[], choices=job.choices, device=job.device,
                                           settings=settings(job), error=f"{type(e).__name__}: {e}"))
         raise
+
+
+def cli(cfg: DictConfig, *, choices: dict[str, str], out_dir: str) -> float | None:
+    """`main` for the command line: a user error becomes its message on stderr and exit status 1,
+    without a traceback (the message says what to change; a traceback would bury it)."""
+    try:
+        return main(cfg, choices=choices, out_dir=out_dir)
+    except (IncompatibleCombination, InvalidRequest) as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def info(job: Job) -> str:

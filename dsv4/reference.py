@@ -197,9 +197,9 @@ def grade_selection(run_topk, scores, K: int) -> dict[str, float]:
 
 
 def rel_err(out, ref) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300))
 
 
 def cosine(out, ref) -> float:
-    a, b = out.float().flatten(), ref.float().flatten()
-    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
+    a, b = out.double().flatten(), ref.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))

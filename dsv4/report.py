@@ -67,8 +67,12 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
 def _fmt(v: Any) -> str:
     if v is None:
         return "-"
+    if isinstance(v, bool):
+        return str(v)
     if isinstance(v, float):
-        return f"{v:.2e}" if (abs(v) < 1e-2 or abs(v) >= 1e6) and v != 0 else f"{v:.4g}"
+        if v != 0 and abs(v) < 1e-2:
+            return f"{v:.2e}"
+        return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
     return str(v)
 
 

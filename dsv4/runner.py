@@ -87,7 +87,7 @@ def execute(job) -> float:
         m |= memory(spec, l, c.cache_layout)
         m["pool_bytes_at_end"] = rec_raw.pool_bytes[l]
         metrics[names[l]] = m
-        rows.append([names[l], l, m["rel_err"], m["cosine"], m.get("rel_err_vs_f32_kv"), m.get("topk_exact"),
+        rows.append([names[l], l, m["rel_err"], f"{m['cosine']:.7f}", m.get("rel_err_vs_f32_kv"), m.get("topk_exact"),
                      m["prefill_tok_s"], m["decode_ms_step"], m["kv_bytes_per_token"],
                      m["swa_bytes_per_request"] / 1024])
     metrics["max_rel_err"] = max(m["rel_err"] for m in metrics.values())

@@ -38,6 +38,7 @@ class Strategies:
 class PoolConfig:
     swa_block_size: int = 64
     compressed_block_tokens: int = 256     # positions per compressed page: 64 entries at R=4, 2 at R=128
+                                           # (at least one entry per page)
     swa_blocks: int = 64
     compressed_blocks: int = 64
 
@@ -46,10 +47,8 @@ class PoolConfig:
         return cls(**{k: int(v) for k, v in dict(cfg).items()})
 
     def compressed_block_size(self, ratio: int) -> int:
-        if self.compressed_block_tokens % ratio:
-            raise ValueError(f"workload.kv_pool.compressed_block_tokens={self.compressed_block_tokens} "
-                             f"must be a multiple of the compress ratio {ratio}")
-        return self.compressed_block_tokens // ratio
+        """Entries per compressed page: the page's positions / ratio, at least one."""
+        return max(1, self.compressed_block_tokens // ratio)
 
 
 def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_size: int,

@@ -123,15 +123,16 @@ class LayerKV:
         for name, cache in self.caches.items():
             total = sum(n[name] for n in need.values())
             if total > cache.allocator.num_free:
-                big = [rid for rid, n in need.items()
-                       if n[name] + self._live_pages(rid, name) > cache.allocator.num_blocks]
-                who = (f"request(s) {', '.join(map(repr, big))} alone need more than the whole pool"
-                       if big else f"the step needs {total} new pages")
+                big = {rid: n[name] + self._live_pages(rid, name) for rid, n in need.items()
+                       if n[name] + self._live_pages(rid, name) > cache.allocator.num_blocks}
+                who = ("; ".join(f"request {rid!r} needs {k} pages" for rid, k in big.items())
+                       + " of the " + name + " cache, more than the whole pool" if big
+                       else f"the step needs {total} new pages of the {name} cache")
+                knob = "swa_blocks" if name == "swa" else "compressed_blocks"
                 raise InvalidRequest(
-                    f"KV pool full: {who} of the {name} cache ({cache.allocator.num_free} of "
-                    f"{cache.allocator.num_blocks} pages of {cache.block_size} rows free); "
-                    f"raise workload.kv_pool.{'swa' if name == 'swa' else 'compressed'}_blocks or "
-                    f"shorten the request. Nothing was written.")
+                    f"KV pool full: {who} ({cache.allocator.num_free} of {cache.allocator.num_blocks} pages of "
+                    f"{cache.block_size} rows free); raise workload.kv_pool.{knob} or shorten the request "
+                    f"(a prefill chunk's SWA pages are held until the step ends). Nothing was written.")
         for rid, n in need.items():
             for name, k in n.items():
                 self.requests[rid].tables[name].extend(self.caches[name].allocator.take(k))

@@ -1,0 +1,97 @@
+"""Shared fixtures: in-process Hydra composition and a tiny engine builder."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+@pytest.fixture
+def compose_cfg():
+    """compose_cfg(overrides) -> DictConfig, composed in-process like `python run.py overrides`."""
+    def _compose(overrides=()):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONFIGS)):
+            return compose(config_name="config", overrides=list(overrides))
+    yield _compose
+    GlobalHydra.instance().clear()
+
+
+def tiny_spec(**changes):
+    from dsv4.spec import ModelSpec
+
+    cfg = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "dsv4_tiny.yaml"))
+    cfg.update(changes)
+    return ModelSpec.from_config(cfg)
+
+
+def make_engine(spec, *, layers=(0, 1, 2), layout="float32", tp_size=1, dtype="float32", seed=0,
+                swa_block_size=8, compressed_block_tokens=32, swa_blocks=64, compressed_blocks=64,
+                head_padding=None, weights=None):
+    """An Engine over the reference strategies; returns (engine, {layer: full weights})."""
+    from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_layer_kv
+    from dsv4.components.engine import Engine
+    from dsv4.components.weights import random_layer_weights
+    from dsv4.device import DeviceInfo
+    from dsv4.strategies import NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
+
+    dev = DeviceInfo(platform="cpu")
+    st = Strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=head_padding or NoHeadPadding(),
+                    cache_layout=PlainRowLayout(name=layout, dtype=layout))
+    pool = PoolConfig(swa_block_size=swa_block_size, compressed_block_tokens=compressed_block_tokens,
+                      swa_blocks=swa_blocks, compressed_blocks=compressed_blocks)
+    W = weights or {l: random_layer_weights(spec, l, seed) for l in layers}
+    mods = {l: [build_layer(spec=spec, layer=l, weights=W[l], rank=r, tp_size=tp_size, strategies=st, device=dev,
+                            dtype=dtype) for r in range(tp_size)] for l in layers}
+    kvs = {l: [build_layer_kv(spec=spec, layer=l, layout=st.cache_layout, pool=pool, device=dev)
+               for _ in range(tp_size)] for l in layers}
+    return Engine(spec=spec, layers=mods, kvs=kvs, device="cpu"), W
+
+
+def hidden_for(lengths: dict, hidden_size: int, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {r: torch.randn(n, hidden_size, generator=g) for r, n in lengths.items()}
+
+
+def drive(engine, X: dict, schedule):
+    """Run `schedule` (a list of {rid: new tokens}) over hidden states X; returns per layer and
+    request the outputs [L, hidden] and, for ratio-4 layers, the selections [L, K] in position order."""
+    done = {r: 0 for r in X}
+    for r in X:
+        if r not in engine.lengths:
+            engine.add_request(r)
+    outs, topk = {}, {}
+    for chunk in schedule:
+        xs = [X[r][done[r]:done[r] + n] for r, n in chunk.items()]
+        pos = torch.cat([torch.arange(done[r], done[r] + n) for r, n in chunk.items()])
+        ids = [r for r, n in chunk.items() for _ in range(n)]
+        o = engine.step(torch.cat(xs), pos, ids)
+        off = 0
+        for r, n in chunk.items():
+            for l, y in o.outputs.items():
+                outs.setdefault(l, {}).setdefault(r, []).append(y[off:off + n])
+            for l, t in o.topk.items():
+                topk.setdefault(l, {}).setdefault(r, []).append(t[off:off + n])
+            off += n
+            done[r] += n
+    cat = lambda d: {l: {r: torch.cat(v) for r, v in per.items()} for l, per in d.items()}  # noqa: E731
+    return cat(outs), cat(topk)
+
+
+def chunked(lengths: dict, chunk: int) -> list:
+    """Prefill every request `chunk` tokens at a time, all requests batched per step."""
+    done = {r: 0 for r in lengths}
+    steps = []
+    while any(done[r] < n for r, n in lengths.items()):
+        step = {r: min(chunk, n - done[r]) for r, n in lengths.items() if done[r] < n}
+        for r, k in step.items():
+            done[r] += k
+        steps.append(step)
+    return steps

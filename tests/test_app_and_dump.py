@@ -1,0 +1,98 @@
+"""The app end to end: `run` on the CPU, result.json, and the dump contract recomputed from files alone."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dsv4.app import main
+from dsv4.dump import recompute
+from dsv4.reference import grade_selection, rel_err
+from tests.conftest import ROOT
+
+TINY = ["model=dsv4_tiny", "dtype=float32", "workload.kv_pool.swa_block_size=8",
+        "workload.kv_pool.compressed_block_tokens=32"]
+
+
+@pytest.mark.parametrize("layout,tol", [("float32", 1e-5), ("bf16", 1e-4)])
+def test_run_writes_result_and_a_dump_that_recomputes(compose_cfg, tmp_path, layout, tol):
+    dump = tmp_path / "dump"
+    cfg = compose_cfg(TINY + [f"cache_layout={layout}", f"dump_dir={dump}"])
+    worst = main(cfg, out_dir=tmp_path)
+    assert worst <= tol
+    row = json.loads((tmp_path / "result.json").read_text())
+    assert row["status"] == "ok" and row["schema"] == 1
+    assert row["choices.cache_layout"] == layout and row["device.platform"] == "cpu"
+    for t in ("swa", "c4a", "c128a"):
+        assert row[f"metrics.{t}.rel_err"] <= tol
+        assert row[f"metrics.{t}.prefill_tok_s"] > 0 and row[f"metrics.{t}.decode_ms_step"] > 0
+    if layout == "bf16":
+        assert row["metrics.c4a.rel_err_vs_f32_kv"] > row["metrics.c4a.rel_err"]
+
+    spec = json.loads((dump / "spec.json").read_text())
+    assert set(spec) == {"model", "layers", "kv_row_dtype", "softmax_scale", "choices"}
+    assert spec["kv_row_dtype"] == {"float32": "float32", "bf16": "bfloat16"}[layout]
+    assert set(spec["model"]) == {"hidden_size", "num_attention_heads", "head_dim", "qk_rope_head_dim", "q_lora_rank",
+                                  "o_lora_rank", "o_groups", "sliding_window", "index_topk", "index_n_heads",
+                                  "index_head_dim", "rope_theta", "compress_rope_theta", "rope_scaling",
+                                  "rms_norm_eps"}
+    assert set(spec["model"]["rope_scaling"]) == {"factor", "original_max_position_embeddings", "beta_fast",
+                                                  "beta_slow"}
+    assert spec["layers"] == [{"index": 0, "compress_ratio": 1}, {"index": 1, "compress_ratio": 4},
+                              {"index": 2, "compress_ratio": 128}]
+    assert spec["softmax_scale"] == pytest.approx(512 ** -0.5)
+
+    t = load_file(str(dump / "tensors.safetensors"))
+    T, hid = t["inputs.hidden_states"].shape
+    assert hid == 256 and t["inputs.positions"].dtype == torch.int64 and t["inputs.request_index"].dtype == torch.int32
+    m = spec["model"]
+    D, G, r = m["head_dim"], m["o_groups"], m["o_lora_rank"]
+    shapes = {"wq_a.weight": [m["q_lora_rank"], hid], "wkv.weight": [D, hid], "q_norm.weight": [m["q_lora_rank"]],
+              "wq_b.weight": [m["num_attention_heads"] * D, m["q_lora_rank"]], "kv_norm.weight": [D],
+              "wo_a.weight": [G * r, m["num_attention_heads"] // G * D], "wo_b.weight": [hid, G * r],
+              "attn_sink": [m["num_attention_heads"]]}
+    for l, ratio in ((0, 1), (1, 4), (2, 128)):
+        for name, shape in shapes.items():
+            assert list(t[f"layers.{l}.attn.{name}"].shape) == shape, name
+        assert list(t[f"layers.{l}.outputs.attn_out"].shape) == [T, hid]
+        has_comp = any(k.startswith(f"layers.{l}.attn.compressor.") for k in t)
+        has_idx = any(k.startswith(f"layers.{l}.attn.indexer.") for k in t)
+        assert has_comp == (ratio > 1) and has_idx == (ratio == 4)
+    assert t["layers.1.outputs.topk_indices"].shape == (T, m["index_topk"])
+    assert t["layers.1.outputs.topk_indices"].dtype == torch.int32
+
+    # an independent recomputation from the two files alone
+    for l, res in recompute(dump).items():
+        assert rel_err(res["dumped"], res["out"]) <= tol, l
+        for rows, scores in res["scores"].values():
+            g = grade_selection(res["topk"][rows], scores, m["index_topk"])
+            assert g["count_ok"] == 1.0 and g["max_gap"] <= 1e-5
+
+
+def test_run_bfloat16_activations(compose_cfg, tmp_path):
+    worst = main(compose_cfg(TINY[1:] + ["model=dsv4_tiny", "dtype=bfloat16"]), out_dir=tmp_path)
+    assert 1e-4 < worst < 3e-2        # bf16 activations cost accuracy, visibly but boundedly
+
+
+def test_tp_size_two_matches_tp_one(compose_cfg, tmp_path):
+    a = main(compose_cfg(TINY + ["cache_layout=float32", "tp_size=2"]), out_dir=tmp_path / "tp2")
+    assert a <= 1e-5
+    row = json.loads((tmp_path / "tp2" / "result.json").read_text())
+    assert row["settings.tp_size"] == 2
+
+
+def test_default_run_is_the_quick_start(tmp_path):
+    """`python run.py` with its defaults (DSV4-Flash shapes, one layer of each type) on the CPU."""
+    p = subprocess.run([sys.executable, "run.py", f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    for t in ("swa", "c4a", "c128a"):
+        assert f"\n{t} " in p.stdout
+    row = json.loads((tmp_path / "result.json").read_text())
+    assert row["status"] == "ok" and row["choices.model"] == "dsv4_flash"
+    assert row["metrics.max_rel_err"] <= 1e-4
+    assert 1e-3 < row["metrics.c4a.rel_err_vs_f32_kv"] < 1e-2      # what bf16 rows cost on random weights

@@ -1,0 +1,189 @@
+"""Bad input gets a clear error and harms nothing: no other request's pages, state or outputs change."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dsv4 import reference as ref
+from dsv4.errors import IncompatibleCombination, InvalidRequest
+from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
+
+
+def snapshot(engine):
+    """Every byte of every cache, every block table, compressor state and length."""
+    caches = {(l, r, n): c.data.clone() for l, kvs in engine.kvs.items() for r, kv in enumerate(kvs)
+              for n, c in kv.caches.items()}
+    free = {(l, r, n): c.allocator.num_free for l, kvs in engine.kvs.items() for r, kv in enumerate(kvs)
+            for n, c in kv.caches.items()}
+    tables = {(l, r): copy.deepcopy({rid: (q.seq_len, q.tables) for rid, q in kv.requests.items()})
+              for l, kvs in engine.kvs.items() for r, kv in enumerate(kvs)}
+    states = {(l, r, rid, n): (s.a.clone(), s.s.clone()) for l, kvs in engine.kvs.items()
+              for r, kv in enumerate(kvs) for rid, q in kv.requests.items() for n, s in q.states.items()}
+    return caches, free, tables, states, dict(engine.lengths)
+
+
+def live_rows(engine):
+    """What any request can still read: each request's SWA rows in live pages, compressed rows."""
+    out = {}
+    for l, kvs in engine.kvs.items():
+        for r, kv in enumerate(kvs):
+            for rid, q in kv.requests.items():
+                for name, cache in kv.caches.items():
+                    n = q.seq_len if name == "swa" else q.seq_len // kv.ratio
+                    first = next((i for i, b in enumerate(q.tables[name]) if b >= 0), 0) * cache.block_size
+                    idx = torch.arange(min(first, n), n)
+                    table = torch.tensor(q.tables[name] or [-1])
+                    slots = (table[idx // cache.block_size] * cache.block_size + idx % cache.block_size).int()
+                    out[(l, r, rid, name)] = cache.read(slots)
+    return out
+
+
+def assert_unchanged(before, after):
+    caches0, free0, tables0, states0, len0 = before
+    caches1, free1, tables1, states1, len1 = after
+    assert free0 == free1 and tables0 == tables1 and len0 == len1
+    assert caches0.keys() == caches1.keys()
+    assert all(torch.equal(caches0[k], caches1[k]) for k in caches0)
+    assert states0.keys() == states1.keys()
+    assert all(torch.equal(states0[k][0], states1[k][0]) and torch.equal(states0[k][1], states1[k][1])
+               for k in states0)
+
+
+def _equal(x, y):
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
+    if isinstance(x, tuple):
+        return len(x) == len(y) and all(map(_equal, x, y))
+    return torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+
+
+def started_engine(**kw):
+    spec = tiny_spec(**kw.pop("spec", {}))
+    eng, W = make_engine(spec, **kw)
+    X = hidden_for({"a": 80, "b": 80}, spec.hidden_size)
+    drive(eng, {r: X[r][:40] for r in X}, chunked({"a": 40, "b": 40}, 13))
+    return spec, eng, W, X
+
+
+def step(eng, chunks: dict):
+    xs = torch.cat([x for x, _ in chunks.values()])
+    pos = torch.cat([torch.arange(s, s + len(x)) for x, s in chunks.values()])
+    ids = [r for r, (x, _) in chunks.items() for _ in range(len(x))]
+    return eng.step(xs, pos, ids)
+
+
+def test_bad_request_in_a_batch_is_refused_whole_and_touches_nothing():
+    spec, eng, W, X = started_engine()
+    eng.add_request("c")
+    bad = torch.randn(5, spec.hidden_size)
+    bad[2, 7] = float("nan")
+    before = snapshot(eng)
+    with pytest.raises(InvalidRequest, match=r"request 'c': hidden_states contain NaN"):
+        step(eng, {"a": (X["a"][40:45], 40), "c": (bad, 0)})
+    assert_unchanged(before, snapshot(eng))
+    # a and b continue exactly as if c had never been there
+    ref_eng, _ = make_engine(spec, weights=W)
+    drive(ref_eng, {r: X[r][:40] for r in X}, chunked({"a": 40, "b": 40}, 13))
+    o1 = step(eng, {"a": (X["a"][40:45], 40), "b": (X["b"][40:42], 40)})
+    o2 = step(ref_eng, {"a": (X["a"][40:45], 40), "b": (X["b"][40:42], 40)})
+    for layer in o1.outputs:
+        assert torch.equal(o1.outputs[layer], o2.outputs[layer])
+
+
+def test_failure_inside_the_forward_is_rolled_back():
+    spec, eng, W, X = started_engine()
+
+    @dataclass(frozen=True)
+    class Boom:
+        name: str = "boom"
+
+        def __call__(self, *a, **k):
+            raise RuntimeError("kernel exploded")
+
+    layer = next(l for l in eng.layers if spec.compress_ratio(l) == 4)
+    kernel = eng.layers[layer][0].mqa_kernel
+    eng.layers[layer][0].mqa_kernel = Boom()
+    before, rows0 = snapshot(eng), live_rows(eng)
+    with pytest.raises(RuntimeError, match="kernel exploded"):
+        step(eng, {"a": (X["a"][40:70], 40)})      # allocates new pages and closes compressor blocks
+    _, *rest0 = before
+    _, *rest1 = snapshot(eng)
+    assert all(map(_equal, rest0, rest1))          # free pages, tables, compressor states, lengths
+    rows1 = live_rows(eng)
+    assert rows0.keys() == rows1.keys() and all(torch.equal(rows0[k], rows1[k]) for k in rows0)
+    eng.layers[layer][0].mqa_kernel = kernel
+    o = step(eng, {"a": (X["a"][40:80], 40), "b": (X["b"][40:80], 40)})
+    for l, y in o.outputs.items():           # the retried step is exact against the oracle
+        for rid, rows in (("a", slice(0, 40)), ("b", slice(40, 80))):
+            want = ref.oracle_layer(spec.to_dump(), spec.compress_ratio(l), W[l], X[rid], kv_row_dtype="float32",
+                                    topk=None if l not in o.topk else torch.cat(
+                                        (torch.full((40, spec.index_topk), -1), o.topk[l][rows].long())))
+            assert ref.rel_err(y[rows], want["out"][40:80]) <= 1e-5
+
+
+def test_request_longer_than_the_pool():
+    spec, eng, W, X = started_engine(swa_blocks=40, compressed_blocks=4, compressed_block_tokens=32)
+    eng.add_request("huge")
+    before = snapshot(eng)
+    with pytest.raises(InvalidRequest, match=r"KV pool full: request 'huge' needs 7 pages of the compressed cache, "
+                                             r"more than the whole pool .*raise workload.kv_pool.compressed_blocks"):
+        step(eng, {"huge": (torch.randn(200, spec.hidden_size), 0)})
+    assert_unchanged(before, snapshot(eng))
+    with pytest.raises(InvalidRequest, match=r"KV pool full: the step needs \d+ new pages of the compressed cache"):
+        step(eng, {"a": (X["a"][40:80], 40), "huge": (torch.randn(60, spec.hidden_size), 0)})
+    assert_unchanged(before, snapshot(eng))
+
+
+def test_positions():
+    spec, eng, W, X = started_engine(spec={"max_position_embeddings": 45})
+    with pytest.raises(InvalidRequest, match=r"request 'a': positions must continue at 40 \(40..44\), got 41..45"):
+        eng.step(X["a"][40:45], torch.arange(41, 46), ["a"] * 5)
+    with pytest.raises(InvalidRequest, match=r"position 47 is beyond the model's range \(max_position_embeddings=45\)"):
+        step(eng, {"a": (X["a"][40:48], 40)})
+    step(eng, {"a": (X["a"][40:45], 40)})         # up to the last position is fine
+    with pytest.raises(InvalidRequest, match=r"positions must be an integer tensor"):
+        eng.step(X["b"][40:42], torch.tensor([40.0, 41.0]), ["b", "b"])
+
+
+def test_unknown_and_malformed_requests():
+    spec, eng, W, X = started_engine()
+    before = snapshot(eng)
+    with pytest.raises(InvalidRequest, match=r"unknown request 'zz' \(known: 'a', 'b'\)"):
+        step(eng, {"a": (X["a"][40:42], 40), "zz": (X["b"][:2], 0)})
+    with pytest.raises(InvalidRequest, match=r"request 'a': its tokens must be contiguous"):
+        eng.step(X["a"][40:43], torch.tensor([40, 41, 42]), ["a", "b", "a"])
+    with pytest.raises(InvalidRequest, match=r"hidden_states must be a float tensor \[T, 256\]"):
+        eng.step(X["a"][40:42, :100], torch.tensor([40, 41]), ["a", "a"])
+    with pytest.raises(InvalidRequest, match=r"2 entries for 3 tokens"):
+        eng.step(X["a"][40:43], torch.tensor([40, 41, 42]), ["a", "a"])
+    with pytest.raises(InvalidRequest, match="already exists"):
+        eng.add_request("a")
+    with pytest.raises(InvalidRequest, match="unknown request 'q'"):
+        eng.release("q")
+    assert_unchanged(before, snapshot(eng))
+
+
+def test_releasing_a_request_returns_its_pages_and_leaves_others():
+    spec, eng, W, X = started_engine()
+    free0 = {l: [c.allocator.num_free for c in eng.kvs[l][0].caches.values()] for l in eng.kvs}
+    a_pages = {l: {n: sum(b >= 0 for b in t) for n, t in eng.kvs[l][0].requests["a"].tables.items()} for l in eng.kvs}
+    b_before = {l: copy.deepcopy(eng.kvs[l][0].requests["b"].tables) for l in eng.kvs}
+    eng.release("a")
+    for l in eng.kvs:
+        after = [c.allocator.num_free for c in eng.kvs[l][0].caches.values()]
+        assert after == [f + a_pages[l][n] for f, n in zip(free0[l], eng.kvs[l][0].caches)]
+        assert eng.kvs[l][0].requests["b"].tables == b_before[l]
+
+
+def test_heads_not_divisible_by_tp_size_is_refused_before_building(compose_cfg, tmp_path):
+    from dsv4.app import main
+
+    cfg = compose_cfg(["model=dsv4_tiny", "tp_size=3"])
+    with pytest.raises(IncompatibleCombination, match=r"tp_size=3: must divide num_attention_heads=8 and o_groups=2"):
+        main(cfg, out_dir=tmp_path)
+    import json
+    row = json.loads((tmp_path / "result.json").read_text())
+    assert row["status"] == "incompatible" and row["problems"][0]["fix"] == "tp_size=2"
