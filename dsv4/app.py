@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo, local_platform
-from dsv4.errors import IncompatibleCombination, InvalidRequest, Problem
+from dsv4.errors import ConfigError, IncompatibleCombination, InvalidRequest, Problem
 from dsv4.report import result_row, table, write_row
 from dsv4.spec import ModelSpec
 
@@ -33,16 +33,21 @@ class Job:
     out_dir: Path
 
 
-def instantiate_group(node: Any):
+def instantiate_group(node: Any, group: str = "strategy"):
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
-    return instantiate(node, _convert_="all")
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as e:        # e.g. cache_layout.dtype=float16: say which group
+        cause = e.__cause__ or e
+        raise ConfigError(f"{group}={node.get('name', '?')}: {cause}") from e
 
 
 def make_job(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None) -> Job:
     spec = ModelSpec.from_config(OmegaConf.to_container(cfg.model, resolve=True))
     device = DeviceInfo.from_config(OmegaConf.to_container(cfg.device, resolve=True))
-    strategies = {g: instantiate_group(cfg[g]) for g in GROUPS}
+    strategies = {g: instantiate_group(cfg[g], g) for g in GROUPS}
     combo = Combination(spec=spec, tp_size=int(cfg.tp_size), dtype=str(cfg.dtype), **strategies)
     if choices is None:
         choices = {g: getattr(strategies[g], "name", "?") for g in GROUPS} | {"model": spec.name}
@@ -53,10 +58,10 @@ def make_job(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir:
 def problems_for(job: Job, *, running: bool) -> list[Problem]:
     here = local_platform()
     problems = check(job.combo, job.device, here=here)
-    if running and job.device.platform != here:
+    if running and job.device.platform not in ("cpu", here):     # every machine has a CPU
         problems.append(Problem(group="deployment", value=job.choices.get("deployment", "?"),
                                 reason=f"describes a {job.device.describe()} machine; this machine's platform is {here}",
-                                fix="deployment=cpu" if here == "cpu" else None))
+                                supported=tuple(sorted({"cpu", here})), fix="deployment=cpu"))
     return problems
 
 
@@ -77,7 +82,7 @@ def settings(job: Job) -> dict[str, Any]:
 def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None) -> float | None:
     mode = str(cfg.mode)
     if mode not in MODES:
-        raise ValueError(f"mode={mode} is unknown; available modes: {', '.join(MODES)}")
+        raise ConfigError(f"mode={mode} is unknown; available modes: {', '.join(MODES)}")
     job = make_job(cfg, choices=choices, out_dir=out_dir)
     if mode == "info":
         print(info(job))
@@ -108,7 +113,7 @@ def cli(cfg: DictConfig, *, choices: dict[str, str], out_dir: str) -> float | No
     without a traceback (the message says what to change; a traceback would bury it)."""
     try:
         return main(cfg, choices=choices, out_dir=out_dir)
-    except (IncompatibleCombination, InvalidRequest) as e:
+    except (ConfigError, IncompatibleCombination, InvalidRequest) as e:
         raise SystemExit(f"error: {e}") from None
 
 
@@ -120,7 +125,7 @@ def info(job: Job) -> str:
     rows = []
     for group in GROUPS:
         for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
-            strat = instantiate_group(OmegaConf.load(path))
+            strat = instantiate_group(OmegaConf.load(path), group)
             probs = check(replace(job.combo, **{group: strat}), job.device, here=here)
             verdict = "ok" if not probs else "no"
             reason = "; ".join(f"{p.group}={p.value}: {p.reason}" for p in probs)

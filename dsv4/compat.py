@@ -74,10 +74,21 @@ def _dtype_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
 CROSS_RULES: tuple[Callable[[Combination, DeviceInfo], list[Problem]], ...] = (_tp_rule, _padding_rule, _dtype_rule)
 
 
+# The shipped option of each group that runs anywhere, offered when a choice cannot run on a device.
+SAFE_CHOICE = {"mqa_kernel": "mqa_kernel=reference", "o_proj": "o_proj=reference", "cache_layout": "cache_layout=bf16"}
+# The shipped head-padding options (configs/head_padding/), for suggesting one that yields what a kernel takes.
+PADDING_OPTIONS: tuple[tuple[str, tuple[int, ...] | None], ...] = (
+    ("buckets_64_128", (64, 128)), ("buckets_pow2", (8, 16, 32, 64, 128)), ("none", None))
+
+
+def _pad(heads: int, buckets: tuple[int, ...] | None) -> int | None:
+    return heads if buckets is None else next((b for b in buckets if b >= heads), None)
+
+
 def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str | None) -> list[Problem]:
     n = strat.needs(device)
     name, out = strat.name, []
-    fix_self = f"{group}=reference"
+    fix_self = SAFE_CHOICE[group]
     if n.platforms and device.platform not in n.platforms:
         out.append(Problem(group=group, value=name, reason=f"runs on {'/'.join(sorted(n.platforms))}, "
                            f"this device is {device.describe()}", supported=tuple(sorted(n.platforms)), fix=fix_self))
@@ -92,18 +103,20 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
     h = c.local_heads
     hp = c.head_padding.padded_heads(h) if h is not None else None
     if n.padded_heads and hp is not None and hp not in n.padded_heads:
+        fits = sorted((_pad(h, b), opt) for opt, b in PADDING_OPTIONS if _pad(h, b) in n.padded_heads)
+        fits = [opt for _, opt in fits]           # the option that pads least first
         out.append(Problem(group="head_padding", value=c.head_padding.name,
                            reason=f"{group}={name} needs padded heads in {sorted(n.padded_heads)}; "
                                   f"got {hp} ({h} heads per rank)",
                            supported=tuple(map(str, sorted(n.padded_heads))),
-                           fix="head_padding=buckets_64_128" if n.padded_heads <= {64, 128}
-                           else "head_padding=buckets_pow2"))
-    if n.dtypes and c.dtype not in n.dtypes:
+                           fix=f"head_padding={fits[0]}" if fits else None))
+    if n.dtypes and c.dtype in ACTIVATION_DTYPES and c.dtype not in n.dtypes:
         out.append(Problem(group="dtype", value=c.dtype, reason=f"{group}={name} takes activations in "
                            f"{sorted(n.dtypes)}", supported=tuple(sorted(n.dtypes)), fix=f"dtype={sorted(n.dtypes)[0]}"))
     if here is not None and device.platform == here:
         for module, dist in n.modules:
-            if importlib.util.find_spec(module) is None:
+            # the top-level name only: find_spec("a.b") would import package "a"
+            if importlib.util.find_spec(module.partition(".")[0]) is None:
                 out.append(Problem(group=group, value=name, reason=f"Python module '{module}' not found "
                                    f"(pip package {dist})", fix=f"pip install {dist}  (or {fix_self})"))
     return out

@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from dsv4.errors import ConfigError
+
 PLATFORMS = ("cpu", "cuda", "rocm")
 
 
@@ -19,7 +21,7 @@ class DeviceInfo:
 
     def __post_init__(self) -> None:
         if self.platform not in PLATFORMS:
-            raise ValueError(f"device.platform={self.platform!r}: expected one of {', '.join(PLATFORMS)}")
+            raise ConfigError(f"device.platform={self.platform!r}: expected one of {', '.join(PLATFORMS)}")
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "DeviceInfo":

@@ -9,5 +9,6 @@ def torch_dtype(name: str):
 
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if name not in table:
-        raise ValueError(f"dtype={name!r}: expected one of {', '.join(table)}")
+        from dsv4.errors import ConfigError
+        raise ConfigError(f"dtype={name!r}: expected one of {', '.join(table)}")
     return table[name]

@@ -35,5 +35,10 @@ class IncompatibleCombination(ValueError):
         super().__init__("\n".join(lines))
 
 
+class ConfigError(ValueError):
+    """A config value that cannot mean anything (unknown mode, a model spec that breaks the layer's
+    invariants, an option whose fields are invalid): said plainly, without a traceback, by the CLI."""
+
+
 class InvalidRequest(ValueError):
     """A step was refused: nothing was written to any cache, no request's state changed."""

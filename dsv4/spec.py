@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from dsv4.errors import ConfigError
+
 LAYER_TYPES = {1: "swa", 4: "c4a", 128: "c128a"}
 
 
@@ -46,7 +48,7 @@ class ModelSpec:
         unknown = sorted(set(cfg) - known)
         missing = sorted(known - set(cfg))
         if unknown or missing:
-            raise ValueError(f"model config: unknown keys {unknown}, missing keys {missing}")
+            raise ConfigError(f"model config: unknown keys {unknown}, missing keys {missing}")
         kw = dict(cfg)
         kw["compress_ratios"] = tuple(int(r) for r in kw["compress_ratios"])
         kw["rope_scaling"] = YarnScaling(**dict(kw["rope_scaling"]))
@@ -65,11 +67,11 @@ class ModelSpec:
             errs.append(f"num_attention_heads ({self.num_attention_heads}) must be divisible by o_groups ({self.o_groups})")
         if len(self.compress_ratios) < self.num_hidden_layers:
             errs.append(f"compress_ratios has {len(self.compress_ratios)} entries for {self.num_hidden_layers} layers")
-        bad = sorted({r for r in self.compress_ratios if max(1, r) not in LAYER_TYPES})
+        bad = sorted({r for r in self.compress_ratios if r not in (0, 4, 128)})
         if bad:
             errs.append(f"compress_ratios may hold only 0, 4 or 128, got {bad}")
         if errs:
-            raise ValueError(f"model={self.name}: " + "; ".join(errs))
+            raise ConfigError(f"model={self.name}: " + "; ".join(errs))
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -87,7 +89,7 @@ class ModelSpec:
     def compress_ratio(self, layer: int) -> int:
         """vLLM: max(1, compress_ratios[layer]); 1 means SWA-only."""
         if not 0 <= layer < self.num_hidden_layers:
-            raise ValueError(f"layer {layer} out of range: model={self.name} has {self.num_hidden_layers} layers")
+            raise ConfigError(f"layer {layer} out of range: model={self.name} has {self.num_hidden_layers} layers")
         return max(1, self.compress_ratios[layer])
 
     def layer_type(self, layer: int) -> str:

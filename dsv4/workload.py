@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsv4.errors import ConfigError
 from dsv4.spec import ModelSpec
 
 
@@ -35,7 +36,7 @@ class Workload:
         if w.decode_tokens < 1 or w.decode_steps < 0:
             bad.append(f"decode_tokens={w.decode_tokens}, decode_steps={w.decode_steps}")
         if bad:
-            raise ValueError(f"workload: invalid {'; '.join(bad)} (lengths, chunks and tokens per step must be >= 1)")
+            raise ConfigError(f"workload: invalid {'; '.join(bad)} (lengths, chunks and tokens per step must be >= 1)")
         return w
 
     def layer_indices(self, spec: ModelSpec) -> tuple[int, ...]:

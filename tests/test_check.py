@@ -198,8 +198,8 @@ def test_every_problem_is_collected_at_once_on_the_wrong_machine():
     assert by_gv[("mqa_kernel", "flashmla_sparse")].supported == ("cuda",)
     assert by_gv[("o_proj", "fp8_einsum")].supported == ("cuda",)
     assert by_gv[("tp_size", "3")].fix == "tp_size=2"
-    # the unknown dtype is reported by the dtype rule and by fp8_einsum's needs: two distinct lines
-    assert sum(1 for p in problems if p.group == "dtype") == 2
+    # the unknown dtype is reported once (by the dtype rule), not again by fp8_einsum's needs
+    assert sum(1 for p in problems if p.group == "dtype") == 1
     # no module problems: a rocm device is checked from a cpu machine
     assert not any("Python module" in p.reason for p in problems)
 
@@ -256,9 +256,6 @@ def test_each_fix_pasted_clears_its_group(i):
             assert not [q for q in after if q.group == p.group], (p.line(), [q.line() for q in after])
 
 
-@pytest.mark.xfail(strict=True, reason="compat.py:78 the fix for a strategy that cannot run on the device is "
-                                       "always `<group>=reference`; there is no cache_layout=reference option, so "
-                                       "the fix for a cache layout is not pasteable")
 def test_cache_layout_platform_fix_names_a_shipped_option():
     c = combo(cache_layout=FP8_DS_MLA_CUDA)             # this fp8_ds_mla runs on cuda only
     (p,) = check(c, GFX942)
@@ -302,8 +299,6 @@ def test_installed_module_is_found_without_importing_it(tmp_path, monkeypatch):
     assert "flash_mla" not in sys.modules and "deep_gemm" not in sys.modules
 
 
-@pytest.mark.xfail(strict=True, reason="compat.py:106 find_spec() of a dotted name whose parent package is "
-                                       "missing raises ModuleNotFoundError instead of giving a Problem")
 def test_missing_dotted_module_is_a_problem_not_a_crash():
     k = FakeKernel(name="aiter_sparse", need=Needs(modules=(("dsv4_no_such_pkg.ops", "dsv4-no-such-pkg"),)))
     problems = check(combo(mqa_kernel=k), GFX942, here="rocm")
@@ -311,8 +306,6 @@ def test_missing_dotted_module_is_a_problem_not_a_crash():
     assert "Python module 'dsv4_no_such_pkg.ops' not found" in problems[0].reason
 
 
-@pytest.mark.xfail(strict=True, reason="compat.py:106 find_spec() of a dotted name imports its parent "
-                                       "package: check() runs the kernel library's __init__")
 def test_dotted_module_lookup_does_not_import_the_parent(tmp_path, monkeypatch):
     pkg = tmp_path / "aiter"
     pkg.mkdir()
@@ -346,15 +339,17 @@ def test_padded_head_mismatch_suggests_pow2_buckets():
     assert check(apply_fix(c, p.fix), SM100) == []
 
 
-@pytest.mark.xfail(strict=True, reason="compat.py:99 the head_padding fix is chosen by `padded_heads <= {64, 128}` "
-                                       "only: for a kernel needing {128} it suggests buckets_64_128 even when that "
-                                       "is already the choice and still pads 8 heads to 64")
-def test_padded_head_fix_changes_the_choice_and_resolves_it():
+def test_padded_head_fix_is_offered_only_when_an_option_resolves_it():
     k = FakeKernel(name="flashmla_prefill_sm100", need=Needs(padded_heads=frozenset({128})))
     c = combo(mqa_kernel=k, head_padding=B64_128, tp_size=8)     # 8 heads -> padded to 64
     (p,) = check(c, SM100)
-    assert p.fix != f"head_padding={c.head_padding.name}", p.line()
-    assert not [q for q in check(apply_fix(c, p.fix), SM100) if q.group == "head_padding"]
+    assert p.fix is None, p.line()            # no shipped padding option turns 8 heads into 128
+    assert "needs padded heads in [128]; got 64 (8 heads per rank)" in p.reason
+    k16 = FakeKernel(name="k8", need=Needs(padded_heads=frozenset({8})))
+    c16 = combo(mqa_kernel=k16, head_padding=B64_128, tp_size=8)
+    (p16,) = check(c16, SM100)
+    assert p16.fix == "head_padding=buckets_pow2"
+    assert not [q for q in check(apply_fix(c16, p16.fix), SM100) if q.group == "head_padding"]
 
 
 def test_too_many_heads_for_the_buckets_suggests_a_tp_size():
@@ -425,3 +420,17 @@ def test_incompatible_combination_message_has_every_problem_line():
 def test_problem_line_without_supported_or_fix():
     p = Problem(group="deployment", value="h200", reason="elsewhere")
     assert p.line() == "- deployment=h200: elsewhere"
+
+
+def test_padding_options_known_to_check_match_the_configs():
+    """compat.PADDING_OPTIONS (used to suggest a head_padding fix) lists exactly the shipped YAMLs."""
+    from omegaconf import OmegaConf
+
+    from dsv4.compat import PADDING_OPTIONS
+    from tests.conftest import CONFIGS
+
+    shipped = {}
+    for path in (CONFIGS / "head_padding").glob("*.yaml"):
+        node = OmegaConf.to_container(OmegaConf.load(path))
+        shipped[path.stem] = tuple(node["buckets"]) if "buckets" in node else None
+    assert dict(PADDING_OPTIONS) == shipped

@@ -177,8 +177,9 @@ def test_lse_excludes_sink_and_sink_rescales_output():
     t, h = 0, 3
     keys = [rows[int(i)] for c, i in enumerate(idx[t]) if c < int(lens[t]) and i >= 0] + \
            [rows_e[int(i)] for c, i in enumerate(idx_e[t]) if c < int(lens_e[t]) and i >= 0]
-    logits = torch.stack([SCALE * float(q[t, h].double() @ k) for k in keys])
-    assert float(lse[t, h]) == pytest.approx(math.log(float(torch.exp(logits).sum())), rel=1e-6)
+    logits = [SCALE * float(q[t, h].double() @ k) for k in keys]
+    assert len(logits) > 0
+    assert float(lse[t, h]) == pytest.approx(math.log(sum(math.exp(x) for x in logits)), rel=1e-6)
 
 
 def test_query_without_any_valid_key():

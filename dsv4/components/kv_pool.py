@@ -180,7 +180,9 @@ class LayerKV:
 
         bs = self.caches[name].block_size
         tab = self._token_tables(name, meta)
-        page = tab.gather(1, (local.clamp(min=0) // bs).clamp(max=tab.shape[1] - 1))
+        logical = local.clamp(min=0) // bs
+        page = tab.gather(1, logical.clamp(max=tab.shape[1] - 1))
+        page = torch.where(logical < tab.shape[1], page, torch.full_like(page, -1))   # past the table: no page
         slots = page * bs + local.clamp(min=0) % bs
         ok = (local >= 0) & (page >= 0)
         if bool(((local >= 0) & (page < 0)).any()):
