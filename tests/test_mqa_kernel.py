@@ -358,3 +358,14 @@ def test_reference_o_proj_matches_own(G, hpg, ratio):
     # the direction of the de-rotation matters: rotating forward instead is far off for p > 0
     wrong = own_o_proj(o, -pos, ratio, wo_a, wo_b, G)               # forward rotation instead of inverse
     assert rel(y[1:], wrong[1:]) > 1e-3
+
+
+def test_slots_beyond_the_pool_are_padding():
+    """A slot id >= the pool's size is invalid, like -1 (FlashMLA: '-1 or >= s_kv invalid')."""
+    q, sink, kv, pools = setup(T=5, H=4, seed=33)
+    out, lse = ReferenceMQA()(q, kv, sink=sink, scale=SCALE)
+    beyond = torch.where(kv.swa_indices < 0, torch.full_like(kv.swa_indices, kv.swa.num_slots + 7), kv.swa_indices)
+    kv2 = SparseKV(swa=kv.swa, swa_indices=beyond, swa_lens=kv.swa_lens, extra=kv.extra,
+                   extra_indices=kv.extra_indices, extra_lens=kv.extra_lens)
+    out2, lse2 = ReferenceMQA()(q, kv2, sink=sink, scale=SCALE)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)

@@ -55,6 +55,10 @@ class PagedCache:
         return self.layout.read(self.data, slots, block_size=self.block_size)
 
     @property
+    def num_slots(self) -> int:
+        return self.allocator.num_blocks * self.block_size
+
+    @property
     def page_bytes(self) -> int:
         return self.layout.page_bytes(self.block_size, self.head_dim)
 
@@ -209,9 +213,12 @@ class LayerKV:
 
         cache = self.caches[name]
         bs, dev = cache.block_size, cache.data.device
-        table = torch.tensor(self.requests[rid].tables[name] or [-1], dtype=torch.int64, device=dev)
+        table = self.requests[rid].tables[name]
+        pages = -(-count // bs)
+        if pages > len(table) or any(b < 0 for b in table[:pages]):
+            raise RuntimeError(f"internal: rows 0..{count - 1} of {name} are not all in live pages")
         idx = torch.arange(count, device=dev)
-        return (table[idx // bs] * bs + idx % bs).to(torch.int32)
+        return (torch.tensor(table[:pages] or [0], dtype=torch.int64, device=dev)[idx // bs] * bs + idx % bs).to(torch.int32)
 
     # ---- accounting ----------------------------------------------------------------------
     def bytes_in_use(self) -> int:

@@ -7,12 +7,14 @@ from dsv4.strategies.protocols import Needs, SparseKV
 
 
 def _gather(cache, indices, lens):
-    """Rows named by `indices` (float32, zero for -1) and which of them count."""
+    """Rows named by `indices` (float32, zero for invalid ones) and which of them count: a slot
+    counts if it is in the pool (-1 or beyond it is padding) and its column is below the length."""
     import torch
 
     width = indices.shape[1]
-    valid = (indices >= 0) & (torch.arange(width, device=indices.device)[None, :] < lens[:, None])
-    return cache.read(indices), valid
+    valid = (indices >= 0) & (indices < cache.num_slots)
+    valid &= torch.arange(width, device=indices.device)[None, :] < lens[:, None]
+    return cache.read(torch.where(valid, indices, torch.full_like(indices, -1))), valid
 
 
 def sparse_mqa_with_sink(q, rows, valid, sink, scale: float):
