@@ -31,19 +31,18 @@ def layer_names(spec, layers) -> dict[int, str]:
     return {l: t if types.count(t) == 1 else f"{t}@{l}" for l, t in zip(layers, types)}
 
 
-def memory(spec, layer: int, layout) -> dict[str, float]:
+def memory(spec, layer: int, layout, module) -> dict[str, float]:
     """Bytes per rank: per context token (compressed + indexer rows), per request (SWA window, state)."""
     from dsv4.components.builders import INDEXER_LAYOUT
 
     R, D = spec.compress_ratio(layer), spec.head_dim
     row = layout.bytes_per_token(D)
-    per_tok = 0.0 if R == 1 else row / R
-    if R == 4:
+    per_tok, state = 0.0, 0
+    if module.compressor is not None:
+        per_tok, state = row / R, module.compressor.state_bytes()
+    if module.indexer is not None:
         per_tok += INDEXER_LAYOUT.bytes_per_token(spec.index_head_dim) / 4
-    coff = 2 if R == 4 else 1
-    state = 0 if R == 1 else 2 * coff * R * coff * D * 4
-    if R == 4:
-        state += 2 * 2 * 4 * 2 * spec.index_head_dim * 4
+        state += module.indexer.compressor.state_bytes()
     return {"kv_bytes_per_token": per_tok, "swa_bytes_per_request": spec.sliding_window * row,
             "state_bytes_per_request": state}
 
@@ -84,7 +83,7 @@ def execute(job) -> float:
         pre_s, dec_s = rec_raw.seconds.get(("prefill", l), 0.0), rec_raw.seconds.get(("decode", l), 0.0)
         m["prefill_tok_s"] = rec_raw.tokens.get("prefill", 0) / pre_s if pre_s else None
         m["decode_ms_step"] = 1e3 * dec_s / rec_raw.steps["decode"] if rec_raw.steps.get("decode") else None
-        m |= memory(spec, l, c.cache_layout)
+        m |= memory(spec, l, c.cache_layout, engine.layers[l][0])
         m["pool_bytes_at_end"] = rec_raw.pool_bytes[l]
         metrics[names[l]] = m
         rows.append([names[l], l, m["rel_err"], f"{m['cosine']:.7f}", m.get("rel_err_vs_f32_kv"), m.get("topk_exact"),

@@ -1,6 +1,7 @@
 """Shared fixtures: in-process Hydra composition and a tiny engine builder."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,22 @@ def compose_cfg():
             return compose(config_name="config", overrides=list(overrides))
     yield _compose
     GlobalHydra.instance().clear()
+
+
+def spec_rope_freqs(ratio: int) -> list[float]:
+    """The 32 RoPE pair frequencies written from DSV4_SPEC §2.3 (plain base 10000 for SWA-only
+    layers; YaRN with base 160000, factor 16, original 65536, beta 32/1 for compressed layers)."""
+    if ratio <= 1:
+        return [10000.0 ** (-2 * i / 64) for i in range(32)]
+    base, orig, factor = 160000.0, 65536, 16.0
+    d = lambda n: 64 * math.log(orig / (2 * math.pi * n)) / (2 * math.log(base))  # noqa: E731
+    lo, hi = max(math.floor(d(32.0)), 0), min(math.ceil(d(1.0)), 63)
+    out = []
+    for i in range(32):
+        f = base ** (-2 * i / 64)
+        r = min(max((i - lo) / (hi - lo), 0.0), 1.0)
+        out.append(f * (1 - r) + f / factor * r)
+    return out
 
 
 def tiny_spec(**changes):

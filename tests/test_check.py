@@ -16,12 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from omegaconf import OmegaConf
 
-from conftest import CONFIGS
+from tests.conftest import CONFIGS
 from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo
 from dsv4.errors import IncompatibleCombination, Problem
 from dsv4.spec import ModelSpec
-from dsv4.strategies import NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
+from dsv4.strategies import NoHeadPadding, ReferenceMQA, ReferenceOProj
 from dsv4.strategies.protocols import CacheLayout, MQAKernelStrategy, Needs, OProjStrategy
 
 # ---- devices ---------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_spec
+from tests.conftest import spec_rope_freqs, tiny_spec
 from dsv4.components.compressor import Compressor
 from dsv4.components.indexer import Indexer
 from dsv4.components.rope import Rope
@@ -19,19 +19,7 @@ HID = 24
 
 
 # ---- our own spec re-derivation ---------------------------------------------------------------
-def yarn_freqs() -> list[float]:
-    base, orig, factor = 160000.0, 65536, 16.0
-    d = lambda n: 64 * math.log(orig / (2 * math.pi * n)) / (2 * math.log(base))  # noqa: E731
-    low, high = max(math.floor(d(32.0)), 0), min(math.ceil(d(1.0)), 63)
-    out = []
-    for i in range(32):
-        f = base ** (-2 * i / 64)
-        r = min(max((i - low) / (high - low), 0.0), 1.0)
-        out.append(f * (1 - r) + f / factor * r)
-    return out
-
-
-FREQS = yarn_freqs()
+FREQS = spec_rope_freqs(4)
 
 
 def rope_vec(v, p: int, inverse=False):

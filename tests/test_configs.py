@@ -23,7 +23,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import dsv4.strategies
-from conftest import CONFIGS, ROOT
+from tests.conftest import CONFIGS, ROOT
 from dsv4.app import GROUPS, MODES, info, instantiate_group, make_job, problems_for
 from dsv4.compat import check
 from dsv4.device import DeviceInfo, local_platform

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_spec
+from tests.conftest import tiny_spec
 from dsv4.components.builders import PoolConfig, build_layer_kv
 from dsv4.components.kv_pool import BlockAllocator, LayerKV, PagedCache, Segment, StepMeta
 from dsv4.device import DeviceInfo

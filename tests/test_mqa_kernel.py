@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_spec
+from tests.conftest import spec_rope_freqs, tiny_spec
 from dsv4.components.kv_pool import BlockAllocator, PagedCache
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
@@ -306,18 +306,7 @@ def test_bucket_head_padding_rejects_bad_buckets(bad):
 
 
 # ---- output projection ------------------------------------------------------------------------
-def own_freqs(ratio: int) -> list[float]:
-    if ratio <= 1:
-        return [10000.0 ** (-2 * i / 64) for i in range(32)]
-    base, orig, factor = 160000.0, 65536, 16.0
-    d = lambda n: 64 * math.log(orig / (2 * math.pi * n)) / (2 * math.log(base))  # noqa: E731
-    lo, hi = max(math.floor(d(32.0)), 0), min(math.ceil(d(1.0)), 63)
-    out = []
-    for i in range(32):
-        f = base ** (-2 * i / 64)
-        r = min(max((i - lo) / (hi - lo), 0.0), 1.0)
-        out.append(f * (1 - r) + f / factor * r)
-    return out
+own_freqs = spec_rope_freqs
 
 
 def own_o_proj(o, pos, ratio, wo_a, wo_b, G):

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import tiny_spec
+from tests.conftest import spec_rope_freqs, tiny_spec
 from dsv4.components.rope import Rope, rope_frequencies
 
 NOPE, ROPE = 448, 64
@@ -38,13 +38,7 @@ def yarn_low_high() -> tuple[float, float]:
 
 
 def yarn_freqs() -> list[float]:
-    low, high = yarn_low_high()
-    out = []
-    for i in range(32):
-        extrap = BASE ** (-2 * i / 64)
-        r = min(max((i - low) / (high - low), 0.0), 1.0)
-        out.append(extrap * (1 - r) + extrap / FACTOR * r)
-    return out
+    return spec_rope_freqs(4)
 
 
 def rope64(x, pos, freqs, inverse=False):
