@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo, local_platform
+from dsv4.memory import memory_table
 from dsv4.errors import ConfigError, IncompatibleCombination, InvalidRequest, Problem
 from dsv4.report import result_row, table, write_row
 from dsv4.spec import ModelSpec
@@ -134,4 +135,8 @@ def info(job: Job) -> str:
     head = (f"dsv4 info: model={job.spec.name}, tp_size={job.combo.tp_size}, dtype={job.combo.dtype}, "
             f"device {job.device.describe()} (this machine: {here}; packages checked only on it)\n"
             f"* = current choice\n")
-    return head + table(["option", "verdict", "why not"], rows)
+    layouts = [instantiate_group(OmegaConf.load(p), "cache_layout")
+               for p in sorted((CONFIG_DIR / "cache_layout").glob("*.yaml"))]
+    return (head + table(["option", "verdict", "why not"], rows)
+            + f"\n\nKV bytes per rank, model={job.spec.name} (B/tok: per context token, compressed rows + "
+              f"float32 indexer keys):\n" + memory_table(job.spec, layouts))

@@ -57,7 +57,7 @@ def recompute(path: str | Path) -> dict[int, dict[str, Any]]:
         w = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
         topk = t.get(f"layers.{l}.outputs.topk_indices")
         o = oracle_outputs(meta["model"], ratio, w, t["inputs.hidden_states"], t["inputs.positions"],
-                           t["inputs.request_index"], kv_row_dtype=meta["kv_row_dtype"],
+                           t["inputs.request_index"], kv_row_dtype=meta["kv_row_dtype"], kv_scale=meta.get("kv_scale"),
                            topk=None if topk is None else topk.long())
         res[l] = {"out": o["out"], "dumped": t[f"layers.{l}.outputs.attn_out"], "scores": o["scores"],
                   "topk": topk}

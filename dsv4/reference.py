@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-ROW_ROUNDINGS = ("float32", "bfloat16")
+ROW_ROUNDINGS = ("float32", "bfloat16", "fp8_ds_mla", "fp8_per_tensor")
 
 
 def _rms(x, w=None, eps=1e-6):
@@ -48,11 +48,26 @@ def _rope(x, pos, f, inverse=False):
     return torch.cat((x[..., :-64], torch.stack((ev * c - od * s, od * c + ev * s), -1).flatten(-2)), -1)
 
 
-def round_rows(rows, kv_row_dtype: str):
+def _e4m3(x):
+    return x.to(torch.float8_e4m3fn).float()
+
+
+def round_rows(rows, kv_row_dtype: str, kv_scale: float | None = None):
+    """What a cached row reads back as (DSV4_SPEC §3.2, §3.3): fp8 formats quantize the bf16 row."""
     if kv_row_dtype == "float32":
         return rows
+    x = rows.bfloat16().float()
     if kv_row_dtype == "bfloat16":
-        return rows.bfloat16().float()
+        return x
+    if kv_row_dtype == "fp8_ds_mla":          # 7 blocks of 64 NoPE dims, power-of-two scale each
+        nope = x[..., :448].unflatten(-1, (7, 64))
+        scale = torch.exp2(torch.ceil(torch.log2(nope.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448)))
+        nope = _e4m3((nope / scale).clamp(-448, 448)) * scale
+        return torch.cat((nope.flatten(-2), x[..., 448:]), -1)
+    if kv_row_dtype == "fp8_per_tensor":
+        if kv_scale is None:
+            raise ValueError("oracle: kv_row_dtype=fp8_per_tensor needs kv_scale")
+        return _e4m3((x / kv_scale).clamp(-448, 448)) * kv_scale
     raise NotImplementedError(f"oracle: kv_row_dtype={kv_row_dtype!r} (have {', '.join(ROW_ROUNDINGS)})")
 
 
@@ -77,7 +92,7 @@ def _compress(x, wkv, wgate, ape, norm, R, D, f, eps):
 
 
 def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, *, kv_row_dtype: str,
-                 topk=None) -> dict[str, Any]:
+                 kv_scale: float | None = None, topk=None) -> dict[str, Any]:
     """One request's whole history x [L, hidden] at positions 0..L-1.
 
     Returns `out` [L, hidden]; for ratio 4 also `scores` [L, n] (the indexer's, -inf where not
@@ -92,7 +107,7 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
     pos = torch.arange(L)
     qr = _rms(x @ w["wq_a.weight"].T, w["q_norm.weight"], eps)
     q = _rope(_rms((qr @ w["wq_b.weight"].T).view(L, H, D), None, eps), pos[:, None], f)
-    raw = round_rows(_rope(_rms(x @ w["wkv.weight"].T, w["kv_norm.weight"], eps), pos, f), kv_row_dtype)
+    raw = round_rows(_rope(_rms(x @ w["wkv.weight"].T, w["kv_norm.weight"], eps), pos, f), kv_row_dtype, kv_scale)
 
     keys, res = raw, {}
     p_, i_ = pos[:, None], pos[None, :]
@@ -100,7 +115,7 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
     if ratio > 1:
         c = "compressor."
         comp = round_rows(_compress(x, w[c + "wkv.weight"], w[c + "wgate.weight"], w[c + "ape"],
-                                    w[c + "norm.weight"], ratio, D, f, eps), kv_row_dtype)
+                                    w[c + "norm.weight"], ratio, D, f, eps), kv_row_dtype, kv_scale)
         n = comp.shape[0]
         j_ = torch.arange(n)[None, :]
         visible = j_ < ((pos + 1) // ratio)[:, None]               # causally complete entries
@@ -132,7 +147,7 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
 
 
 def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], hidden, positions,
-                   request_index, *, kv_row_dtype: str, topk=None) -> dict[str, Any]:
+                   request_index, *, kv_row_dtype: str, kv_scale: float | None = None, topk=None) -> dict[str, Any]:
     """Recompute every token of a run (tokens in any order, grouped by `request_index`).
 
     Each request's tokens must be its whole history 0..L-1. Returns `out` [T, hidden] aligned with
@@ -148,7 +163,7 @@ def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], h
         if positions[rows].tolist() != list(range(len(rows))):
             raise ValueError(f"request {r}: tokens are not its whole history 0..L-1")
         given = None if topk is None else topk[rows]
-        res = oracle_layer(model, ratio, w, hidden[rows], kv_row_dtype=kv_row_dtype, topk=given)
+        res = oracle_layer(model, ratio, w, hidden[rows], kv_row_dtype=kv_row_dtype, kv_scale=kv_scale, topk=given)
         out[rows] = res["out"]
         if ratio == 4:
             scores[r] = (rows, res["scores"])

@@ -11,6 +11,7 @@ from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_
 from dsv4.components.engine import Engine
 from dsv4.components.weights import random_layer_weights
 from dsv4.dump import write_dump
+from dsv4.memory import GIB, layer_memory, model_memory, summary_lines
 from dsv4.report import result_row, table, tty_progress, write_row
 from dsv4.workload import Workload, run_workload
 
@@ -31,22 +32,6 @@ def layer_names(spec, layers) -> dict[int, str]:
     return {l: t if types.count(t) == 1 else f"{t}@{l}" for l, t in zip(layers, types)}
 
 
-def memory(spec, layer: int, layout, module) -> dict[str, float]:
-    """Bytes per rank: per context token (compressed + indexer rows), per request (SWA window, state)."""
-    from dsv4.components.builders import INDEXER_LAYOUT
-
-    R, D = spec.compress_ratio(layer), spec.head_dim
-    row = layout.bytes_per_token(D)
-    per_tok, state = 0.0, 0
-    if module.compressor is not None:
-        per_tok, state = row / R, module.compressor.state_bytes()
-    if module.indexer is not None:
-        per_tok += INDEXER_LAYOUT.bytes_per_token(spec.index_head_dim) / 4
-        state += module.indexer.compressor.state_bytes()
-    return {"kv_bytes_per_token": per_tok, "swa_bytes_per_request": spec.sliding_window * row,
-            "state_bytes_per_request": state}
-
-
 def execute(job) -> float:
     cfg, spec, c = job.cfg, job.spec, job.combo
     wl = Workload.from_config(OmegaConf.to_container(cfg.workload, resolve=True))
@@ -60,6 +45,7 @@ def execute(job) -> float:
     rec = rec_raw.cat()
 
     row_dtype = c.cache_layout.kv_row_dtype
+    kv_scale = getattr(c.cache_layout, "kv_scale", None) if row_dtype == "fp8_per_tensor" else None
     names = layer_names(spec, layers)
     metrics: dict[str, Any] = {}
     rows = []
@@ -69,7 +55,7 @@ def execute(job) -> float:
         topk = rec["topk"].get(l)
         given = None if topk is None else topk.long()
         args = (model, R, weights[l], rec["hidden"], rec["positions"], rec["request_index"])
-        o = ref.oracle_outputs(*args, kv_row_dtype=row_dtype, topk=given)
+        o = ref.oracle_outputs(*args, kv_row_dtype=row_dtype, kv_scale=kv_scale, topk=given)
         out = rec["outputs"][l]
         m: dict[str, Any] = {"layer": l, "compress_ratio": R, "rel_err": ref.rel_err(out, o["out"]),
                              "cosine": ref.cosine(out, o["out"])}
@@ -83,13 +69,14 @@ def execute(job) -> float:
         pre_s, dec_s = rec_raw.seconds.get(("prefill", l), 0.0), rec_raw.seconds.get(("decode", l), 0.0)
         m["prefill_tok_s"] = rec_raw.tokens.get("prefill", 0) / pre_s if pre_s else None
         m["decode_ms_step"] = 1e3 * dec_s / rec_raw.steps["decode"] if rec_raw.steps.get("decode") else None
-        m |= memory(spec, l, c.cache_layout, engine.layers[l][0])
+        m |= layer_memory(spec, R, c.cache_layout).as_dict()
         m["pool_bytes_at_end"] = rec_raw.pool_bytes[l]
         metrics[names[l]] = m
         rows.append([names[l], l, m["rel_err"], f"{m['cosine']:.7f}", m.get("rel_err_vs_f32_kv"), m.get("topk_exact"),
-                     m["prefill_tok_s"], m["decode_ms_step"], m["kv_bytes_per_token"],
+                     m["prefill_tok_s"], m["decode_ms_step"], m["kv_bytes_per_token"] + m["indexer_bytes_per_token"],
                      m["swa_bytes_per_request"] / 1024])
     metrics["max_rel_err"] = max(m["rel_err"] for m in metrics.values())
+    metrics["kv_gib_per_1m_tokens"] = model_memory(spec, c.cache_layout)["total_bytes"] / GIB
 
     wdict = {"prompt_lens": list(wl.prompt_lens), "prefill_chunk": wl.prefill_chunk, "decode_steps": wl.decode_steps,
              "decode_tokens": wl.decode_tokens, "layers": list(layers), "tokens": int(rec["positions"].numel())}
@@ -101,9 +88,10 @@ def execute(job) -> float:
           f"{wdict['tokens']} tokens; errors vs the whole-sequence float32 oracle")
     print(table(["layer", "idx", "rel_err", "cosine", "rel_err f32 KV", "topk exact", "prefill tok/s",
                  "decode ms/step", "KV B/token", "SWA KiB/req"], rows))
+    print("\n".join(summary_lines(spec, c.cache_layout)))
     if cfg.get("dump_dir"):
         path = write_dump(cfg.dump_dir, spec=spec, layers=weights, record=rec, kv_row_dtype=row_dtype,
-                          choices=job.choices)
+                          choices=job.choices, kv_scale=kv_scale)
         print(f"  dump written to {path} (spec.json, tensors.safetensors)")
     path = write_row(job.out_dir, result_row(status="ok", problems=[], choices=job.choices, device=job.device,
                                              settings={"tp_size": c.tp_size, "dtype": c.dtype, "seed": seed},

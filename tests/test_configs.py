@@ -280,7 +280,9 @@ def test_info_says_no_with_the_reason(compose_cfg):
     text = info(job)
     rows = parse_info(text)
     assert all(verdict == "no" for verdict, _ in rows.values())
-    assert all("tp_size=3: must divide" in why for why in text.splitlines()[4:]), text
+    option_lines = text.split("\n\n")[0].splitlines()[4:]
+    assert len(option_lines) == len(rows)
+    assert all("tp_size=3: must divide" in why for why in option_lines), text
 
 
 def test_cpu_deployment_can_run_on_a_gpu_host(compose_cfg, monkeypatch):
@@ -295,13 +297,16 @@ def parse_info(text: str) -> dict[str, tuple[str, bool]]:
     """{option: (verdict, is_current)} from the table `mode=info` prints."""
     lines = text.splitlines()
     sep = next(i for i, line in enumerate(lines) if re.fullmatch(r"[- ]+", line) and "-" in line)
-    rows = {}
+    body = []
     for line in lines[sep + 1:]:
-        if not line.strip():
-            continue
+        if not line.strip():          # the options table ends at the first blank line
+            break
+        body.append(line)
+    rows = {}
+    for line in body:
         opt, verdict = line.split()[:2]
         rows[opt.rstrip("*")] = (verdict, opt.endswith("*"))
-    assert len(rows) == len(lines[sep + 1:]), "duplicate option rows"
+    assert len(rows) == len(body), "duplicate option rows"
     return rows
 
 

@@ -24,7 +24,7 @@ class LayerStepResult:
 
 
 class DSV4Attention(torch.nn.Module):
-    def __init__(self, *, spec, ratio: int, heads: int, padded_heads: int, weights: dict, rope,
+    def __init__(self, *, spec, layer: int, ratio: int, heads: int, padded_heads: int, weights: dict, rope,
                  compressor=None, indexer=None, mqa_kernel, o_proj, o_proj_prepared,
                  dtype, device: str) -> None:
         super().__init__()
@@ -32,7 +32,7 @@ class DSV4Attention(torch.nn.Module):
             raise ValueError(f"padded_heads ({padded_heads}) < heads ({heads})")
         if (compressor is None) != (ratio == 1) or (indexer is None) != (ratio != 4):
             raise ValueError(f"ratio {ratio}: a compressor iff ratio > 1, an indexer iff ratio == 4")
-        self.spec, self.ratio, self.heads, self.padded_heads = spec, ratio, heads, padded_heads
+        self.spec, self.layer, self.ratio, self.heads, self.padded_heads = spec, layer, ratio, heads, padded_heads
         self.rope, self.compressor, self.indexer = rope, compressor, indexer
         self.mqa_kernel, self.o_proj, self.o_proj_prepared = mqa_kernel, o_proj, o_proj_prepared
         self.dtype, self.eps = dtype, spec.rms_norm_eps
@@ -52,7 +52,9 @@ class DSV4Attention(torch.nn.Module):
         latent = rms_norm(xa @ self.wkv.T, self.kv_norm, self.eps).to(self.dtype)
         q = (qr @ self.wq_b.T).view(T, H, D)
         q = self.rope.apply(rms_norm(q, None, self.eps).to(self.dtype), pos).to(self.dtype)
-        kv.caches["swa"].write(kv.swa_write_slots(meta), self.rope.apply(latent, pos))
+        def token(i: int) -> str:
+            return f"layer {self.layer}, request {meta.segments[int(meta.segment_of_token[i])].rid!r}, position {int(pos[i])}"
+        kv.caches["swa"].write(kv.swa_write_slots(meta), self.rope.apply(latent, pos), where=token)
 
         states: dict = {}
         topk = extra = None
@@ -86,7 +88,9 @@ class DSV4Attention(torch.nn.Module):
             ids, vals, states[(seg.rid, cache)] = comp.step(x[seg.rows], seg.start, state)
             if len(ids):
                 slots = kv.request_rows(cache, seg.rid, int(ids[-1]) + 1)[ids]
-                kv.caches[cache].write(slots, vals)
+                kv.caches[cache].write(slots, vals, where=lambda i, seg=seg, ids=ids: (
+                    f"layer {self.layer}, request {seg.rid!r}, {cache} entry {int(ids[i])} closed at position "
+                    f"{(int(ids[i]) + 1) * self.ratio - 1}"))
 
     def _select(self, x, qr, meta: StepMeta, kv: LayerKV):
         q, w = self.indexer.queries(x, qr, meta.positions)

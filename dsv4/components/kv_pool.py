@@ -12,7 +12,7 @@ Steps are two-phase: `reserve` takes pages for the new tokens (or raises before 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 from dsv4.errors import InvalidRequest
 
@@ -48,7 +48,21 @@ class PagedCache:
     head_dim: int
     allocator: BlockAllocator
 
-    def write(self, slots, rows) -> None:
+    def write(self, slots, rows, *, where: Callable[[int], str] | None = None) -> None:
+        """Store rows at global slots (-1: skip). Refuses slot ids outside the pool and non-finite
+        rows before writing anything: a NaN must never be packed into a shared page (with fp8
+        layouts it would also poison the scale of its whole 64-dim block). `where(i)` names row i."""
+        import torch
+
+        outside = (slots < -1) | (slots >= self.num_slots)
+        if bool(outside.any()):
+            raise InvalidRequest(f"{self.name} cache: slot ids {slots[outside][:5].tolist()} are outside the pool "
+                                 f"[0, {self.num_slots}) (-1 = skip); nothing was written")
+        bad = (slots >= 0) & ~torch.isfinite(rows).all(-1)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            raise InvalidRequest(f"non-finite {self.name} row ({where(i) if where else f'row {i}'}): refused "
+                                 f"before packing it into the cache; nothing of this step was kept")
         self.layout.write(self.data, slots, rows, block_size=self.block_size)
 
     def read(self, slots):

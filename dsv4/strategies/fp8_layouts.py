@@ -1,0 +1,175 @@
+"""fp8 CacheLayout options: DeepSeek-V4's fp8_ds_mla record and plain per-tensor-scaled e4m3 rows.
+
+`fp8_ds_mla` is FlashMLA's "MODEL1" format (DSV4_SPEC §3.2), byte for byte: per token 448 e4m3 NoPE
+bytes (one power-of-two UE8M0 scale per 64 dims), 64 bf16 RoPE dims (128 B), 7 scale bytes and one
+zero pad byte = 584 B. A page holds all its tokens' 576 data bytes first, then all their 8-byte scale
+groups; the page stride is rounded up to a multiple of 576. Both layouts quantize the bf16-rounded
+row, as vLLM's fused insert ops do.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4.strategies.protocols import Needs
+
+E4M3_MAX = 448.0
+
+
+def _e4m3():
+    import torch
+
+    return torch.float8_e4m3fn
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fp8DsMlaLayout:
+    """uint8 pages [num_blocks, page_bytes]; rows addressed at block*stride + t*576 (data) and
+    block*stride + B*576 + t*8 (scales)."""
+    name: str = "fp8_ds_mla"
+    nope_dim: int = 448
+    rope_dim: int = 64
+    tile: int = 64           # NoPE dims per UE8M0 scale
+    align: int = 576         # page strides are multiples of this (vLLM's KV-spec alignment)
+
+    @property
+    def kv_row_dtype(self) -> str:
+        return "fp8_ds_mla"
+
+    @property
+    def data_bytes(self) -> int:
+        return self.nope_dim + 2 * self.rope_dim                 # 576
+
+    @property
+    def scale_bytes(self) -> int:
+        return self.nope_dim // self.tile + 1                    # 7 exponents + 1 zero pad = 8
+
+    def needs(self, device) -> Needs:
+        return Needs()
+
+    def _check_dim(self, head_dim: int) -> None:
+        if head_dim != self.nope_dim + self.rope_dim:
+            raise ValueError(f"cache_layout={self.name} stores {self.nope_dim}+{self.rope_dim}-dim rows, "
+                             f"not {head_dim} (the indexer's keys have their own layout)")
+
+    def bytes_per_token(self, head_dim: int) -> int:
+        self._check_dim(head_dim)
+        return self.data_bytes + self.scale_bytes                # 584
+
+    def page_bytes(self, block_size: int, head_dim: int) -> int:
+        raw = block_size * self.bytes_per_token(head_dim)
+        return -(-raw // self.align) * self.align
+
+    def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str):
+        import torch
+
+        return torch.zeros(num_blocks, self.page_bytes(block_size, head_dim), dtype=torch.uint8, device=device)
+
+    # ---- packing ---------------------------------------------------------------------------------
+    def pack(self, rows):
+        """[N, 512] -> (data [N, 576] uint8, scales [N, 8] uint8), from the bf16-rounded rows."""
+        import torch
+
+        x = rows.bfloat16()
+        nope = x[:, :self.nope_dim].float().unflatten(-1, (-1, self.tile))
+        amax = nope.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+        e = torch.ceil(torch.log2(amax / E4M3_MAX))
+        q = (nope / torch.exp2(e)).clamp(-E4M3_MAX, E4M3_MAX).to(_e4m3()).flatten(-2)
+        data = torch.cat((q.view(torch.uint8), x[:, self.nope_dim:].contiguous().view(torch.uint8)), 1)
+        exp = (e.squeeze(-1) + 127).clamp(0, 255).to(torch.uint8)
+        scales = torch.cat((exp, torch.zeros_like(exp[:, :1])), 1)
+        return data, scales
+
+    def unpack(self, data, scales):
+        """(data [..., 576], scales [..., 8]) -> [..., 512] float32."""
+        import torch
+
+        e = scales[..., : self.nope_dim // self.tile].float() - 127
+        nope = data[..., :self.nope_dim].contiguous().view(_e4m3()).float()
+        nope = nope * torch.exp2(e).repeat_interleave(self.tile, -1)
+        rope = data[..., self.nope_dim:].contiguous().view(torch.bfloat16).float()
+        return torch.cat((nope, rope), -1)
+
+    def _offsets(self, cache, slots, block_size: int):
+        import torch
+
+        s = slots.long()
+        blk, t = s // block_size, s % block_size
+        base = blk * cache.shape[1]
+        data = (base + t * self.data_bytes)[..., None] + torch.arange(self.data_bytes, device=s.device)
+        scl = (base + block_size * self.data_bytes + t * self.scale_bytes)[..., None] \
+            + torch.arange(self.scale_bytes, device=s.device)
+        return data, scl
+
+    def write(self, cache, slots, rows, *, block_size: int) -> None:
+        keep = slots >= 0
+        if not bool(keep.any()):
+            return
+        data, scales = self.pack(rows[keep])
+        di, si = self._offsets(cache, slots[keep], block_size)
+        flat = cache.view(-1)
+        flat[di] = data
+        flat[si] = scales
+
+    def read(self, cache, slots, *, block_size: int):
+        import torch
+
+        di, si = self._offsets(cache, slots.clamp(min=0), block_size)
+        flat = cache.view(-1)
+        rows = self.unpack(flat[di], flat[si])
+        return torch.where((slots >= 0)[..., None], rows, torch.zeros((), device=rows.device))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fp8PerTensorLayout:
+    """e4m3 rows [num_blocks, B, 512] with one scale for the whole cache (FlashInfer sm100's fp8 path).
+
+    A row is stored as e4m3(bf16(row) / kv_scale); an fp8 query as e4m3(q / q_scale). A kernel then
+    takes bmm1_scale = softmax_scale · q_scale · kv_scale and bmm2_scale = kv_scale (vLLM fixes both
+    scales at 1.0 for DSV4: the RMS-normed rows sit well inside e4m3's ±448).
+    """
+    name: str = "fp8_per_tensor"
+    kv_scale: float = 1.0
+    q_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.kv_scale > 0 and self.q_scale > 0):
+            raise ValueError(f"cache_layout={self.name}: kv_scale and q_scale must be > 0")
+
+    @property
+    def kv_row_dtype(self) -> str:
+        return "fp8_per_tensor"
+
+    def needs(self, device) -> Needs:
+        return Needs()
+
+    def bytes_per_token(self, head_dim: int) -> int:
+        return head_dim
+
+    def page_bytes(self, block_size: int, head_dim: int) -> int:
+        return block_size * head_dim
+
+    def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str):
+        import torch
+
+        return torch.zeros(num_blocks, block_size, head_dim, dtype=_e4m3(), device=device)
+
+    def quantize(self, rows, scale: float):
+        return (rows.bfloat16().float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(_e4m3())
+
+    def write(self, cache, slots, rows, *, block_size: int) -> None:
+        keep = slots >= 0
+        cache.view(-1, cache.shape[-1])[slots[keep].long()] = self.quantize(rows[keep], self.kv_scale)
+
+    def read(self, cache, slots, *, block_size: int):
+        import torch
+
+        rows = cache.view(-1, cache.shape[-1])[slots.clamp(min=0).long()].float() * self.kv_scale
+        return torch.where((slots >= 0)[..., None], rows, torch.zeros((), device=rows.device))
+
+    def fp8_query(self, q):
+        """q as a kernel that wants an fp8 query takes it: e4m3(q / q_scale)."""
+        return self.quantize(q, self.q_scale)
+
+    def kernel_scales(self, softmax_scale: float) -> tuple[float, float]:
+        """(bmm1_scale, bmm2_scale) for fp8 q and fp8 rows: logits = bmm1 · q8·k8, out = bmm2 · P·v8."""
+        return softmax_scale * self.q_scale * self.kv_scale, self.kv_scale
