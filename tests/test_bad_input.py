@@ -52,6 +52,16 @@ def assert_unchanged(before, after):
                for k in states0)
 
 
+def assert_rolled_back(before, rows0, eng):
+    """After a step failed inside the forward: the same pages, tables, states and lengths, and every
+    row any request can read unchanged (the failed step's own new slots may hold garbage)."""
+    _, *rest0 = before
+    _, *rest1 = snapshot(eng)
+    assert all(map(_equal, rest0, rest1))          # free pages, tables, compressor states, lengths
+    rows1 = live_rows(eng)
+    assert rows0.keys() == rows1.keys() and all(torch.equal(rows0[k], rows1[k]) for k in rows0)
+
+
 def _equal(x, y):
     if isinstance(x, dict):
         return x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
@@ -109,11 +119,7 @@ def test_failure_inside_the_forward_is_rolled_back():
     before, rows0 = snapshot(eng), live_rows(eng)
     with pytest.raises(RuntimeError, match="kernel exploded"):
         step(eng, {"a": (X["a"][40:70], 40)})      # allocates new pages and closes compressor blocks
-    _, *rest0 = before
-    _, *rest1 = snapshot(eng)
-    assert all(map(_equal, rest0, rest1))          # free pages, tables, compressor states, lengths
-    rows1 = live_rows(eng)
-    assert rows0.keys() == rows1.keys() and all(torch.equal(rows0[k], rows1[k]) for k in rows0)
+    assert_rolled_back(before, rows0, eng)
     eng.layers[layer][0].mqa_kernel = kernel
     o = step(eng, {"a": (X["a"][40:80], 40), "b": (X["b"][40:80], 40)})
     for l, y in o.outputs.items():           # the retried step is exact against the oracle
@@ -187,3 +193,26 @@ def test_heads_not_divisible_by_tp_size_is_refused_before_building(compose_cfg, 
     import json
     row = json.loads((tmp_path / "result.json").read_text())
     assert row["status"] == "incompatible" and row["problems"][0]["fix"] == "tp_size=2"
+
+
+def test_non_finite_rows_are_refused_naming_layer_and_token():
+    """A NaN that arises inside the layer (here: an inf weight) is never packed into a page."""
+    spec, eng, W, X = started_engine()
+    swa_layer = next(l for l in eng.layers if spec.compress_ratio(l) == 1)
+    module = eng.layers[swa_layer][0]
+    saved = module.wkv.clone()
+    module.wkv[:, 3] = float("inf")
+    before = snapshot(eng)
+    with pytest.raises(InvalidRequest, match=rf"non-finite swa row \(layer {swa_layer}, request 'b', position 40\)"):
+        step(eng, {"b": (X["b"][40:44], 40)})
+    assert_unchanged(before, snapshot(eng))
+    module.wkv.copy_(saved)
+
+    c128 = next(l for l in eng.layers if spec.compress_ratio(l) == 128)
+    comp = eng.layers[c128][0].compressor
+    comp.wkv[7] = float("nan")
+    before, rows0 = snapshot(eng), live_rows(eng)
+    with pytest.raises(InvalidRequest, match=rf"non-finite compressed row \(layer {c128}, request 'a', compressed entry 0 "
+                                             r"closed at position 127\)"):
+        step(eng, {"a": (torch.randn(100, spec.hidden_size), 40)})
+    assert_rolled_back(before, rows0, eng)
