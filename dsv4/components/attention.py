@@ -13,6 +13,7 @@ import torch
 
 from dsv4.components.kv_pool import LayerKV, StepMeta
 from dsv4.components.norms import rms_norm
+from dsv4.spec import LAYER_TYPES
 from dsv4.strategies.protocols import SparseKV
 
 
@@ -25,7 +26,7 @@ class LayerStepResult:
 
 class DSV4Attention(torch.nn.Module):
     def __init__(self, *, spec, layer: int, ratio: int, heads: int, padded_heads: int, weights: dict, rope,
-                 compressor=None, indexer=None, mqa_kernel, o_proj, o_proj_prepared,
+                 compressor=None, indexer=None, mqa_kernel, mqa_prepared=None, o_proj, o_proj_prepared,
                  dtype, device: str) -> None:
         super().__init__()
         if padded_heads < heads:
@@ -35,6 +36,7 @@ class DSV4Attention(torch.nn.Module):
         self.spec, self.layer, self.ratio, self.heads, self.padded_heads = spec, layer, ratio, heads, padded_heads
         self.rope, self.compressor, self.indexer = rope, compressor, indexer
         self.mqa_kernel, self.o_proj, self.o_proj_prepared = mqa_kernel, o_proj, o_proj_prepared
+        self.mqa_prepared = mqa_prepared
         self.dtype, self.eps = dtype, spec.rms_norm_eps
         for name in ("wq_a.weight", "wkv.weight", "wq_b.weight"):
             self.register_buffer(name.split(".")[0], weights[name].to(device=device, dtype=dtype))
@@ -75,9 +77,11 @@ class DSV4Attention(torch.nn.Module):
         swa_idx, swa_lens = kv.swa_indices(meta)
         sparse = SparseKV(swa=kv.caches["swa"], swa_indices=swa_idx, swa_lens=swa_lens,
                           extra=extra[0] if extra else None, extra_indices=extra[1] if extra else None,
-                          extra_lens=extra[2] if extra else None)
+                          extra_lens=extra[2] if extra else None, layer_type=LAYER_TYPES[self.ratio],
+                          scratch=meta.scratch)
         qp = q if self.padded_heads == H else torch.cat((q, q.new_zeros(T, self.padded_heads - H, D)), 1)
-        out, _lse = self.mqa_kernel(qp, sparse, sink=self.attn_sink, scale=self.spec.softmax_scale)
+        out, _lse = self.mqa_kernel(qp, sparse, sink=self.attn_sink, scale=self.spec.softmax_scale,
+                                    prepared=self.mqa_prepared)
         y = self.o_proj(out[:, :H], pos, rope=self.rope, prepared=self.o_proj_prepared)
         return LayerStepResult(out=y, topk=topk, states=states)
 

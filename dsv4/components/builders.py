@@ -76,6 +76,7 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
     o_weights = OProjWeights(wo_a=w["wo_a.weight"], wo_b=w["wo_b.weight"], groups=spec.o_groups // tp_size)
     return DSV4Attention(spec=spec, layer=layer, ratio=ratio, heads=heads, padded_heads=padded, weights=w, rope=rope,
                          compressor=comp, indexer=idx, mqa_kernel=strategies.mqa_kernel,
+                         mqa_prepared=strategies.mqa_kernel.prepare(device=device),
                          o_proj=strategies.o_proj,
                          o_proj_prepared=strategies.o_proj.prepare(o_weights, device=device, dtype=dtype),
                          dtype=torch_dtype(dtype), device=dev)

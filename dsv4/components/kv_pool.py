@@ -58,7 +58,10 @@ class PagedCache:
         if bool(outside.any()):
             raise InvalidRequest(f"{self.name} cache: slot ids {slots[outside][:5].tolist()} are outside the pool "
                                  f"[0, {self.num_slots}) (-1 = skip); nothing was written")
-        bad = (slots >= 0) & ~torch.isfinite(rows).all(-1)
+        finite = torch.isfinite(rows).all(-1)
+        if self.layout.kv_row_dtype != "float32":     # layouts that store the bf16 value: no overflow to inf
+            finite &= torch.isfinite(rows.bfloat16()).all(-1)
+        bad = (slots >= 0) & ~finite
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
             raise InvalidRequest(f"non-finite {self.name} row ({where(i) if where else f'row {i}'}): refused "
@@ -102,6 +105,7 @@ class StepMeta:
     segments: tuple[Segment, ...]
     positions: Any              # [T] int64
     segment_of_token: Any       # [T] int64, index into segments
+    scratch: dict = field(default_factory=dict)    # per-step plans of kernels (see SparseKV.scratch)
 
 
 class LayerKV:

@@ -153,12 +153,13 @@ class Fp8PerTensorLayout:
 
         return torch.zeros(num_blocks, block_size, head_dim, dtype=_e4m3(), device=device)
 
-    def quantize(self, rows, scale: float):
-        return (rows.bfloat16().float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(_e4m3())
+    @staticmethod
+    def quantize(x, scale: float):
+        return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(_e4m3())
 
     def write(self, cache, slots, rows, *, block_size: int) -> None:
-        keep = slots >= 0
-        cache.view(-1, cache.shape[-1])[slots[keep].long()] = self.quantize(rows[keep], self.kv_scale)
+        keep = slots >= 0      # rows are quantized from their bf16 value, as vLLM's insert op does
+        cache.view(-1, cache.shape[-1])[slots[keep].long()] = self.quantize(rows[keep].bfloat16(), self.kv_scale)
 
     def read(self, cache, slots, *, block_size: int):
         import torch

@@ -50,7 +50,10 @@ class ReferenceMQA:
     def needs(self, device) -> Needs:
         return Needs()
 
-    def __call__(self, q, kv: SparseKV, *, sink, scale: float):
+    def prepare(self, *, device) -> None:
+        return None
+
+    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None):
         import torch
 
         outs, lses = [], []

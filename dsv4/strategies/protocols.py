@@ -42,6 +42,9 @@ class SparseKV:
     extra: PagedCache | None = None
     extra_indices: Tensor | None = None   # [T, K] int32 global slots into `extra`
     extra_lens: Tensor | None = None      # [T] int32
+    layer_type: str = "swa"               # swa | c4a | c128a: calls of one type in one step share shapes
+    scratch: dict | None = None           # lives one step: kernels keep per-step plans here (FlashMLA's
+                                          # tile-scheduler metadata is made once per layer type per step)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,7 +86,9 @@ class MQAKernelStrategy(Protocol):
     name: str
 
     def needs(self, device: DeviceInfo) -> Needs: ...
-    def __call__(self, q: Tensor, kv: SparseKV, *, sink: Tensor, scale: float) -> tuple[Tensor, Tensor]: ...
+    def prepare(self, *, device: DeviceInfo) -> Any: ...     # once per layer: device-dependent choices
+    def __call__(self, q: Tensor, kv: SparseKV, *, sink: Tensor, scale: float, prepared: Any = None
+                 ) -> tuple[Tensor, Tensor]: ...
     # returns out [T, Hp, D] in q's dtype and lse [T, Hp] float32 (natural log, sink not included)
 
 

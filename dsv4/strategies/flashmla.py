@@ -1,0 +1,114 @@
+"""mqa_kernel=flashmla_sparse: FlashMLA's sparse fp8 decode kernel (package sgl-flash-mla, import flash_mla).
+
+Every query token is one batch row (s_q = 1) of `flash_mla_with_kvcache` reading the fp8_ds_mla pages
+directly: the SWA cache through `indices`/`topk_length`, the compressed cache as the "extra" cache
+through `extra_indices_in_kvcache`/`extra_topk_length`, with the attention sink (DSV4_SPEC §4.2). The
+tile-scheduler metadata is made empty once per layer type per step, filled by the first call and
+reused by the other layers of that type in the step (the API requires identical shapes and lengths,
+which layers of one type in one step have). On sm90 the kernels are the package's legacy ones.
+
+Prefill tokens go through the same decode kernel by default: it reads the fp8 pages in place, while
+`flash_mla_sparse_fwd` first needs the referenced rows dequantized into a bf16 workspace
+(`prefill_gather_min_tokens` switches to that path for steps of at least that many tokens; the
+benchmark decides which is faster on a machine).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dsv4.strategies.protocols import Needs, SparseKV
+
+WIDTH_MULTIPLE = 128          # index widths: multiples of B_TOPK (64 for h64, 128 for h128)
+
+
+def _pad_width(idx, multiple: int = WIDTH_MULTIPLE):
+    import torch
+
+    w = idx.shape[1]
+    target = max(multiple, -(-w // multiple) * multiple)
+    if target == w:
+        return idx.contiguous()
+    return torch.cat((idx, idx.new_full((idx.shape[0], target - w), -1)), 1).contiguous()
+
+
+def fp8_ds_mla_pages(cache):
+    """The [num_blocks, B, 1, 584] view FlashMLA reads of a PagedCache in the fp8_ds_mla layout:
+    row t of page b at b*page_bytes + t*584 (the page stride keeps our 576-aligned padding)."""
+    B = cache.block_size
+    return cache.data[:, : B * 584].view(cache.data.shape[0], B, 1, 584)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FlashMLASparse:
+    name: str = "flashmla_sparse"
+    prefill_gather_min_tokens: int = 0      # 0: never gather; N: steps of >= N tokens use flash_mla_sparse_fwd
+
+    def needs(self, device) -> Needs:
+        return Needs(platforms=frozenset({"cuda"}), archs=frozenset({"sm90", "sm100"}),
+                     cache_layouts=frozenset({"fp8_ds_mla"}), padded_heads=frozenset({64, 128}),
+                     dtypes=frozenset({"bfloat16"}), modules=(("flash_mla", "sgl-flash-mla"),))
+
+    def prepare(self, *, device) -> dict[str, Any]:
+        return {"use_legacy": device.arch == "sm90"}       # sm90 runs the package's legacy kernels
+
+    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None):
+        if self.prefill_gather_min_tokens and q.shape[0] >= self.prefill_gather_min_tokens:
+            return self._gather_prefill(q, kv, sink=sink, scale=scale, prepared=prepared)
+        import flash_mla
+
+        legacy = bool(prepared and prepared["use_legacy"])
+        idx = _pad_width(kv.swa_indices)
+        extra = {}
+        if kv.extra is not None:
+            extra = dict(extra_k_cache=fp8_ds_mla_pages(kv.extra),
+                         extra_indices_in_kvcache=_pad_width(kv.extra_indices).unsqueeze(1),
+                         extra_topk_length=kv.extra_lens.contiguous())
+        key = ("flashmla_sched", kv.layer_type, tuple(q.shape), idx.shape[1],
+               None if kv.extra is None else extra["extra_indices_in_kvcache"].shape[-1])
+        scratch = kv.scratch if kv.scratch is not None else {}
+        sched = scratch.get(key)
+        if sched is None:
+            sched = scratch[key] = flash_mla.get_mla_metadata()[0]
+        out, lse = flash_mla.flash_mla_with_kvcache(
+            q.to(torch_bf16()).unsqueeze(1).contiguous(), fp8_ds_mla_pages(kv.swa), None, None, 512, sched,
+            softmax_scale=scale, is_fp8_kvcache=True, indices=idx.unsqueeze(1), attn_sink=sink.float().contiguous(),
+            topk_length=kv.swa_lens.contiguous(), use_legacy=legacy, **extra)
+        return out.squeeze(1).to(q.dtype), lse.squeeze(-1)
+
+    def _gather_prefill(self, q, kv: SparseKV, *, sink, scale: float, prepared=None):
+        """Dequantize each referenced row once into a bf16 workspace, then flash_mla_sparse_fwd."""
+        import flash_mla
+        import torch
+
+        cols = torch.arange(kv.swa_indices.shape[1], device=q.device)[None, :]
+        parts = [torch.where(cols < kv.swa_lens[:, None], kv.swa_indices, -1).long()]
+        offset = kv.swa.num_slots
+        if kv.extra is not None:
+            ecols = torch.arange(kv.extra_indices.shape[1], device=q.device)[None, :]
+            e = torch.where(ecols < kv.extra_lens[:, None], kv.extra_indices, -1).long()
+            parts.append(torch.where(e >= 0, e + offset, -1))
+        glob = torch.cat(parts, 1)
+        used, inv = torch.unique(glob[glob >= 0], return_inverse=True)
+        rows = torch.empty(len(used), 512, dtype=torch.bfloat16, device=q.device)
+        swa_rows = used < offset
+        rows[swa_rows] = kv.swa.read(used[swa_rows].int()).bfloat16()
+        if kv.extra is not None:
+            rows[~swa_rows] = kv.extra.read((used[~swa_rows] - offset).int()).bfloat16()
+        local = torch.full_like(glob, -1)
+        local[glob >= 0] = inv
+        # valid entries first so that topk_length counts exactly them
+        order = torch.argsort((local < 0).to(torch.int8), dim=1, stable=True)
+        local = _pad_width(local.gather(1, order).int())
+        lens = (glob >= 0).sum(1).int()
+        out, _, lse = flash_mla.flash_mla_sparse_fwd(
+            q.to(torch.bfloat16).contiguous(), rows.unsqueeze(1), local.unsqueeze(1), scale, 512,
+            attn_sink=sink.float().contiguous(), topk_length=lens,
+            use_legacy=bool(prepared and prepared["use_legacy"]))
+        return out.to(q.dtype), lse
+
+
+def torch_bf16():
+    import torch
+
+    return torch.bfloat16

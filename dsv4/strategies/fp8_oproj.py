@@ -1,0 +1,130 @@
+"""fp8 OProjStrategy options: `deepgemm_fp8` (DeepGEMM fp8_einsum) and `torch_fp8` (torch scaled-mm).
+
+Both follow vLLM's DSV4 o_proj (DSV4_SPEC §4.2): inverse RoPE on the attention output fused with
+fp8 quantization at one power-of-two scale per 128 contiguous dims of each (token, group) vector;
+`wo_a` quantized once at build time in 128×128 blocks (power-of-two scales); the grouped product
+z[t,g] = W_oa[g] · o[t,g] in fp8 with float accumulation; then `wo_b` in bf16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dsv4.strategies.protocols import Needs, OProjWeights
+
+BLOCK = 128
+E4M3_MAX = 448.0
+
+
+def pow2_scale(amax, floor: float):
+    import torch
+
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(floor) / E4M3_MAX)))
+
+
+def inverse_rope_fp8_quant(o, positions, rope, groups: int):
+    """o [T, H, D] -> (x [T, G, hpg·D] e4m3, scales [T, G, hpg·D/128] float32 powers of two)."""
+    import torch
+
+    og = rope.apply(o, positions, inverse=True).bfloat16().float().reshape(o.shape[0], groups, -1)
+    blocks = og.unflatten(-1, (-1, BLOCK))
+    s = pow2_scale(blocks.abs().amax(-1, keepdim=True), 1e-10)      # vLLM clamps amax at 1e-10 here
+    x = (blocks / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).flatten(-2)
+    return x, s.squeeze(-1)
+
+
+def quantize_weight_blocks(w):
+    """w [G, N, K] -> (e4m3 [G, N, K], scales [G, N/128, K/128] float32 powers of two)."""
+    import torch
+
+    G, N, K = w.shape
+    blocks = w.float().view(G, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+    s = pow2_scale(blocks.abs().amax(dim=(2, 4), keepdim=True), 1e-4)
+    q = (blocks / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(G, N, K)
+    return q, s.view(G, N // BLOCK, K // BLOCK)
+
+
+def _grouped_weights(weights: OProjWeights, device):
+    import torch
+
+    g = weights.groups
+    wa = weights.wo_a.to(device=device.torch_device, dtype=torch.float32)
+    wa = wa.view(g, wa.shape[0] // g, wa.shape[1])
+    if wa.shape[1] % BLOCK or wa.shape[2] % BLOCK:
+        raise ValueError(f"fp8 o_proj needs wo_a group dims divisible by {BLOCK}, got {tuple(wa.shape[1:])}")
+    return quantize_weight_blocks(wa), weights.wo_b.to(device=device.torch_device, dtype=torch.bfloat16)
+
+
+def fp8_needs(*, archs, modules=()) -> Needs:
+    return Needs(platforms=frozenset({"cuda"}), archs=frozenset(archs), dtypes=frozenset({"bfloat16"}),
+                 modules=tuple(modules))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeepGemmFp8OProj:
+    """DeepGEMM `fp8_einsum("bhr,hdr->bhd")`, with the recipe of the device's architecture:
+    (1, 128, 128) on sm90 (fp32 scales per 1×128 activation block and 128×128 weight block);
+    (1, 1, 128) on sm100 (weight scales per output row, which DeepGEMM packs as UE8M0)."""
+    name: str = "deepgemm_fp8"
+
+    def needs(self, device) -> Needs:
+        return fp8_needs(archs={"sm90", "sm100"}, modules=(("deep_gemm", "sgl-deep-gemm"),))
+
+    @staticmethod
+    def recipe(device) -> tuple[int, int, int]:
+        return (1, 128, 128) if device.arch == "sm90" else (1, 1, 128)
+
+    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
+        (wq, ws), wo_b = _grouped_weights(weights, device)
+        recipe = self.recipe(device)
+        if recipe == (1, 1, 128):              # one scale per output row and 128-wide K block
+            ws = ws.repeat_interleave(BLOCK, dim=1).contiguous()
+        return {"w": (wq, ws), "wo_b": wo_b, "groups": weights.groups, "recipe": recipe}
+
+    def __call__(self, o, positions, *, rope, prepared):
+        import deep_gemm
+        import torch
+
+        x, xs = inverse_rope_fp8_quant(o, positions, rope, prepared["groups"])
+        wq, _ = prepared["w"]
+        z = torch.empty(o.shape[0], prepared["groups"], wq.shape[1], dtype=torch.bfloat16, device=o.device)
+        if o.shape[0]:
+            deep_gemm.fp8_einsum("bhr,hdr->bhd", (x, xs), prepared["w"], z, recipe=prepared["recipe"])
+        return z.flatten(1) @ prepared["wo_b"].T
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TorchFp8OProj:
+    """torch's own fp8 scaled matrix multiply with the same block scales, for machines with fp8
+    tensor cores but without DeepGEMM: one `torch._scaled_mm` per output group, 1×128 activation
+    and 128×128 weight scales (cuBLASLt block scaling)."""
+    name: str = "torch_fp8"
+
+    def needs(self, device) -> Needs:
+        return fp8_needs(archs={"sm90", "sm100"})
+
+    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
+        (wq, ws), wo_b = _grouped_weights(weights, device)
+        return {"w": wq, "ws": ws, "wo_b": wo_b, "groups": weights.groups}
+
+    def __call__(self, o, positions, *, rope, prepared):
+        import torch
+
+        x, xs = inverse_rope_fp8_quant(o, positions, rope, prepared["groups"])
+        w, ws = prepared["w"], prepared["ws"]
+        outs = [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], w[g], ws[g]) for g in range(prepared["groups"])]
+        z = torch.stack(outs, 1) if outs else x.new_zeros(0)
+        return z.flatten(1) @ prepared["wo_b"].T
+
+
+def blockwise_scaled_mm(a, sa, w, sw):
+    """a [M, K] e4m3 with sa [M, K/128]; w [N, K] e4m3 with sw [N/128, K/128] -> a·wᵀ [M, N] bf16.
+
+    cuBLASLt's block scaling wants the activation scales M-major (stride (1, M)) and the weight
+    scales as [N/128, K/128] transposed to match b = wᵀ (column-major)."""
+    import torch
+
+    M = a.shape[0]
+    sa_t = sa.float().t().contiguous().t()             # [M, K/128], M-major
+    return torch._scaled_mm(a, w.t(), scale_a=sa_t, scale_b=sw.float().t(), out_dtype=torch.bfloat16) \
+        if M else a.new_zeros(0, w.shape[0], dtype=torch.bfloat16)
