@@ -113,6 +113,11 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
     if n.dtypes and c.dtype in ACTIVATION_DTYPES and c.dtype not in n.dtypes:
         out.append(Problem(group="dtype", value=c.dtype, reason=f"{group}={name} takes activations in "
                            f"{sorted(n.dtypes)}", supported=tuple(sorted(n.dtypes)), fix=f"dtype={sorted(n.dtypes)[0]}"))
+    for field_name, m in n.model_multiples:
+        value = getattr(c.spec, field_name)
+        if value % m:
+            out.append(Problem(group=group, value=name, reason=f"needs model.{field_name} to be a multiple of {m}; "
+                               f"model={c.spec.name} has {value}", fix=fix_self))
     if here is not None and device.platform == here:
         for module, dist in n.modules:
             # the top-level name only: find_spec("a.b") would import package "a"

@@ -56,8 +56,9 @@ def _grouped_weights(weights: OProjWeights, device):
 
 
 def fp8_needs(*, archs, modules=()) -> Needs:
+    """128×128 weight blocks: each group's wo_a rows (o_lora_rank) and columns (heads/group · 512) in whole blocks."""
     return Needs(platforms=frozenset({"cuda"}), archs=frozenset(archs), dtypes=frozenset({"bfloat16"}),
-                 modules=tuple(modules))
+                 modules=tuple(modules), model_multiples=(("o_lora_rank", BLOCK),))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,6 +26,7 @@ class Needs:
     padded_heads: frozenset[int] = frozenset()     # {64, 128}
     dtypes: frozenset[str] = frozenset()           # activation dtypes: {"bfloat16"}
     modules: tuple[tuple[str, str], ...] = ()      # (import name, pip distribution)
+    model_multiples: tuple[tuple[str, int], ...] = ()   # (ModelSpec field, what it must be a multiple of)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

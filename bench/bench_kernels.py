@@ -1,0 +1,104 @@
+"""Kernel timings on a GPU, peers side by side in one process (CUDA-graph replay, median of repeats).
+
+  sparse MQA decode: mqa_kernel=flashmla_sparse vs mqa_kernel=reference on the same fp8_ds_mla pages
+  prefill (many query tokens): FlashMLA's decode kernel vs its bf16-gather + flash_mla_sparse_fwd path
+  o_proj wo_a: deepgemm_fp8 vs torch_fp8 vs the bf16 reference einsum
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+from dsv4.components.rope import Rope
+from dsv4.device import DeviceInfo
+from dsv4.reference import rel_err
+from dsv4.strategies import DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, TorchFp8OProj
+from tests.conftest import tiny_spec
+from tests.test_gpu_nvidia import oproj_case, sparse_case
+
+
+def graph_time_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
+    """Median over `repeats` of (one CUDA-graph replay of `calls` calls) / calls, in µs."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def main() -> None:
+    major, minor = torch.cuda.get_device_capability()
+    dev = DeviceInfo(platform="cuda", arch=f"sm{major}{minor}", name=torch.cuda.get_device_name())
+    print(f"# {dev.describe()}  torch {torch.__version__}")
+    scale = 512 ** -0.5
+    print("\n## sparse MQA decode (q bf16, fp8_ds_mla pages, SWA 128 + extra, sink); µs per call")
+    print("| case | T | FlashMLA µs | reference µs | ratio | rel err FlashMLA vs reference |")
+    print("|---|---|---|---|---|---|")
+    for label, H, eb, ew in (("Flash c4a: h64, 128+512", 64, 64, 512), ("Pro c4a: h128, 128+1024", 128, 64, 1024),
+                             ("Flash swa: h64, 128", 64, None, 0)):
+        for T in (1, 32, 128):
+            q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T)
+            fm, ref = FlashMLASparse(), ReferenceMQA(chunk=128)
+            prep = fm.prepare(device=dev)
+            out, _ = fm(q, kv, sink=sink, scale=scale, prepared=prep)
+            r, _ = ref(q, kv, sink=sink, scale=scale)
+            t_fm = graph_time_us(lambda: fm(q, kv, sink=sink, scale=scale, prepared=prep))
+            t_ref = graph_time_us(lambda: ref(q, kv, sink=sink, scale=scale), calls=5, repeats=5)
+            print(f"| {label} | {T} | {t_fm:.1f} | {t_ref:.1f} | {t_ref / t_fm:.1f}x | {rel_err(out, r):.1e} |")
+    print("\n## prefill-sized steps: decode kernel vs bf16 gather + flash_mla_sparse_fwd (h64, 128+512); µs")
+    print("| T | decode kernel µs | gather+sparse_fwd µs (eager, incl. unique/gather) |")
+    print("|---|---|---|")
+    for T in (256, 1024, 4096):
+        q, kv, sink = sparse_case(T, 64, extra_block=64, extra_w=512, seed=T)
+        fm, fg = FlashMLASparse(), FlashMLASparse(prefill_gather_min_tokens=1)
+        prep = fm.prepare(device=dev)
+        t_dec = graph_time_us(lambda: fm(q, kv, sink=sink, scale=scale, prepared=prep), calls=5)
+        ev = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fg(q, kv, sink=sink, scale=scale, prepared=prep)
+            b.record()
+            torch.cuda.synchronize()
+            ev.append(a.elapsed_time(b) * 1e3)
+        print(f"| {T} | {t_dec:.1f} | {statistics.median(ev):.1f} |")
+    print("\n## o_proj (inverse RoPE + wo_a grouped + wo_b), Flash shapes G=8, 4096 -> 1024 per group; µs")
+    print("| T | deepgemm_fp8 | torch_fp8 | reference bf16 | rel err deepgemm vs f32 reference |")
+    print("|---|---|---|---|---|")
+    rope = Rope.for_layer(tiny_spec(), 4)
+    for T in (1, 128, 4096):
+        w, o, pos = oproj_case(T, 8)
+        row = [str(T)]
+        outs = {}
+        for strat in (DeepGemmFp8OProj(), TorchFp8OProj(), ReferenceOProj()):
+            try:
+                prep = strat.prepare(w, device=dev, dtype="bfloat16")
+                outs[strat.name] = strat(o, pos, rope=rope, prepared=prep)
+                row.append(f"{graph_time_us(lambda: strat(o, pos, rope=rope, prepared=prep)):.1f}")
+            except Exception as e:  # noqa: BLE001 - report the cell, keep benchmarking the others
+                row.append(f"failed: {type(e).__name__}")
+                print(f"  {strat.name}: {e}", file=sys.stderr)
+        f32 = ReferenceOProj()
+        y32 = f32(o.float(), pos, rope=rope, prepared=f32.prepare(w, device=dev, dtype="float32"))
+        row.append(f"{rel_err(outs['deepgemm_fp8'], y32):.1e}" if "deepgemm_fp8" in outs else "-")
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
