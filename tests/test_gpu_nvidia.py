@@ -26,31 +26,32 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEV is None or DEV.arch not in
                                                   reason="needs an sm90/sm100 CUDA GPU (FlashMLA, DeepGEMM)")]
 
 
-def paged(name, blocks, B, rows_fn, g):
+def paged(name, blocks, B, g):
+    """An fp8_ds_mla PagedCache on the GPU with a random row in every slot, written in scrambled order."""
     lay = Fp8DsMlaLayout()
     c = PagedCache(name=name, layout=lay, block_size=B, head_dim=512, allocator=BlockAllocator(blocks),
                    data=lay.allocate(num_blocks=blocks, block_size=B, head_dim=512, device="cuda"))
     n = blocks * B
-    c.write(torch.randperm(n, generator=g).cuda().int(), rows_fn(n))
+    c.write(torch.randperm(n, generator=g, device="cuda").int(), torch.randn(n, 512, generator=g, device="cuda"))
     return c
 
 
-def sparse_case(T, H, *, extra_block, extra_w, seed, swa_w=128):
-    g = torch.Generator().manual_seed(seed)
-    rows = lambda n: torch.randn(n, 512, generator=g).cuda()                     # noqa: E731
-    swa = paged("swa", 16, 64, rows, g)
-    idx = torch.randint(0, swa.num_slots, (T, swa_w), generator=g)
-    lens = torch.randint(1, swa_w + 1, (T,), generator=g)
-    idx = torch.where(torch.arange(swa_w)[None] < lens[:, None], idx, -1)
-    kw = dict(swa=swa, swa_indices=idx.int().cuda(), swa_lens=lens.int().cuda())
+def sparse_case(T, H, *, extra_block, extra_w, seed, swa_w=128, swa_blocks=16, extra_blocks=64):
+    """q, SparseKV and sinks with random slot lists (-1 padded past random lengths) over random pages."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    swa = paged("swa", swa_blocks, 64, g)
+    idx = torch.randint(0, swa.num_slots, (T, swa_w), generator=g, device="cuda")
+    lens = torch.randint(1, swa_w + 1, (T,), generator=g, device="cuda")
+    cols = torch.arange(swa_w, device="cuda")[None]
+    kw = dict(swa=swa, swa_indices=torch.where(cols < lens[:, None], idx, -1).int(), swa_lens=lens.int())
     if extra_w:
-        ext = paged("compressed", 64, extra_block, rows, g)
-        e = torch.randint(0, ext.num_slots, (T, extra_w), generator=g)
-        el = torch.randint(0, extra_w + 1, (T,), generator=g)
-        e = torch.where(torch.arange(extra_w)[None] < el[:, None], e, -1)
-        kw |= dict(extra=ext, extra_indices=e.int().cuda(), extra_lens=el.int().cuda())
-    q = (torch.randn(T, H, 512, generator=g) * 3).cuda().bfloat16()
-    sink = torch.randn(H, generator=g).cuda()
+        ext = paged("compressed", extra_blocks, extra_block, g)
+        e = torch.randint(0, ext.num_slots, (T, extra_w), generator=g, device="cuda")
+        el = torch.randint(0, extra_w + 1, (T,), generator=g, device="cuda")
+        ecols = torch.arange(extra_w, device="cuda")[None]
+        kw |= dict(extra=ext, extra_indices=torch.where(ecols < el[:, None], e, -1).int(), extra_lens=el.int())
+    q = (torch.randn(T, H, 512, generator=g, device="cuda") * 3).bfloat16()
+    sink = torch.randn(H, generator=g, device="cuda")
     return q, SparseKV(scratch={}, **kw), sink
 
 
@@ -80,6 +81,26 @@ def test_flashmla_sink_infinities_and_empty_queries():
     ref, _ = ReferenceMQA()(q.float(), kv, sink=sink, scale=512 ** -0.5)
     assert bool((out[:, :4] == 0).all())
     assert rel_err(out[:, 4:], ref[:, 4:]) <= 1e-2
+
+
+def test_flashmla_schedule_is_made_once_per_layer_type_and_step_and_reused():
+    """Layers of one type in one step share shapes and lengths: the first call fills the tile-scheduler
+    metadata, the second reuses it (no new entry) and gives what a fresh schedule gives."""
+    q, kv, sink = sparse_case(16, 64, extra_block=64, extra_w=512, seed=11)
+    k = FlashMLASparse()
+    prep = k.prepare(device=DEV)
+    first, _ = k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)
+    assert len(kv.scratch) == 1
+    sched = next(iter(kv.scratch.values()))
+    assert sched.have_initialized and sched.tile_scheduler_metadata is not None
+    q2 = torch.randn_like(q.float()).bfloat16()              # another layer: new q, same shapes and lengths
+    again, _ = k(q2, kv, sink=sink, scale=512 ** -0.5, prepared=prep)
+    assert len(kv.scratch) == 1 and next(iter(kv.scratch.values())) is sched
+    fresh_kv = SparseKV(**{f: getattr(kv, f) for f in ("swa", "swa_indices", "swa_lens", "extra", "extra_indices",
+                                                      "extra_lens")}, scratch={})
+    fresh, _ = k(q2, fresh_kv, sink=sink, scale=512 ** -0.5, prepared=prep)
+    assert torch.equal(again, fresh)
+    assert not torch.equal(first, again)
 
 
 def oproj_case(T, G, seed=0):

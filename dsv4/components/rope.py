@@ -39,6 +39,20 @@ def rope_frequencies(spec: ModelSpec, ratio: int) -> list[float]:
     return out
 
 
+_FREQ_TENSORS: dict = {}
+
+
+def _freq_tensor(freqs: tuple[float, ...], device):
+    """The frequencies as a float64 tensor on `device`, made once (no host copy on later calls, so
+    RoPE can be captured in a CUDA graph)."""
+    import torch
+
+    key = (freqs, str(device))
+    if key not in _FREQ_TENSORS:
+        _FREQ_TENSORS[key] = torch.tensor(freqs, dtype=torch.float64, device=device)
+    return _FREQ_TENSORS[key]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rope:
     freqs: tuple[float, ...]     # 32 pair frequencies
@@ -51,8 +65,7 @@ class Rope:
         """float32 cos, sin of shape [*positions.shape, 32], angles in float64."""
         import torch
 
-        f = torch.tensor(self.freqs, dtype=torch.float64, device=positions.device)
-        ang = positions.to(torch.float64)[..., None] * f
+        ang = positions.to(torch.float64)[..., None] * _freq_tensor(self.freqs, positions.device)
         return ang.cos().float(), ang.sin().float()
 
     def cos_sin_cache(self, num_positions: int, device: str = "cpu"):

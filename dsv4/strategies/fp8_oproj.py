@@ -118,14 +118,23 @@ class TorchFp8OProj:
         return z.flatten(1) @ prepared["wo_b"].T
 
 
+M_ALIGN = 8       # cuBLASLt's block-scaled fp8 matmul on the H200 ran every M that is a multiple of 8
+                  # (8..256) and refused M = 1 and 33 (bench/probe_scaled_mm.py)
+
+
 def blockwise_scaled_mm(a, sa, w, sw):
     """a [M, K] e4m3 with sa [M, K/128]; w [N, K] e4m3 with sw [N/128, K/128] -> a·wᵀ [M, N] bf16.
 
-    cuBLASLt's block scaling wants the activation scales M-major (stride (1, M)) and the weight
-    scales as [N/128, K/128] transposed to match b = wᵀ (column-major)."""
+    cuBLASLt's block scaling (torch._scaled_mm) wants the activation scales M-major (stride (1, M)),
+    the weight scales [N/128, K/128] transposed like b = wᵀ, and M a multiple of M_ALIGN: rows are
+    zero-padded (scale 1) and the padding cut off."""
     import torch
 
     M = a.shape[0]
-    sa_t = sa.float().t().contiguous().t()             # [M, K/128], M-major
-    return torch._scaled_mm(a, w.t(), scale_a=sa_t, scale_b=sw.float().t(), out_dtype=torch.bfloat16) \
-        if M else a.new_zeros(0, w.shape[0], dtype=torch.bfloat16)
+    Mp = -(-M // M_ALIGN) * M_ALIGN
+    if Mp != M:
+        a = torch.cat((a, a.new_zeros(Mp - M, a.shape[1])))
+        sa = torch.cat((sa.float(), sa.new_ones(Mp - M, sa.shape[1], dtype=torch.float32)))
+    sa_t = sa.float().t().contiguous().t()             # [Mp, K/128], M-major
+    out = torch._scaled_mm(a, w.t(), scale_a=sa_t, scale_b=sw.float().t(), out_dtype=torch.bfloat16)
+    return out[:M]
