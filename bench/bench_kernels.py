@@ -110,3 +110,39 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def oproj_breakdown(dev) -> None:
+    """Where o_proj's time goes: the (unfused, torch-op) inverse-RoPE + fp8 quantization prologue, the
+    grouped wo_a product alone in each precision, and wo_b."""
+    import deep_gemm
+
+    from dsv4.strategies.fp8_oproj import blockwise_scaled_mm, inverse_rope_fp8_quant
+
+    rope = Rope.for_layer(tiny_spec(), 4)
+    print("\n## o_proj breakdown, G=8 (µs): prologue = inverse RoPE + per-128 fp8 quant in torch ops")
+    print("| T | prologue (torch ops) | wo_a DeepGEMM fp8_einsum | wo_a torch_fp8 (8 scaled_mm) | "
+          "wo_a bf16 torch.einsum | wo_b bf16 |")
+    print("|---|---|---|---|---|---|")
+    for T in (1, 128, 4096):
+        w, o, pos = oproj_case(T, 8)
+        dg = DeepGemmFp8OProj().prepare(w, device=dev, dtype="bfloat16")
+        x, xs = inverse_rope_fp8_quant(o, pos, rope, 8)
+        wq, ws = dg["w"]
+        z = torch.empty(T, 8, 1024, dtype=torch.bfloat16, device="cuda")
+        og = o.view(T, 8, -1)
+        wa = w.wo_a.cuda().bfloat16().view(8, 1024, -1)
+        zf = z.flatten(1)
+        cells = [graph_time_us(lambda: inverse_rope_fp8_quant(o, pos, rope, 8)),
+                 graph_time_us(lambda: deep_gemm.fp8_einsum("bhr,hdr->bhd", (x, xs), (wq, ws), z,
+                                                            recipe=dg["recipe"])),
+                 graph_time_us(lambda: [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], wq[g], ws[g])
+                                        for g in range(8)]),
+                 graph_time_us(lambda: torch.einsum("tgd,grd->tgr", og, wa)),
+                 graph_time_us(lambda: zf @ dg["wo_b"].T)]
+        print(f"| {T} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+
+
+if __name__ == "__main__" and torch.cuda.is_available():
+    major, minor = torch.cuda.get_device_capability()
+    oproj_breakdown(DeviceInfo(platform="cuda", arch=f"sm{major}{minor}", name=torch.cuda.get_device_name()))

@@ -118,6 +118,11 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
         if value % m:
             out.append(Problem(group=group, value=name, reason=f"needs model.{field_name} to be a multiple of {m}; "
                                f"model={c.spec.name} has {value}", fix=fix_self))
+    for field_name, want in n.model_values:
+        value = getattr(c.spec, field_name)
+        if value != want:
+            out.append(Problem(group=group, value=name, reason=f"needs model.{field_name} = {want}; "
+                               f"model={c.spec.name} has {value}", supported=(str(want),), fix=fix_self))
     if here is not None and device.platform == here:
         for module, dist in n.modules:
             # the top-level name only: find_spec("a.b") would import package "a"

@@ -23,14 +23,24 @@ def pow2_scale(amax, floor: float):
 
 
 def inverse_rope_fp8_quant(o, positions, rope, groups: int):
-    """o [T, H, D] -> (x [T, G, hpg·D] e4m3, scales [T, G, hpg·D/128] float32 powers of two)."""
+    """o [T, H, D] -> (x [T, G, hpg·D] e4m3, scales [T, G, hpg·D/128] float32 powers of two).
+
+    One float32 copy of o, rotated in place on its last 64 dims, then one scale per 128 dims (in
+    torch ops; a fused kernel would read o once and write the fp8 bytes once)."""
     import torch
 
-    og = rope.apply(o, positions, inverse=True).bfloat16().float().reshape(o.shape[0], groups, -1)
-    blocks = og.unflatten(-1, (-1, BLOCK))
-    s = pow2_scale(blocks.abs().amax(-1, keepdim=True), 1e-10)      # vLLM clamps amax at 1e-10 here
-    x = (blocks / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).flatten(-2)
-    return x, s.squeeze(-1)
+    T = o.shape[0]
+    x = o.float()                                     # a copy: o itself is not modified
+    c, s = rope.cos_sin(positions)                    # [T, 32]
+    c, s = c[:, None, :], s[:, None, :]
+    pairs = x[..., -64:].unflatten(-1, (32, 2))
+    ev, od = pairs[..., 0].clone(), pairs[..., 1].clone()
+    pairs[..., 0] = ev * c + od * s                   # inverse rotation: angle -p·f
+    pairs[..., 1] = od * c - ev * s
+    blocks = x.view(T, groups, -1, BLOCK)
+    scale = pow2_scale(blocks.abs().amax(-1, keepdim=True), 1e-10)   # vLLM clamps amax at 1e-10 here
+    q = (blocks / scale).to(torch.float8_e4m3fn)      # |blocks / scale| <= 448 by the choice of scale
+    return q.view(T, groups, -1), scale.squeeze(-1)
 
 
 def quantize_weight_blocks(w):

@@ -27,6 +27,7 @@ class Needs:
     dtypes: frozenset[str] = frozenset()           # activation dtypes: {"bfloat16"}
     modules: tuple[tuple[str, str], ...] = ()      # (import name, pip distribution)
     model_multiples: tuple[tuple[str, int], ...] = ()   # (ModelSpec field, what it must be a multiple of)
+    model_values: tuple[tuple[str, int], ...] = ()      # (ModelSpec field, the value it must equal)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,78 @@
+"""The fp8 o_proj strategies' numerics and rules that do not need a GPU (their kernels run in test_gpu_nvidia)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsv4.compat import Combination, check
+from dsv4.components.rope import Rope
+from dsv4.device import DeviceInfo
+from dsv4.reference import _rope
+from dsv4.strategies import (BucketHeadPadding, DeepGemmFp8OProj, Fp8DsMlaLayout, ReferenceMQA, TorchFp8OProj)
+from dsv4.strategies.fp8_oproj import inverse_rope_fp8_quant, quantize_weight_blocks
+from tests.conftest import spec_rope_freqs, tiny_spec
+
+SM90 = DeviceInfo(platform="cuda", arch="sm90", name="H200")
+SM100 = DeviceInfo(platform="cuda", arch="sm100", name="B200")
+
+
+def test_inverse_rope_fp8_quant_matches_the_spec():
+    g = torch.Generator().manual_seed(0)
+    T, H, G = 6, 16, 2
+    o = (torch.randn(T, H, 512, generator=g) * torch.logspace(-3, 2, H)[None, :, None]).bfloat16()
+    pos = torch.tensor([0, 1, 63, 4096, 65535, 1_000_000])
+    x, s = inverse_rope_fp8_quant(o, pos, Rope.for_layer(tiny_spec(), 4), G)
+    assert x.dtype == torch.float8_e4m3fn and x.shape == (T, G, H // G * 512) and s.shape == (T, G, H // G * 4)
+    # independent: inverse GPT-J rotation from the oracle's own RoPE, per-128 power-of-two scales
+    want = _rope(o.float(), pos[:, None], torch.tensor(spec_rope_freqs(4), dtype=torch.float64), inverse=True)
+    blocks = want.reshape(T, G, -1, 128)
+    scale = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(-1).clamp_min(1e-10) / 448)))
+    assert torch.equal(s, scale)
+    assert bool((torch.log2(s) == torch.round(torch.log2(s))).all())
+    deq = x.float().unflatten(-1, (-1, 128)) * s[..., None]
+    step = blocks.abs() / 8 + scale[..., None] * 2.0 ** -9            # half an e4m3 ulp, normal or subnormal
+    assert bool(((deq - blocks).abs() <= step).all())
+    assert torch.equal(x, (blocks / scale[..., None]).to(torch.float8_e4m3fn).flatten(-2))
+
+
+def test_weight_blocks_are_128x128_with_power_of_two_scales():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(2, 256, 384, generator=g) * torch.rand(2, 256, 1, generator=g)
+    q, s = quantize_weight_blocks(w)
+    assert q.shape == w.shape and s.shape == (2, 2, 3)
+    for gi, i, j in [(0, 0, 0), (1, 1, 2), (0, 1, 1)]:
+        blk = w[gi, 128 * i:128 * (i + 1), 128 * j:128 * (j + 1)]
+        assert float(s[gi, i, j]) == 2.0 ** math.ceil(math.log2(float(blk.abs().max()) / 448))
+        assert torch.equal(q[gi, 128 * i:128 * (i + 1), 128 * j:128 * (j + 1)], (blk / s[gi, i, j]).to(torch.float8_e4m3fn))
+
+
+def test_deepgemm_recipe_comes_from_the_device():
+    assert DeepGemmFp8OProj.recipe(SM90) == (1, 128, 128)
+    assert DeepGemmFp8OProj.recipe(SM100) == (1, 1, 128)
+
+
+def combo(spec, o_proj):
+    return Combination(spec=spec, mqa_kernel=ReferenceMQA(), o_proj=o_proj, head_padding=BucketHeadPadding(
+        name="buckets_64_128", buckets=(64, 128)), cache_layout=Fp8DsMlaLayout(), dtype="bfloat16")
+
+
+@pytest.mark.parametrize("strategy", [DeepGemmFp8OProj(), TorchFp8OProj()], ids=lambda s: s.name)
+def test_fp8_oproj_rules(strategy, tmp_path):
+    from omegaconf import OmegaConf
+
+    from dsv4.spec import ModelSpec
+    from tests.conftest import CONFIGS
+
+    flash = ModelSpec.from_config(OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "dsv4_flash.yaml")))
+    assert check(combo(flash, strategy), SM90) == []
+    probs = check(combo(tiny_spec(), strategy), SM90)            # o_lora_rank 64: not whole 128-blocks
+    assert [p.group for p in probs] == ["o_proj"]
+    assert "model.o_lora_rank to be a multiple of 128; model=dsv4_tiny has 64" in probs[0].reason
+    assert probs[0].fix == "o_proj=reference"
+    cpu = check(combo(flash, strategy), DeviceInfo(platform="cpu"))
+    assert any(p.group == "o_proj" and "runs on cuda" in p.reason for p in cpu)
+    bf = check(Combination(spec=flash, mqa_kernel=ReferenceMQA(), o_proj=strategy, head_padding=BucketHeadPadding(
+        name="buckets_64_128", buckets=(64, 128)), cache_layout=Fp8DsMlaLayout(), dtype="float32"), SM90)
+    assert [(p.group, p.fix) for p in bf] == [("dtype", "dtype=bfloat16")]
