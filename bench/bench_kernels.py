@@ -15,36 +15,8 @@ from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
 from dsv4.reference import rel_err
 from dsv4.strategies import DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, TorchFp8OProj
+from dsv4.bench import POOL_BLOCKS, graph_time_us, oproj_case, sparse_case
 from tests.conftest import tiny_spec
-from tests.test_gpu_nvidia import oproj_case, sparse_case
-
-
-# Pages of 64 rows per pool: 4096 pages = 262,144 rows x 584 B = 153 MB per cache, well past the
-# 60 MB L2, and the slot lists are random over the whole pool (no locality: the worst case).
-POOL_BLOCKS = 4096
-
-
-def graph_time_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
-    """Median over `repeats` of (one CUDA-graph replay of `calls` calls) / calls, in µs."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from dsv4.spec import ModelSpec
 
 GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout")
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-MODES = ("run", "check", "info")
+MODES = ("run", "check", "info", "bench")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,13 +88,18 @@ def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str
     if mode == "info":
         print(info(job))
         return None
-    problems = problems_for(job, running=mode == "run")
+    problems = problems_for(job, running=mode in ("run", "bench"))
     if mode == "check":
         raise_if(job, problems)
         print(f"OK: model={job.spec.name} on {job.device.describe()}, tp_size={job.combo.tp_size}, "
               f"{job.spec.num_attention_heads // job.combo.tp_size} heads per rank padded to "
               f"{job.combo.head_padding.padded_heads(job.spec.num_attention_heads // job.combo.tp_size)}")
         print("  " + " ".join(f"{k}={v}" for k, v in job.choices.items()))
+        return None
+    if mode == "bench":
+        from dsv4.bench import run_bench
+        raise_if(job, problems)
+        run_bench(job)
         return None
     if problems:
         write_row(job.out_dir, result_row(status="incompatible", problems=problems, choices=job.choices,

@@ -4,12 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.components.kv_pool import BlockAllocator, PagedCache
+from dsv4.bench import oproj_case, sparse_case
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
 from dsv4.reference import rel_err
-from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, Fp8DsMlaLayout, OProjWeights, ReferenceMQA,
-                             ReferenceOProj, SparseKV, TorchFp8OProj)
+from dsv4.strategies import DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, SparseKV, TorchFp8OProj
 from dsv4.strategies.fp8_oproj import inverse_rope_fp8_quant, quantize_weight_blocks
 from tests.conftest import tiny_spec
 
@@ -24,35 +23,6 @@ def _device():
 DEV = _device()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEV is None or DEV.arch not in ("sm90", "sm100"),
                                                   reason="needs an sm90/sm100 CUDA GPU (FlashMLA, DeepGEMM)")]
-
-
-def paged(name, blocks, B, g):
-    """An fp8_ds_mla PagedCache on the GPU with a random row in every slot, written in scrambled order."""
-    lay = Fp8DsMlaLayout()
-    c = PagedCache(name=name, layout=lay, block_size=B, head_dim=512, allocator=BlockAllocator(blocks),
-                   data=lay.allocate(num_blocks=blocks, block_size=B, head_dim=512, device="cuda"))
-    n = blocks * B
-    c.write(torch.randperm(n, generator=g, device="cuda").int(), torch.randn(n, 512, generator=g, device="cuda"))
-    return c
-
-
-def sparse_case(T, H, *, extra_block, extra_w, seed, swa_w=128, swa_blocks=16, extra_blocks=64):
-    """q, SparseKV and sinks with random slot lists (-1 padded past random lengths) over random pages."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    swa = paged("swa", swa_blocks, 64, g)
-    idx = torch.randint(0, swa.num_slots, (T, swa_w), generator=g, device="cuda")
-    lens = torch.randint(1, swa_w + 1, (T,), generator=g, device="cuda")
-    cols = torch.arange(swa_w, device="cuda")[None]
-    kw = dict(swa=swa, swa_indices=torch.where(cols < lens[:, None], idx, -1).int(), swa_lens=lens.int())
-    if extra_w:
-        ext = paged("compressed", extra_blocks, extra_block, g)
-        e = torch.randint(0, ext.num_slots, (T, extra_w), generator=g, device="cuda")
-        el = torch.randint(0, extra_w + 1, (T,), generator=g, device="cuda")
-        ecols = torch.arange(extra_w, device="cuda")[None]
-        kw |= dict(extra=ext, extra_indices=torch.where(ecols < el[:, None], e, -1).int(), extra_lens=el.int())
-    q = (torch.randn(T, H, 512, generator=g, device="cuda") * 3).bfloat16()
-    sink = torch.randn(H, generator=g, device="cuda")
-    return q, SparseKV(scratch={}, **kw), sink
 
 
 @pytest.mark.parametrize("H", [64, 128])
@@ -103,16 +73,6 @@ def test_flashmla_schedule_is_made_once_per_layer_type_and_step_and_reused():
     assert not torch.equal(first, again)
 
 
-def oproj_case(T, G, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    hpg, r, hid = 8, 1024, 4096
-    w = OProjWeights(wo_a=torch.randn(G * r, hpg * 512, generator=g) * (hpg * 512) ** -0.5,
-                     wo_b=torch.randn(hid, G * r, generator=g) * (G * r) ** -0.5, groups=G)
-    o = torch.randn(T, G * hpg, 512, generator=g).cuda().bfloat16()
-    pos = torch.randint(0, 100_000, (T,), generator=g).cuda()
-    return w, o, pos
-
-
 @pytest.mark.parametrize("strategy", [DeepGemmFp8OProj(), TorchFp8OProj()], ids=lambda s: s.name)
 @pytest.mark.parametrize("T,G", [(1, 8), (33, 8), (256, 2)])
 def test_fp8_oproj_matches_fp8_simulation_and_reference(strategy, T, G):
@@ -131,3 +91,21 @@ def test_fp8_oproj_matches_fp8_simulation_and_reference(strategy, T, G):
     y_sim = z.flatten(1).float() @ w.wo_b.cuda().bfloat16().float().T
     assert rel_err(y, y_sim) <= 2e-2
     assert rel_err(y, y_ref) <= 6e-2          # fp8 activations and weights against float
+
+
+@pytest.mark.parametrize("T,H,G", [(1, 64, 8), (37, 16, 2), (4096, 64, 8)])
+def test_fused_inverse_rope_fp8_kernel_matches_torch(T, H, G):
+    from dsv4.strategies.fp8_oproj import fused_inverse_rope_fp8_quant, inverse_rope_fp8_quant
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    o = (torch.randn(T, H, 512, generator=g, device="cuda") * 4).bfloat16()
+    pos = torch.randint(0, 1_000_000, (T,), generator=g, device="cuda")
+    rope = Rope.for_layer(tiny_spec(), 4)
+    x, s = fused_inverse_rope_fp8_quant(o, pos, rope, G)
+    xr, sr = inverse_rope_fp8_quant(o, pos, rope, G)
+    assert x.shape == xr.shape and s.shape == sr.shape
+    assert torch.equal(s, sr)
+    same = (x.view(torch.uint8) == xr.view(torch.uint8)).float().mean()
+    assert float(same) >= 0.999                      # FMA contraction may move a value across a rounding edge
+    deq = lambda a, b: a.float().unflatten(-1, (-1, 128)) * b[..., None]       # noqa: E731
+    assert rel_err(deq(x, s), deq(xr, sr)) <= 1e-3

@@ -1,5 +1,6 @@
 """Strategy options. One class per option family; the YAML under configs/<group>/ picks and names it."""
 from dsv4.strategies.cache_layout import PlainRowLayout
+from dsv4.strategies.flashinfer import FlashInferSparse
 from dsv4.strategies.flashmla import FlashMLASparse
 from dsv4.strategies.fp8_layouts import Fp8DsMlaLayout, Fp8PerTensorLayout
 from dsv4.strategies.fp8_oproj import DeepGemmFp8OProj, TorchFp8OProj
@@ -9,7 +10,7 @@ from dsv4.strategies.o_proj import ReferenceOProj
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, MQAKernelStrategy, Needs,
                                        OProjStrategy, OProjWeights, SparseKV)
 
-__all__ = ["BucketHeadPadding", "CacheLayout", "DeepGemmFp8OProj", "FlashMLASparse", "Fp8DsMlaLayout",
-           "Fp8PerTensorLayout", "TorchFp8OProj", "HeadPaddingPolicy", "MQAKernelStrategy", "Needs",
-           "NoHeadPadding", "OProjStrategy", "OProjWeights", "PlainRowLayout", "ReferenceMQA",
+__all__ = ["BucketHeadPadding", "CacheLayout", "DeepGemmFp8OProj", "FlashInferSparse", "FlashMLASparse",
+           "Fp8DsMlaLayout", "Fp8PerTensorLayout", "TorchFp8OProj", "HeadPaddingPolicy", "MQAKernelStrategy",
+           "Needs", "NoHeadPadding", "OProjStrategy", "OProjWeights", "PlainRowLayout", "ReferenceMQA",
            "ReferenceOProj", "SparseKV"]

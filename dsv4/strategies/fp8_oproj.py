@@ -1,7 +1,8 @@
 """fp8 OProjStrategy options: `deepgemm_fp8` (DeepGEMM fp8_einsum) and `torch_fp8` (torch scaled-mm).
 
 Both follow vLLM's DSV4 o_proj (DSV4_SPEC §4.2): inverse RoPE on the attention output fused with
-fp8 quantization at one power-of-two scale per 128 contiguous dims of each (token, group) vector;
+fp8 quantization at one power-of-two scale per 128 contiguous dims of each (token, group) vector
+(our Triton kernel, dsv4/kernels/inv_rope_fp8.py);
 `wo_a` quantized once at build time in 128×128 blocks (power-of-two scales); the grouped product
 z[t,g] = W_oa[g] · o[t,g] in fp8 with float accumulation; then `wo_b` in bf16.
 """
@@ -43,6 +44,17 @@ def inverse_rope_fp8_quant(o, positions, rope, groups: int):
     return q.view(T, groups, -1), scale.squeeze(-1)
 
 
+def fused_inverse_rope_fp8_quant(o, positions, rope, groups: int):
+    """The same bytes as `inverse_rope_fp8_quant`, from our fused Triton kernel (one read of o, one
+    write of the fp8 bytes); on a CPU tensor, the torch-op version."""
+    if not o.is_cuda:
+        return inverse_rope_fp8_quant(o, positions, rope, groups)
+    from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
+
+    c, s = rope.cos_sin(positions)
+    return inv_rope_fp8_quant(o.bfloat16(), c, s, groups)
+
+
 def quantize_weight_blocks(w):
     """w [G, N, K] -> (e4m3 [G, N, K], scales [G, N/128, K/128] float32 powers of two)."""
     import torch
@@ -66,9 +78,10 @@ def _grouped_weights(weights: OProjWeights, device):
 
 
 def fp8_needs(*, archs, modules=()) -> Needs:
-    """128×128 weight blocks: each group's wo_a rows (o_lora_rank) and columns (heads/group · 512) in whole blocks."""
+    """128×128 weight blocks: each group's wo_a rows (o_lora_rank) and columns (heads/group · 512) in whole
+    blocks; the prologue is our Triton kernel."""
     return Needs(platforms=frozenset({"cuda"}), archs=frozenset(archs), dtypes=frozenset({"bfloat16"}),
-                 modules=tuple(modules), model_multiples=(("o_lora_rank", BLOCK),))
+                 modules=(("triton", "triton"),) + tuple(modules), model_multiples=(("o_lora_rank", BLOCK),))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,7 +109,7 @@ class DeepGemmFp8OProj:
         import deep_gemm
         import torch
 
-        x, xs = inverse_rope_fp8_quant(o, positions, rope, prepared["groups"])
+        x, xs = fused_inverse_rope_fp8_quant(o, positions, rope, prepared["groups"])
         wq, _ = prepared["w"]
         z = torch.empty(o.shape[0], prepared["groups"], wq.shape[1], dtype=torch.bfloat16, device=o.device)
         if o.shape[0]:
@@ -121,7 +134,7 @@ class TorchFp8OProj:
     def __call__(self, o, positions, *, rope, prepared):
         import torch
 
-        x, xs = inverse_rope_fp8_quant(o, positions, rope, prepared["groups"])
+        x, xs = fused_inverse_rope_fp8_quant(o, positions, rope, prepared["groups"])
         w, ws = prepared["w"], prepared["ws"]
         outs = [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], w[g], ws[g]) for g in range(prepared["groups"])]
         z = torch.stack(outs, 1) if outs else x.new_zeros(0)

@@ -1,0 +1,213 @@
+"""`mode=bench`: GPU timings of the sparse MQA kernels, the output projections and the whole layer step,
+every option available on this machine side by side in one process (DESIGN.md §3).
+
+Timing: warm-up, then CUDA-graph replays of several calls timed with CUDA events, median of repeats
+(graph replay removes Python launch overhead, which otherwise dominates small kernels). Inputs are
+fresh random data; the fp8_ds_mla pools are far larger than L2 and the slot lists random over them.
+FLOPs and bytes follow DSV4_SPEC §6.4 and GPU.md: per query row 2·H·N·(512+512) FLOPs and N·584 bytes
+of KV (N = valid SWA + compressed entries), plus q and out.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from dsv4.components.kv_pool import BlockAllocator, PagedCache
+from dsv4.reference import rel_err
+from dsv4.report import table
+from dsv4.strategies import Fp8DsMlaLayout, OProjWeights, SparseKV
+
+CEILINGS = {"sm90": {"tflops": 777.0, "gbps": 4260.0}}   # measured on the H200 (GPU.md): bf16 GEMM, d2d copy
+POOL_BLOCKS = 4096                                          # 262,144 rows x 584 B = 153 MB per cache
+DECODE_CASES = [("h64 128+512", 64, 64, 512, b, sq) for b, sq in ((1, 1), (64, 2), (128, 1), (128, 2))] + [
+    ("h128 128+1024", 128, 64, 1024, 128, 2), ("h64 128 SWA only", 64, None, 0, 128, 1)]
+
+
+def graph_time_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
+    """Median over `repeats` CUDA-graph replays of `calls` calls of fn, per call, in µs."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def random_pages(name: str, blocks: int, block_size: int, g) -> PagedCache:
+    """An fp8_ds_mla PagedCache on the GPU with a random row in every slot, written in scrambled order."""
+    lay = Fp8DsMlaLayout()
+    c = PagedCache(name=name, layout=lay, block_size=block_size, head_dim=512, allocator=BlockAllocator(blocks),
+                   data=lay.allocate(num_blocks=blocks, block_size=block_size, head_dim=512, device="cuda"))
+    n = blocks * block_size
+    c.write(torch.randperm(n, generator=g, device="cuda").int(), torch.randn(n, 512, generator=g, device="cuda"))
+    return c
+
+
+def sparse_case(T: int, H: int, *, extra_block, extra_w: int, seed: int, swa_w: int = 128, swa_blocks: int = 16,
+                extra_blocks: int = 64, full: bool = False):
+    """q [T, H, 512] bf16, a SparseKV over random pages, sinks. Slot lists are random over the pools,
+    -1 padded past random lengths (or full, for benchmarks that count every entry)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    swa = random_pages("swa", swa_blocks, 64, g)
+
+    def lists(width, slots):
+        idx = torch.randint(0, slots, (T, width), generator=g, device="cuda")
+        lens = torch.full((T,), width, device="cuda") if full else \
+            torch.randint(1 if width == swa_w else 0, width + 1, (T,), generator=g, device="cuda")
+        cols = torch.arange(width, device="cuda")[None]
+        return torch.where(cols < lens[:, None], idx, -1).int(), lens.int()
+
+    si, sl = lists(swa_w, swa.num_slots)
+    kw: dict[str, Any] = dict(swa=swa, swa_indices=si, swa_lens=sl)
+    if extra_w:
+        ext = random_pages("compressed", extra_blocks, extra_block, g)
+        ei, el = lists(extra_w, ext.num_slots)
+        kw |= dict(extra=ext, extra_indices=ei, extra_lens=el)
+    q = (torch.randn(T, H, 512, generator=g, device="cuda") * 3).bfloat16()
+    return q, SparseKV(scratch={}, **kw), torch.randn(H, generator=g, device="cuda")
+
+
+def oproj_case(T: int, G: int, seed: int = 0, hpg: int = 8, o_lora: int = 1024, hidden: int = 4096):
+    g = torch.Generator().manual_seed(seed)
+    w = OProjWeights(wo_a=torch.randn(G * o_lora, hpg * 512, generator=g) * (hpg * 512) ** -0.5,
+                     wo_b=torch.randn(hidden, G * o_lora, generator=g) * (G * o_lora) ** -0.5, groups=G)
+    o = torch.randn(T, G * hpg, 512, generator=g).cuda().bfloat16()
+    pos = torch.randint(0, 100_000, (T,), generator=g).cuda()
+    return w, o, pos
+
+
+def _available(job, group: str) -> list:
+    """Every option of `group` that check() accepts on this machine with the job's other choices,
+    except for the cache layout, which is fp8_ds_mla for every kernel (the one all of them read)."""
+    from dataclasses import replace
+
+    from omegaconf import OmegaConf
+
+    from dsv4.app import CONFIG_DIR, instantiate_group
+    from dsv4.compat import check
+    from dsv4.device import local_platform
+
+    out = []
+    for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
+        strat = instantiate_group(OmegaConf.load(path), group)
+        combo = replace(job.combo, **{group: strat}, cache_layout=Fp8DsMlaLayout(), dtype="bfloat16")
+        probs = [p for p in check(combo, job.device, here=local_platform()) if p.group in (group, "dtype")]
+        if not probs:
+            out.append(strat)
+    return out
+
+
+def bench_mqa(job) -> str:
+    kernels = _available(job, "mqa_kernel")
+    ceil = CEILINGS.get(job.device.arch, {})
+    rows = []
+    for label, H, eb, ew, b, sq in DECODE_CASES:
+        T = b * sq
+        q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
+                                  extra_blocks=POOL_BLOCKS, full=True)
+        n = 128 + ew
+        flops, nbytes = 2 * T * H * n * 1024, T * (n * 584 + 2 * H * 512 * 2)
+        ref_out = None
+        base = None
+        for k in kernels:
+            prep = k.prepare(device=job.device)
+            out, _ = k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)
+            ref_out = out if ref_out is None else ref_out
+            us = graph_time_us(lambda: k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep),
+                               calls=20 if k.name != "reference" else 3, repeats=7 if k.name != "reference" else 3)
+            base = base or us
+            tf, gb = flops / us / 1e6, nbytes / us / 1e3
+            rows.append([label, b, sq, k.name, f"{us:.1f}", f"{tf:.0f}", f"{gb:.0f}",
+                         f"{tf / ceil['tflops']:.0%}" if ceil else "-", f"{gb / ceil['gbps']:.0%}" if ceil else "-",
+                         f"{us / base:.2f}", f"{rel_err(out, ref_out):.1e}"])
+    return table(["case", "b", "s_q", "mqa_kernel", "µs", "TFLOP/s", "GB/s", "of bf16 peak", "of copy BW",
+                  "time / first", "rel err vs first"], rows)
+
+
+def bench_o_proj(job) -> str:
+    from dsv4.components.rope import Rope
+
+    strategies = _available(job, "o_proj")
+    rope = Rope.for_layer(job.spec, 4)
+    rows = []
+    for T in (1, 128, 4096):
+        w, o, pos = oproj_case(T, 8)
+        base = ref = None
+        for s in strategies:
+            prep = s.prepare(w, device=job.device, dtype="bfloat16")
+            y = s(o, pos, rope=rope, prepared=prep)
+            ref = y if ref is None else ref
+            us = graph_time_us(lambda: s(o, pos, rope=rope, prepared=prep))
+            base = base or us
+            rows.append([T, s.name, f"{us:.1f}", f"{us / base:.2f}", f"{rel_err(y, ref):.1e}"])
+    return table(["T", "o_proj", "µs", "time / first", "rel err vs first"], rows)
+
+
+def bench_layer_step(job) -> str:
+    """Decode steps of the whole layer (one of each type, the job's model) per available backend preset."""
+    from dataclasses import replace
+
+    from dsv4.components.builders import PoolConfig
+    from dsv4.components.weights import random_layer_weights
+    from dsv4.runner import build_engine
+
+    from dsv4.strategies import BucketHeadPadding
+
+    rows = []
+    kernels = {k.name: k for k in _available(job, "mqa_kernel")}
+    oprojs = {o.name: o for o in _available(job, "o_proj")}
+    combos = [("reference", kernels.get("reference"), oprojs.get("reference")),
+              ("flashmla + deepgemm_fp8", kernels.get("flashmla_sparse"), oprojs.get("deepgemm_fp8"))]
+    layers = job.spec.one_layer_per_type()
+    weights = {l: random_layer_weights(job.spec, l, 0) for l in layers}
+    for label, k, o in combos:
+        if k is None or o is None:
+            continue
+        c = replace(job.combo, mqa_kernel=k, o_proj=o, cache_layout=Fp8DsMlaLayout(), dtype="bfloat16",
+                    head_padding=BucketHeadPadding(name="buckets_64_128", buckets=(64, 128)))
+        eng = build_engine(replace(job, combo=c), weights, PoolConfig(swa_blocks=1024, compressed_blocks=512))
+        g = torch.Generator().manual_seed(1)
+        nreq, prompt = 64, 600
+        for r in range(nreq):
+            eng.add_request(r)
+        for start in range(0, prompt, 300):
+            x = torch.randn(nreq * 300, job.spec.hidden_size, generator=g)
+            pos = torch.arange(start, start + 300).repeat(nreq)
+            eng.step(x, pos, [r for r in range(nreq) for _ in range(300)])
+        times = {l: [] for l in layers}
+        for step in range(8):
+            x = torch.randn(nreq * 2, job.spec.hidden_size, generator=g)
+            p0 = prompt + 2 * step
+            out = eng.step(x, torch.tensor([p0, p0 + 1] * nreq), [r for r in range(nreq) for _ in range(2)])
+            for l in layers:
+                times[l].append(out.seconds[l] * 1e6)
+        for l in layers:
+            rows.append([label, job.spec.layer_type(l), nreq, 2, f"{statistics.median(times[l][2:]):.0f}"])
+    return table(["backend", "layer", "requests", "tokens/request", "µs per decode step (eager, median)"], rows)
+
+
+def run_bench(job) -> None:
+    from dsv4.errors import ConfigError
+
+    if job.device.platform != "cuda" or not torch.cuda.is_available():
+        raise ConfigError(f"mode=bench times GPU kernels: deployment gives {job.device.describe()} and this "
+                          f"machine has {'a' if torch.cuda.is_available() else 'no'} CUDA GPU")
+    print(f"dsv4 bench on {job.device.describe()}, torch {torch.__version__}; model={job.spec.name}")
+    print("\nsparse MQA decode, fp8_ds_mla pages (153 MB per cache), full index lists:\n" + bench_mqa(job))
+    print("\no_proj, G=8 groups of 8 heads, 4096 -> 1024 per group, then wo_b:\n" + bench_o_proj(job))
+    print("\nwhole layer, decode steps after a 600-token prefill:\n" + bench_layer_step(job))

@@ -1,0 +1,1 @@
+"""Our own GPU kernels (Triton). Imported only by the strategies that use them, on a GPU."""
