@@ -89,13 +89,13 @@ def oproj_breakdown(dev) -> None:
     grouped wo_a product alone in each precision, and wo_b."""
     import deep_gemm
 
-    from dsv4.strategies.fp8_oproj import blockwise_scaled_mm, inverse_rope_fp8_quant
+    from dsv4.strategies.fp8_oproj import blockwise_scaled_mm, fused_inverse_rope_fp8_quant, inverse_rope_fp8_quant
 
     rope = Rope.for_layer(tiny_spec(), 4)
-    print("\n## o_proj breakdown, G=8 (µs): prologue = inverse RoPE + per-128 fp8 quant in torch ops")
-    print("| T | prologue (torch ops) | wo_a DeepGEMM fp8_einsum | wo_a torch_fp8 (8 scaled_mm) | "
-          "wo_a bf16 torch.einsum | wo_b bf16 |")
-    print("|---|---|---|---|---|---|")
+    print("\n## o_proj breakdown, G=8 (µs): prologue = inverse RoPE + per-128 fp8 quant")
+    print("| T | prologue, torch ops | prologue, Triton fused (GB/s) | wo_a DeepGEMM fp8_einsum | "
+          "wo_a torch_fp8 (8 scaled_mm) | wo_a bf16 torch.einsum | wo_b bf16 |")
+    print("|---|---|---|---|---|---|---|")
     for T in (1, 128, 4096):
         w, o, pos = oproj_case(T, 8)
         dg = DeepGemmFp8OProj().prepare(w, device=dev, dtype="bfloat16")
@@ -105,14 +105,17 @@ def oproj_breakdown(dev) -> None:
         og = o.view(T, 8, -1)
         wa = w.wo_a.cuda().bfloat16().view(8, 1024, -1)
         zf = z.flatten(1)
+        fused = graph_time_us(lambda: fused_inverse_rope_fp8_quant(o, pos, rope, 8))
+        moved = o.numel() * 2 + o.numel() + o.numel() // 128 * 4          # bf16 in, e4m3 out, scales out
         cells = [graph_time_us(lambda: inverse_rope_fp8_quant(o, pos, rope, 8)),
+                 f"{fused:.1f} ({moved / fused / 1e3:.0f})",
                  graph_time_us(lambda: deep_gemm.fp8_einsum("bhr,hdr->bhd", (x, xs), (wq, ws), z,
                                                             recipe=dg["recipe"])),
                  graph_time_us(lambda: [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], wq[g], ws[g])
                                         for g in range(8)]),
                  graph_time_us(lambda: torch.einsum("tgd,grd->tgr", og, wa)),
                  graph_time_us(lambda: zf @ dg["wo_b"].T)]
-        print(f"| {T} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
+        print(f"| {T} | " + " | ".join(c if isinstance(c, str) else f"{c:.1f}" for c in cells) + " |")
 
 
 if __name__ == "__main__" and torch.cuda.is_available():

@@ -120,9 +120,10 @@ def test_glob_discovery_matches_hydra_group_options():
 
 # ---- every option, every backend x deployment pair -------------------------------------------------
 def platform_ok(job) -> bool:
-    """Whether every strategy of the combination runs on the job's device platform (by its needs)."""
+    """Whether every strategy of the combination runs on the job's device (platform and arch, by its needs)."""
     needs = [getattr(job.combo, g).needs(job.device) for g in ("mqa_kernel", "o_proj", "cache_layout")]
-    return all(not n.platforms or job.device.platform in n.platforms for n in needs)
+    return all((not n.platforms or job.device.platform in n.platforms) and (not n.archs or job.device.arch in n.archs)
+               for n in needs)
 
 
 def assert_verdict(job):
@@ -135,7 +136,7 @@ def assert_verdict(job):
             assert check(job.combo, job.device, here=local_platform()) == []
     else:
         assert problems and all(p.fix for p in problems), [p.line() for p in problems]
-        assert any(job.device.platform in p.reason for p in problems)
+        assert any(job.device.describe() in p.reason for p in problems)
 
 
 

@@ -76,3 +76,36 @@ def test_fp8_oproj_rules(strategy, tmp_path):
     bf = check(Combination(spec=flash, mqa_kernel=ReferenceMQA(), o_proj=strategy, head_padding=BucketHeadPadding(
         name="buckets_64_128", buckets=(64, 128)), cache_layout=Fp8DsMlaLayout(), dtype="float32"), SM90)
     assert [(p.group, p.fix) for p in bf] == [("dtype", "dtype=bfloat16")]
+
+
+@pytest.mark.parametrize("overrides,group,fix", [
+    (["cache_layout=bf16"], "cache_layout", "cache_layout=fp8_ds_mla"),
+    (["head_padding=none", "model=dsv4_pro", "tp_size=8"], "head_padding", "head_padding=buckets_64_128"),
+])
+def test_flashmla_preset_swaps_are_refused_with_a_fix_on_any_machine(compose_cfg, overrides, group, fix):
+    """`backend=flashmla` with a single strategy swapped that FlashMLA cannot take: refused before anything
+    is allocated, for the H200 checked from this CPU machine."""
+    from dsv4.app import make_job
+
+    job = make_job(compose_cfg(["deployment=h200", "backend=flashmla"] + overrides))
+    probs = check(job.combo, job.device, here="cpu")
+    assert [(p.group, p.fix) for p in probs] == [(group, fix)], [p.line() for p in probs]
+    if group == "head_padding":
+        assert "needs padded heads in [64, 128]; got 16 (16 heads per rank)" in probs[0].reason
+
+
+def test_flashmla_needs_a_gpu_and_its_package(compose_cfg):
+    from dsv4.app import make_job
+
+    job = make_job(compose_cfg(["backend=flashmla"]))              # deployment=cpu
+    probs = check(job.combo, job.device, here="cpu")
+    lines = [p.line() for p in probs]
+    assert any("mqa_kernel=flashmla_sparse: runs on cuda, this device is cpu" in x for x in lines), lines
+    assert any("dtype=float32" in x and "fix: dtype=bfloat16" in x for x in lines), lines
+    # on a CUDA machine without the wheel: named as a missing package, never an ImportError
+    h200 = make_job(compose_cfg(["deployment=h200", "backend=flashmla"]))
+    missing = check(h200.combo, h200.device, here="cuda")
+    import importlib.util
+    for module, dist in (("flash_mla", "sgl-flash-mla"), ("deep_gemm", "sgl-deep-gemm")):
+        if importlib.util.find_spec(module) is None:
+            assert any(f"Python module '{module}' not found (pip package {dist})" in p.reason for p in missing)

@@ -92,10 +92,17 @@ def combined_sparse_indices(kv: SparseKV):
     """sm100 form (§4.3): -> (indices [T, 128 + roundup4(K)] int32, sparse_topk_lens [T] int32).
 
     Columns 0..127: the token's SWA slots in window order, -1 after them (fewer than 128 at the start
-    of a sequence); then its compressed slots, -1 padded; lens = 128 + n_compressed."""
+    of a sequence); then its compressed slots, -1 padded; lens = 128 + n_compressed.
+
+    The kernel reads at least one SWA column per query (a token's window holds the token itself) and
+    does not skip a -1 it reads. A query with no SWA row -- which the layer never makes -- therefore gets
+    slot 0 as a placeholder in column 0: with no compressed row either, the call's output row is zeroed
+    afterwards (`no_rows`), exactly what ReferenceMQA gives; with compressed rows only, it is not
+    expressible and attends to the placeholder too."""
     import torch
 
-    swa, _ = _swa_list(kv)
+    swa, n_swa = _swa_list(kv)
+    swa[:, 0] = torch.where(n_swa > 0, swa[:, 0], torch.zeros_like(swa[:, 0]))
     if kv.extra is None:
         comp = swa.new_empty((swa.shape[0], 0))
         n_c = torch.zeros(swa.shape[0], dtype=torch.int32, device=swa.device)
@@ -108,14 +115,27 @@ def combined_sparse_indices(kv: SparseKV):
 def varlen_args(indices) -> dict[str, Any]:
     """seq_lens / cum_seq_lens_q / max_q_len for a combined table: every query token is a request of
     one token whose seq_len is its SWA count, so the kernel's derived window min(128, seq_len) covers
-    exactly the live SWA columns. (A query with no SWA row -- never made by the layer, every token
-    sees itself -- gets seq_len 1: its column 0 is -1, which the kernel masks.)"""
+    exactly the live SWA columns (the count is >= 1, see combined_sparse_indices)."""
     import torch
 
     T = indices.shape[0]
     n_swa = (indices[:, :SWA_COLUMNS] >= 0).sum(1)
     return dict(seq_lens=n_swa.clamp(min=1).to(torch.int32).contiguous(),
                 cum_seq_lens_q=torch.arange(T + 1, dtype=torch.int32, device=indices.device), max_q_len=1)
+
+
+def no_rows(kv: SparseKV):
+    """[T] bool: the queries that name no row at all (their output is 0)."""
+    import torch
+
+    def some(idx, lens, num_slots):
+        cols = torch.arange(idx.shape[1], device=idx.device)[None, :]
+        return ((idx >= 0) & (idx < num_slots) & (cols < lens[:, None])).any(1)
+
+    has = some(kv.swa_indices, kv.swa_lens, kv.swa.num_slots)
+    if kv.extra is not None:
+        has = has | some(kv.extra_indices, kv.extra_lens, kv.extra.num_slots)
+    return ~has
 
 
 def two_pool_args(kv: SparseKV) -> dict[str, Any]:
@@ -257,4 +277,6 @@ class FlashInferSparse:
         args = call_args(q, kv, sink=sink, scale=scale, mode=prepared["mode"],
                          workspace=self.workspace(kv, prepared, q.device))
         out = decode(**args)
+        if prepared["mode"] == "trtllm_combined":         # queries with no row read a placeholder: 0 instead
+            out = torch.where(no_rows(kv)[:, None, None], torch.zeros((), dtype=out.dtype, device=out.device), out)
         return out.to(q.dtype), lse
