@@ -18,6 +18,7 @@ import subprocess
 import sys
 import types
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 import torch
@@ -142,9 +143,9 @@ def trtllm_gen_contract(*, query, swa_kv_cache, workspace_buffer, sparse_indices
         if max_q_len is None or max_q_len <= 0:
             raise ValueError("max_q_len is required (> 0) with cum_seq_lens_q")
         starts = [int(v) for v in cum_seq_lens_q]
-        if starts[0] != 0 or starts[-1] != query.shape[0] or any(b < a for a, b in zip(starts, starts[1:])):
+        if starts[0] != 0 or starts[-1] != query.shape[0] or any(b < a for a, b in pairwise(starts)):
             raise ValueError("cum_seq_lens_q must run from 0 to sum_q, non-decreasing")
-        q_lens = [b - a for a, b in zip(starts, starts[1:])]
+        q_lens = [b - a for a, b in pairwise(starts)]
         if max(q_lens) > max_q_len:
             raise ValueError("a request has more query tokens than max_q_len")
         qf = query
@@ -823,7 +824,8 @@ def test_head_padding_fix_is_pow2():
 def test_refused_for_a_sliding_window_other_than_128():
     problems = check(fi_combo(spec=TINY, head_padding=NoHeadPadding()), SM100)
     (p,) = problems
-    assert (p.group, p.value, p.supported, p.fix) == ("mqa_kernel", "flashinfer_sparse", ("128",), "mqa_kernel=reference")
+    assert (p.group, p.value, p.supported) == ("mqa_kernel", "flashinfer_sparse", ("128",))
+    assert p.fix == "mqa_kernel=reference"
     assert "model.sliding_window = 128" in p.reason and "model=dsv4_tiny has 16" in p.reason
     assert check(fi_combo(spec=replace(TINY, sliding_window=128), head_padding=NoHeadPadding()), SM100) == []
 
@@ -838,7 +840,7 @@ def test_missing_package_is_named_when_checking_this_machine():
 def test_backend_preset_composes_and_is_valid_on_sm100(compose_cfg):
     from dsv4.app import make_job
 
-    job = make_job(compose_cfg(["backend=flashinfer", "deployment=h200", "device.arch=sm100", "device.name=B200"]))
+    job = make_job(compose_cfg(["backend=flashinfer", "deployment=b200"]))
     assert [getattr(job.combo, g).name for g in ("mqa_kernel", "o_proj", "head_padding", "cache_layout")] == \
         ["flashinfer_sparse", "deepgemm_fp8", "buckets_pow2", "bf16"]
     assert check(job.combo, job.device) == []
@@ -855,6 +857,77 @@ def test_check_imports_neither_torch_nor_flashinfer():
             "for arch in ('sm90', 'sm100', 'sm120'):\n"
             "    k.needs(DeviceInfo(platform='cuda', arch=arch))\n"
             "assert not {'torch', 'flashinfer'} & set(sys.modules), sorted(m for m in sys.modules if 'torch' in m)\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# =====================================================================================================
+# Optional: the real wheel's Python wrapper on these arguments (its checks, FLASHINFER_VALIDATE_INPUTS)
+# =====================================================================================================
+REAL_WRAPPER_PROBE = r"""
+import importlib.abc, importlib.machinery, os, sys
+from unittest import mock
+os.environ["FLASHINFER_VALIDATE_INPUTS"] = "1"
+
+class Mocked(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    # the wheel's GPU-side dependencies, absent on a CPU box: mocks (never reached below)
+    ROOTS = {"tvm_ffi", "pynvml", "tqdm"}
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in self.ROOTS:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+    def create_module(self, spec):
+        m = mock.MagicMock(name=spec.name); m.__path__ = []; m.__spec__ = spec; m.__name__ = spec.name
+        return m
+    def exec_module(self, module):
+        pass
+
+sys.meta_path.append(Mocked())
+import torch
+import flashinfer.mla._core as core
+import tests.test_flashinfer_marshalling as T
+from dsv4.device import DeviceInfo
+from dsv4.strategies import FlashInferSparse
+
+seen = {}
+core.device_support_pdl = lambda dev: False
+core.get_device_sm_count = lambda dev: 148
+core._get_trtllm_gen_multi_ctas_kv_counter_buffer = lambda *a: torch.zeros(1, dtype=torch.int32)
+class Launcher:
+    def trtllm_paged_attention_decode_sparse_mla_dsv4(self, *args):
+        seen["trtllm"] = args
+core.get_trtllm_gen_fmha_module = lambda: Launcher()
+def sm120(**kw):
+    B, ql = kw["query"].shape[:2]
+    core._normalize_sparse_mla_segments(sparse_mla_segments=kw["sparse_mla_segments"], batch_size=B,
+                                        q_len_per_request=ql, device=kw["query"].device)
+    seen["sm120"] = kw
+    return kw["out"]
+core._trtllm_batch_decode_sparse_mla_sm120 = sm120
+for arch, lay in (("sm100", "bf16"), ("sm100", "fp8_per_tensor"), ("sm120", "fp8_ds_mla")):
+    core._resolve_dsv4_sparse_mla_backend = lambda dev, arch=arch: "sparse" if arch == "sm120" else "trtllm-gen"
+    for kind in ("swa", "c4a", "c128a", "messy"):
+        layout = T.layout_of(lay, kv_scale=2.0, q_scale=0.25)
+        kv = T.messy_case(layout, 9, seed=1) if kind == "messy" else T.layer_case(kind, layout, 9, seed=2)
+        q, sink = T.make_q(kv.swa_indices.shape[0], 5, 8, seed=0)
+        k = FlashInferSparse()
+        seen.clear()
+        k(q, kv, sink=sink, scale=T.SCALE, prepared=k.prepare(device=DeviceInfo(platform="cuda", arch=arch)))
+        assert set(seen) == {"trtllm" if arch == "sm100" else "sm120"}, (arch, kind, set(seen))
+        if arch == "sm100":
+            out, qf, primary, swa, ws, ctr, idx, seq_lens, lens, b1, b2, batch, q_len = seen["trtllm"][:13]
+            assert (batch, q_len, tuple(qf.shape)) == (q.shape[0], 1, tuple(q.shape)), (batch, q_len)
+            assert primary.stride(-2) == swa.stride(-2) == 512
+print("REAL WRAPPER OK")
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DSV4_FLASHINFER_SRC"),
+                    reason="set DSV4_FLASHINFER_SRC to an unpacked flashinfer-python wheel to run its wrapper here")
+def test_the_real_wrappers_checks_accept_the_arguments():
+    """In a subprocess (flashinfer stays unimportable in this one): the wheel's own
+    trtllm_batch_decode_sparse_mla_dsv4 with FLASHINFER_VALIDATE_INPUTS=1 up to the launch, which is recorded."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((os.environ["DSV4_FLASHINFER_SRC"], str(ROOT)))}
+    r = subprocess.run([sys.executable, "-c", REAL_WRAPPER_PROBE], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300, check=False)
+    assert r.returncode == 0 and "REAL WRAPPER OK" in r.stdout, r.stderr[-3000:]

@@ -10,14 +10,16 @@ One public entry point, `flashinfer.mla.trtllm_batch_decode_sparse_mla_dsv4` (ta
   of the 128 SWA columns are live from `seq_lens` (window = min(128, pos + 1), pos = seq_len - q_len + i).
   We make every query token its own request of one token (varlen q: `cum_seq_lens_q = 0..T`,
   `max_q_len = 1`) with `seq_lens[t] = n_swa(t)`, so the derived window is exactly the token's SWA count;
-  the SWA entries are put first in window order, so the window's columns are exactly the live ones.
+  the SWA entries are put first in window order, so the window's columns are exactly the live ones (the
+  kernel does not skip a -1 inside the window, and a query always reads >= 1 SWA column: see
+  combined_sparse_indices for a query without SWA rows, which the layer never makes).
   The kernel addresses a slot as `pool_base + slot * 512` elements (page size 1 inside the kernel), so
   the pools must be contiguous rows; for an SWA-only layer the SWA pool also stands in as the
   (required) compressed pool, which no column then names.
 * sm120 / sm121, "sm120_two_pool" (the packed sparse backend): fp8_ds_mla pages viewed `[nb, B, 1, 584]`
   ("NHD"; the page stride is read from the view, so our 576-aligned padding is kept), q bf16, the SWA list
-  as `sparse_indices` + `swa_topk_lens`, the compressed list as `extra_sparse_indices [T, 1, K]` +
-  `extra_sparse_topk_lens`; `bmm2_scale` must be 1.
+  as `sparse_indices [T, 128]` + `swa_topk_lens`, the compressed list as `extra_sparse_indices
+  [T, 1, roundup64(K)]` + `extra_sparse_topk_lens`; `bmm2_scale` must be 1.
 
 Both forms take the attention sink `[Hp]` f32 and heads padded to 8, 16, 32, 64 or 128, and need the model's
 sliding window to be 128 (the combined table has exactly 128 SWA columns; the sm120 decode kernels are
@@ -52,7 +54,6 @@ CACHE_LAYOUTS = {"trtllm_combined": frozenset({"bf16", "fp8_per_tensor"}),      
                  "sm120_two_pool": frozenset({"fp8_ds_mla"})}
 ROW_KINDS = {"trtllm_combined": frozenset({"bfloat16", "fp8_per_tensor"}),        # layout.kv_row_dtype, at run time
              "sm120_two_pool": frozenset({"fp8_ds_mla"})}
-API = "flashinfer.mla.trtllm_batch_decode_sparse_mla_dsv4"
 
 
 def _round_up(x: int, m: int) -> int:
