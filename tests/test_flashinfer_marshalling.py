@@ -481,7 +481,7 @@ def test_adapter_through_the_contract_equals_reference(fake_flashinfer, arch, la
         # against the float query: only e4m3 rounding of q is left
         exact, _ = ReferenceMQA()(q, kv, sink=sink, scale=SCALE)
         assert rel_err(out[:, :H], exact[:, :H]) <= 5e-2
-    assert lse.shape == (q.shape[0], Hp) and lse.dtype == torch.float32 and bool(lse.isnan().all())
+    assert lse is None                                   # the API returns no log-sum-exp
 
 
 @pytest.mark.parametrize("arch,lay", [("sm100", "bf16"), ("sm100", "fp8_per_tensor"), ("sm120", "fp8_ds_mla")])
@@ -539,7 +539,7 @@ def test_no_tokens(fake_flashinfer):
                  extra_lens=kv.extra_lens[:0])
     k = FlashInferSparse()
     out, lse = k(torch.zeros(0, 8, D), kv, sink=torch.zeros(8), scale=SCALE, prepared=k.prepare(device=SM100))
-    assert out.shape == (0, 8, D) and lse.shape == (0, 8) and calls == []
+    assert out.shape == (0, 8, D) and lse is None and calls == []
 
 
 # ---- the contract is not a pushover: what the adapter must get right changes the answer -------------------

@@ -27,7 +27,7 @@ specialised for an SWA top-k of 128). Lists are compacted first (valid entries o
 pool and column below the length, as ReferenceMQA reads them -- in their order, then -1), so lengths are
 exact counts.
 
-The API returns no log-sum-exp: the lse this strategy returns is NaN (the layer discards it).
+The API returns no log-sum-exp, so this strategy returns None in its place (the layer does not use it).
 The 128 MiB workspace is allocated zeroed on the first call and kept in the step's scratch (shared by the
 layers of a step), or in the prepared state when a call has no scratch.
 
@@ -270,14 +270,12 @@ class FlashInferSparse:
 
         if prepared is None:
             raise ValueError("mqa_kernel=flashinfer_sparse needs the state prepare(device=...) returned")
-        T, Hp = q.shape[0], q.shape[1]
-        lse = torch.full((T, Hp), float("nan"), dtype=torch.float32, device=q.device)   # the API returns none
-        if T == 0:
-            return q.new_zeros(q.shape), lse
+        if q.shape[0] == 0:
+            return q.new_zeros(q.shape), None
         decode = importlib.import_module("flashinfer.mla").trtllm_batch_decode_sparse_mla_dsv4
         args = call_args(q, kv, sink=sink, scale=scale, mode=prepared["mode"],
                          workspace=self.workspace(kv, prepared, q.device))
         out = decode(**args)
         if prepared["mode"] == "trtllm_combined":         # queries with no row read a placeholder: 0 instead
             out = torch.where(no_rows(kv)[:, None, None], torch.zeros((), dtype=out.dtype, device=out.device), out)
-        return out.to(q.dtype), lse
+        return out.to(q.dtype), None                      # the API returns no log-sum-exp
