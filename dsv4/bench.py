@@ -59,7 +59,7 @@ def random_pages(name: str, blocks: int, block_size: int, g) -> PagedCache:
 
 
 def sparse_case(T: int, H: int, *, extra_block, extra_w: int, seed: int, swa_w: int = 128, swa_blocks: int = 16,
-                extra_blocks: int = 64, full: bool = False):
+                extra_blocks: int = 64, full: bool = False, q_std: float = 1.0):
     """q [T, H, 512] bf16, a SparseKV over random pages, sinks. Slot lists are random over the pools,
     -1 padded past random lengths (or full, for benchmarks that count every entry)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -78,7 +78,7 @@ def sparse_case(T: int, H: int, *, extra_block, extra_w: int, seed: int, swa_w: 
         ext = random_pages("compressed", extra_blocks, extra_block, g)
         ei, el = lists(extra_w, ext.num_slots)
         kw |= dict(extra=ext, extra_indices=ei, extra_lens=el)
-    q = (torch.randn(T, H, 512, generator=g, device="cuda") * 3).bfloat16()
+    q = (torch.randn(T, H, 512, generator=g, device="cuda") * q_std).bfloat16()   # logits ~ N(0, q_std²)
     return q, SparseKV(scratch={}, **kw), torch.randn(H, generator=g, device="cuda")
 
 
