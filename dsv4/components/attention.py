@@ -54,8 +54,10 @@ class DSV4Attention(torch.nn.Module):
         latent = rms_norm(xa @ self.wkv.T, self.kv_norm, self.eps).to(self.dtype)
         q = (qr @ self.wq_b.T).view(T, H, D)
         q = self.rope.apply(rms_norm(q, None, self.eps).to(self.dtype), pos).to(self.dtype)
-        def token(i: int) -> str:
-            return f"layer {self.layer}, request {meta.segments[int(meta.segment_of_token[i])].rid!r}, position {int(pos[i])}"
+
+        def token(i: int) -> str:          # names row i in an error (only built when one is raised)
+            seg = meta.segments[int(meta.segment_of_token[i])]
+            return f"layer {self.layer}, request {seg.rid!r}, position {int(pos[i])}"
         kv.caches["swa"].write(kv.swa_write_slots(meta), self.rope.apply(latent, pos), where=token)
 
         states: dict = {}
