@@ -1,10 +1,18 @@
 """The app behind `run.py`: compose -> instantiate -> device -> check -> (only then) build and run.
 
 Modes: `run` (workload through the paged caches, compared with the oracle), `check` (validate the
-combination for the device, allocate nothing), `info` (every option's verdict on the device).
+combination for the device, allocate nothing), `info` (every option's verdict on the device), `bench`
+(kernels on a GPU), `summarize` (a sweep folder's rows -> summary.csv/.md/.png).
+
+In a multirun (`python run.py -m ...`) a job is one cell of a sweep: a combination that cannot run
+here is written as an `incompatible` row and the job returns normally; a real error is written as an
+`error` row, its traceback printed to stderr, and the job returns normally too, so every cell gets
+its row and the end-of-sweep summary is written (the summary callback then exits with status 1).
 """
 from __future__ import annotations
 
+import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +28,7 @@ from dsv4.spec import ModelSpec
 
 GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout")
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-MODES = ("run", "check", "info", "bench")
+MODES = ("run", "check", "info", "bench", "summarize")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,11 +88,39 @@ def settings(job: Job) -> dict[str, Any]:
     return {"tp_size": job.combo.tp_size, "dtype": job.combo.dtype, "seed": int(job.cfg.seed)}
 
 
-def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None) -> float | None:
+def summarize_sweep(cfg: DictConfig) -> None:
+    from dsv4.summarize import summarize
+
+    sweep_dir = cfg.get("sweep_dir")
+    if not sweep_dir:
+        raise ConfigError("mode=summarize needs the sweep folder: +sweep_dir=PATH "
+                          "(e.g. +sweep_dir=multirun/cache_by_kernel/<date_time>)")
+    s = summarize(str(sweep_dir))
+    print(s.markdown)
+    print(f"summary: {s.md_path}, {s.csv_path}" + (f", {s.png_path}" if s.png_path else ""))
+
+
+def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None,
+         multirun: bool = False) -> float | None:
     mode = str(cfg.mode)
     if mode not in MODES:
         raise ConfigError(f"mode={mode} is unknown; available modes: {', '.join(MODES)}")
-    job = make_job(cfg, choices=choices, out_dir=out_dir)
+    if mode == "summarize":
+        summarize_sweep(cfg)
+        return None
+    try:
+        job = make_job(cfg, choices=choices, out_dir=out_dir)
+    except Exception as e:
+        if mode != "run":
+            raise
+        # the row says which cell could not even be made into a job (e.g. an option's invalid field)
+        path = write_row(Path(out_dir) if out_dir is not None else Path.cwd(),
+                         result_row(status="error", problems=[], choices=dict(choices or {}), device=None,
+                                    settings={k: cfg.get(k) for k in ("tp_size", "dtype", "seed")},
+                                    error=f"{type(e).__name__}: {e}"))
+        if multirun:
+            return sweep_cell_failed(e, path)
+        raise
     if mode == "info":
         print(info(job))
         return None
@@ -102,32 +138,56 @@ def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str
         run_bench(job)
         return None
     if problems:
-        write_row(job.out_dir, result_row(status="incompatible", problems=problems, choices=job.choices,
-                                          device=job.device, settings=settings(job)))
+        path = write_row(job.out_dir, result_row(status="incompatible", problems=problems, choices=job.choices,
+                                                 device=job.device, settings=settings(job)))
+        if multirun:                # a cell of the sweep's matrix, not a failed sweep
+            print(f"incompatible (row: {path}):\n  " + "\n  ".join(p.line() for p in problems), file=sys.stderr)
+            return None
         raise_if(job, problems)
     try:
         from dsv4.runner import execute
         return execute(job)
     except Exception as e:
-        write_row(job.out_dir, result_row(status="error", problems=[], choices=job.choices, device=job.device,
-                                          settings=settings(job), error=f"{type(e).__name__}: {e}"))
+        path = write_row(job.out_dir, result_row(status="error", problems=[], choices=job.choices,
+                                                 device=job.device, settings=settings(job),
+                                                 error=f"{type(e).__name__}: {e}"))
+        if multirun:
+            return sweep_cell_failed(e, path)
         raise
 
 
-def cli(cfg: DictConfig, *, choices: dict[str, str], out_dir: str) -> float | None:
+def sweep_cell_failed(e: Exception, row: Path) -> None:
+    """A multirun job that failed: its `error` row is written; say so on stderr (with the traceback,
+    unless it is a user error whose message says what to change) and return, so the other cells
+    still run and the end-of-sweep summary is written (the summary callback then exits 1)."""
+    if not isinstance(e, (ConfigError, IncompatibleCombination, InvalidRequest)):
+        traceback.print_exception(e)
+    print(f"error (row: {row}): {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def cli(cfg: DictConfig, *, choices: dict[str, str], out_dir: str, multirun: bool = False) -> float | None:
     """`main` for the command line: a user error becomes its message on stderr and exit status 1,
-    without a traceback (the message says what to change; a traceback would bury it)."""
+    without a traceback (the message says what to change; a traceback would bury it). In a multirun
+    the message is printed and the job returns: SystemExit would end the whole sweep (Hydra's
+    launcher catches only Exception), and the job's row, if it has one, is already written."""
     try:
-        return main(cfg, choices=choices, out_dir=out_dir)
+        return main(cfg, choices=choices, out_dir=out_dir, multirun=multirun)
     except (ConfigError, IncompatibleCombination, InvalidRequest) as e:
+        if multirun:
+            print(f"error: {e}", file=sys.stderr)
+            return None
         raise SystemExit(f"error: {e}") from None
 
 
 def info(job: Job) -> str:
-    """Every option of every strategy group, swapped into the current combination, with its verdict."""
+    """Every option of every strategy group, swapped into the current combination, with its verdict.
+    For a deployment of another platform than this machine's (`deployment=h200 mode=info` on a CPU),
+    the Python packages an option needs are listed as unknown: they can be looked for only there."""
     from dataclasses import replace
+    from importlib.util import find_spec
 
     here = local_platform()
+    local = job.device.platform == here
     rows = []
     for group in GROUPS:
         for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
@@ -136,12 +196,22 @@ def info(job: Job) -> str:
             verdict = "ok" if not probs else "no"
             reason = "; ".join(f"{p.group}={p.value}: {p.reason}" for p in probs)
             mark = "*" if getattr(job.combo, group).name == strat.name else ""
-            rows.append([f"{group}={path.stem}{mark}", verdict, reason])
+            modules = [m for m, _ in strat.needs(job.device).modules] if hasattr(strat, "needs") else []
+            if not modules:
+                packages = None
+            elif local:
+                packages = ", ".join(f"{m} {'found' if find_spec(m.partition('.')[0]) else 'missing'}"
+                                     for m in modules)
+            else:
+                packages = ", ".join(f"{m} unknown" for m in modules)
+            rows.append([f"{group}={path.stem}{mark}", verdict, packages, reason])
+    where = ("packages looked for here" if local else
+             f"packages unknown: looked for only on a {job.device.platform} machine")
     head = (f"dsv4 info: model={job.spec.name}, tp_size={job.combo.tp_size}, dtype={job.combo.dtype}, "
-            f"device {job.device.describe()} (this machine: {here}; packages checked only on it)\n"
+            f"device {job.device.describe()} (this machine: {here}; {where})\n"
             f"* = current choice\n")
     layouts = [instantiate_group(OmegaConf.load(p), "cache_layout")
                for p in sorted((CONFIG_DIR / "cache_layout").glob("*.yaml"))]
-    return (head + table(["option", "verdict", "why not"], rows)
+    return (head + table(["option", "verdict", "packages", "why not"], rows, left=(0, 2, 3))
             + f"\n\nKV bytes per rank, model={job.spec.name} (B/tok: per context token, compressed rows + "
               f"float32 indexer keys):\n" + memory_table(job.spec, layouts))

@@ -78,11 +78,31 @@ CROSS_RULES: tuple[Callable[[Combination, DeviceInfo], list[Problem]], ...] = (_
 SAFE_CHOICE = {"mqa_kernel": "mqa_kernel=reference", "o_proj": "o_proj=reference", "cache_layout": "cache_layout=bf16"}
 # The shipped head-padding options (configs/head_padding/), for suggesting one that yields what a kernel takes.
 PADDING_OPTIONS: tuple[tuple[str, tuple[int, ...] | None], ...] = (
-    ("buckets_64_128", (64, 128)), ("buckets_pow2", (8, 16, 32, 64, 128)), ("none", None))
+    ("buckets_64_128", (64, 128)), ("buckets_pow2", (8, 16, 32, 64, 128)),
+    ("buckets_mult16", (16, 32, 48, 64, 80, 96, 112, 128)), ("none", None))
 
 
 def _pad(heads: int, buckets: tuple[int, ...] | None) -> int | None:
     return heads if buckets is None else next((b for b in buckets if b >= heads), None)
+
+
+FP8_FORMATS = {"ocp": "OCP e4m3 (float8_e4m3fn, bias 7, max 448)",
+               "fnuz": "FNUZ e4m3 (float8_e4m3fnuz, bias 8, max 240, byte 0x80 = NaN)"}
+
+
+def _fp8_note(reads: frozenset[str], stored: frozenset[str], layout: str, device: DeviceInfo) -> str:
+    """Why an fp8 flavour mismatch matters, from the kernel's and the layout's `fp8_formats`."""
+    def names(fs):
+        return " or ".join(FP8_FORMATS.get(f, f) for f in sorted(fs))
+
+    parts = []
+    if reads:
+        parts.append(f"on {device.describe()} it decodes fp8 cache bytes as {names(reads)}")
+    if stored and not (reads and reads & stored):
+        parts.append(f"cache_layout={layout} stores {names(stored)} bytes")
+    if reads and stored and not (reads & stored):
+        parts.append("the same byte read as the other flavour is worth half or twice its value")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str | None) -> list[Problem]:
@@ -96,10 +116,16 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
         out.append(Problem(group=group, value=name, reason=f"needs arch in {sorted(n.archs)}, "
                            f"this device is {device.describe()}", supported=tuple(sorted(n.archs)), fix=fix_self))
     layout = c.cache_layout.name
+    stored = c.cache_layout.needs(device).fp8_formats if group != "cache_layout" else frozenset()
     if n.cache_layouts and layout not in n.cache_layouts:
         out.append(Problem(group="cache_layout", value=layout, reason=f"{group}={name} reads only "
-                           f"{sorted(n.cache_layouts)}", supported=tuple(sorted(n.cache_layouts)),
-                           fix=f"cache_layout={sorted(n.cache_layouts)[0]}"))
+                           f"{sorted(n.cache_layouts)}" + _fp8_note(n.fp8_formats, stored, layout, device),
+                           supported=tuple(sorted(n.cache_layouts)), fix=f"cache_layout={sorted(n.cache_layouts)[0]}"))
+    elif n.fp8_formats and stored and not (n.fp8_formats & stored):
+        others = sorted(set(n.cache_layouts) - {layout})
+        out.append(Problem(group="cache_layout", value=layout, reason=f"{group}={name} reads the cache"
+                           + _fp8_note(n.fp8_formats, stored, layout, device),
+                           supported=tuple(others), fix=f"cache_layout={others[0]}" if others else None))
     h = c.local_heads
     hp = c.head_padding.padded_heads(h) if h is not None else None
     if n.padded_heads and hp is not None and hp not in n.padded_heads:

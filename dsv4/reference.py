@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-ROW_ROUNDINGS = ("float32", "bfloat16", "fp8_ds_mla", "fp8_per_tensor")
+ROW_ROUNDINGS = ("float32", "bfloat16", "fp8_ds_mla", "fp8_ds_mla_fnuz", "fp8_per_tensor")
 
 
 def _rms(x, w=None, eps=1e-6):
@@ -63,6 +63,11 @@ def round_rows(rows, kv_row_dtype: str, kv_scale: float | None = None):
         nope = x[..., :448].unflatten(-1, (7, 64))
         scale = torch.exp2(torch.ceil(torch.log2(nope.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448)))
         nope = _e4m3((nope / scale).clamp(-448, 448)) * scale
+        return torch.cat((nope.flatten(-2), x[..., 448:]), -1)
+    if kv_row_dtype == "fp8_ds_mla_fnuz":     # the same record in FNUZ e4m3 (max 240), vLLM's range ±224
+        nope = x[..., :448].unflatten(-1, (7, 64))
+        scale = torch.exp2(torch.ceil(torch.log2(nope.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 224)))
+        nope = (nope / scale).clamp(-224, 224).to(torch.float8_e4m3fnuz).float() * scale
         return torch.cat((nope.flatten(-2), x[..., 448:]), -1)
     if kv_row_dtype == "fp8_per_tensor":
         if kv_scale is None:

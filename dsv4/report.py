@@ -42,7 +42,8 @@ def result_row(*, status: str, problems: list, choices: dict, device, settings: 
         row["error"] = error
     row |= flatten("choices", choices)
     row |= flatten("settings", settings)
-    row |= flatten("device", {"platform": device.platform, "arch": device.arch, "name": device.name})
+    if device is not None:          # None: the job failed before its device was known
+        row |= flatten("device", {"platform": device.platform, "arch": device.arch, "name": device.name})
     row |= flatten("versions", versions())
     row |= flatten("workload", workload or {})
     row |= flatten("metrics", metrics or {})
@@ -56,10 +57,12 @@ def write_row(out_dir: str | Path, row: dict[str, Any]) -> Path:
     return path
 
 
-def table(headers: list[str], rows: list[list[Any]]) -> str:
+def table(headers: list[str], rows: list[list[Any]], *, left: tuple[int, ...] = (0,)) -> str:
+    """Columns right-aligned (numbers) except those in `left` (text)."""
     cells = [headers] + [[_fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+             for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -76,12 +79,21 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def tty_progress(stream=sys.stderr):
-    """A progress printer for long runs, or None when output is not a terminal."""
-    if not stream.isatty():
+def tty_progress(stream=None):
+    """A progress printer for long runs (`run_workload`'s `progress`), or None when `stream` (default:
+    stderr) is not a terminal, so logs and pipes get nothing.
+
+    `show(step, steps, phase, layer=None)` rewrites one line: the step and its phase, and while a
+    step runs, the layer it is in ("layer 2 (c4a) 2/3"); the line ends after the last step."""
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    if isatty is None or not isatty():
         return None
 
-    def show(i: int, n: int, phase: str) -> None:
-        stream.write(f"\r  step {i}/{n} ({phase})" + ("\n" if i == n else ""))
+    def show(step: int, steps: int, phase: str, layer: str | None = None) -> None:
+        where = f", {layer}" if layer else ""
+        stream.write(f"\r\x1b[K  {phase} step {step}/{steps}{where}")
+        if step == steps and layer is None:
+            stream.write("\n")
         stream.flush()
     return show

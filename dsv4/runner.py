@@ -8,20 +8,21 @@ from omegaconf import OmegaConf
 
 from dsv4 import reference as ref
 from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_layer_kv
+from dsv4.components.checkpoint import load_or_random
 from dsv4.components.engine import Engine
-from dsv4.components.weights import random_layer_weights
 from dsv4.dump import write_dump
 from dsv4.memory import GIB, layer_memory, model_memory, summary_lines
 from dsv4.report import result_row, table, tty_progress, write_row
 from dsv4.workload import Workload, run_workload
 
 
-def build_engine(job, weights: dict[int, dict], pool: PoolConfig) -> Engine:
+def build_engine(job, weights: dict[int, dict], pool: PoolConfig, wo_a_fp8: dict | None = None) -> Engine:
     c, spec, dev = job.combo, job.spec, job.device
     strategies = Strategies(mqa_kernel=c.mqa_kernel, o_proj=c.o_proj, head_padding=c.head_padding,
                             cache_layout=c.cache_layout)
     layers = {l: [build_layer(spec=spec, layer=l, weights=w, rank=r, tp_size=c.tp_size, strategies=strategies,
-                              device=dev, dtype=c.dtype) for r in range(c.tp_size)] for l, w in weights.items()}
+                              device=dev, dtype=c.dtype, wo_a_fp8=(wo_a_fp8 or {}).get(l))
+                  for r in range(c.tp_size)] for l, w in weights.items()}
     kvs = {l: [build_layer_kv(spec=spec, layer=l, layout=c.cache_layout, pool=pool, device=dev)
                for _ in range(c.tp_size)] for l in weights}
     return Engine(spec=spec, layers=layers, kvs=kvs, device=dev.torch_device)
@@ -39,8 +40,8 @@ def execute(job) -> float:
     layers = wl.layer_indices(spec)
     seed = int(cfg.seed)
     torch.manual_seed(seed)
-    weights = {l: random_layer_weights(spec, l, seed) for l in layers}
-    engine = build_engine(job, weights, pool)
+    weights, wo_a_fp8 = load_or_random(job, layers, seed)
+    engine = build_engine(job, weights, pool, wo_a_fp8)
     rec_raw = run_workload(engine, wl, hidden_size=spec.hidden_size, seed=seed, progress=tty_progress())
     rec = rec_raw.cat()
 

@@ -82,6 +82,8 @@ class RunRecord:
 
 
 def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, progress=None) -> RunRecord:
+    """`progress(step, steps, phase, layer=None)`, if given, is called as each layer of a step starts
+    (`layer` names it: "layer 2 (c4a) 2/3") and once after the step (`layer=None`)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -91,11 +93,17 @@ def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, pro
     for i in range(len(xs)):
         engine.add_request(i)
     steps = workload.steps()
+    order = {layer: i for i, layer in enumerate(engine.layers)}
     for n_step, (phase, chunk) in enumerate(steps):
         x = torch.cat([xs[i][done[i]:done[i] + k] for i, k in chunk.items()])
         pos = torch.cat([torch.arange(done[i], done[i] + k) for i, k in chunk.items()])
         rid = [i for i, k in chunk.items() for _ in range(k)]
-        out = engine.step(x, pos, rid)
+        on_layer = None
+        if progress is not None:
+            def on_layer(layer, _step=n_step + 1, _phase=phase):
+                progress(_step, len(steps), _phase, f"layer {layer} ({engine.spec.layer_type(layer)}) "
+                                                    f"{order[layer] + 1}/{len(order)}")
+        out = engine.step(x, pos, rid, on_layer=on_layer)
         rec.hidden.append(x)
         rec.positions.append(pos)
         rec.request_index.append(torch.tensor(rid, dtype=torch.int32))

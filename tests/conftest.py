@@ -14,6 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true", default=False,
+                     help="rewrite tests/golden/*.json from the current rules (review the diff, then commit)")
+
+
 @pytest.fixture
 def compose_cfg():
     """compose_cfg(overrides) -> DictConfig, composed in-process like `python run.py overrides`."""

@@ -52,7 +52,8 @@ class PoolConfig:
 
 
 def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_size: int,
-                strategies: Strategies, device: DeviceInfo, dtype: str) -> DSV4Attention:
+                strategies: Strategies, device: DeviceInfo, dtype: str, wo_a_fp8: Any = None) -> DSV4Attention:
+    """`wo_a_fp8`: a checkpoint's stored fp8 wo_a (`checkpoint.StoredFp8`), for fp8 o_proj strategies."""
     ratio = spec.compress_ratio(layer)
     w = shard(weights, spec, rank, tp_size)
     heads = spec.num_attention_heads // tp_size
@@ -73,7 +74,12 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
         idx = Indexer(wq_b=w["indexer.wq_b.weight"].to(dev), weights_proj=w["indexer.weights_proj.weight"].to(dev),
                       compressor=compressor("indexer.compressor.", spec.index_head_dim, 4),
                       n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk, rope=rope)
-    o_weights = OProjWeights(wo_a=w["wo_a.weight"], wo_b=w["wo_b.weight"], groups=spec.o_groups // tp_size)
+    fp8_a = fp8_s = None
+    if wo_a_fp8 is not None:
+        from dsv4.components.checkpoint import shard_wo_a_fp8
+        fp8_a, fp8_s = shard_wo_a_fp8(wo_a_fp8, spec, rank, tp_size)
+    o_weights = OProjWeights(wo_a=w["wo_a.weight"], wo_b=w["wo_b.weight"], groups=spec.o_groups // tp_size,
+                             wo_a_fp8=fp8_a, wo_a_scale=fp8_s)
     return DSV4Attention(spec=spec, layer=layer, ratio=ratio, heads=heads, padded_heads=padded, weights=w, rope=rope,
                          compressor=comp, indexer=idx, mqa_kernel=strategies.mqa_kernel,
                          mqa_prepared=strategies.mqa_kernel.prepare(device=device),

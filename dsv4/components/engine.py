@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -101,7 +101,9 @@ class Engine:
                         segment_of_token=seg_of.to(dev))
 
     # ---- the step ----------------------------------------------------------------------------
-    def step(self, hidden, positions, request_ids: Sequence[Hashable]) -> StepOutput:
+    def step(self, hidden, positions, request_ids: Sequence[Hashable], *,
+             on_layer: Callable[[int], None] | None = None) -> StepOutput:
+        """One step; `on_layer(layer)` is called as each layer starts (progress reporting)."""
         meta = self._plan(hidden, positions, request_ids)
         counts = {s.rid: s.count for s in meta.segments}
         reserved: list[tuple[LayerKV, dict]] = []
@@ -109,7 +111,7 @@ class Engine:
             for kvs in self.kvs.values():
                 for kv in kvs:
                     reserved.append((kv, kv.reserve(counts)))
-            result, states = self._forward(hidden.to(self.device), meta)
+            result, states = self._forward(hidden.to(self.device), meta, on_layer)
         except BaseException:
             for kv, taken in reserved:
                 kv.rollback(taken)
@@ -122,9 +124,11 @@ class Engine:
             self.lengths[s.rid] = s.start + s.count
         return result
 
-    def _forward(self, x, meta: StepMeta):
+    def _forward(self, x, meta: StepMeta, on_layer: Callable[[int], None] | None = None):
         result, states = StepOutput(), {}
         for layer, ranks in self.layers.items():
+            if on_layer is not None:
+                on_layer(layer)
             t0 = time.perf_counter()
             total, states[layer] = None, []
             for module, kv in zip(ranks, self.kvs[layer]):

@@ -1,7 +1,9 @@
 """Strategy options. One class per option family; the YAML under configs/<group>/ picks and names it."""
+from dsv4.strategies.aiter import AiterSparseMQA, RocmBf16OProj
 from dsv4.strategies.cache_layout import PlainRowLayout
 from dsv4.strategies.flashinfer import FlashInferSparse
 from dsv4.strategies.flashmla import FlashMLASparse
+from dsv4.strategies.fp8_fnuz import Fp8DsMlaFnuzLayout
 from dsv4.strategies.fp8_layouts import Fp8DsMlaLayout, Fp8PerTensorLayout
 from dsv4.strategies.fp8_oproj import DeepGemmFp8OProj, TorchFp8OProj
 from dsv4.strategies.head_padding import BucketHeadPadding, NoHeadPadding
@@ -10,7 +12,7 @@ from dsv4.strategies.o_proj import ReferenceOProj
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, MQAKernelStrategy, Needs,
                                        OProjStrategy, OProjWeights, SparseKV)
 
-__all__ = ["BucketHeadPadding", "CacheLayout", "DeepGemmFp8OProj", "FlashInferSparse", "FlashMLASparse",
-           "Fp8DsMlaLayout", "Fp8PerTensorLayout", "TorchFp8OProj", "HeadPaddingPolicy", "MQAKernelStrategy",
+__all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8OProj", "FlashInferSparse", "FlashMLASparse",
+           "Fp8DsMlaFnuzLayout", "Fp8DsMlaLayout", "Fp8PerTensorLayout", "TorchFp8OProj", "HeadPaddingPolicy", "MQAKernelStrategy",
            "Needs", "NoHeadPadding", "OProjStrategy", "OProjWeights", "PlainRowLayout", "ReferenceMQA",
-           "ReferenceOProj", "SparseKV"]
+           "ReferenceOProj", "RocmBf16OProj", "SparseKV"]

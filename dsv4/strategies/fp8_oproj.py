@@ -3,7 +3,8 @@
 Both follow vLLM's DSV4 o_proj (DSV4_SPEC §4.2): inverse RoPE on the attention output fused with
 fp8 quantization at one power-of-two scale per 128 contiguous dims of each (token, group) vector
 (our Triton kernel, dsv4/kernels/inv_rope_fp8.py);
-`wo_a` quantized once at build time in 128×128 blocks (power-of-two scales); the grouped product
+`wo_a` quantized once at build time in 128×128 blocks (power-of-two scales) — or, loaded from a
+checkpoint, its stored e4m3 bytes and UE8M0 block scales used as they are; the grouped product
 z[t,g] = W_oa[g] · o[t,g] in fp8 with float accumulation; then `wo_b` in bf16.
 """
 from __future__ import annotations
@@ -66,10 +67,29 @@ def quantize_weight_blocks(w):
     return q, s.view(G, N // BLOCK, K // BLOCK)
 
 
+def stored_weight_blocks(weights: OProjWeights, device):
+    """A checkpoint's e4m3 `wo_a` and its 128×128 block scales, as stored, viewed per group:
+    (e4m3 [G, N, K], scales [G, N/128, K/128] float32 — UE8M0 scales convert exactly)."""
+    import torch
+
+    g, w, s = weights.groups, weights.wo_a_fp8, weights.wo_a_scale
+    rows, K = w.shape
+    n = rows // g
+    if (s is None or w.dtype != torch.float8_e4m3fn or rows % g or n % BLOCK or K % BLOCK
+            or tuple(s.shape) != (rows // BLOCK, K // BLOCK)):
+        raise ValueError(f"wo_a_fp8 {w.dtype} {tuple(w.shape)} with scales {None if s is None else tuple(s.shape)}: "
+                         f"expected e4m3 [{g}·N, K] with one scale per 128×128 block, N and K multiples of {BLOCK}")
+    dev = device.torch_device
+    return w.to(dev).view(g, n, K), s.to(dev).float().view(g, n // BLOCK, K // BLOCK)
+
+
 def _grouped_weights(weights: OProjWeights, device):
     import torch
 
     g = weights.groups
+    if weights.wo_a_fp8 is not None:          # a checkpoint's bytes: no dequantize-requantize round trip
+        return stored_weight_blocks(weights, device), weights.wo_b.to(device=device.torch_device,
+                                                                      dtype=torch.bfloat16)
     wa = weights.wo_a.to(device=device.torch_device, dtype=torch.float32)
     wa = wa.view(g, wa.shape[0] // g, wa.shape[1])
     if wa.shape[1] % BLOCK or wa.shape[2] % BLOCK:

@@ -28,6 +28,11 @@ class Needs:
     modules: tuple[tuple[str, str], ...] = ()      # (import name, pip distribution)
     model_multiples: tuple[tuple[str, int], ...] = ()   # (ModelSpec field, what it must be a multiple of)
     model_values: tuple[tuple[str, int], ...] = ()      # (ModelSpec field, the value it must equal)
+    # e4m3 flavours of fp8 cache bytes: for a kernel, the ones it decodes them as on this device; for a
+    # cache layout, the one it stores. "ocp" = float8_e4m3fn (bias 7, max 448), "fnuz" =
+    # float8_e4m3fnuz (bias 8, max 240, no -0: byte 0x80 is NaN). Read as FNUZ a byte is worth half what
+    # it is as OCP, so check() refuses a kernel and a layout with disjoint sets. Empty = none / any.
+    fp8_formats: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,10 +56,16 @@ class SparseKV:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OProjWeights:
-    """One rank's output projection: `wo_a` [G·o_lora, hpg·D] (its groups), `wo_b` [hidden, G·o_lora]."""
+    """One rank's output projection: `wo_a` [G·o_lora, hpg·D] (its groups), `wo_b` [hidden, G·o_lora].
+
+    A checkpoint's own fp8 `wo_a` may come along: its e4m3 bytes [G·o_lora, hpg·D] and their 128×128
+    block scales [G·o_lora/128, hpg·D/128] (UE8M0 or float32), as stored; fp8 strategies then use
+    them unchanged instead of quantizing `wo_a` (which is their dequantized float copy)."""
     wo_a: Tensor
     wo_b: Tensor
     groups: int
+    wo_a_fp8: Tensor | None = None
+    wo_a_scale: Tensor | None = None
 
 
 @runtime_checkable

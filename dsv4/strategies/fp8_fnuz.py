@@ -1,0 +1,162 @@
+"""cache_layout=fp8_ds_mla_fnuz: the fp8_ds_mla record (DSV4_SPEC §3.2) with FNUZ e4m3 bytes.
+
+MI300X (gfx942) computes fp8 only as float8_e4m3fnuz -- aiter's `dtypes.fp8` there -- so a gfx942
+kernel that decodes cache bytes natively needs them in that flavour (§3.2's ROCm caveat, §7 item 13).
+Same 584 bytes per token and the same pages as fp8_ds_mla: all tokens' 576 data bytes (448 e4m3 NoPE
+bytes, 64 bf16 RoPE dims), then all tokens' 8 scale bytes (7 UE8M0 exponents + a zero byte), page
+stride a multiple of 576. Only the e4m3 flavour of the NoPE bytes differs: FNUZ has bias 8 (OCP: 7),
+a largest finite value of 240, no infinities and no negative zero -- byte 0x80 is its only NaN, so it
+is never written (a negative zero is stored as 0x00).
+
+Quantization follows vLLM's FNUZ writer, whose fp8 range on FNUZ platforms is ±224 = 448 / 2: per 64
+NoPE dims, scale = 2^ceil(log2(max(amax, 1e-4) / 224)), byte = e4m3fnuz(x / scale). FNUZ's grid is
+OCP's halved (one more bias step), so these are exactly fp8_ds_mla's values: the same e4m3 bit
+patterns (a negative zero written as 0x00) with every UE8M0 scale byte one higher. The page
+converters at the end are therefore lossless both ways.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4.strategies.fp8_layouts import Fp8DsMlaLayout
+from dsv4.strategies.protocols import Needs
+
+_OCP = Fp8DsMlaLayout()
+
+FNUZ_MAX = 240.0          # largest finite float8_e4m3fnuz
+FNUZ_QUANT_MAX = 224.0    # what a block's amax maps to (vLLM's FNUZ fp8 range; = OCP 448 / 2)
+FNUZ_NAN = 0x80
+DATA_BYTES, SCALE_BYTES, NOPE_BYTES, EXPONENTS = 576, 8, 448, 7
+
+
+def record_offsets(pages, slots, block_size: int):
+    """Byte offsets into `pages.view(-1)` ([num_blocks, page_bytes] uint8) of each slot's 576 data
+    bytes and 8 scale bytes in the fp8_ds_mla page geometry -> ([..., 576], [..., 8]) int64."""
+    import torch
+
+    s = slots.long()
+    base = (s // block_size) * pages.shape[1]
+    t = s % block_size
+    data = (base + t * DATA_BYTES)[..., None] + torch.arange(DATA_BYTES, device=s.device)
+    scl = (base + block_size * DATA_BYTES + t * SCALE_BYTES)[..., None] + torch.arange(SCALE_BYTES, device=s.device)
+    return data, scl
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fp8DsMlaFnuzLayout:
+    """uint8 pages [num_blocks, page_bytes], addressed like fp8_ds_mla; NoPE bytes in e4m3fnuz."""
+    name: str = "fp8_ds_mla_fnuz"
+
+    @property
+    def kv_row_dtype(self) -> str:
+        return "fp8_ds_mla_fnuz"
+
+    def needs(self, device) -> Needs:
+        return Needs(fp8_formats=frozenset({"fnuz"}))
+
+    # the record's geometry is fp8_ds_mla's: same 584 bytes, same pages, same 576-aligned stride
+    def bytes_per_token(self, head_dim: int) -> int:
+        return _OCP.bytes_per_token(head_dim)
+
+    def page_bytes(self, block_size: int, head_dim: int) -> int:
+        return _OCP.page_bytes(block_size, head_dim)
+
+    def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str):
+        return _OCP.allocate(num_blocks=num_blocks, block_size=block_size, head_dim=head_dim, device=device)
+
+    # ---- packing ---------------------------------------------------------------------------------
+    def pack(self, rows):
+        """[N, 512] -> (data [N, 576] uint8, scales [N, 8] uint8), from the bf16-rounded rows."""
+        import torch
+
+        x = rows.bfloat16()
+        nope = x[:, :NOPE_BYTES].float().unflatten(-1, (EXPONENTS, 64))
+        amax = nope.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+        e = torch.ceil(torch.log2(amax / FNUZ_QUANT_MAX))
+        q = (nope / torch.exp2(e)).clamp(-FNUZ_QUANT_MAX, FNUZ_QUANT_MAX).to(torch.float8_e4m3fnuz)
+        q = q.flatten(-2).view(torch.uint8)
+        q = torch.where(q == FNUZ_NAN, torch.zeros_like(q), q)     # torch writes 0x00 for -0; never 0x80
+        data = torch.cat((q, x[:, NOPE_BYTES:].contiguous().view(torch.uint8)), 1)
+        exp = (e.squeeze(-1) + 127).clamp(0, 255).to(torch.uint8)
+        return data, torch.cat((exp, torch.zeros_like(exp[:, :1])), 1)
+
+    def unpack(self, data, scales):
+        """(data [..., 576], scales [..., 8]) -> [..., 512] float32."""
+        import torch
+
+        e = scales[..., :EXPONENTS].float() - 127
+        nope = data[..., :NOPE_BYTES].contiguous().view(torch.float8_e4m3fnuz).float()
+        nope = nope * torch.exp2(e).repeat_interleave(64, -1)
+        rope = data[..., NOPE_BYTES:].contiguous().view(torch.bfloat16).float()
+        return torch.cat((nope, rope), -1)
+
+    def write(self, cache, slots, rows, *, block_size: int) -> None:
+        keep = slots >= 0
+        if not bool(keep.any()):
+            return
+        data, scales = self.pack(rows[keep])
+        di, si = record_offsets(cache, slots[keep], block_size)
+        flat = cache.view(-1)
+        flat[di] = data
+        flat[si] = scales
+
+    def read(self, cache, slots, *, block_size: int):
+        import torch
+
+        di, si = record_offsets(cache, slots.clamp(min=0), block_size)
+        flat = cache.view(-1)
+        rows = self.unpack(flat[di], flat[si])
+        return torch.where((slots >= 0)[..., None], rows, torch.zeros((), device=rows.device))
+
+
+# ---- converting whole caches between the two flavours ---------------------------------------------
+def _regions(pages, block_size: int):
+    """Masks over one page's bytes: (NoPE e4m3 bytes, UE8M0 exponent bytes)."""
+    import torch
+
+    n = pages.shape[1]
+    if n < block_size * (DATA_BYTES + SCALE_BYTES):
+        raise ValueError(f"pages of {n} bytes cannot hold {block_size} fp8_ds_mla tokens")
+    i = torch.arange(n, device=pages.device)
+    in_data = i < block_size * DATA_BYTES
+    nope = in_data & (i % DATA_BYTES < NOPE_BYTES)
+    j = i - block_size * DATA_BYTES
+    exps = (j >= 0) & (j < block_size * SCALE_BYTES) & (j % SCALE_BYTES < EXPONENTS)
+    return nope, exps
+
+
+def ocp_to_fnuz_pages(pages, block_size: int):
+    """fp8_ds_mla pages -> fp8_ds_mla_fnuz pages holding the same values (a new tensor).
+
+    Each e4m3 byte keeps its bit pattern (worth half as FNUZ) except OCP's negative zero 0x80, which
+    becomes 0x00; each written exponent byte goes up by one (twice the scale). Exponent byte 0 marks a
+    slot never written (a written one is >= 105, the 1e-4 amax floor) and stays 0; RoPE dims and
+    padding are copied."""
+    import torch
+
+    nope, exps = _regions(pages, block_size)
+    out = pages.clone()
+    b = out[:, nope]
+    out[:, nope] = torch.where(b == FNUZ_NAN, torch.zeros_like(b), b)
+    e = out[:, exps]
+    if bool((e == 255).any()):
+        raise ValueError("an OCP scale exponent of 255 has no FNUZ counterpart")
+    out[:, exps] = torch.where(e > 0, e + 1, e)
+    return out
+
+
+def fnuz_to_ocp_pages(pages, block_size: int):
+    """fp8_ds_mla_fnuz pages -> fp8_ds_mla pages holding the same values (a new tensor): the inverse
+    of `ocp_to_fnuz_pages`. Refuses bytes with no OCP counterpart at the same scale: 0x80 (NaN) and
+    ±240 (0x7f / 0xff), which this layout's quantizer (range ±224) never writes."""
+    import torch
+
+    nope, exps = _regions(pages, block_size)
+    b = pages[:, nope]
+    bad = (b == FNUZ_NAN) | (b == 0x7F) | (b == 0xFF)
+    if bool(bad.any()):
+        raise ValueError(f"FNUZ bytes {sorted(set(b[bad].tolist()))} (NaN / ±240) have no OCP counterpart")
+    out = pages.clone()
+    e = out[:, exps]
+    out[:, exps] = torch.where(e > 0, e - 1, e)
+    return out

@@ -1,0 +1,403 @@
+"""Experiments, deployments, sweeps and their reports.
+
+- every experiment composes as a multirun, and so does every cell of its sweep; every deployment
+  composes and its own preset passes `check` on its device; `mode=info` for another machine's
+  deployment says package presence is unknown;
+- one real `python run.py -m experiment=cache_by_kernel` on this CPU: one result.json per cell (the
+  GPU kernels `incompatible`, with their reasons), summary.csv, summary.md and summary.png; the same
+  folder with jobs missing (an interrupted sweep) summarizes with `mode=summarize`;
+- in a multirun an incompatible cell is a row and the job returns; a real error is an `error` row, the
+  other cells still run, the summary is written and the sweep exits 1;
+- errors users hit are readable: an unknown experiment, a typo in an override, a deployment whose
+  device is absent, `mode=summarize` without a folder;
+- progress goes to a terminal only.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib.util import find_spec
+from itertools import product
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from dsv4.app import GROUPS, cli, info, main, make_job, problems_for
+from dsv4.compat import check
+from dsv4.device import DeviceInfo, local_platform
+from dsv4.errors import IncompatibleCombination
+from dsv4.report import result_row, tty_progress, write_row
+from dsv4.summarize import load_rows, summarize
+from tests.conftest import CONFIGS, ROOT
+
+on_cpu_host = pytest.mark.skipif(local_platform() != "cpu", reason="expects a host without an accelerator")
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+EXPERIMENTS = options("experiment")
+DEPLOYMENTS = options("deployment")
+
+
+def compose_with_hydra(overrides=()):
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONFIGS)):
+            return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def sweep_cells(params: dict) -> list[list[str]]:
+    """The cartesian product of an experiment's sweeper params (glob(*) over a group, or a comma list)."""
+    axes = []
+    for key, spec in params.items():
+        spec = str(spec)
+        if spec == "glob(*)":
+            values = options(key)
+        else:
+            if "(" in spec:
+                raise AssertionError(f"{key}: {spec}: this test expands only glob(*) and comma lists")
+            values = [v.strip() for v in spec.split(",")]
+        axes.append([f"{key}={v}" for v in values])
+    return [list(cell) for cell in product(*axes)]
+
+
+def run_py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    # one torch thread: the jobs are tiny, and on a busy 2-core machine more threads only contend
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "run.py", *args], check=False, cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def rows_by_job(sweep: Path) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/result.json")}
+
+
+# ---- composition -----------------------------------------------------------------------------------------
+def test_the_three_ablations_exist():
+    assert {"cache_by_kernel", "padding_by_tp", "o_proj_ablation"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_experiment_composes_as_a_multirun_and_every_cell_composes(compose_cfg, experiment):
+    cfg = compose_with_hydra([f"experiment={experiment}"])
+    assert cfg.hydra.mode.name == "MULTIRUN", "experiments run as sweeps: hydra.mode: MULTIRUN"
+    assert cfg.model.name == "dsv4_tiny", "experiments are sized for the CPU"
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params)
+    assert params, "an experiment sweeps something"
+    for key in params:
+        assert key in GROUPS or key in cfg, f"sweeper param {key} is neither a group nor a config key"
+    cells = sweep_cells(params)
+    assert len(cells) >= 2
+    verdicts = []
+    for cell in cells:
+        job = make_job(compose_cfg([f"experiment={experiment}", *cell]))
+        for override in cell:
+            key, value = override.split("=")
+            got = getattr(job.combo, key).name if key in GROUPS else str(job.cfg[key])
+            assert got == value, override
+        problems = check(job.combo, job.device)
+        assert all(p.fix for p in problems), [p.line() for p in problems]
+        verdicts.append(not problems)
+    assert any(verdicts), f"experiment={experiment}: no cell can run on a CPU"
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_deployment_composes_and_its_preset_is_valid_on_its_device(compose_cfg, deployment):
+    node = OmegaConf.to_container(OmegaConf.load(CONFIGS / "deployment" / f"{deployment}.yaml"))
+    job = make_job(compose_cfg([f"deployment={deployment}"]), choices={"deployment": deployment})
+    assert job.device == DeviceInfo.from_config(node["device"])
+    assert job.combo.tp_size == node["tp_size"] and job.combo.dtype == node["dtype"]
+    assert check(job.combo, job.device) == [], [p.line() for p in check(job.combo, job.device)]
+    running = problems_for(job, running=True)
+    if job.device.platform in ("cpu", local_platform()):
+        assert not [p for p in running if p.group == "deployment"]
+    else:                               # named here, refused as a run: the device is not this machine
+        assert [p.fix for p in running if p.group == "deployment"] == ["deployment=cpu"]
+    for experiment in EXPERIMENTS:      # an experiment on another machine's deployment composes too
+        make_job(compose_cfg([f"experiment={experiment}", f"deployment={deployment}"]))
+
+
+def test_the_six_deployments_exist():
+    assert {"cpu", "h200", "b200", "rtx_pro_6000", "mi300x", "mi355x"} <= set(DEPLOYMENTS)
+    rocm = {d: OmegaConf.load(CONFIGS / "deployment" / f"{d}.yaml").device.arch for d in ("mi300x", "mi355x")}
+    assert rocm == {"mi300x": "gfx942", "mi355x": "gfx950"}
+
+
+@on_cpu_host
+def test_info_for_another_machines_deployment_says_packages_are_unknown(compose_cfg):
+    text = info(make_job(compose_cfg(["deployment=h200"])))
+    assert "packages unknown: looked for only on a cuda machine" in text
+    assert "flash_mla unknown" in text and "deep_gemm unknown" in text
+    assert "missing" not in text
+    if find_spec("flash_mla") is None:
+        here = info(make_job(compose_cfg([])))
+        assert "flash_mla missing" in here and "unknown" not in here
+
+
+# ---- one real sweep ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep") / "cache_by_kernel"
+    r = run_py("-m", "experiment=cache_by_kernel", f"hydra.sweep.dir={out}")
+    return out, r
+
+
+@on_cpu_host
+def test_cache_by_kernel_sweep_writes_a_row_per_cell_and_a_summary(sweep, compose_cfg):
+    out, r = sweep
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    kernels, layouts = options("mqa_kernel"), options("cache_layout")
+    rows = rows_by_job(out)
+    assert len(rows) == len(kernels) * len(layouts) == len([p for p in out.iterdir() if p.is_dir()])
+    cells = {(row["choices.mqa_kernel"], row["choices.cache_layout"]): row for row in rows.values()}
+    assert set(cells) == set(product(kernels, layouts))
+    for (kernel, layout), row in cells.items():
+        assert row["choices.model"] == "dsv4_tiny" and row["choices.experiment"] == "cache_by_kernel"
+        job = make_job(compose_cfg(["experiment=cache_by_kernel", f"mqa_kernel={kernel}", f"cache_layout={layout}"]))
+        expected = check(job.combo, job.device, here=local_platform())
+        if not expected:
+            assert row["status"] == "ok", row.get("error")
+            assert row["metrics.max_rel_err"] < 1e-3
+        else:                           # a row with check()'s problems, reasons and fixes
+            assert row["status"] == "incompatible"
+            assert row["problems"] == [p.as_dict() for p in expected]
+            assert all(p["fix"] for p in row["problems"])
+        if kernel != "reference":       # the GPU kernels: refused for this device, saying so
+            assert row["status"] == "incompatible"
+            mine = [p for p in row["problems"] if p["group"] == "mqa_kernel" and p["value"] == kernel]
+            assert any("this device is cpu" in p["reason"] for p in mine), row["problems"]
+    assert cells[("reference", "bf16")]["status"] == "ok"
+    md = (out / "summary.md").read_text()
+    assert "| mqa_kernel \\ cache_layout |" in md
+    assert "✗ incompatible: mqa_kernel=flashmla_sparse" in md
+    n_ok = sum(row["status"] == "ok" for row in rows.values())
+    assert f"{len(rows)} jobs: {n_ok} ok, {len(rows) - n_ok} incompatible, 0 error" in md
+    assert "# Sweep summary" in r.stdout, "the callback prints the summary at the end of the sweep"
+    png = (out / "summary.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    with (out / "summary.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == len(rows)
+    assert {row["status"] for row in table} == {"ok", "incompatible"}
+    assert "prefill step" not in r.stderr, "no progress lines when stderr is not a terminal"
+
+
+@on_cpu_host
+def test_an_interrupted_sweep_still_summarizes(sweep, tmp_path):
+    out, r = sweep
+    assert r.returncode == 0, r.stderr[-3000:]
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    for name in ("summary.md", "summary.csv", "summary.png"):
+        (cut / name).unlink()
+    rows = rows_by_job(cut)
+    never = max(rows, key=int)
+    ok = next(j for j, row in rows.items() if row["status"] == "ok" and j != never)
+    bad = next(j for j, row in rows.items() if row["status"] == "incompatible" and j != never)
+    (cut / ok / "result.json").unlink()              # started, killed before writing its row
+    (cut / bad / "result.json").unlink()
+    shutil.rmtree(cut / never)                       # never started
+    s = run_py("mode=summarize", f"+sweep_dir={cut}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert s.returncode == 0, s.stderr[-3000:]
+    md = (cut / "summary.md").read_text()
+    assert f"{len(rows) - 1} jobs:" in md and "2 missing" in md
+    assert md.count("missing: no result.json") >= 2
+    assert "not run" in md                           # the cell of the job that never started
+    assert (cut / "summary.png").exists()
+    with (cut / "summary.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert sorted(row["job"] for row in table if row["status"] == "missing") == sorted([ok, bad])
+    missing = next(row for row in table if row["job"] == ok)
+    assert missing["choices.mqa_kernel"] == "reference", "a missing row keeps the choices Hydra recorded"
+
+
+@on_cpu_host
+def test_a_sweep_with_an_error_runs_every_cell_summarizes_and_exits_1(tmp_path):
+    out = tmp_path / "sweep"
+    r = run_py("-m", "model=dsv4_tiny", "mqa_kernel=reference,flashmla_sparse", "workload.prefill_chunk=0",
+               f"hydra.sweep.dir={out}")
+    assert r.returncode == 1
+    assert "1 of 2 jobs failed with an error" in r.stderr
+    rows = {row["choices.mqa_kernel"]: row for row in rows_by_job(out).values()}
+    assert rows["reference"]["status"] == "error"
+    assert "prefill_chunk=0" in rows["reference"]["error"]
+    assert rows["flashmla_sparse"]["status"] == "incompatible"
+    md = (out / "summary.md").read_text()
+    assert "error: ConfigError: workload: invalid prefill_chunk=0" in md
+    assert (out / "summary.png").exists()
+
+
+# ---- multirun handling, in process -----------------------------------------------------------------------
+def test_multirun_incompatible_cell_is_a_row_and_returns(compose_cfg, tmp_path):
+    cfg = compose_cfg(["model=dsv4_tiny", "tp_size=3"])
+    assert main(cfg, out_dir=tmp_path, multirun=True) is None
+    row = json.loads((tmp_path / "result.json").read_text())
+    assert row["status"] == "incompatible" and row["problems"][0]["group"] == "tp_size"
+    with pytest.raises(IncompatibleCombination):
+        main(cfg, out_dir=tmp_path / "single")
+
+
+def test_multirun_error_is_a_row_printed_and_returns(compose_cfg, tmp_path, monkeypatch, capsys):
+    import dsv4.runner
+
+    def boom(job):
+        raise RuntimeError("kernel exploded")
+    monkeypatch.setattr(dsv4.runner, "execute", boom)
+    cfg = compose_cfg(["model=dsv4_tiny"])
+    assert main(cfg, out_dir=tmp_path, multirun=True) is None
+    row = json.loads((tmp_path / "result.json").read_text())
+    assert row["status"] == "error" and row["error"] == "RuntimeError: kernel exploded"
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "kernel exploded" in err
+    with pytest.raises(RuntimeError, match="kernel exploded"):       # a single run re-raises
+        main(cfg, out_dir=tmp_path / "single")
+
+
+def test_multirun_config_error_before_the_job_is_a_row(compose_cfg, tmp_path, capsys):
+    cfg = compose_cfg(["model=dsv4_tiny", "cache_layout.dtype=float16"])
+    assert cli(cfg, choices={"cache_layout": "bf16"}, out_dir=str(tmp_path), multirun=True) is None
+    row = json.loads((tmp_path / "result.json").read_text())
+    assert row["status"] == "error" and "cache_layout=bf16" in row["error"]
+    assert "device.platform" not in row and row["choices.cache_layout"] == "bf16"
+    err = capsys.readouterr().err
+    assert "ConfigError: cache_layout=bf16" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        cli(cfg, choices={}, out_dir=str(tmp_path / "single"))
+
+
+def test_summarize_callback_is_a_plain_class_with_the_six_hooks(compose_cfg):
+    from dsv4.callbacks import SummarizeCallback
+
+    cfg = compose_with_hydra([])
+    assert cfg.hydra.callbacks.summarize._target_ == "dsv4.callbacks.SummarizeCallback"
+    assert SummarizeCallback.__mro__ == (SummarizeCallback, object)
+    for hook in ("on_run_start", "on_run_end", "on_multirun_start", "on_multirun_end", "on_job_start", "on_job_end"):
+        assert callable(getattr(SummarizeCallback(), hook))
+
+
+def test_summarize_callback_summarizes_run_sweeps_and_exits_1_on_errors(tmp_path, capsys):
+    from dsv4.callbacks import SummarizeCallback
+
+    dev = DeviceInfo(platform="cpu", name="CPU")
+    write_row(tmp_path / "0", result_row(status="ok", problems=[], choices={"mqa_kernel": "reference"}, device=dev,
+                                         settings={}, metrics={"max_rel_err": 1e-7}))
+    config = OmegaConf.create({"mode": "check", "hydra": {"sweep": {"dir": str(tmp_path)}}})
+    SummarizeCallback().on_multirun_end(config=config)           # check/info sweeps write no rows
+    assert not (tmp_path / "summary.md").exists()
+    config.mode = "run"
+    SummarizeCallback().on_multirun_end(config=config)
+    assert (tmp_path / "summary.md").exists() and "# Sweep summary" in capsys.readouterr().out
+    write_row(tmp_path / "1", result_row(status="error", problems=[], choices={"mqa_kernel": "reference"},
+                                         device=dev, settings={}, error="RuntimeError: boom"))
+    with pytest.raises(SystemExit, match="1 of 2 jobs failed with an error"):
+        SummarizeCallback().on_multirun_end(config=config)
+    assert "error: RuntimeError: boom" in (tmp_path / "summary.md").read_text()
+
+
+def test_summarize_on_rows_written_by_hand(tmp_path):
+    """Pure summarize: an ok row, an error whose message has a `|`, an incompatible row and a job that
+    Hydra started (.hydra/) without a row."""
+    dev = DeviceInfo(platform="cpu", name="CPU")
+    base = {"model": "dsv4_tiny", "o_proj": "reference"}
+    write_row(tmp_path / "0", result_row(status="ok", problems=[], choices=base | {"mqa_kernel": "reference"},
+                                         device=dev, settings={"tp_size": 1},
+                                         metrics={"swa": {"decode_ms_step": 1.5}, "c4a": {"decode_ms_step": 2.5},
+                                                  "max_rel_err": 3e-7}))
+    write_row(tmp_path / "1", result_row(status="error", problems=[], choices=base | {"mqa_kernel": "reference"},
+                                         device=dev, settings={"tp_size": 2}, error="ValueError: a | b"))
+    from dsv4.errors import Problem
+    p = Problem(group="mqa_kernel", value="flashmla_sparse", reason="runs on cuda", fix="mqa_kernel=reference")
+    write_row(tmp_path / "2", result_row(status="incompatible", problems=[p],
+                                         choices=base | {"mqa_kernel": "flashmla_sparse"}, device=dev,
+                                         settings={"tp_size": 1}))
+    (tmp_path / "3" / ".hydra").mkdir(parents=True)
+    (tmp_path / "3" / ".hydra" / "overrides.yaml").write_text("- mqa_kernel=flashmla_sparse\n- tp_size=2\n")
+    (tmp_path / "3" / ".hydra" / "hydra.yaml").write_text(
+        "hydra:\n  runtime:\n    choices:\n      model: dsv4_tiny\n      o_proj: reference\n"
+        "      mqa_kernel: flashmla_sparse\n      hydra/launcher: basic\n")
+    (tmp_path / "3" / ".hydra" / "config.yaml").write_text("tp_size: 2\ndtype: float32\n")
+    s = summarize(tmp_path)
+    assert [r["status"] for r in load_rows(tmp_path)] == ["ok", "error", "incompatible", "missing"]
+    assert s.counts == {"ok": 1, "incompatible": 1, "error": 1, "missing": 1}
+    md = s.markdown
+    assert "| mqa_kernel \\ tp_size | 1 | 2 |" in md
+    assert "| reference | 3.00e-07 | error: ValueError: a \\| b |" in md
+    assert "| reference | 4 | error: ValueError: a \\| b |" in md          # decode ms/step summed over layers
+    assert "✗ incompatible: mqa_kernel=flashmla_sparse" in md and "missing: no result.json" in md
+    assert "fix: `mqa_kernel=reference`" in md
+    assert "Fixed: o_proj=reference, model=dsv4_tiny, dtype=float32." in md
+    assert s.png_path is not None and s.png_path.stat().st_size > 5_000
+
+
+# ---- readable errors -----------------------------------------------------------------------------------
+def test_unknown_experiment_lists_the_experiments(tmp_path):
+    r = run_py("-m", "experiment=nosuch", f"hydra.sweep.dir={tmp_path}")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "Could not find 'experiment/nosuch'" in r.stderr
+    assert "Available options in 'experiment'" in r.stderr
+    assert all(e in r.stderr for e in EXPERIMENTS)
+    assert not list(tmp_path.iterdir()), "nothing ran"
+
+
+def test_override_typo_in_a_sweep_is_named(tmp_path):
+    r = run_py("-m", "experiment=cache_by_kernel", "mqa_kernal=reference", f"hydra.sweep.dir={tmp_path}")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "Could not override 'mqa_kernal'" in r.stderr
+    assert not list(tmp_path.iterdir()), "nothing ran"
+
+
+@on_cpu_host
+def test_sweep_on_a_deployment_whose_device_is_absent_is_incompatible_rows(tmp_path):
+    r = run_py("-m", "model=dsv4_tiny", "deployment=h200", "mqa_kernel=reference", f"hydra.sweep.dir={tmp_path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    [row] = rows_by_job(tmp_path).values()
+    assert row["status"] == "incompatible"
+    dep = [p for p in row["problems"] if p["group"] == "deployment"]
+    assert dep and dep[0]["fix"] == "deployment=cpu" and "this machine's platform is cpu" in dep[0]["reason"]
+    assert "deployment=h200" in r.stderr and "fix: deployment=cpu" in r.stderr
+
+
+def test_summarize_without_a_folder_says_what_to_give(tmp_path):
+    r = run_py("mode=summarize", f"hydra.run.dir={tmp_path}")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "mode=summarize needs the sweep folder: +sweep_dir=PATH" in r.stderr
+    r = run_py("mode=summarize", f"+sweep_dir={tmp_path / 'nosuch'}", f"hydra.run.dir={tmp_path}")
+    assert r.returncode != 0 and "no such directory" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- progress ------------------------------------------------------------------------------------------
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_names_phase_step_and_layer_on_a_terminal_only():
+    from dsv4.workload import Workload, run_workload
+    from tests.conftest import make_engine, tiny_spec
+
+    assert tty_progress(io.StringIO()) is None                   # a pipe or a file: nothing at all
+    spec = tiny_spec()
+    engine, _ = make_engine(spec, layout="float32")
+    wl = Workload(prompt_lens=(40, 20), prefill_chunk=16, decode_steps=2, decode_tokens=1)
+    tty = FakeTTY()
+    run_workload(engine, wl, hidden_size=spec.hidden_size, seed=0, progress=tty_progress(tty))
+    text = tty.getvalue()
+    n = len(wl.steps())
+    assert "prefill step 1/5, layer 0 (swa) 1/3" in text
+    assert "prefill step 1/5, layer 1 (c4a) 2/3" in text
+    assert f"decode step {n}/{n}, layer 2 (c128a) 3/3" in text
+    assert text.endswith(f"decode step {n}/{n}\n")
+    assert text.count("\n") == 1, "one line, rewritten in place"
