@@ -185,16 +185,18 @@ class LayerKV:
 
     # ---- addressing ----------------------------------------------------------------------
     def _token_tables(self, name: str, meta: StepMeta):
+        """Each token's block table [T, width] (-1 padded), built once per step and cache: the tables
+        do not change between reserve and commit, and a layer addresses its SWA cache twice."""
         import torch
 
-        tables = [self.requests[s.rid].tables[name] for s in meta.segments]
-        width = max(1, max(len(t) for t in tables))
-        dev = meta.positions.device
-        tab = torch.full((len(tables), width), -1, dtype=torch.int64, device=dev)
-        for i, t in enumerate(tables):
-            if t:
-                tab[i, : len(t)] = torch.tensor(t, dtype=torch.int64, device=dev)
-        return tab[meta.segment_of_token]                       # [T, width]
+        key = ("block_tables", id(self), name)
+        if key not in meta.scratch:
+            tables = [self.requests[s.rid].tables[name] for s in meta.segments]
+            width = max(1, max(len(t) for t in tables))
+            padded = [t + [-1] * (width - len(t)) for t in tables]      # one host-to-device copy
+            tab = torch.tensor(padded, dtype=torch.int64, device=meta.positions.device)
+            meta.scratch[key] = tab[meta.segment_of_token]
+        return meta.scratch[key]
 
     def global_slots(self, name: str, meta: StepMeta, local):
         """Global slot ids for per-token local row indices `local` [T, N] (-1 stays -1)."""
