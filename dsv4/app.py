@@ -11,6 +11,7 @@ its row and the end-of-sweep summary is written (the summary callback then exits
 """
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.memory import memory_table
+from dsv4.parallel import ParallelConfig, torchrun_world_size
 from dsv4.errors import ConfigError, IncompatibleCombination, InvalidRequest, Problem
 from dsv4.report import result_row, table, write_row
 from dsv4.spec import ModelSpec
@@ -57,7 +59,9 @@ def make_job(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir:
     spec = ModelSpec.from_config(OmegaConf.to_container(cfg.model, resolve=True))
     device = DeviceInfo.from_config(OmegaConf.to_container(cfg.device, resolve=True))
     strategies = {g: instantiate_group(cfg[g], g) for g in GROUPS}
-    combo = Combination(spec=spec, tp_size=int(cfg.tp_size), dtype=str(cfg.dtype), **strategies)
+    par = ParallelConfig.from_config(cfg.get("parallel"))
+    combo = Combination(spec=spec, tp_size=int(cfg.tp_size), dtype=str(cfg.dtype), **strategies,
+                        world_size=torchrun_world_size() if par.launcher == "auto" else None)
     if choices is None:
         choices = {g: getattr(strategies[g], "name", "?") for g in GROUPS} | {"model": spec.name}
     return Job(cfg=cfg, spec=spec, device=device, combo=combo, choices=dict(choices),
@@ -133,9 +137,16 @@ def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str
         print("  " + " ".join(f"{k}={v}" for k, v in job.choices.items()))
         return None
     if mode == "bench":
+        from dsv4 import parallel
         from dsv4.bench import run_bench
         raise_if(job, problems)
-        run_bench(job)
+        ranks = None
+        if job.combo.world_size is not None:
+            ranks = parallel.init(platform=job.device.platform, tp_size=job.combo.tp_size,
+                                  config=ParallelConfig.from_config(cfg.get("parallel")))
+        run_bench(job, ranks)
+        if ranks is not None:
+            parallel.shutdown()
         return None
     if problems:
         path = write_row(job.out_dir, result_row(status="incompatible", problems=problems, choices=job.choices,
@@ -145,8 +156,7 @@ def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str
             return None
         raise_if(job, problems)
     try:
-        from dsv4.runner import execute
-        return execute(job)
+        return run_ranks(job)
     except Exception as e:
         path = write_row(job.out_dir, result_row(status="error", problems=[], choices=job.choices,
                                                  device=job.device, settings=settings(job),
@@ -154,6 +164,61 @@ def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str
         if multirun:
             return sweep_cell_failed(e, path)
         raise
+
+
+def run_ranks(job: Job) -> float | None:
+    """`mode=run` on this process's ranks: launched by torchrun, this process is one rank; with
+    parallel.launcher=spawn and tp_size > 1 it starts the tp_size rank processes and waits for them;
+    otherwise the ranks are simulated here."""
+    from dsv4 import parallel
+    from dsv4.runner import execute
+
+    par = ParallelConfig.from_config(job.cfg.get("parallel"))
+    if job.combo.world_size is not None:
+        return _run_rank(job)
+    if par.launcher == "spawn" and job.combo.tp_size > 1:
+        try:
+            parallel.spawn(rank_main, job.combo.tp_size, job.cfg, job.choices, str(job.out_dir))
+        except Exception as e:        # the failing rank printed its message; this one names the job
+            raise RuntimeError(f"a rank of the tp_size={job.combo.tp_size} job failed ({e}); its message is above") from None
+        return _result_value(job.out_dir)
+    return execute(job)
+
+
+def rank_main(cfg: DictConfig, choices: dict[str, str], out_dir: str) -> None:
+    """A spawned rank process (picklable arguments)."""
+    from dsv4 import parallel
+
+    try:
+        job = make_job(cfg, choices=choices, out_dir=out_dir)
+    except Exception as e:
+        parallel.fail_rank(int(os.environ["RANK"]), e)
+    _run_rank(job)
+
+
+def _run_rank(job: Job) -> float | None:
+    """One rank's process: join the group, run, leave. A failure ends this process at once with the
+    rank's message (dsv4.parallel.fail_rank); the launcher ends the others."""
+    from dsv4 import parallel
+    from dsv4.runner import execute
+
+    cfg = job.cfg
+    try:
+        ranks = parallel.init(platform=job.device.platform, tp_size=job.combo.tp_size,
+                              config=ParallelConfig.from_config(cfg.get("parallel")))
+        value = execute(job, ranks)
+        ranks.barrier()
+        parallel.shutdown()
+        return value
+    except Exception as e:
+        parallel.fail_rank(int(os.environ["RANK"]), e)
+
+
+def _result_value(out_dir) -> float | None:
+    import json
+
+    path = Path(out_dir) / "result.json"
+    return json.loads(path.read_text()).get("metrics.max_rel_err") if path.exists() else None
 
 
 def sweep_cell_failed(e: Exception, row: Path) -> None:
@@ -176,6 +241,8 @@ def cli(cfg: DictConfig, *, choices: dict[str, str], out_dir: str, multirun: boo
         if multirun:
             print(f"error: {e}", file=sys.stderr)
             return None
+        if torchrun_world_size() is not None and int(os.environ["RANK"]) != 0:
+            raise SystemExit(1) from None      # every rank found the same problem; rank 0 says it
         raise SystemExit(f"error: {e}") from None
 
 

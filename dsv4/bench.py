@@ -48,38 +48,39 @@ def graph_time_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def random_pages(name: str, blocks: int, block_size: int, g) -> PagedCache:
-    """An fp8_ds_mla PagedCache on the GPU with a random row in every slot, written in scrambled order."""
-    lay = Fp8DsMlaLayout()
+def random_pages(name: str, blocks: int, block_size: int, g, layout=None) -> PagedCache:
+    """A PagedCache on g's device (fp8_ds_mla unless `layout` says otherwise) with a random row in every
+    slot, written in scrambled order."""
+    lay, dev = layout or Fp8DsMlaLayout(), g.device
     c = PagedCache(name=name, layout=lay, block_size=block_size, head_dim=512, allocator=BlockAllocator(blocks),
-                   data=lay.allocate(num_blocks=blocks, block_size=block_size, head_dim=512, device="cuda"))
+                   data=lay.allocate(num_blocks=blocks, block_size=block_size, head_dim=512, device=dev))
     n = blocks * block_size
-    c.write(torch.randperm(n, generator=g, device="cuda").int(), torch.randn(n, 512, generator=g, device="cuda"))
+    c.write(torch.randperm(n, generator=g, device=dev).int(), torch.randn(n, 512, generator=g, device=dev))
     return c
 
 
 def sparse_case(T: int, H: int, *, extra_block, extra_w: int, seed: int, swa_w: int = 128, swa_blocks: int = 16,
-                extra_blocks: int = 64, full: bool = False, q_std: float = 1.0):
+                extra_blocks: int = 64, full: bool = False, q_std: float = 1.0, layout=None, device: str = "cuda"):
     """q [T, H, 512] bf16, a SparseKV over random pages, sinks. Slot lists are random over the pools,
     -1 padded past random lengths (or full, for benchmarks that count every entry)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    swa = random_pages("swa", swa_blocks, 64, g)
+    g = torch.Generator(device=device).manual_seed(seed)
+    swa = random_pages("swa", swa_blocks, 64, g, layout)
 
     def lists(width, slots):
-        idx = torch.randint(0, slots, (T, width), generator=g, device="cuda")
-        lens = torch.full((T,), width, device="cuda") if full else \
-            torch.randint(1 if width == swa_w else 0, width + 1, (T,), generator=g, device="cuda")
-        cols = torch.arange(width, device="cuda")[None]
+        idx = torch.randint(0, slots, (T, width), generator=g, device=device)
+        lens = torch.full((T,), width, device=device) if full else \
+            torch.randint(1 if width == swa_w else 0, width + 1, (T,), generator=g, device=device)
+        cols = torch.arange(width, device=device)[None]
         return torch.where(cols < lens[:, None], idx, -1).int(), lens.int()
 
     si, sl = lists(swa_w, swa.num_slots)
     kw: dict[str, Any] = dict(swa=swa, swa_indices=si, swa_lens=sl)
     if extra_w:
-        ext = random_pages("compressed", extra_blocks, extra_block, g)
+        ext = random_pages("compressed", extra_blocks, extra_block, g, layout)
         ei, el = lists(extra_w, ext.num_slots)
         kw |= dict(extra=ext, extra_indices=ei, extra_lens=el)
-    q = (torch.randn(T, H, 512, generator=g, device="cuda") * q_std).bfloat16()   # logits ~ N(0, q_std²)
-    return q, SparseKV(scratch={}, **kw), torch.randn(H, generator=g, device="cuda")
+    q = (torch.randn(T, H, 512, generator=g, device=device) * q_std).bfloat16()   # logits ~ N(0, q_std²)
+    return q, SparseKV(scratch={}, **kw), torch.randn(H, generator=g, device=device)
 
 
 def oproj_case(T: int, G: int, seed: int = 0, hpg: int = 8, o_lora: int = 1024, hidden: int = 4096):
@@ -158,6 +159,29 @@ def bench_o_proj(job) -> str:
     return table(["T", "o_proj", "µs", "time / first", "rel err vs first"], rows)
 
 
+def _decode_step_times(eng, spec, layers) -> dict[int, tuple[float, float]]:
+    """Per layer, the median µs of a decode step (64 requests x 2 tokens, after a 600-token prefill)
+    and of the all-reduce within it (0 when ranks are simulated)."""
+    g = torch.Generator().manual_seed(1)
+    nreq, prompt = 64, 600
+    for r in range(nreq):
+        eng.add_request(r)
+    for start in range(0, prompt, 300):
+        x = torch.randn(nreq * 300, spec.hidden_size, generator=g)
+        pos = torch.arange(start, start + 300).repeat(nreq)
+        eng.step(x, pos, [r for r in range(nreq) for _ in range(300)])
+    times: dict[int, list] = {l: [] for l in layers}
+    for step in range(8):
+        x = torch.randn(nreq * 2, spec.hidden_size, generator=g)
+        p0 = prompt + 2 * step
+        out = eng.step(x, torch.tensor([p0, p0 + 1] * nreq), [r for r in range(nreq) for _ in range(2)])
+        for l in layers:
+            times[l].append((out.seconds[l] * 1e6, out.reduce_seconds.get(l, 0.0) * 1e6))
+    for r in range(nreq):
+        eng.release(r)
+    return {l: (statistics.median(t for t, _ in v[2:]), statistics.median(a for _, a in v[2:])) for l, v in times.items()}
+
+
 def bench_layer_step(job) -> str:
     """Decode steps of the whole layer (one of each type, the job's model) per available backend preset."""
     from dataclasses import replace
@@ -172,7 +196,8 @@ def bench_layer_step(job) -> str:
     kernels = {k.name: k for k in _available(job, "mqa_kernel")}
     oprojs = {o.name: o for o in _available(job, "o_proj")}
     combos = [("reference", kernels.get("reference"), oprojs.get("reference")),
-              ("flashmla + deepgemm_fp8", kernels.get("flashmla_sparse"), oprojs.get("deepgemm_fp8"))]
+              ("flashmla + deepgemm_fp8", kernels.get("flashmla_sparse"), oprojs.get("deepgemm_fp8")),
+              ("triton_sparse + deepgemm_fp8", kernels.get("triton_sparse"), oprojs.get("deepgemm_fp8"))]
     layers = job.spec.one_layer_per_type()
     weights = {l: random_layer_weights(job.spec, l, 0) for l in layers}
     for label, k, o in combos:
@@ -181,32 +206,53 @@ def bench_layer_step(job) -> str:
         c = replace(job.combo, mqa_kernel=k, o_proj=o, cache_layout=Fp8DsMlaLayout(), dtype="bfloat16",
                     head_padding=BucketHeadPadding(name="buckets_64_128", buckets=(64, 128)))
         eng = build_engine(replace(job, combo=c), weights, PoolConfig(swa_blocks=1024, compressed_blocks=512))
-        g = torch.Generator().manual_seed(1)
-        nreq, prompt = 64, 600
-        for r in range(nreq):
-            eng.add_request(r)
-        for start in range(0, prompt, 300):
-            x = torch.randn(nreq * 300, job.spec.hidden_size, generator=g)
-            pos = torch.arange(start, start + 300).repeat(nreq)
-            eng.step(x, pos, [r for r in range(nreq) for _ in range(300)])
-        times = {l: [] for l in layers}
-        for step in range(8):
-            x = torch.randn(nreq * 2, job.spec.hidden_size, generator=g)
-            p0 = prompt + 2 * step
-            out = eng.step(x, torch.tensor([p0, p0 + 1] * nreq), [r for r in range(nreq) for _ in range(2)])
-            for l in layers:
-                times[l].append(out.seconds[l] * 1e6)
-        for l in layers:
-            rows.append([label, job.spec.layer_type(l), nreq, 2, f"{statistics.median(times[l][2:]):.0f}"])
+        for l, (us, _) in _decode_step_times(eng, job.spec, layers).items():
+            rows.append([label, job.spec.layer_type(l), 64, 2, f"{us:.0f}"])
     return table(["backend", "layer", "requests", "tokens/request", "µs per decode step (eager, median)"], rows)
 
 
-def run_bench(job) -> None:
+def bench_tp_step(job, ranks) -> str | None:
+    """Under torchrun: the job's combination as tp_size processes (all-reduce over the group) beside the
+    same combination in one process at tp_size=1 (rank 0 alone, the others waiting). Rank 0 returns
+    the table."""
+    from dataclasses import replace
+
+    from dsv4.components.builders import PoolConfig
+    from dsv4.components.weights import random_layer_weights
+    from dsv4.runner import build_engine
+
+    layers = job.spec.one_layer_per_type()
+    weights = {l: random_layer_weights(job.spec, l, 0) for l in layers}
+    pool = PoolConfig(swa_blocks=1024, compressed_blocks=512)
+    tp = _decode_step_times(build_engine(job, weights, pool, ranks=ranks), job.spec, layers)
+    torch.cuda.empty_cache()
+    one = None
+    if ranks.is_main:
+        single = replace(job, combo=replace(job.combo, tp_size=1, world_size=None))
+        one = _decode_step_times(build_engine(single, weights, pool), job.spec, layers)
+    ranks.barrier()
+    if not ranks.is_main:
+        return None
+    rows = [[job.spec.layer_type(l), f"{one[l][0]:.0f}", f"{tp[l][0]:.0f}", f"{tp[l][1]:.0f}",
+             f"{tp[l][1] / tp[l][0]:.1%}", f"{one[l][0] / tp[l][0]:.2f}"] for l in layers]
+    return table(["layer", "tp_size=1 µs/step", f"tp_size={ranks.world_size} µs/step", "of which all-reduce µs",
+                  "all-reduce share", "speed-up"], rows)
+
+
+def run_bench(job, ranks=None) -> None:
     from dsv4.errors import ConfigError
 
     if job.device.platform != "cuda" or not torch.cuda.is_available():
         raise ConfigError(f"mode=bench times GPU kernels: deployment gives {job.device.describe()} and this "
                           f"machine has {'a' if torch.cuda.is_available() else 'no'} CUDA GPU")
+    if ranks is not None and ranks.distributed:
+        t = bench_tp_step(job, ranks)
+        if t is not None:
+            print(f"dsv4 bench on {ranks.world_size} x {job.device.describe()}, torch {torch.__version__}; "
+                  f"model={job.spec.name}; " + " ".join(f"{k}={v}" for k, v in job.choices.items()))
+            print(f"\nwhole layer, decode steps after a 600-token prefill, tp_size={ranks.world_size} "
+                  f"(one process per GPU, NCCL all-reduce) beside tp_size=1 (eager, median):\n{t}")
+        return
     print(f"dsv4 bench on {job.device.describe()}, torch {torch.__version__}; model={job.spec.name}")
     print("\nsparse MQA decode, fp8_ds_mla pages (153 MB per cache), full index lists:\n" + bench_mqa(job))
     print("\no_proj, G=8 groups of 8 heads, 4096 -> 1024 per group, then wo_b:\n" + bench_o_proj(job))

@@ -27,6 +27,7 @@ class Combination:
     cache_layout: object
     tp_size: int = 1
     dtype: str = "float32"
+    world_size: int | None = None      # processes of a torchrun launch (one per rank); None: not launched so
 
     @property
     def local_heads(self) -> int | None:
@@ -50,6 +51,15 @@ def _tp_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
                     supported=tuple(map(str, ok)), fix=f"tp_size={best}")]
 
 
+def _world_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
+    if c.world_size is None or c.world_size == c.tp_size:
+        return []
+    return [Problem(group="tp_size", value=str(c.tp_size),
+                    reason=f"the job was launched as {c.world_size} processes (torchrun --nproc-per-node "
+                           f"{c.world_size}), one per tensor-parallel rank, so tp_size must equal that world size",
+                    supported=(str(c.world_size),), fix=f"tp_size={c.world_size}")]
+
+
 def _padding_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
     h = c.local_heads
     if h is None or c.head_padding.padded_heads(h) is not None:
@@ -71,7 +81,8 @@ def _dtype_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
                     supported=ACTIVATION_DTYPES, fix="dtype=float32")]
 
 
-CROSS_RULES: tuple[Callable[[Combination, DeviceInfo], list[Problem]], ...] = (_tp_rule, _padding_rule, _dtype_rule)
+CROSS_RULES: tuple[Callable[[Combination, DeviceInfo], list[Problem]], ...] = (
+    _tp_rule, _world_rule, _padding_rule, _dtype_rule)
 
 
 # The shipped option of each group that runs anywhere, offered when a choice cannot run on a device.

@@ -12,20 +12,25 @@ from dsv4.components.checkpoint import load_or_random
 from dsv4.components.engine import Engine
 from dsv4.dump import write_dump
 from dsv4.memory import GIB, layer_memory, model_memory, summary_lines
+from dsv4.parallel import Ranks
 from dsv4.report import result_row, table, tty_progress, write_row
 from dsv4.workload import Workload, run_workload
 
 
-def build_engine(job, weights: dict[int, dict], pool: PoolConfig, wo_a_fp8: dict | None = None) -> Engine:
+def build_engine(job, weights: dict[int, dict], pool: PoolConfig, wo_a_fp8: dict | None = None,
+                 ranks: Ranks | None = None) -> Engine:
+    """The engine of this process's ranks: all tp_size of them (simulated), or its one rank (distributed)."""
     c, spec, dev = job.combo, job.spec, job.device
+    ranks = ranks or Ranks(tp_size=c.tp_size)
     strategies = Strategies(mqa_kernel=c.mqa_kernel, o_proj=c.o_proj, head_padding=c.head_padding,
                             cache_layout=c.cache_layout)
     layers = {l: [build_layer(spec=spec, layer=l, weights=w, rank=r, tp_size=c.tp_size, strategies=strategies,
                               device=dev, dtype=c.dtype, wo_a_fp8=(wo_a_fp8 or {}).get(l))
-                  for r in range(c.tp_size)] for l, w in weights.items()}
+                  for r in ranks.local] for l, w in weights.items()}
     kvs = {l: [build_layer_kv(spec=spec, layer=l, layout=c.cache_layout, pool=pool, device=dev)
-               for _ in range(c.tp_size)] for l in weights}
-    return Engine(spec=spec, layers=layers, kvs=kvs, device=dev.torch_device)
+               for _ in ranks.local] for l in weights}
+    return Engine(spec=spec, layers=layers, kvs=kvs, device=dev.torch_device,
+                  all_reduce=ranks.all_reduce if ranks.distributed else None)
 
 
 def layer_names(spec, layers) -> dict[int, str]:
@@ -33,7 +38,38 @@ def layer_names(spec, layers) -> dict[int, str]:
     return {l: t if types.count(t) == 1 else f"{t}@{l}" for l, t in zip(layers, types)}
 
 
-def execute(job) -> float:
+def rank_memory(engine: Engine, ranks: Ranks, device) -> list[dict[str, Any]]:
+    """Bytes held by each of this process's ranks: its KV pools, its weights (module buffers and the
+    o_proj's prepared tensors), and the process's peak (GPU allocator peak, or the CPU process's max RSS;
+    shared by all ranks when they are simulated in one process)."""
+    import resource
+
+    def tensor_bytes(obj) -> int:
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, dict):
+            return sum(tensor_bytes(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(tensor_bytes(v) for v in obj)
+        return 0
+
+    if device.platform != "cpu":
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out = []
+    for i, r in enumerate(ranks.local):
+        kv = sum(tensor_bytes(c.data) for kvs in engine.kvs.values() for c in kvs[i].caches.values())
+        w = sum(tensor_bytes(list(m[i].buffers())) + tensor_bytes(m[i].o_proj_prepared) for m in engine.layers.values())
+        out.append({"rank": r, "kv_pool_bytes": kv, "weight_bytes": w, "peak_bytes": peak,
+                    "peak_of": "gpu allocator" if device.platform != "cpu" else "process max RSS"})
+    return out
+
+
+def execute(job, ranks: Ranks | None = None) -> float | None:
+    """Run the workload on this process's ranks; the main rank grades it, prints and writes result.json
+    (other ranks return None)."""
+    ranks = ranks or Ranks(tp_size=job.combo.tp_size)
     cfg, spec, c = job.cfg, job.spec, job.combo
     wl = Workload.from_config(OmegaConf.to_container(cfg.workload, resolve=True))
     pool = PoolConfig.from_config(OmegaConf.to_container(cfg.workload.kv_pool, resolve=True))
@@ -41,8 +77,12 @@ def execute(job) -> float:
     seed = int(cfg.seed)
     torch.manual_seed(seed)
     weights, wo_a_fp8 = load_or_random(job, layers, seed)
-    engine = build_engine(job, weights, pool, wo_a_fp8)
-    rec_raw = run_workload(engine, wl, hidden_size=spec.hidden_size, seed=seed, progress=tty_progress())
+    engine = build_engine(job, weights, pool, wo_a_fp8, ranks)
+    rec_raw = run_workload(engine, wl, hidden_size=spec.hidden_size, seed=seed,
+                           progress=tty_progress() if ranks.is_main else None)
+    per_rank = [m for part in ranks.gather(rank_memory(engine, ranks, job.device)) for m in part]
+    if not ranks.is_main:
+        return None
     rec = rec_raw.cat()
 
     row_dtype = c.cache_layout.kv_row_dtype
@@ -70,32 +110,44 @@ def execute(job) -> float:
         pre_s, dec_s = rec_raw.seconds.get(("prefill", l), 0.0), rec_raw.seconds.get(("decode", l), 0.0)
         m["prefill_tok_s"] = rec_raw.tokens.get("prefill", 0) / pre_s if pre_s else None
         m["decode_ms_step"] = 1e3 * dec_s / rec_raw.steps["decode"] if rec_raw.steps.get("decode") else None
+        if ranks.distributed:
+            red = rec_raw.reduce_seconds.get(("decode", l), 0.0)
+            m["decode_allreduce_ms_step"] = 1e3 * red / rec_raw.steps["decode"] if rec_raw.steps.get("decode") else None
         m |= layer_memory(spec, R, c.cache_layout).as_dict()
         m["pool_bytes_at_end"] = rec_raw.pool_bytes[l]
         metrics[names[l]] = m
         rows.append([names[l], l, m["rel_err"], f"{m['cosine']:.7f}", m.get("rel_err_vs_f32_kv"), m.get("topk_exact"),
-                     m["prefill_tok_s"], m["decode_ms_step"], m["kv_bytes_per_token"] + m["indexer_bytes_per_token"],
-                     m["swa_bytes_per_request"] / 1024])
+                     m["prefill_tok_s"], m["decode_ms_step"]]
+                    + ([m["decode_allreduce_ms_step"]] if ranks.distributed else [])
+                    + [m["kv_bytes_per_token"] + m["indexer_bytes_per_token"], m["swa_bytes_per_request"] / 1024])
     metrics["max_rel_err"] = max(m["rel_err"] for m in metrics.values())
     metrics["kv_gib_per_1m_tokens"] = model_memory(spec, c.cache_layout)["total_bytes"] / GIB
+    metrics["ranks"] = per_rank
 
     wdict = {"prompt_lens": list(wl.prompt_lens), "prefill_chunk": wl.prefill_chunk, "decode_steps": wl.decode_steps,
              "decode_tokens": wl.decode_tokens, "layers": list(layers), "tokens": int(rec["positions"].numel())}
+    how = f"{ranks.world_size} processes ({job.device.platform} ranks, torch.distributed)" if ranks.distributed \
+        else "ranks simulated in one process" if c.tp_size > 1 else "one process"
     print(f"dsv4 run  model={spec.name} on {job.device.describe()}  dtype={c.dtype} tp_size={c.tp_size} "
-          f"kv_row_dtype={row_dtype}")
+          f"({how}) kv_row_dtype={row_dtype}")
     print("  " + " ".join(f"{k}={v}" for k, v in job.choices.items()))
     print(f"  workload: {len(wl.prompt_lens)} requests, prompts {list(wl.prompt_lens)}, prefill chunk "
           f"{wl.prefill_chunk}, {wl.decode_steps} decode steps x {wl.decode_tokens} tokens/request; "
           f"{wdict['tokens']} tokens; errors vs the whole-sequence float32 oracle")
     print(table(["layer", "idx", "rel_err", "cosine", "rel_err f32 KV", "topk exact", "prefill tok/s",
-                 "decode ms/step", "KV B/token", "SWA KiB/req"], rows))
+                 "decode ms/step"] + (["of which all-reduce"] if ranks.distributed else [])
+                + ["KV B/token", "SWA KiB/req"], rows))
     print("\n".join(summary_lines(spec, c.cache_layout)))
+    print(f"  per rank ({per_rank[0]['peak_of']} peak): " + "; ".join(
+        f"rank {m['rank']}: KV pools {m['kv_pool_bytes'] / 2**20:.1f} MiB, weights {m['weight_bytes'] / 2**20:.1f} MiB, "
+        f"peak {m['peak_bytes'] / 2**20:.0f} MiB" for m in per_rank))
     if cfg.get("dump_dir"):
         path = write_dump(cfg.dump_dir, spec=spec, layers=weights, record=rec, kv_row_dtype=row_dtype,
                           choices=job.choices, kv_scale=kv_scale)
         print(f"  dump written to {path} (spec.json, tensors.safetensors)")
     path = write_row(job.out_dir, result_row(status="ok", problems=[], choices=job.choices, device=job.device,
-                                             settings={"tp_size": c.tp_size, "dtype": c.dtype, "seed": seed},
+                                             settings={"tp_size": c.tp_size, "dtype": c.dtype, "seed": seed,
+                                                       "processes": ranks.world_size},
                                              workload=wdict, metrics=metrics))
     print(f"  result: {path}")
     return metrics["max_rel_err"]

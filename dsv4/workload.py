@@ -68,6 +68,7 @@ class RunRecord:
     outputs: dict = field(default_factory=dict)         # layer -> list of [n, hidden]
     topk: dict = field(default_factory=dict)            # layer -> list of [n, K]
     seconds: dict = field(default_factory=dict)         # (phase, layer) -> seconds
+    reduce_seconds: dict = field(default_factory=dict)  # (phase, layer) -> of which in the all-reduce
     steps: dict = field(default_factory=dict)           # phase -> count
     tokens: dict = field(default_factory=dict)          # phase -> count
     pool_bytes: dict = field(default_factory=dict)      # layer -> KV bytes held at the end (rank 0)
@@ -110,6 +111,8 @@ def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, pro
         for layer, y in out.outputs.items():
             rec.outputs.setdefault(layer, []).append(y.float().cpu())
             rec.seconds[(phase, layer)] = rec.seconds.get((phase, layer), 0.0) + out.seconds[layer]
+            rec.reduce_seconds[(phase, layer)] = rec.reduce_seconds.get((phase, layer), 0.0) \
+                + out.reduce_seconds.get(layer, 0.0)
         for layer, t in out.topk.items():
             rec.topk.setdefault(layer, []).append(t.cpu())
         rec.steps[phase] = rec.steps.get(phase, 0) + 1

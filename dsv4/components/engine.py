@@ -2,8 +2,9 @@
 
 A step is a batch of tokens from several requests (each request's tokens contiguous, continuing at
 its current length: chunked prefill, decode, or several tokens per request for multi-token
-prediction). Every layer is run as `tp_size` rank modules whose partial outputs are summed, the
-in-process stand-in for wo_b's all-reduce.
+prediction). Every layer is run as this process's rank modules (all `tp_size` of them when ranks are
+simulated in one process, one under torch.distributed); their partial outputs are summed, then
+`all_reduce` (wo_b's all-reduce across processes; none when simulated) sums them over processes.
 
 A step is validated whole before anything is written. A refused step raises InvalidRequest naming
 every bad request and changes nothing; a step that fails later is rolled back (its new pages
@@ -27,12 +28,14 @@ class StepOutput:
     outputs: dict[int, Any] = field(default_factory=dict)     # layer -> [T, hidden] float32
     topk: dict[int, Any] = field(default_factory=dict)        # ratio-4 layer -> [T, K] int32 local
     seconds: dict[int, float] = field(default_factory=dict)   # layer -> wall time of its forward
+    reduce_seconds: dict[int, float] = field(default_factory=dict)   # layer -> of which the all-reduce
 
 
 class Engine:
     def __init__(self, *, spec: ModelSpec, layers: dict[int, list], kvs: dict[int, list[LayerKV]],
-                 device: str) -> None:
+                 device: str, all_reduce: Callable[[Any], Any] | None = None) -> None:
         self.spec, self.layers, self.kvs, self.device = spec, layers, kvs, device
+        self.all_reduce = all_reduce
         self.lengths: dict[Hashable, int] = {}
 
     def add_request(self, rid: Hashable) -> None:
@@ -137,6 +140,14 @@ class Engine:
                 states[layer].append(r.states)
                 if r.topk is not None:
                     result.topk[layer] = r.topk
+            if self.all_reduce is not None:
+                if x.is_cuda:
+                    torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                total = self.all_reduce(total)
+                if x.is_cuda:
+                    torch.cuda.synchronize()
+                result.reduce_seconds[layer] = time.perf_counter() - t1
             if x.is_cuda:
                 torch.cuda.synchronize()
             result.seconds[layer] = time.perf_counter() - t0

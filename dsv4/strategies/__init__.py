@@ -11,8 +11,9 @@ from dsv4.strategies.mqa_kernel import ReferenceMQA
 from dsv4.strategies.o_proj import ReferenceOProj
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, MQAKernelStrategy, Needs,
                                        OProjStrategy, OProjWeights, SparseKV)
+from dsv4.strategies.triton_sparse import TritonSparseMQA
 
 __all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8OProj", "FlashInferSparse", "FlashMLASparse",
            "Fp8DsMlaFnuzLayout", "Fp8DsMlaLayout", "Fp8PerTensorLayout", "TorchFp8OProj", "HeadPaddingPolicy", "MQAKernelStrategy",
            "Needs", "NoHeadPadding", "OProjStrategy", "OProjWeights", "PlainRowLayout", "ReferenceMQA",
-           "ReferenceOProj", "RocmBf16OProj", "SparseKV"]
+           "ReferenceOProj", "RocmBf16OProj", "SparseKV", "TritonSparseMQA"]

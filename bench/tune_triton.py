@@ -1,0 +1,93 @@
+"""Tuning sweep for the Triton kernels on a GPU, FlashMLA beside them in the same process.
+
+  python bench/tune_triton.py            # launch parameters of mqa_kernel=triton_sparse on GPU.md's decode
+                                         # cases, prefill at 4096 tokens, the fused o_proj prologue vs a copy
+
+The shipped defaults (configs/mqa_kernel/triton_sparse.yaml, inv_rope_fp8_quant's) come from this sweep.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsv4.bench import POOL_BLOCKS, graph_time_us, oproj_case, sparse_case
+from dsv4.components.rope import Rope
+from dsv4.reference import rel_err
+from dsv4.strategies import FlashMLASparse
+from dsv4.strategies.triton_sparse import TritonSparseMQA
+from dsv4.device import detect
+from tests.conftest import tiny_spec
+
+CASES = [("h64 128+512", 64, 64, 512, 1, 1), ("h64 128+512", 64, 64, 512, 64, 2),
+         ("h64 128+512", 64, 64, 512, 128, 1), ("h64 128+512", 64, 64, 512, 128, 2),
+         ("h128 128+1024", 128, 64, 1024, 128, 2), ("h64 128+512", 64, 64, 512, 2048, 2)]
+CONFIGS = [dict(block_h=bh, block_n=bn, num_warps=w) for bh in (16, 32, 64) for bn in (32, 64) for w in (4, 8)]
+
+
+def _compiled_stats():
+    """Registers and spills of the last compiled sparse-MQA kernel launched (Triton returns it from run)."""
+    from dsv4.kernels import sparse_mqa as mod
+
+    seen = {}
+    run = mod._sparse_mqa_kernel.run
+
+    def spy(*a, **kw):
+        k = run(*a, **kw)
+        seen["k"] = k
+        return k
+
+    mod._sparse_mqa_kernel.run = spy
+    return seen
+
+
+def decode(cases=CASES) -> None:
+    dev = detect()
+    scale = 512 ** -0.5
+    fm = FlashMLASparse()
+    fprep = fm.prepare(device=dev)
+    seen = _compiled_stats()
+    for label, H, eb, ew, b, sq in cases:
+        T = b * sq
+        q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
+                                  extra_blocks=POOL_BLOCKS, full=True)
+        ref, _ = fm(q, kv, sink=sink, scale=scale, prepared=fprep)
+        t_fm = graph_time_us(lambda: fm(q, kv, sink=sink, scale=scale, prepared=fprep))
+        print(f"\n{label}, b={b}, s_q={sq}: FlashMLA {t_fm:.1f} µs\n| config | µs | / FlashMLA | regs | spills | rel err |"
+              "\n|---|---|---|---|---|---|")
+        for c in CONFIGS:
+            k = TritonSparseMQA(**c)
+            name = " ".join(f"{a}={v}" for a, v in c.items())
+            try:
+                out, _ = k(q, kv, sink=sink, scale=scale)
+                us = graph_time_us(lambda: k(q, kv, sink=sink, scale=scale))
+                ck = seen.get("k")
+                print(f"| {name} | {us:.1f} | {us / t_fm:.2f} | {getattr(ck, 'n_regs', '-')} | "
+                      f"{getattr(ck, 'n_spills', '-')} | {rel_err(out, ref):.1e} |", flush=True)
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is a row, not a stop
+                print(f"| {name} | {type(e).__name__}: {str(e)[:80]} |", flush=True)
+
+
+def prologue() -> None:
+    from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
+
+    rope = Rope.for_layer(tiny_spec(), 4)
+    w, o, pos = oproj_case(4096, 8)
+    c, s = rope.cos_sin(pos)
+    moved = o.numel() * 2 + o.numel() + o.numel() // 128 * 4
+    dst = torch.empty_like(o)
+    t_copy = graph_time_us(lambda: dst.copy_(o))
+    print(f"\nprologue at T=4096 (64 heads x 512): copy of o {t_copy:.1f} µs = {2 * o.numel() * 2 / t_copy / 1e3:.0f} GB/s")
+    print("| blocks/program | warps | µs | GB/s |\n|---|---|---|---|")
+    for bpp in (2, 4, 8, 16, 32):
+        for nw in (1, 2, 4, 8):
+            t = graph_time_us(lambda: inv_rope_fp8_quant(o, c, s, 8, blocks_per_program=bpp, num_warps=nw))
+            print(f"| {bpp} | {nw} | {t:.1f} | {moved / t / 1e3:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "quick" in sys.argv:
+        decode([CASES[0], CASES[3]])
+    else:
+        decode()
+        prologue()

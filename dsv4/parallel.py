@@ -1,0 +1,162 @@
+"""Tensor parallelism across processes with torch.distributed: one process per rank.
+
+Each process builds only its rank's layer modules (its heads, sinks and output groups; wq_b and wo_a
+column-parallel, wo_b row-parallel) and its own KV pools; the compressor and indexer are replicated
+(DSV4_SPEC §1.2). The ranks' partial outputs are summed by an all-reduce over the process group --
+gloo on the CPU, nccl on GPUs.
+
+Three ways ranks come about (`parallel.launcher`):
+  auto      launched by `torchrun --nproc-per-node N run.py ...`: this process is one rank (the world
+            size comes from torchrun's environment and must equal tp_size); otherwise ranks are
+            simulated in this one process (their partial outputs summed, no torch.distributed)
+  spawn     this job starts tp_size processes itself (what a Hydra multirun over tp_size uses)
+  simulated always the single-process stand-in
+
+A rank that fails prints `rank R failed: ...` and exits with status 1 at once. The others are then
+stopped by the launcher (torchrun and spawn end the remaining workers when one fails); a collective
+that still waits gives up after `parallel.timeout_s`, so no rank hangs.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+LAUNCHERS = ("auto", "spawn", "simulated")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelConfig:
+    launcher: str = "auto"
+    backend: str = "auto"
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        from dsv4.errors import ConfigError
+
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError(f"parallel.launcher={self.launcher}: expected one of {', '.join(LAUNCHERS)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"parallel.backend={self.backend}: expected one of {', '.join(BACKENDS)}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"parallel.timeout_s={self.timeout_s}: must be > 0")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ParallelConfig":
+        cfg = dict(cfg or {})
+        return cls(launcher=str(cfg.get("launcher", "auto")), backend=str(cfg.get("backend", "auto")),
+                   timeout_s=float(cfg.get("timeout_s", 60.0)))
+
+
+def torchrun_world_size() -> int | None:
+    """The world size when this process was started by torchrun (or any launcher that sets the
+    env:// variables), else None."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def backend_for(platform: str, requested: str = "auto") -> str:
+    if requested != "auto":
+        return requested
+    return "gloo" if platform == "cpu" else "nccl"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ranks:
+    """Which tensor-parallel ranks this process runs, and how their partial outputs are summed."""
+    rank: int = 0                   # this process's rank (0 when simulated)
+    world_size: int = 1             # processes in the group (1 when simulated)
+    tp_size: int = 1
+    distributed: bool = False
+
+    @property
+    def local(self) -> list[int]:
+        return [self.rank] if self.distributed else list(range(self.tp_size))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, t):
+        """Sum of every rank's `t` (in place); the identity when simulated (the engine sums locally)."""
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(t)
+        return t
+
+    def gather(self, obj: Any) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+def init(*, platform: str, tp_size: int, config: ParallelConfig) -> Ranks:
+    """Join the process group torchrun (or `spawn`) set up in the environment; pin this rank's GPU."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = backend_for(platform, config.backend)
+    if platform != "cpu":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % max(torch.cuda.device_count(), 1))
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=config.timeout_s))
+    return Ranks(rank=rank, world_size=world, tp_size=tp_size, distributed=True)
+
+
+def shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def fail_rank(rank: int, e: BaseException) -> None:
+    """Say which rank failed and why, then leave at once (no atexit handlers, no collective teardown
+    that would wait for the others)."""
+    import traceback
+
+    from dsv4.errors import ConfigError, IncompatibleCombination, InvalidRequest
+
+    if not isinstance(e, (ConfigError, IncompatibleCombination, InvalidRequest)):
+        traceback.print_exception(e)
+    print(f"rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned(local_rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fn(*args)
+
+
+def spawn(fn: Callable, world: int, *args) -> None:
+    """Run fn(*args) in `world` new processes set up as torchrun would (env://). Returns when all have
+    finished; if one fails, the others are ended and this raises (torch.multiprocessing.spawn)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawned, args=(world, free_port(), fn, args), nprocs=world, join=True)

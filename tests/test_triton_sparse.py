@@ -1,0 +1,99 @@
+"""mqa_kernel=triton_sparse against the reference kernel on the same pages.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 on tiny shapes (CI); on an NVIDIA GPU they are
+compiled (tests marked gpu). Both walk the same cases: SWA-only, ratio-4 and ratio-128 layers; fp8_ds_mla
+(OCP and FNUZ) and bf16 pages; head counts that are not powers of two; split and unsplit columns; lists
+full of -1; queries with no valid row; sinks of ±inf.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # read by triton.jit when the kernel module is imported
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton>=3.7)")
+
+from dsv4.bench import sparse_case  # noqa: E402
+from dsv4.reference import rel_err  # noqa: E402
+from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout, ReferenceMQA  # noqa: E402
+from dsv4.strategies.triton_sparse import TritonSparseMQA  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
+if INTERPRET:
+    pytestmark = pytest.mark.skipif(VERSION < (3, 7), reason="Triton's interpreter before 3.7 cannot take loaded "
+                                    "loop bounds with NumPy 2 (int() of a 1-element array)")
+    DEVICE, BIG = "cpu", False
+else:
+    pytestmark = pytest.mark.gpu
+    DEVICE, BIG = "cuda", True
+LAYOUTS = {"fp8_ds_mla": Fp8DsMlaLayout(), "fp8_ds_mla_fnuz": Fp8DsMlaFnuzLayout(),
+           "bf16": PlainRowLayout(name="bf16", dtype="bfloat16")}
+SCALE = 512 ** -0.5
+
+
+def case(T, H, extra, layout="fp8_ds_mla", seed=0, **kw):
+    eb, ew = extra
+    small = dict(swa_w=16 if not BIG else 128, swa_blocks=4, extra_blocks=4) if not BIG else {}
+    return sparse_case(T, H, extra_block=eb, extra_w=ew if BIG else min(ew, 24), seed=seed,
+                       layout=LAYOUTS[layout], device=DEVICE, **small, **kw)
+
+
+def check_against_reference(out, lse, q, kv, sink):
+    ref, ref_lse = ReferenceMQA()(q.float(), kv, sink=sink, scale=SCALE)
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == q.shape[:2]
+    # bf16 output and P rounded to bf16 before P·V (as FlashMLA does): ~2-5e-3 norm-wise
+    assert rel_err(out, ref) <= 8e-3
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and bool((lse[~fin] == float("inf")).all())
+    assert bool(((lse[fin] - ref_lse[fin]).abs() <= 1e-4 * ref_lse[fin].abs().clamp_min(1)).all())
+    assert bool((out.float()[~fin] == 0).all())
+
+
+LAYER_TYPES = {"swa": (None, 0), "c4a": (64, 512), "c128a": (2, 256)}
+
+
+@pytest.mark.parametrize("layer", list(LAYER_TYPES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("H", [1, 5, 16, 64] + ([128] if BIG else []))
+@pytest.mark.parametrize("T", [1, 37] if BIG else [1, 3])
+def test_matches_reference_on_the_same_pages(layer, layout, H, T):
+    q, kv, sink = case(T, H, LAYER_TYPES[layer], layout, seed=T * 7 + H)
+    out, lse = TritonSparseMQA(block_n=16 if not BIG else 32)(q, kv, sink=sink, scale=SCALE)
+    check_against_reference(out, lse, q, kv, sink)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_column_splits_agree(splits):
+    """Split-K with the combine step gives the single-pass answer (decode-sized and prefill-sized steps)."""
+    q, kv, sink = case(4, 8, LAYER_TYPES["c4a"], seed=3)
+    out, lse = TritonSparseMQA(block_n=16, splits=splits)(q, kv, sink=sink, scale=SCALE)
+    check_against_reference(out, lse, q, kv, sink)
+    one, one_lse = TritonSparseMQA(block_n=16, splits=1)(q, kv, sink=sink, scale=SCALE)
+    assert rel_err(out, one) <= 8e-3 and torch.allclose(lse, one_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_lists_and_sink_infinities():
+    q, kv, sink = case(6, 8, LAYER_TYPES["c4a"], seed=9)
+    kv.swa_indices[0] = -1                              # a list full of -1 with a length that says otherwise
+    kv.swa_lens[1] = 0                                  # no SWA row, no compressed row: output 0, lse +inf
+    kv.extra_lens[1] = 0
+    kv.swa_indices[2, :3] = kv.swa.num_slots + 5        # slots outside the pool count as padding
+    sink = sink.clone()
+    sink[:2], sink[2:4] = float("inf"), float("-inf")
+    for splits in (1, 3):
+        out, lse = TritonSparseMQA(block_n=16, splits=splits)(q, kv, sink=sink, scale=SCALE)
+        assert bool((out[:, :2] == 0).all())            # an infinite sink takes all the mass
+        assert bool((out[1] == 0).all()) and bool((lse[1] == float("inf")).all())
+        check_against_reference(out, lse, q, kv, sink)
+
+
+def test_many_tokens_prefill_step():
+    """A prefill-sized step: every token its own lists, no splitting needed."""
+    q, kv, sink = case(300 if BIG else 40, 16, LAYER_TYPES["c4a"], seed=4)
+    out, lse = TritonSparseMQA(block_n=16)(q, kv, sink=sink, scale=SCALE)
+    check_against_reference(out, lse, q, kv, sink)
