@@ -2,12 +2,11 @@
 # What produced docs/benchmarks.md's two-GPU (#10) and Triton (#5) sections, on the lent 2 x H200 machine:
 #   bash bench/run_h200_x2.sh check   # GPU tests, whole-layer runs vs the oracle, tp_size=2 vs tp_size=1 outputs
 #   bash bench/run_h200_x2.sh bench   # mode=bench at tp_size=2 (flashmla, triton) and on one GPU
-# Logs go to $OUT (or ./h200_x2). NVLink multicast stays off (NVLS / symmetric-memory multicast): the lent
-# machines do not support it reliably (the device notes' KINDS.md), and a two-rank all-reduce of a few MB
-# does not need it.
+# Logs go to $OUT (or ./h200_x2). NVLink multicast stays off (NVLS, symmetric-memory multicast): on the lent
+# shared hosts a program using it can take the GPUs out of service for everyone (the device notes, KINDS.md).
 set -u
 OUT=${OUT:-h200_x2}; mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 log() { echo "### $*"; timeout 420 "$@" 2>&1 | grep -v "^W1\|^\s*$"; }
 if [ "$1" = check ]; then
   nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,power.draw --format=csv

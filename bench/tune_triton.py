@@ -7,20 +7,23 @@ The shipped defaults (configs/mqa_kernel/triton_sparse.yaml, inv_rope_fp8_quant'
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dsv4.bench import POOL_BLOCKS, graph_time_us, oproj_case, sparse_case
 from dsv4.components.rope import Rope
 from dsv4.reference import rel_err
 from dsv4.strategies import FlashMLASparse
-from dsv4.strategies.triton_sparse import TritonSparseMQA
 from dsv4.device import detect
 from tests.conftest import tiny_spec
 
 CASES = [("h64 128+512", 64, 64, 512, 1, 1), ("h64 128+512", 64, 64, 512, 64, 2),
          ("h64 128+512", 64, 64, 512, 128, 1), ("h64 128+512", 64, 64, 512, 128, 2),
          ("h128 128+1024", 128, 64, 1024, 128, 2), ("h64 128+512", 64, 64, 512, 2048, 2)]
-CONFIGS = [dict(block_h=bh, block_n=bn, num_warps=w) for bh in (16, 32, 64) for bn in (32, 64) for w in (4, 8)]
+CONFIGS = [dict(block_h=bh, block_n=bn, num_warps=w, native_fp8=nat) for bh, bn, w, nat in (
+    (64, 64, 8, True), (64, 32, 8, True), (64, 16, 8, True), (64, 16, 4, True), (64, 32, 4, True),
+    (32, 32, 4, True), (32, 16, 4, True), (16, 32, 4, True), (16, 64, 8, True), (16, 16, 4, True))]
 
 
 def _compiled_stats():
@@ -39,6 +42,15 @@ def _compiled_stats():
     return seen
 
 
+def _kernel(q, kv, sink, **launch):
+    """triton_sparse's kernel with explicit launch parameters."""
+    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+
+    return sparse_mqa(q, sink, 512 ** -0.5, pool_args(kv.swa), kv.swa_indices, kv.swa_lens,
+                      *((pool_args(kv.extra), kv.extra_indices, kv.extra_lens) if kv.extra is not None else ()),
+                      **launch)
+
+
 def decode(cases=CASES) -> None:
     dev = detect()
     scale = 512 ** -0.5
@@ -54,11 +66,13 @@ def decode(cases=CASES) -> None:
         print(f"\n{label}, b={b}, s_q={sq}: FlashMLA {t_fm:.1f} µs\n| config | µs | / FlashMLA | regs | spills | rel err |"
               "\n|---|---|---|---|---|---|")
         for c in CONFIGS:
-            k = TritonSparseMQA(**c)
+            if c["block_h"] > H:
+                continue
+            k = functools.partial(_kernel, **c)
             name = " ".join(f"{a}={v}" for a, v in c.items())
             try:
-                out, _ = k(q, kv, sink=sink, scale=scale)
-                us = graph_time_us(lambda: k(q, kv, sink=sink, scale=scale))
+                out, _ = k(q, kv, sink)
+                us = graph_time_us(lambda: k(q, kv, sink))
                 ck = seen.get("k")
                 print(f"| {name} | {us:.1f} | {us / t_fm:.2f} | {getattr(ck, 'n_regs', '-')} | "
                       f"{getattr(ck, 'n_spills', '-')} | {rel_err(out, ref):.1e} |", flush=True)

@@ -23,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.memory import memory_table
-from dsv4.parallel import ParallelConfig, torchrun_world_size
 from dsv4.errors import ConfigError, IncompatibleCombination, InvalidRequest, Problem
+from dsv4.parallel import ParallelConfig, torchrun_world_size
 from dsv4.report import result_row, table, write_row
 from dsv4.spec import ModelSpec
 

@@ -92,6 +92,19 @@ def test_empty_lists_and_sink_infinities():
         check_against_reference(out, lse, q, kv, sink)
 
 
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "fp8_ds_mla_fnuz"])
+def test_both_e4m3_decodings(native, layout):
+    """The hardware e4m3 conversion (OCP bytes on sm89+) and the integer decoding read the same values;
+    FNUZ bytes always take the integer decoding."""
+    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+
+    q, kv, sink = case(5, 16, LAYER_TYPES["c4a"], layout, seed=6)
+    out, lse = sparse_mqa(q, sink, SCALE, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, pool_args(kv.extra),
+                          kv.extra_indices, kv.extra_lens, block_n=16, native_fp8=native)
+    check_against_reference(out, lse, q, kv, sink)
+
+
 def test_many_tokens_prefill_step():
     """A prefill-sized step: every token its own lists, no splitting needed."""
     q, kv, sink = case(300 if BIG else 40, 16, LAYER_TYPES["c4a"], seed=4)

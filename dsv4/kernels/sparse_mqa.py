@@ -6,10 +6,11 @@ to bf16 in registers, and runs an online softmax (log2 domain) with tensor-core 
 P·V (V = K). With one split the program finishes the softmax itself, sink in the denominator;
 otherwise it writes its unnormalized partial (acc, max, sum) and `_combine` merges the splits.
 
-Row decoding (DSV4_SPEC §3.2) is integer arithmetic, so it needs no fp8 hardware and runs the same
-under TRITON_INTERPRET=1: an e4m3 byte's 7 magnitude bits shifted left by 7, with its sign moved to
-bit 15, are an fp16 whose value is the e4m3 value times 2^-8 (OCP, bias 7) or 2^-7 (FNUZ, bias 8),
-subnormals included; that factor goes into the tile's power-of-two scale 2^(E-127). The product is a
+Row decoding (DSV4_SPEC §3.2): on GPUs that convert OCP e4m3 in hardware (NVIDIA sm89+) the bytes go
+through that conversion; everywhere else (FNUZ bytes, A100, AMD) it is integer arithmetic, which needs
+no fp8 hardware: an e4m3 byte's 7 magnitude bits shifted left by 7, with its sign moved to bit 15, are
+an fp16 whose value is the e4m3 value times 2^-8 (OCP, bias 7) or 2^-7 (FNUZ, bias 8), subnormals
+included; that factor goes into the tile's power-of-two scale 2^(E-127). Either way the value is a
 4-bit mantissa times a power of two, so its bf16 rounding is exact.
 
 Under TRITON_INTERPRET=1 (CPU tests) the dots take the same bf16-rounded operands widened to float32:
@@ -24,15 +25,16 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 # how a cache's rows are stored (its layout's kv_row_dtype): bf16 rows, fp8_ds_mla records with OCP or
 # FNUZ e4m3 NoPE bytes
 LAYOUT_CODES = {"bfloat16": 0, "fp8_ds_mla": 1, "fp8_ds_mla_fnuz": 2}
 
 
 @triton.jit
-def _rows(u8, bf, slots, ok, block_size, page_stride, LAYOUT: tl.constexpr, D: tl.constexpr):
-    """The rows at `slots` [BN] as bf16 [BN, D] (zeros where not `ok`)."""
+def _rows(u8, bf, slots, ok, block_size, page_stride, LAYOUT: tl.constexpr, D: tl.constexpr,
+          NATIVE: tl.constexpr):
+    """The rows at `slots` [BN] as bf16 [BN, D] (zeros where not `ok`). NATIVE: OCP e4m3 bytes through
+    the hardware conversion (sm89+); otherwise the integer decoding above."""
     d = tl.arange(0, D)
     if LAYOUT == 0:
         return tl.load(bf + slots.to(tl.int64)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
@@ -43,27 +45,34 @@ def _rows(u8, bf, slots, ok, block_size, page_stride, LAYOUT: tl.constexpr, D: t
     base = page * page_stride + t * (NOPE + 128)                  # 576 data bytes per row
     scl = page * page_stride + block_size * (NOPE + 128) + t * 8  # then 8 scale bytes per row
     nope = (d < NOPE)[None, :] & ok[:, None]
-    byte = tl.load(u8 + base[:, None] + d[None, :], mask=nope, other=0).to(tl.uint16)
-    half = (((byte & 0x7F) << 7) | ((byte & 0x80) << 8)).to(tl.float16, bitcast=True)
-    # a row's 8 scale bytes loaded once, each widened over its 64 dims (the 8th, a zero pad, over RoPE)
+    byte = tl.load(u8 + base[:, None] + d[None, :], mask=nope, other=0)
+    if NATIVE and LAYOUT == 1:
+        fix: tl.constexpr = 0
+        value = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        fix: tl.constexpr = 8 if LAYOUT == 1 else 7               # the fp16 view's 2^-8 / 2^-7
+        b16 = byte.to(tl.uint16)
+        value = (((b16 & 0x7F) << 7) | ((b16 & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+    # a row's 8 scale bytes loaded once, made powers of two, each widened over its 64 dims (the 8th, a
+    # zero pad, over RoPE)
     e8 = tl.load(u8 + scl[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    e = tl.reshape(tl.broadcast_to(e8[:, :, None], [e8.shape[0], 8, 64]), [e8.shape[0], D])
-    fix: tl.constexpr = 8 if LAYOUT == 1 else 7                   # the fp16 view's 2^-8 / 2^-7
-    scale = ((e + fix) << 23).to(tl.float32, bitcast=True)
+    s8 = ((e8 + fix) << 23).to(tl.float32, bitcast=True)
+    scale = tl.reshape(tl.broadcast_to(s8[:, :, None], [s8.shape[0], 8, 64]), [s8.shape[0], D])
     rope = tl.load(bf + ((base + NOPE) // 2)[:, None] + (d - NOPE)[None, :],
                    mask=(d >= NOPE)[None, :] & ok[:, None], other=0.0)
-    return tl.where((d < NOPE)[None, :], half.to(tl.float32) * scale, rope.to(tl.float32)).to(tl.bfloat16)
+    return tl.where((d < NOPE)[None, :], value * scale, rope.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
 def _attend(q, m, l, acc, idx_ptr, lo, hi, num_slots, u8, bf, block_size, page_stride, qk_scale,
-            LAYOUT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
+            LAYOUT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
+            NATIVE: tl.constexpr):
     """Online softmax over index columns [lo, hi) of one token's list."""
     for c in range(lo, hi, BN):
         cols = c + tl.arange(0, BN)
         slots = tl.load(idx_ptr + cols, mask=cols < hi, other=-1)
         ok = (cols < hi) & (slots >= 0) & (slots < num_slots)
-        k = _rows(u8, bf, slots, ok, block_size, page_stride, LAYOUT, D).to(DOT)
+        k = _rows(u8, bf, slots, ok, block_size, page_stride, LAYOUT, D, NATIVE).to(DOT)
         s = tl.dot(q, tl.trans(k)) * qk_scale                    # log2 domain
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -94,7 +103,8 @@ def _sparse_mqa_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
                        e_u8, e_bf, e_idx, e_len, e_w, e_bs, e_stride, e_slots,
                        H, chunk, qk_scale, n_splits,
                        S_LAYOUT: tl.constexpr, E_LAYOUT: tl.constexpr, HAS_EXTRA: tl.constexpr, SPLIT: tl.constexpr,
-                       BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr):
+                       BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
+                       NATIVE: tl.constexpr):
     t = tl.program_id(0)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     split = tl.program_id(2)
@@ -109,12 +119,12 @@ def _sparse_mqa_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
     c1 = c0 + chunk
     n_swa = tl.minimum(tl.load(s_len + t), s_w)
     m, l, acc = _attend(q, m, l, acc, s_idx + t.to(tl.int64) * s_w, c0, tl.minimum(c1, n_swa), s_slots,
-                        s_u8, s_bf, s_bs, s_stride, qk_scale, S_LAYOUT, BN, D, DOT)
+                        s_u8, s_bf, s_bs, s_stride, qk_scale, S_LAYOUT, BN, D, DOT, NATIVE)
     if HAS_EXTRA:
         n_ext = tl.minimum(tl.load(e_len + t), e_w)
         m, l, acc = _attend(q, m, l, acc, e_idx + t.to(tl.int64) * e_w, tl.maximum(c0 - s_w, 0),
                             tl.minimum(c1 - s_w, n_ext), e_slots, e_u8, e_bf, e_bs, e_stride, qk_scale,
-                            E_LAYOUT, BN, D, DOT)
+                            E_LAYOUT, BN, D, DOT, NATIVE)
     if not SPLIT:
         sink_l2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
         row = t.to(tl.int64) * H + heads
@@ -151,6 +161,16 @@ def _combine(po_ptr, pml_ptr, sink_ptr, out_ptr, lse_ptr, H, n_splits, BH: tl.co
 
 
 @functools.lru_cache(maxsize=None)
+def native_e4m3(device) -> bool:
+    """Whether `device` converts OCP e4m3 in hardware (NVIDIA sm89 and newer; not ROCm's FNUZ-only gfx942)."""
+    import torch
+
+    if device.type != "cuda" or getattr(torch.version, "hip", None):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
 def _processors(device) -> int:
     import torch
 
@@ -163,7 +183,11 @@ def pool_args(cache) -> tuple:
     """(layout code, uint8 view, bf16 view, block_size, page stride in bytes, num_slots) of a PagedCache."""
     import torch
 
-    code, data = LAYOUT_CODES[cache.layout.kv_row_dtype], cache.data
+    row = cache.layout.kv_row_dtype
+    if row not in LAYOUT_CODES:
+        raise ValueError(f"mqa_kernel=triton_sparse reads {', '.join(LAYOUT_CODES)} rows, not {row} "
+                         f"(cache {cache.name}); check() refuses this combination")
+    code, data = LAYOUT_CODES[row], cache.data
     if code == 0:
         return code, data, data, cache.block_size, 0, cache.num_slots
     return code, data, data.view(torch.bfloat16), cache.block_size, data.stride(0), cache.num_slots
@@ -195,10 +219,11 @@ def plan_splits(tokens: int, head_blocks: int, columns: int, block_n: int, proce
 
 def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple | None = None, extra_idx=None,
                extra_len=None, *, block_n: int = 64, block_h: int = 0,
-               num_warps: int = 8, num_stages: int = 1, splits: int | None = None):
+               num_warps: int = 8, num_stages: int = 1, splits: int | None = None, native_fp8: bool | None = None):
     """q [T, H, D] -> (out [T, H, D] in q's dtype, lse [T, H] float32, natural log, sink excluded).
 
-    `swa`/`extra` are `pool_args(...)`; index lists [T, W] int32 with -1 padding and lengths [T]."""
+    `swa`/`extra` are `pool_args(...)`; index lists [T, W] int32 with -1 padding and lengths [T].
+    `native_fp8`: decode OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA sm89+)."""
     import torch
 
     T, H, D = q.shape
@@ -224,6 +249,7 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
         H, chunk, scale * LOG2E, n_split,
         S_LAYOUT=swa[0], E_LAYOUT=e[0], HAS_EXTRA=extra is not None,
         SPLIT=n_split > 1, BH=BH, BN=block_n, D=D,
+        NATIVE=native_e4m3(q.device) if native_fp8 is None else native_fp8,
         DOT=tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16, num_warps=num_warps, num_stages=num_stages)
     if n_split > 1:
         _combine[(T, hb)](po, pml, sink.float().contiguous(), out, lse, H, n_split, BH=BH, D=D, num_warps=4)
