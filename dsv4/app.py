@@ -89,7 +89,16 @@ def raise_if(job: Job, problems: list[Problem]) -> None:
 
 
 def settings(job: Job) -> dict[str, Any]:
-    return {"tp_size": job.combo.tp_size, "dtype": job.combo.dtype, "seed": int(job.cfg.seed)}
+    return {"tp_size": job.combo.tp_size, "dtype": job.combo.dtype, "seed": int(job.cfg.seed),
+            "processes": processes(job)}
+
+
+def processes(job: Job) -> int:
+    """How many processes run the job's ranks: one per rank under torchrun or parallel.launcher=spawn."""
+    if job.combo.world_size is not None:
+        return job.combo.world_size
+    spawn = ParallelConfig.from_config(job.cfg.get("parallel")).launcher == "spawn"
+    return job.combo.tp_size if spawn and job.combo.tp_size > 1 else 1
 
 
 def summarize_sweep(cfg: DictConfig) -> None:
@@ -173,10 +182,9 @@ def run_ranks(job: Job) -> float | None:
     from dsv4 import parallel
     from dsv4.runner import execute
 
-    par = ParallelConfig.from_config(job.cfg.get("parallel"))
     if job.combo.world_size is not None:
         return _run_rank(job)
-    if par.launcher == "spawn" and job.combo.tp_size > 1:
+    if processes(job) > 1:
         try:
             parallel.spawn(rank_main, job.combo.tp_size, job.cfg, job.choices, str(job.out_dir))
         except Exception as e:        # the failing rank printed its message; this one names the job
