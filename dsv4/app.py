@@ -42,6 +42,7 @@ class Job:
     combo: Combination
     choices: dict[str, str]
     out_dir: Path
+    parallel: ParallelConfig
 
 
 def instantiate_group(node: Any, group: str = "strategy"):
@@ -64,7 +65,7 @@ def make_job(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir:
                         world_size=torchrun_world_size() if par.launcher == "auto" else None)
     if choices is None:
         choices = {g: getattr(strategies[g], "name", "?") for g in GROUPS} | {"model": spec.name}
-    return Job(cfg=cfg, spec=spec, device=device, combo=combo, choices=dict(choices),
+    return Job(cfg=cfg, spec=spec, device=device, combo=combo, choices=dict(choices), parallel=par,
                out_dir=Path(out_dir) if out_dir is not None else Path.cwd())
 
 
@@ -97,8 +98,7 @@ def processes(job: Job) -> int:
     """How many processes run the job's ranks: one per rank under torchrun or parallel.launcher=spawn."""
     if job.combo.world_size is not None:
         return job.combo.world_size
-    spawn = ParallelConfig.from_config(job.cfg.get("parallel")).launcher == "spawn"
-    return job.combo.tp_size if spawn and job.combo.tp_size > 1 else 1
+    return job.combo.tp_size if job.parallel.launcher == "spawn" and job.combo.tp_size > 1 else 1
 
 
 def summarize_sweep(cfg: DictConfig) -> None:
@@ -151,8 +151,7 @@ def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str
         raise_if(job, problems)
         ranks = None
         if job.combo.world_size is not None:
-            ranks = parallel.init(platform=job.device.platform, tp_size=job.combo.tp_size,
-                                  config=ParallelConfig.from_config(cfg.get("parallel")))
+            ranks = parallel.init(platform=job.device.platform, tp_size=job.combo.tp_size, config=job.parallel)
         run_bench(job, ranks)
         if ranks is not None:
             parallel.shutdown()
@@ -210,10 +209,8 @@ def _run_rank(job: Job) -> float | None:
     from dsv4 import parallel
     from dsv4.runner import execute
 
-    cfg = job.cfg
     try:
-        ranks = parallel.init(platform=job.device.platform, tp_size=job.combo.tp_size,
-                              config=ParallelConfig.from_config(cfg.get("parallel")))
+        ranks = parallel.init(platform=job.device.platform, tp_size=job.combo.tp_size, config=job.parallel)
         value = execute(job, ranks)
         ranks.barrier()
         parallel.shutdown()

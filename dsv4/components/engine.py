@@ -145,11 +145,11 @@ class Engine:
                     torch.cuda.synchronize()
                 t1 = time.perf_counter()
                 total = self.all_reduce(total)
-                if x.is_cuda:
-                    torch.cuda.synchronize()
-                result.reduce_seconds[layer] = time.perf_counter() - t1
             if x.is_cuda:
                 torch.cuda.synchronize()
-            result.seconds[layer] = time.perf_counter() - t0
+            now = time.perf_counter()
+            if self.all_reduce is not None:
+                result.reduce_seconds[layer] = now - t1
+            result.seconds[layer] = now - t0
             result.outputs[layer] = total
         return result, states

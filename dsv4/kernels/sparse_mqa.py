@@ -232,25 +232,26 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    BH = block_h or head_block(T, H, _processors(q.device))
+    procs = _processors(q.device)
+    BH = block_h or head_block(T, H, procs)
     hb = _cdiv(H, BH)
     sw = swa_idx.shape[1]
     ew = extra_idx.shape[1] if extra is not None else 0
-    n_split, chunk = (plan_splits(T, hb, sw + ew, block_n, _processors(q.device)) if splits is None
+    n_split, chunk = (plan_splits(T, hb, sw + ew, block_n, procs) if splits is None
                       else split_columns(sw + ew, splits, block_n))
     po = torch.empty(T * n_split * H * D if n_split > 1 else 1, dtype=torch.float32, device=q.device)
     pml = torch.empty(T * n_split * H * 2 if n_split > 1 else 1, dtype=torch.float32, device=q.device)
-    e = extra if extra is not None else swa
+    sink = sink.float().contiguous()
+    s_idx, s_len = swa_idx.int().contiguous(), swa_len.int().contiguous()
+    e, e_idx, e_len = (extra, extra_idx.int().contiguous(), extra_len.int().contiguous()) if extra is not None \
+        else (swa, s_idx, s_len)                   # no extra cache: never read (HAS_EXTRA=False)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     _sparse_mqa_kernel[(T, hb, n_split)](
-        q, sink.float().contiguous(), out, lse, po, pml,
-        *swa[1:3], swa_idx.int().contiguous(), swa_len.int().contiguous(), sw, *swa[3:],
-        *e[1:3], (extra_idx if extra is not None else swa_idx).int().contiguous(),
-        (extra_len if extra is not None else swa_len).int().contiguous(), ew, *e[3:],
+        q, sink, out, lse, po, pml, *swa[1:3], s_idx, s_len, sw, *swa[3:], *e[1:3], e_idx, e_len, ew, *e[3:],
         H, chunk, scale * LOG2E, n_split,
-        S_LAYOUT=swa[0], E_LAYOUT=e[0], HAS_EXTRA=extra is not None,
-        SPLIT=n_split > 1, BH=BH, BN=block_n, D=D,
+        S_LAYOUT=swa[0], E_LAYOUT=e[0], HAS_EXTRA=extra is not None, SPLIT=n_split > 1, BH=BH, BN=block_n, D=D,
         NATIVE=native_e4m3(q.device) if native_fp8 is None else native_fp8,
-        DOT=tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16, num_warps=num_warps, num_stages=num_stages)
+        DOT=tl.float32 if interpret else tl.bfloat16, num_warps=num_warps, num_stages=num_stages)
     if n_split > 1:
-        _combine[(T, hb)](po, pml, sink.float().contiguous(), out, lse, H, n_split, BH=BH, D=D, num_warps=4)
+        _combine[(T, hb)](po, pml, sink, out, lse, H, n_split, BH=BH, D=D, num_warps=4)
     return out, lse

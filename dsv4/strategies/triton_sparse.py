@@ -1,7 +1,8 @@
 """mqa_kernel=triton_sparse: our Triton sparse MQA (dsv4/kernels/sparse_mqa.py) for any GPU Triton runs on.
 
-It reads the SWA and compressed caches in place -- fp8_ds_mla pages (OCP or FNUZ e4m3, decoded with
-integer arithmetic, so no fp8 hardware is needed) or bf16 rows -- takes any number of heads (no
+It reads the SWA and compressed caches in place -- fp8_ds_mla pages (OCP or FNUZ e4m3: the hardware
+conversion where the GPU has one for the bytes, integer arithmetic elsewhere, so no fp8 hardware is
+needed) or bf16 rows -- takes any number of heads (no
 padding), per-query lists with -1 padding and lengths, splits the index columns across programs
 when there are few queries, and returns the log-sum-exp. Prefill uses the same kernel.
 """
@@ -29,7 +30,7 @@ class TritonSparseMQA:
     def needs(self, device) -> Needs:
         return Needs(platforms=frozenset({"cuda", "rocm"}), archs=TRITON_ARCHS, cache_layouts=READS,
                      dtypes=frozenset({"bfloat16"}), modules=(("triton", "triton"),),
-                     fp8_formats=frozenset({"ocp", "fnuz"}),       # whichever the layout stores, in software
+                     fp8_formats=frozenset({"ocp", "fnuz"}),       # whichever the layout stores
                      model_values=(("head_dim", 512), ("qk_rope_head_dim", 64)))
 
     def prepare(self, *, device) -> None:
