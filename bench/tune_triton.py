@@ -2,6 +2,8 @@
 
   python bench/tune_triton.py            # launch parameters of mqa_kernel=triton_sparse on GPU.md's decode
                                          # cases, prefill at 4096 tokens, the fused o_proj prologue vs a copy
+  python bench/tune_triton.py quick      # the launch sweep on three decode cases
+  python bench/tune_triton.py planned    # the shipped (planned) launch beside FlashMLA, around the planner's switch
 
 The shipped defaults (configs/mqa_kernel/triton_sparse.yaml, inv_rope_fp8_quant's) come from this sweep.
 """
@@ -14,35 +16,43 @@ import torch
 from dsv4.bench import POOL_BLOCKS, graph_time_us, oproj_case, sparse_case
 from dsv4.components.rope import Rope
 from dsv4.reference import rel_err
-from dsv4.strategies import FlashMLASparse
+from dsv4.strategies import FlashMLASparse, TritonSparseMQA
 from dsv4.device import detect
 from tests.conftest import tiny_spec
 
 CASES = [("h64 128+512", 64, 64, 512, 1, 1), ("h64 128+512", 64, 64, 512, 64, 2),
          ("h64 128+512", 64, 64, 512, 128, 1), ("h64 128+512", 64, 64, 512, 128, 2),
          ("h128 128+1024", 128, 64, 1024, 128, 2), ("h64 128+512", 64, 64, 512, 2048, 2)]
-CONFIGS = [dict(block_h=bh, block_n=bn, num_warps=w) for bh, bn, w in (
-    (64, 64, 8), (64, 32, 8), (64, 64, 4), (32, 64, 8), (16, 64, 8), (16, 32, 4))]
+# (the planner's large-step shape, its small-step shape, and the neighbours measured in docs/benchmarks.md)
+CONFIGS = [dict(block_n=128, block_h=64, block_d=128, num_warps_pv=4), dict(block_n=64, block_h=16, block_d=64,
+           num_warps_pv=8), dict(block_n=64, block_h=64, block_d=128, num_warps_pv=4),
+           dict(block_n=128, block_h=64, block_d=64, num_warps_pv=4), dict(block_n=128, block_h=64, block_d=256,
+           num_warps_pv=8), dict(block_n=128, block_h=64, block_d=128, num_warps=8, num_warps_pv=4),
+           dict(block_n=64, block_h=32, block_d=64, num_warps_pv=8)]
 
 
 def _compiled_stats():
-    """Registers and spills of the last compiled sparse-MQA kernel launched (Triton returns it from run)."""
+    """Registers and spills of the last compiled scores and P·V kernels launched (Triton returns them from run)."""
     from dsv4.kernels import sparse_mqa as mod
 
     seen = {}
-    run = mod._sparse_mqa_kernel.run
-
-    def spy(*a, **kw):
-        k = run(*a, **kw)
-        seen["k"] = k
-        return k
-
-    mod._sparse_mqa_kernel.run = spy
+    for key, kernel in (("s", mod._scores_kernel), ("v", mod._pv_kernel)):
+        def spy(*a, _run=kernel.run, _key=key, **kw):
+            k = _run(*a, **kw)
+            seen[_key] = k
+            return k
+        kernel.run = spy
     return seen
 
 
+class _Skip:
+    """Stands in for the P·V kernel to time the scores pass alone."""
+    def __getitem__(self, grid):
+        return lambda *a, **kw: None
+
+
 def _kernel(q, kv, sink, **launch):
-    """triton_sparse's kernel with explicit launch parameters."""
+    """triton_sparse's kernels with explicit launch parameters."""
     from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
 
     return sparse_mqa(q, sink, 512 ** -0.5, pool_args(kv.swa), kv.swa_indices, kv.swa_lens,
@@ -51,6 +61,8 @@ def _kernel(q, kv, sink, **launch):
 
 
 def decode(cases=CASES) -> None:
+    from dsv4.kernels import sparse_mqa as mod
+
     dev = detect()
     scale = 512 ** -0.5
     fm = FlashMLASparse()
@@ -62,21 +74,43 @@ def decode(cases=CASES) -> None:
                                   extra_blocks=POOL_BLOCKS, full=True)
         ref, _ = fm(q, kv, sink=sink, scale=scale, prepared=fprep)
         t_fm = graph_time_us(lambda: fm(q, kv, sink=sink, scale=scale, prepared=fprep))
-        print(f"\n{label}, b={b}, s_q={sq}: FlashMLA {t_fm:.1f} µs\n| config | µs | / FlashMLA | regs | spills | rel err |"
-              "\n|---|---|---|---|---|---|")
-        for c in CONFIGS:
-            if c["block_h"] > H:
+        print(f"\n{label}, b={b}, s_q={sq}: FlashMLA {t_fm:.1f} µs\n| config | µs | / FlashMLA | scores pass µs | "
+              "regs scores/P·V | spills scores/P·V | rel err |\n|---|---|---|---|---|---|---|")
+        for c in CONFIGS + [dict()]:
+            if c.get("block_h", 0) > max(H, 16):
                 continue
             k = functools.partial(_kernel, **c)
-            name = " ".join(f"{a}={v}" for a, v in c.items())
+            name = " ".join(f"{a}={v}" for a, v in c.items()) or "planned"
             try:
                 out, _ = k(q, kv, sink)
                 us = graph_time_us(lambda: k(q, kv, sink))
-                ck = seen.get("k")
-                print(f"| {name} | {us:.1f} | {us / t_fm:.2f} | {getattr(ck, 'n_regs', '-')} | "
-                      f"{getattr(ck, 'n_spills', '-')} | {rel_err(out, ref):.1e} |", flush=True)
+                keep, mod._pv_kernel = mod._pv_kernel, _Skip()
+                try:
+                    us_s = graph_time_us(lambda: k(q, kv, sink))
+                finally:
+                    mod._pv_kernel = keep
+                s, v = seen.get("s"), seen.get("v")
+                print(f"| {name} | {us:.1f} | {us / t_fm:.2f} | {us_s:.1f} | {s.n_regs}/{v.n_regs} | "
+                      f"{s.n_spills}/{v.n_spills} | {rel_err(out, ref):.1e} |", flush=True)
             except Exception as e:  # noqa: BLE001 - a config that does not compile is a row, not a stop
                 print(f"| {name} | {type(e).__name__}: {str(e)[:80]} |", flush=True)
+
+
+def planned() -> None:
+    """mqa_kernel=triton_sparse as shipped (launch planned per step) beside FlashMLA on the same pages."""
+    fm, tr = FlashMLASparse(), TritonSparseMQA()
+    prep = fm.prepare(device=detect())
+    print("| case | FlashMLA µs | triton_sparse µs | ratio | rel diff |\n|---|---|---|---|---|")
+    for label, H, eb, ew, b, sq in CASES[:5] + [("h64 128 SWA only", 64, None, 0, 128, 1),
+                                                ("h64 128+512", 64, 64, 512, 8, 1), ("h64 128+512", 64, 64, 512, 16, 1)]:
+        T = b * sq
+        q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
+                                  extra_blocks=POOL_BLOCKS, full=True)
+        a, _ = fm(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)
+        o, _ = tr(q, kv, sink=sink, scale=512 ** -0.5)
+        t_f = graph_time_us(lambda: fm(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep))
+        t_t = graph_time_us(lambda: tr(q, kv, sink=sink, scale=512 ** -0.5))
+        print(f"| {label} b={b} s_q={sq} | {t_f:.1f} | {t_t:.1f} | {t_t / t_f:.2f} | {rel_err(o, a):.1e} |", flush=True)
 
 
 def prologue() -> None:
@@ -99,7 +133,9 @@ def prologue() -> None:
 if __name__ == "__main__":
     import sys
 
-    if "quick" in sys.argv:
+    if "planned" in sys.argv:
+        planned()
+    elif "quick" in sys.argv:
         decode([CASES[0], CASES[3], CASES[4]])
     else:
         decode()

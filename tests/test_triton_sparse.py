@@ -2,8 +2,9 @@
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 on tiny shapes (CI); on an NVIDIA GPU they are
 compiled (tests marked gpu). Both walk the same cases: SWA-only, ratio-4 and ratio-128 layers; fp8_ds_mla
-(OCP and FNUZ) and bf16 pages; head counts that are not powers of two; split and unsplit columns; lists
-full of -1; queries with no valid row; sinks of ±inf.
+(OCP and FNUZ) and bf16 pages; head counts that are not powers of two; several launch shapes, the
+planner's two included; steps run through the workspace in token chunks; lists full of -1; queries with no
+valid row; sinks of ±inf.
 """
 from __future__ import annotations
 
@@ -67,14 +68,44 @@ def test_matches_reference_on_the_same_pages(layer, layout, H, T):
     check_against_reference(out, lse, q, kv, sink)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 5])
-def test_column_splits_agree(splits):
-    """Split-K with the combine step gives the single-pass answer (decode-sized and prefill-sized steps)."""
-    q, kv, sink = case(4, 8, LAYER_TYPES["c4a"], seed=3)
-    out, lse = TritonSparseMQA(block_n=16, splits=splits)(q, kv, sink=sink, scale=SCALE)
+# the planner's two shapes (small steps, large steps) and others a config may set
+LAUNCHES = [dict(block_n=16, block_h=16, block_d=64, num_warps_pv=8), dict(block_n=32, block_h=64, block_d=128),
+            dict(block_n=16, block_h=32, block_d=256, num_warps=8), dict()]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()) or "planned")
+def test_launch_shapes_agree(launch):
+    """Every launch shape gives the reference's answer, for decode-sized and prefill-sized steps."""
+    for T in (4, 40):
+        q, kv, sink = case(T, 8, LAYER_TYPES["c4a"], seed=3 + T)
+        out, lse = TritonSparseMQA(**launch)(q, kv, sink=sink, scale=SCALE)
+        check_against_reference(out, lse, q, kv, sink)
+
+
+def test_planned_launch_follows_the_step_size():
+    from dsv4.kernels.sparse_mqa import Launch, plan_launch
+
+    assert plan_launch(1, 64, 640, 132) == Launch(64, 16, 64, 8)          # b=1 decode: more, smaller programs
+    assert plan_launch(256, 64, 640, 132) == Launch(128, 64, 128, 4)      # b=128, s_q=2
+    assert plan_launch(256, 5, 640, 132).block_h == 16                    # no wider than the heads need
+
+
+def test_long_steps_run_through_the_workspace_in_chunks(monkeypatch):
+    """A step whose p would overflow the workspace runs in token chunks, with the same answer."""
+    from dsv4.kernels import sparse_mqa as mod
+
+    q, kv, sink = case(7, 8, LAYER_TYPES["c4a"], seed=5)
+    whole, whole_lse = TritonSparseMQA(block_n=16)(q, kv, sink=sink, scale=SCALE)
+    monkeypatch.setattr(mod, "WORKSPACE_BYTES", 4096)                     # a few tokens of p at a time
+    out, lse = TritonSparseMQA(block_n=16)(q, kv, sink=sink, scale=SCALE)
     check_against_reference(out, lse, q, kv, sink)
-    one, one_lse = TritonSparseMQA(block_n=16, splits=1)(q, kv, sink=sink, scale=SCALE)
-    assert rel_err(out, one) <= 8e-3 and torch.allclose(lse, one_lse, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, whole) and torch.equal(lse, whole_lse)
+
+
+@pytest.mark.parametrize("key,value", [("block_d", 96), ("block_n", 48), ("block_h", 8), ("num_warps", 0)])
+def test_bad_launch_shape_is_refused_at_construction(key, value):
+    with pytest.raises(ValueError, match=key):
+        TritonSparseMQA(**{key: value})
 
 
 def test_empty_lists_and_sink_infinities():
@@ -85,8 +116,8 @@ def test_empty_lists_and_sink_infinities():
     kv.swa_indices[2, :3] = kv.swa.num_slots + 5        # slots outside the pool count as padding
     sink = sink.clone()
     sink[:2], sink[2:4] = float("inf"), float("-inf")
-    for splits in (1, 3):
-        out, lse = TritonSparseMQA(block_n=16, splits=splits)(q, kv, sink=sink, scale=SCALE)
+    for launch in LAUNCHES[:2]:
+        out, lse = TritonSparseMQA(**dict(launch, block_n=16))(q, kv, sink=sink, scale=SCALE)
         assert bool((out[:, :2] == 0).all())            # an infinite sink takes all the mass
         assert bool((out[1] == 0).all()) and bool((lse[1] == float("inf")).all())
         check_against_reference(out, lse, q, kv, sink)
@@ -106,7 +137,7 @@ def test_both_e4m3_decodings(native, layout):
 
 
 def test_many_tokens_prefill_step():
-    """A prefill-sized step: every token its own lists, no splitting needed."""
+    """A prefill-sized step: every token its own lists."""
     q, kv, sink = case(300 if BIG else 40, 16, LAYER_TYPES["c4a"], seed=4)
     out, lse = TritonSparseMQA(block_n=16)(q, kv, sink=sink, scale=SCALE)
     check_against_reference(out, lse, q, kv, sink)

@@ -1,16 +1,27 @@
 """Sparse MQA with attention sink in Triton, reading the paged cache in place (mqa_kernel=triton_sparse).
 
-One program per (query token, block of heads, split of the index columns). It walks the token's SWA
-list, then its compressed-cache list, BLOCK_N slots at a time: gathers the named rows, decodes them
-to bf16 in registers, and runs an online softmax (log2 domain) with tensor-core dots for Q·Kᵀ and
-P·V (V = K). With one split the program finishes the softmax itself, sink in the denominator;
-otherwise it writes its unnormalized partial (acc, max, sum) and `_combine` merges the splits.
+Two passes, so that no program holds more than a [heads, rows] or a [heads, dims] tile (a one-pass
+flash kernel owns a [heads, 512] float32 accumulator plus a decoded [rows, 512] tile: 255 registers,
+spills, one program per SM; it measured 1.3-3x slower on the H200, docs/benchmarks.md):
+
+1. `_scores_kernel`, one program per (block of BN index columns of a token's SWA or compressed list,
+   token, head block): gathers the rows, Q·Kᵀ over 8 slices of 64 dims (each slice decoded to bf16 on
+   its own, tensor-core dots), then the block's softmax in the log2 domain against the block's own
+   maximum: p = 2^(s - m_blk) to a bf16 workspace, (m_blk, l_blk) to a float32 one. p <= 1 is rounded to
+   bf16 as FlashMLA rounds P before P·V.
+2. `_pv_kernel`, one program per (block of output dims, token, head block): merges the blocks'
+   statistics into the token's maximum M and sum L, sink in the denominator, then walks the blocks:
+   acc += (p · V[:, dims]) · 2^(m_blk - M), decoding only its own dims of each row (V = K).
+
+The rows are read twice (keys, then values); p is written once and read once per block of dims, from
+L2 (the programs of one token are launched next to each other). Prefill-sized steps go through the
+workspace WORKSPACE_BYTES at a time.
 
 Row decoding (DSV4_SPEC §3.2): on GPUs that convert OCP e4m3 in hardware (NVIDIA sm89+) the bytes go
 through that conversion; everywhere else (FNUZ bytes, A100, AMD) it is integer arithmetic, which needs
 no fp8 hardware: an e4m3 byte's 7 magnitude bits shifted left by 7, with its sign moved to bit 15, are
 an fp16 whose value is the e4m3 value times 2^-8 (OCP, bias 7) or 2^-7 (FNUZ, bias 8), subnormals
-included; that factor goes into the tile's power-of-two scale 2^(E-127). Either way the value is a
+included; that factor goes into the row's power-of-two scale 2^(E-127). Either way the value is a
 4-bit mantissa times a power of two, so its bf16 rounding is exact.
 
 Under TRITON_INTERPRET=1 (CPU tests) the dots take the same bf16-rounded operands widened to float32:
@@ -20,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -28,65 +40,152 @@ LOG2E = 1.4426950408889634
 # how a cache's rows are stored (its layout's kv_row_dtype): bf16 rows, fp8_ds_mla records with OCP or
 # FNUZ e4m3 NoPE bytes
 LAYOUT_CODES = {"bfloat16": 0, "fp8_ds_mla": 1, "fp8_ds_mla_fnuz": 2}
+WORKSPACE_BYTES = 1 << 28      # the bf16 p workspace of one launch; longer steps run in token chunks
 
 
 @triton.jit
-def _rows(u8, bf, slots, ok, block_size, page_stride, LAYOUT: tl.constexpr, D: tl.constexpr,
-          NATIVE: tl.constexpr):
-    """The rows at `slots` [BN] as bf16 [BN, D] (zeros where not `ok`). NATIVE: OCP e4m3 bytes through
-    the hardware conversion (sm89+); otherwise the integer decoding above."""
-    d = tl.arange(0, D)
+def _slice(u8, bf, slots, ok, block_size, page_stride, d0, LAYOUT: tl.constexpr, D: tl.constexpr,
+           W: tl.constexpr, NATIVE: tl.constexpr):
+    """Dims [d0, d0 + W) of the rows at `slots` [BN] as bf16 [BN, W] (zeros where not `ok`); d0 and W
+    multiples of 64. NATIVE: OCP e4m3 bytes through the hardware conversion (sm89+); otherwise the
+    integer decoding above. A row's scale bytes are loaded once per 64 dims and widened in registers."""
+    d = d0 + tl.arange(0, W)
     if LAYOUT == 0:
         return tl.load(bf + slots.to(tl.int64)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
     NOPE: tl.constexpr = D - 64
     slot = tl.where(ok, slots, 0).to(tl.int64)
     page = slot // block_size
     t = slot - page * block_size
-    base = page * page_stride + t * (NOPE + 128)                  # 576 data bytes per row
-    scl = page * page_stride + block_size * (NOPE + 128) + t * 8  # then 8 scale bytes per row
+    base = page * page_stride + t * (NOPE + 128)
+    scl = page * page_stride + block_size * (NOPE + 128) + t * 8
     nope = (d < NOPE)[None, :] & ok[:, None]
     byte = tl.load(u8 + base[:, None] + d[None, :], mask=nope, other=0)
     if NATIVE and LAYOUT == 1:
         fix: tl.constexpr = 0
         value = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        fix: tl.constexpr = 8 if LAYOUT == 1 else 7               # the fp16 view's 2^-8 / 2^-7
+        fix: tl.constexpr = 8 if LAYOUT == 1 else 7
         b16 = byte.to(tl.uint16)
         value = (((b16 & 0x7F) << 7) | ((b16 & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-    # a row's 8 scale bytes loaded once, made powers of two, each widened over its 64 dims (the 8th, a
-    # zero pad, over RoPE)
-    e8 = tl.load(u8 + scl[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    G: tl.constexpr = W // 64
+    e8 = tl.load(u8 + scl[:, None] + d0 // 64 + tl.arange(0, G)[None, :], mask=ok[:, None], other=0).to(tl.int32)
     s8 = ((e8 + fix) << 23).to(tl.float32, bitcast=True)
-    scale = tl.reshape(tl.broadcast_to(s8[:, :, None], [s8.shape[0], 8, 64]), [s8.shape[0], D])
+    scale = tl.reshape(tl.broadcast_to(s8[:, :, None], [s8.shape[0], G, 64]), [s8.shape[0], W])
     rope = tl.load(bf + ((base + NOPE) // 2)[:, None] + (d - NOPE)[None, :],
                    mask=(d >= NOPE)[None, :] & ok[:, None], other=0.0)
     return tl.where((d < NOPE)[None, :], value * scale, rope.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
-def _attend(q, m, l, acc, idx_ptr, lo, hi, num_slots, u8, bf, block_size, page_stride, qk_scale,
-            LAYOUT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
-            NATIVE: tl.constexpr):
-    """Online softmax over index columns [lo, hi) of one token's list."""
-    for c in range(lo, hi, BN):
-        cols = c + tl.arange(0, BN)
-        slots = tl.load(idx_ptr + cols, mask=cols < hi, other=-1)
-        ok = (cols < hi) & (slots >= 0) & (slots < num_slots)
-        k = _rows(u8, bf, slots, ok, block_size, page_stride, LAYOUT, D, NATIVE).to(DOT)
-        s = tl.dot(q, tl.trans(k)) * qk_scale                    # log2 domain
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16).to(DOT), k)
-        m = m_new
-    return m, l, acc
+def _score_block(q_ptr, p_ptr, ml_ptr, t, blk, heads, hmask, H, NC, NB, idx_ptr, lo, n, num_slots, u8, bf,
+                 block_size, page_stride, qk_scale, LAYOUT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                 DOT: tl.constexpr, NATIVE: tl.constexpr):
+    """Q·Kᵀ for BN columns of a token's list, then the block's p and (max, sum) per head."""
+    cols = lo + tl.arange(0, BN)
+    slots = tl.load(idx_ptr + cols, mask=cols < n, other=-1)
+    ok = (cols < n) & (slots >= 0) & (slots < num_slots)
+    qrow = (t.to(tl.int64) * H + heads) * D
+    s = tl.zeros([heads.shape[0], BN], tl.float32)
+    for j in tl.static_range(D // 64):
+        dj = j * 64 + tl.arange(0, 64)
+        qj = tl.load(q_ptr + qrow[:, None] + dj[None, :], mask=hmask[:, None], other=0.0).to(DOT)
+        kj = _slice(u8, bf, slots, ok, block_size, page_stride, j * 64, LAYOUT, D, 64, NATIVE).to(DOT)
+        s += tl.dot(qj, tl.trans(kj))
+    s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+    m = tl.max(s, 1)
+    p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    prow = (t.to(tl.int64) * H + heads) * NC + blk * BN
+    tl.store(p_ptr + prow[:, None] + tl.arange(0, BN)[None, :], p.to(tl.bfloat16), mask=hmask[:, None])
+    mrow = ((t.to(tl.int64) * NB + blk) * H + heads) * 2
+    tl.store(ml_ptr + mrow, m, mask=hmask)
+    tl.store(ml_ptr + mrow + 1, tl.sum(p, 1), mask=hmask)
 
 
 @triton.jit
-def _finish(acc, m, l, sink_l2, out_ptrs, lse_ptrs, hmask):
+def _scores_kernel(q_ptr, p_ptr, ml_ptr,
+                   s_u8, s_bf, s_idx, s_len, s_w, s_bs, s_stride, s_slots,
+                   e_u8, e_bf, e_idx, e_len, e_w, e_bs, e_stride, e_slots,
+                   H, NC, NB, NBS, qk_scale,
+                   S_LAYOUT: tl.constexpr, E_LAYOUT: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                   BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
+    blk = tl.program_id(0)
+    t = tl.program_id(1)
+    heads = tl.program_id(2) * BH + tl.arange(0, BH)
+    hmask = heads < H
+    if blk < NBS:                                   # a block of the SWA list
+        n = tl.minimum(tl.load(s_len + t), s_w)
+        if blk * BN < n:
+            _score_block(q_ptr, p_ptr, ml_ptr, t, blk, heads, hmask, H, NC, NB, s_idx + t.to(tl.int64) * s_w,
+                         blk * BN, n, s_slots, s_u8, s_bf, s_bs, s_stride, qk_scale, S_LAYOUT, BN, D, DOT, NATIVE)
+    elif HAS_EXTRA:                                 # a block of the compressed-cache list
+        n = tl.minimum(tl.load(e_len + t), e_w)
+        if (blk - NBS) * BN < n:
+            _score_block(q_ptr, p_ptr, ml_ptr, t, blk, heads, hmask, H, NC, NB, e_idx + t.to(tl.int64) * e_w,
+                         (blk - NBS) * BN, n, e_slots, e_u8, e_bf, e_bs, e_stride, qk_scale, E_LAYOUT, BN, D,
+                         DOT, NATIVE)
+
+
+@triton.jit
+def _pv_blocks(acc, p_ptr, ml_ptr, t, b0, nb, M_use, heads, hmask, H, NC, NB, idx_ptr, n, num_slots, u8, bf,
+               block_size, page_stride, d0, LAYOUT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+               DB: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
+    """acc += Σ over the list's first nb blocks (workspace blocks b0..) of p · V[:, d0:d0+DB] · 2^(m_blk − M)."""
+    prow = (t.to(tl.int64) * H + heads) * NC
+    for i in range(0, nb):
+        cols = i * BN + tl.arange(0, BN)
+        slots = tl.load(idx_ptr + cols, mask=cols < n, other=-1)
+        ok = (cols < n) & (slots >= 0) & (slots < num_slots)
+        p = tl.load(p_ptr + prow[:, None] + ((b0 + i) * BN + tl.arange(0, BN))[None, :], mask=hmask[:, None],
+                    other=0.0).to(DOT)
+        v = _slice(u8, bf, slots, ok, block_size, page_stride, d0, LAYOUT, D, DB, NATIVE).to(DOT)
+        m = tl.load(ml_ptr + ((t.to(tl.int64) * NB + b0 + i) * H + heads) * 2, mask=hmask, other=float("-inf"))
+        acc += tl.dot(p, v) * tl.exp2(m - M_use)[:, None]
+    return acc
+
+
+@triton.jit
+def _pv_kernel(p_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr,
+               s_u8, s_bf, s_idx, s_len, s_w, s_bs, s_stride, s_slots,
+               e_u8, e_bf, e_idx, e_len, e_w, e_bs, e_stride, e_slots,
+               H, NC, NB, NBS,
+               S_LAYOUT: tl.constexpr, E_LAYOUT: tl.constexpr, HAS_EXTRA: tl.constexpr,
+               BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, NBP: tl.constexpr,
+               DOT: tl.constexpr, NATIVE: tl.constexpr):
+    d0 = tl.program_id(0) * DB
+    t = tl.program_id(1)
+    heads = tl.program_id(2) * BH + tl.arange(0, BH)
+    hmask = heads < H
+    n_s = tl.minimum(tl.load(s_len + t), s_w)
+    nb_s = tl.cdiv(n_s, BN)
+    if HAS_EXTRA:
+        n_e = tl.minimum(tl.load(e_len + t), e_w)
+    else:
+        n_e = 0
+    nb_e = tl.cdiv(n_e, BN)
+    # the token's maximum and sum over the blocks the scores pass wrote
+    b = tl.arange(0, NBP)
+    written = (b < nb_s) | ((b >= NBS) & (b < NBS + nb_e))
+    mrow = ((t.to(tl.int64) * NB + b)[:, None] * H + heads[None, :]) * 2
+    mb = tl.load(ml_ptr + mrow, mask=written[:, None] & hmask[None, :], other=float("-inf"))
+    lb = tl.load(ml_ptr + mrow + 1, mask=written[:, None] & hmask[None, :], other=0.0)
+    M = tl.max(mb, 0)
+    M_use = tl.where(M == float("-inf"), 0.0, M)
+    L = tl.sum(lb * tl.exp2(mb - M_use[None, :]), 0)
+    acc = tl.zeros([BH, DB], tl.float32)
+    acc = _pv_blocks(acc, p_ptr, ml_ptr, t, 0, nb_s, M_use, heads, hmask, H, NC, NB, s_idx + t.to(tl.int64) * s_w,
+                     n_s, s_slots, s_u8, s_bf, s_bs, s_stride, d0, S_LAYOUT, BN, D, DB, DOT, NATIVE)
+    if HAS_EXTRA:
+        acc = _pv_blocks(acc, p_ptr, ml_ptr, t, NBS, nb_e, M_use, heads, hmask, H, NC, NB,
+                         e_idx + t.to(tl.int64) * e_w, n_e, e_slots, e_u8, e_bf, e_bs, e_stride, d0, E_LAYOUT,
+                         BN, D, DB, DOT, NATIVE)
+    sink_l2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
+    row = t.to(tl.int64) * H + heads
+    _finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + (d0 + tl.arange(0, DB))[None, :], lse_ptr + row,
+            hmask, hmask & (heads * 0 + d0 == 0))       # one dims block writes lse
+
+
+@triton.jit
+def _finish(acc, m, l, sink_l2, out_ptrs, lse_ptrs, hmask, lse_mask):
     """Sink in the denominator; a head with no valid row gets 0 and lse = +inf."""
     has = l > 0
     m_use = tl.where(has, m, 0.0)
@@ -94,70 +193,7 @@ def _finish(acc, m, l, sink_l2, out_ptrs, lse_ptrs, hmask):
     out = tl.where(has[:, None], acc / denom[:, None], 0.0)
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=hmask[:, None])
     tl.store(lse_ptrs, tl.where(has, (m_use + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453,
-                                float("inf")), mask=hmask)
-
-
-@triton.jit
-def _sparse_mqa_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr, po_ptr, pml_ptr,
-                       s_u8, s_bf, s_idx, s_len, s_w, s_bs, s_stride, s_slots,
-                       e_u8, e_bf, e_idx, e_len, e_w, e_bs, e_stride, e_slots,
-                       H, chunk, qk_scale, n_splits,
-                       S_LAYOUT: tl.constexpr, E_LAYOUT: tl.constexpr, HAS_EXTRA: tl.constexpr, SPLIT: tl.constexpr,
-                       BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
-                       NATIVE: tl.constexpr):
-    t = tl.program_id(0)
-    heads = tl.program_id(1) * BH + tl.arange(0, BH)
-    split = tl.program_id(2)
-    hmask = heads < H
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + (t.to(tl.int64) * H + heads)[:, None] * D + d[None, :], mask=hmask[:, None],
-                other=0.0).to(tl.bfloat16).to(DOT)
-    m = tl.full([BH], float("-inf"), tl.float32)
-    l = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)
-    c0 = split * chunk
-    c1 = c0 + chunk
-    n_swa = tl.minimum(tl.load(s_len + t), s_w)
-    m, l, acc = _attend(q, m, l, acc, s_idx + t.to(tl.int64) * s_w, c0, tl.minimum(c1, n_swa), s_slots,
-                        s_u8, s_bf, s_bs, s_stride, qk_scale, S_LAYOUT, BN, D, DOT, NATIVE)
-    if HAS_EXTRA:
-        n_ext = tl.minimum(tl.load(e_len + t), e_w)
-        m, l, acc = _attend(q, m, l, acc, e_idx + t.to(tl.int64) * e_w, tl.maximum(c0 - s_w, 0),
-                            tl.minimum(c1 - s_w, n_ext), e_slots, e_u8, e_bf, e_bs, e_stride, qk_scale,
-                            E_LAYOUT, BN, D, DOT, NATIVE)
-    if not SPLIT:
-        sink_l2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
-        row = t.to(tl.int64) * H + heads
-        _finish(acc, m, l, sink_l2, out_ptr + row[:, None] * D + d[None, :], lse_ptr + row, hmask)
-    else:
-        prow = (t.to(tl.int64) * n_splits + split) * H + heads
-        tl.store(po_ptr + prow[:, None] * D + d[None, :], acc, mask=hmask[:, None])
-        tl.store(pml_ptr + prow * 2, m, mask=hmask)
-        tl.store(pml_ptr + prow * 2 + 1, l, mask=hmask)
-
-
-@triton.jit
-def _combine(po_ptr, pml_ptr, sink_ptr, out_ptr, lse_ptr, H, n_splits, BH: tl.constexpr, D: tl.constexpr):
-    """Merge the splits' partials of one token and block of heads."""
-    t = tl.program_id(0)
-    heads = tl.program_id(1) * BH + tl.arange(0, BH)
-    hmask = heads < H
-    d = tl.arange(0, D)
-    M = tl.full([BH], float("-inf"), tl.float32)
-    for s in range(0, n_splits):
-        M = tl.maximum(M, tl.load(pml_ptr + ((t.to(tl.int64) * n_splits + s) * H + heads) * 2, mask=hmask,
-                                  other=float("-inf")))
-    M_use = tl.where(M == float("-inf"), 0.0, M)
-    L = tl.zeros([BH], tl.float32)
-    acc = tl.zeros([BH, D], tl.float32)
-    for s in range(0, n_splits):
-        prow = (t.to(tl.int64) * n_splits + s) * H + heads
-        w = tl.exp2(tl.load(pml_ptr + prow * 2, mask=hmask, other=float("-inf")) - M_use)
-        L += w * tl.load(pml_ptr + prow * 2 + 1, mask=hmask, other=0.0)
-        acc += w[:, None] * tl.load(po_ptr + prow[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
-    sink_l2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
-    row = t.to(tl.int64) * H + heads
-    _finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + d[None, :], lse_ptr + row, hmask)
+                                float("inf")), mask=lse_mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,33 +233,33 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def split_columns(columns: int, splits: int, block_n: int) -> tuple[int, int]:
-    """(splits, columns per split) for about `splits` splits of whole blocks of rows."""
-    chunk = max(1, _cdiv(_cdiv(columns, max(1, splits)), block_n)) * block_n
-    return max(1, _cdiv(columns, chunk)), chunk
+class Launch(NamedTuple):
+    block_n: int      # index columns per scores program (and per P·V step)
+    block_h: int      # heads per program, both passes
+    block_d: int      # output dims per P·V program
+    num_warps_pv: int
 
 
-def head_block(tokens: int, heads: int, processors: int) -> int:
-    """Heads per program: up to 64 (one pass over a token's rows serves them all); 16 when that leaves
-    processors idle (each program then holds a quarter of the accumulator and spills less)."""
+def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launch:
+    """Launch shapes from the step's size (H200 sweeps, docs/benchmarks.md). When the scores pass at
+    128 columns x 64 heads per program gives at least half as many programs as processors: that
+    (4 warps), and 128 output dims per P·V program. Otherwise (decode of a few requests) more, smaller
+    programs: 64 columns x 16 heads, 64 dims with 8 warps (b=1: 21 µs instead of 34 on the H200; 128
+    SWA-only queries, 128 programs: 28 µs with the first shape, 69 with the second)."""
     full = min(64, max(16, triton.next_power_of_2(heads)))
-    return full if tokens * _cdiv(heads, full) >= processors else 16
-
-
-def plan_splits(tokens: int, head_blocks: int, columns: int, block_n: int, processors: int) -> tuple[int, int]:
-    """Split the index columns when tokens x head blocks alone leave processors idle: aim at ~2 programs
-    per processor, each walking at least 2 blocks of rows."""
-    want = _cdiv(2 * processors, max(tokens * head_blocks, 1))
-    return split_columns(columns, min(want, _cdiv(columns, 2 * block_n)), block_n)
+    if 2 * tokens * _cdiv(columns, 128) * _cdiv(heads, full) >= processors:
+        return Launch(128, full, 128, 4)
+    return Launch(64, 16, 64, 8)
 
 
 def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple | None = None, extra_idx=None,
-               extra_len=None, *, block_n: int = 64, block_h: int = 0,
-               num_warps: int = 8, num_stages: int = 1, splits: int | None = None, native_fp8: bool | None = None):
+               extra_len=None, *, block_n: int = 0, block_h: int = 0, block_d: int = 0, num_warps: int = 4,
+               num_warps_pv: int = 0, native_fp8: bool | None = None):
     """q [T, H, D] -> (out [T, H, D] in q's dtype, lse [T, H] float32, natural log, sink excluded).
 
     `swa`/`extra` are `pool_args(...)`; index lists [T, W] int32 with -1 padding and lengths [T].
-    `native_fp8`: decode OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA sm89+)."""
+    Launch shapes left at 0 come from `plan_launch`. `native_fp8`: decode OCP e4m3 with the hardware
+    conversion; None = where the GPU has it (NVIDIA sm89+)."""
     import torch
 
     T, H, D = q.shape
@@ -232,26 +268,31 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    procs = _processors(q.device)
-    BH = block_h or head_block(T, H, procs)
-    hb = _cdiv(H, BH)
     sw = swa_idx.shape[1]
     ew = extra_idx.shape[1] if extra is not None else 0
-    n_split, chunk = (plan_splits(T, hb, sw + ew, block_n, procs) if splits is None
-                      else split_columns(sw + ew, splits, block_n))
-    po = torch.empty(T * n_split * H * D if n_split > 1 else 1, dtype=torch.float32, device=q.device)
-    pml = torch.empty(T * n_split * H * 2 if n_split > 1 else 1, dtype=torch.float32, device=q.device)
+    plan = plan_launch(T, H, sw + ew, _processors(q.device))
+    BN, BH, DB = block_n or plan.block_n, block_h or plan.block_h, block_d or plan.block_d
+    nbs, nbe = _cdiv(sw, BN), _cdiv(ew, BN)
+    NB, NC = nbs + nbe, (nbs + nbe) * BN
     sink = sink.float().contiguous()
     s_idx, s_len = swa_idx.int().contiguous(), swa_len.int().contiguous()
     e, e_idx, e_len = (extra, extra_idx.int().contiguous(), extra_len.int().contiguous()) if extra is not None \
         else (swa, s_idx, s_len)                   # no extra cache: never read (HAS_EXTRA=False)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    _sparse_mqa_kernel[(T, hb, n_split)](
-        q, sink, out, lse, po, pml, *swa[1:3], s_idx, s_len, sw, *swa[3:], *e[1:3], e_idx, e_len, ew, *e[3:],
-        H, chunk, scale * LOG2E, n_split,
-        S_LAYOUT=swa[0], E_LAYOUT=e[0], HAS_EXTRA=extra is not None, SPLIT=n_split > 1, BH=BH, BN=block_n, D=D,
-        NATIVE=native_e4m3(q.device) if native_fp8 is None else native_fp8,
-        DOT=tl.float32 if interpret else tl.bfloat16, num_warps=num_warps, num_stages=num_stages)
-    if n_split > 1:
-        _combine[(T, hb)](po, pml, sink, out, lse, H, n_split, BH=BH, D=D, num_warps=4)
+    common = dict(S_LAYOUT=swa[0], E_LAYOUT=e[0], HAS_EXTRA=extra is not None, BN=BN, D=D,
+                  NATIVE=native_e4m3(q.device) if native_fp8 is None else native_fp8,
+                  DOT=tl.float32 if interpret else tl.bfloat16)
+    step = max(1, WORKSPACE_BYTES // (H * NC * 2))
+    p = torch.empty(min(T, step) * H * NC, dtype=torch.bfloat16, device=q.device)
+    ml = torch.empty(min(T, step) * NB * H * 2, dtype=torch.float32, device=q.device)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        pools = (*swa[1:3], s_idx[t0:t1], s_len[t0:t1], sw, *swa[3:],
+                 *e[1:3], e_idx[t0:t1], e_len[t0:t1], ew, *e[3:])
+        _scores_kernel[(NB, t1 - t0, _cdiv(H, BH))](
+            q[t0:t1], p, ml, *pools, H, NC, NB, nbs, scale * LOG2E, BH=BH, **common, num_warps=num_warps,
+            num_stages=1)
+        _pv_kernel[(D // DB, t1 - t0, _cdiv(H, BH))](
+            p, ml, sink, out[t0:t1], lse[t0:t1], *pools, H, NC, NB, nbs, BH=BH, DB=DB,
+            NBP=triton.next_power_of_2(NB), **common, num_warps=num_warps_pv or plan.num_warps_pv, num_stages=1)
     return out, lse

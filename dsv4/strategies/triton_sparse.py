@@ -2,9 +2,9 @@
 
 It reads the SWA and compressed caches in place -- fp8_ds_mla pages (OCP or FNUZ e4m3: the hardware
 conversion where the GPU has one for the bytes, integer arithmetic elsewhere, so no fp8 hardware is
-needed) or bf16 rows -- takes any number of heads (no
-padding), per-query lists with -1 padding and lengths, splits the index columns across programs
-when there are few queries, and returns the log-sum-exp. Prefill uses the same kernel.
+needed) or bf16 rows -- takes any number of heads (no padding), per-query lists with -1 padding and
+lengths, and returns the log-sum-exp. Two passes (scores, then P·V by blocks of output dims); the launch
+shapes left at 0 are planned from the step's size. Prefill uses the same kernels.
 """
 from __future__ import annotations
 
@@ -21,11 +21,20 @@ READS = frozenset({"bf16", "fp8_ds_mla", "fp8_ds_mla_fnuz"})
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TritonSparseMQA:
     name: str = "triton_sparse"
-    block_n: int = 64         # index entries (rows) per step of a program
-    block_h: int = 0          # heads per program; 0 = 64, or 16 when there are too few programs for the GPU
-    num_warps: int = 8
-    num_stages: int = 1
-    splits: int = 0           # splits of the index columns; 0 = planned from the shapes and the GPU
+    block_n: int = 0          # index columns per scores program; 0 = planned (128, or 64 for small steps)
+    block_h: int = 0          # heads per program; 0 = planned (up to 64, or 16 for small steps)
+    block_d: int = 0          # output dims per P·V program; 0 = planned (128, or 64 for small steps)
+    num_warps: int = 4        # scores pass
+    num_warps_pv: int = 0     # P·V pass; 0 = planned (4, or 8 for small steps)
+
+    def __post_init__(self) -> None:
+        for key, allowed in (("block_n", (16, 32, 64, 128, 256)), ("block_h", (16, 32, 64, 128)),
+                             ("block_d", (64, 128, 256)), ("num_warps", (1, 2, 4, 8, 16)),
+                             ("num_warps_pv", (1, 2, 4, 8, 16))):
+            value = getattr(self, key)
+            if value not in allowed and not (value == 0 and key != "num_warps"):
+                raise ValueError(f"mqa_kernel=triton_sparse: {key}={value} is not one of {allowed}"
+                                 f"{'' if key == 'num_warps' else ' (or 0 = planned)'}")
 
     def needs(self, device) -> Needs:
         return Needs(platforms=frozenset({"cuda", "rocm"}), archs=TRITON_ARCHS, cache_layouts=READS,
@@ -43,5 +52,5 @@ class TritonSparseMQA:
         if kv.extra is not None:
             extra = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens)
         return sparse_mqa(q, sink, scale, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **extra,
-                          block_n=self.block_n, block_h=self.block_h, num_warps=self.num_warps,
-                          num_stages=self.num_stages, splits=self.splits or None)
+                          block_n=self.block_n, block_h=self.block_h, block_d=self.block_d,
+                          num_warps=self.num_warps, num_warps_pv=self.num_warps_pv)
