@@ -12,7 +12,7 @@ import sys
 import torch
 
 from dsv4.components.rope import Rope
-from dsv4.device import DeviceInfo
+from dsv4.device import detect
 from dsv4.reference import rel_err
 from dsv4.strategies import DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, TorchFp8OProj
 from dsv4.bench import POOL_BLOCKS, graph_time_us, oproj_case, sparse_case
@@ -20,8 +20,7 @@ from tests.conftest import tiny_spec
 
 
 def main() -> None:
-    major, minor = torch.cuda.get_device_capability()
-    dev = DeviceInfo(platform="cuda", arch=f"sm{major}{minor}", name=torch.cuda.get_device_name())
+    dev = detect()
     print(f"# {dev.describe()}  torch {torch.__version__}")
     scale = 512 ** -0.5
     print("\n## sparse MQA decode (q bf16, fp8_ds_mla pages of 153 MB per cache, SWA 128 + extra, sink); "
@@ -78,10 +77,7 @@ def main() -> None:
         y32 = f32(o.float(), pos, rope=rope, prepared=f32.prepare(w, device=dev, dtype="float32"))
         row.append(f"{rel_err(outs['deepgemm_fp8'], y32):.1e}" if "deepgemm_fp8" in outs else "-")
         print("| " + " | ".join(row) + " |")
-
-
-if __name__ == "__main__":
-    main()
+    oproj_breakdown(dev)
 
 
 def oproj_breakdown(dev) -> None:
@@ -118,6 +114,5 @@ def oproj_breakdown(dev) -> None:
         print(f"| {T} | " + " | ".join(c if isinstance(c, str) else f"{c:.1f}" for c in cells) + " |")
 
 
-if __name__ == "__main__" and torch.cuda.is_available():
-    major, minor = torch.cuda.get_device_capability()
-    oproj_breakdown(DeviceInfo(platform="cuda", arch=f"sm{major}{minor}", name=torch.cuda.get_device_name()))
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,7 @@ set -u
 OUT=${OUT:-h200_x2}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 log() { echo "### $*"; timeout 420 "$@" 2>&1 | grep -v "^W1\|^\s*$"; }
-if [ "$1" = check ]; then
+if [ "${1:-}" = check ]; then
   nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,power.draw --format=csv
   nvidia-smi topo -m | head -4
   log python -m pytest -q -m gpu tests/test_triton_sparse.py tests/test_gpu_nvidia.py

@@ -13,16 +13,14 @@ import functools
 
 import torch
 
-from dsv4.bench import POOL_BLOCKS, graph_time_us, oproj_case, sparse_case
+from dsv4.bench import DECODE_CASES, POOL_BLOCKS, graph_time_us, oproj_case, sparse_case
 from dsv4.components.rope import Rope
 from dsv4.reference import rel_err
 from dsv4.strategies import FlashMLASparse, TritonSparseMQA
 from dsv4.device import detect
 from tests.conftest import tiny_spec
 
-CASES = [("h64 128+512", 64, 64, 512, 1, 1), ("h64 128+512", 64, 64, 512, 64, 2),
-         ("h64 128+512", 64, 64, 512, 128, 1), ("h64 128+512", 64, 64, 512, 128, 2),
-         ("h128 128+1024", 128, 64, 1024, 128, 2), ("h64 128+512", 64, 64, 512, 2048, 2)]
+CASES = DECODE_CASES[:5] + [("h64 128+512", 64, 64, 512, 2048, 2)]
 # (the planner's large-step shape, its small-step shape, and the neighbours measured in docs/benchmarks.md)
 CONFIGS = [dict(block_n=128, block_h=64, block_d=128, num_warps_pv=4), dict(block_n=64, block_h=16, block_d=64,
            num_warps_pv=8), dict(block_n=64, block_h=64, block_d=128, num_warps_pv=4),
@@ -51,15 +49,6 @@ class _Skip:
         return lambda *a, **kw: None
 
 
-def _kernel(q, kv, sink, **launch):
-    """triton_sparse's kernels with explicit launch parameters."""
-    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
-
-    return sparse_mqa(q, sink, 512 ** -0.5, pool_args(kv.swa), kv.swa_indices, kv.swa_lens,
-                      *((pool_args(kv.extra), kv.extra_indices, kv.extra_lens) if kv.extra is not None else ()),
-                      **launch)
-
-
 def decode(cases=CASES) -> None:
     from dsv4.kernels import sparse_mqa as mod
 
@@ -79,14 +68,14 @@ def decode(cases=CASES) -> None:
         for c in CONFIGS + [dict()]:
             if c.get("block_h", 0) > max(H, 16):
                 continue
-            k = functools.partial(_kernel, **c)
+            k = functools.partial(TritonSparseMQA(**c), sink=sink, scale=scale)
             name = " ".join(f"{a}={v}" for a, v in c.items()) or "planned"
             try:
-                out, _ = k(q, kv, sink)
-                us = graph_time_us(lambda: k(q, kv, sink))
+                out, _ = k(q, kv)
+                us = graph_time_us(lambda: k(q, kv))
                 keep, mod._pv_kernel = mod._pv_kernel, _Skip()
                 try:
-                    us_s = graph_time_us(lambda: k(q, kv, sink))
+                    us_s = graph_time_us(lambda: k(q, kv))
                 finally:
                     mod._pv_kernel = keep
                 s, v = seen.get("s"), seen.get("v")
@@ -101,8 +90,7 @@ def planned() -> None:
     fm, tr = FlashMLASparse(), TritonSparseMQA()
     prep = fm.prepare(device=detect())
     print("| case | FlashMLA µs | triton_sparse µs | ratio | rel diff |\n|---|---|---|---|---|")
-    for label, H, eb, ew, b, sq in CASES[:5] + [("h64 128 SWA only", 64, None, 0, 128, 1),
-                                                ("h64 128+512", 64, 64, 512, 8, 1), ("h64 128+512", 64, 64, 512, 16, 1)]:
+    for label, H, eb, ew, b, sq in DECODE_CASES + [("h64 128+512", 64, 64, 512, b, 1) for b in (8, 16)]:
         T = b * sq
         q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
                                   extra_blocks=POOL_BLOCKS, full=True)

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.memory import memory_table
-from dsv4.errors import ConfigError, IncompatibleCombination, InvalidRequest, Problem
+from dsv4.errors import USER_ERRORS, ConfigError, IncompatibleCombination, Problem
 from dsv4.parallel import ParallelConfig, torchrun_world_size
 from dsv4.report import result_row, table, write_row
 from dsv4.spec import ModelSpec
@@ -109,8 +109,7 @@ def summarize_sweep(cfg: DictConfig) -> None:
         raise ConfigError("mode=summarize needs the sweep folder: +sweep_dir=PATH "
                           "(e.g. +sweep_dir=multirun/cache_by_kernel/<date_time>)")
     s = summarize(str(sweep_dir))
-    print(s.markdown)
-    print(f"summary: {s.md_path}, {s.csv_path}" + (f", {s.png_path}" if s.png_path else ""))
+    s.show()
 
 
 def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None,
@@ -230,7 +229,7 @@ def sweep_cell_failed(e: Exception, row: Path) -> None:
     """A multirun job that failed: its `error` row is written; say so on stderr (with the traceback,
     unless it is a user error whose message says what to change) and return, so the other cells
     still run and the end-of-sweep summary is written (the summary callback then exits 1)."""
-    if not isinstance(e, (ConfigError, IncompatibleCombination, InvalidRequest)):
+    if not isinstance(e, USER_ERRORS):
         traceback.print_exception(e)
     print(f"error (row: {row}): {type(e).__name__}: {e}", file=sys.stderr)
 
@@ -242,7 +241,7 @@ def cli(cfg: DictConfig, *, choices: dict[str, str], out_dir: str, multirun: boo
     launcher catches only Exception), and the job's row, if it has one, is already written."""
     try:
         return main(cfg, choices=choices, out_dir=out_dir, multirun=multirun)
-    except (ConfigError, IncompatibleCombination, InvalidRequest) as e:
+    except USER_ERRORS as e:
         if multirun:
             print(f"error: {e}", file=sys.stderr)
             return None

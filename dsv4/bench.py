@@ -186,10 +186,7 @@ def bench_layer_step(job) -> str:
     """Decode steps of the whole layer (one of each type, the job's model) per available backend preset."""
     from dataclasses import replace
 
-    from dsv4.components.builders import PoolConfig
-    from dsv4.components.weights import random_layer_weights
     from dsv4.runner import build_engine
-
     from dsv4.strategies import BucketHeadPadding
 
     rows = []
@@ -198,17 +195,26 @@ def bench_layer_step(job) -> str:
     combos = [("reference", kernels.get("reference"), oprojs.get("reference")),
               ("flashmla + deepgemm_fp8", kernels.get("flashmla_sparse"), oprojs.get("deepgemm_fp8")),
               ("triton_sparse + deepgemm_fp8", kernels.get("triton_sparse"), oprojs.get("deepgemm_fp8"))]
-    layers = job.spec.one_layer_per_type()
-    weights = {l: random_layer_weights(job.spec, l, 0) for l in layers}
+    layers, weights, pool = _step_setup(job)
     for label, k, o in combos:
         if k is None or o is None:
             continue
         c = replace(job.combo, mqa_kernel=k, o_proj=o, cache_layout=Fp8DsMlaLayout(), dtype="bfloat16",
                     head_padding=BucketHeadPadding(name="buckets_64_128", buckets=(64, 128)))
-        eng = build_engine(replace(job, combo=c), weights, PoolConfig(swa_blocks=1024, compressed_blocks=512))
+        eng = build_engine(replace(job, combo=c), weights, pool)
         for l, (us, _) in _decode_step_times(eng, job.spec, layers).items():
             rows.append([label, job.spec.layer_type(l), 64, 2, f"{us:.0f}"])
     return table(["backend", "layer", "requests", "tokens/request", "µs per decode step (eager, median)"], rows)
+
+
+def _step_setup(job):
+    """(one layer of each type, their random weights, the pools) for the layer-step benches."""
+    from dsv4.components.builders import PoolConfig
+    from dsv4.components.weights import random_layer_weights
+
+    layers = job.spec.one_layer_per_type()
+    return layers, {l: random_layer_weights(job.spec, l, 0) for l in layers}, \
+        PoolConfig(swa_blocks=1024, compressed_blocks=512)
 
 
 def bench_tp_step(job, ranks) -> str | None:
@@ -217,13 +223,9 @@ def bench_tp_step(job, ranks) -> str | None:
     the table."""
     from dataclasses import replace
 
-    from dsv4.components.builders import PoolConfig
-    from dsv4.components.weights import random_layer_weights
     from dsv4.runner import build_engine
 
-    layers = job.spec.one_layer_per_type()
-    weights = {l: random_layer_weights(job.spec, l, 0) for l in layers}
-    pool = PoolConfig(swa_blocks=1024, compressed_blocks=512)
+    layers, weights, pool = _step_setup(job)
     tp = _decode_step_times(build_engine(job, weights, pool, ranks=ranks), job.spec, layers)
     torch.cuda.empty_cache()
     one = None

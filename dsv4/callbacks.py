@@ -37,8 +37,7 @@ class SummarizeCallback:
         from dsv4.summarize import summarize
 
         s = summarize(str(config.hydra.sweep.dir))
-        print(s.markdown)
-        print(f"summary: {s.md_path}, {s.csv_path}" + (f", {s.png_path}" if s.png_path else ""))
+        s.show()
         if s.counts.get("error"):
             # SystemExit passes through Hydra's callback wrapper (it catches Exception only)
             raise SystemExit(f"error: {s.counts['error']} of {len(s.rows)} jobs failed with an error "

@@ -42,3 +42,7 @@ class ConfigError(ValueError):
 
 class InvalidRequest(ValueError):
     """A step was refused: nothing was written to any cache, no request's state changed."""
+
+
+# errors whose message says what to change: printed without a traceback
+USER_ERRORS = (ConfigError, IncompatibleCombination, InvalidRequest)

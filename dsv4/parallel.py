@@ -133,9 +133,9 @@ def fail_rank(rank: int, e: BaseException) -> None:
     that would wait for the others)."""
     import traceback
 
-    from dsv4.errors import ConfigError, IncompatibleCombination, InvalidRequest
+    from dsv4.errors import USER_ERRORS
 
-    if not isinstance(e, (ConfigError, IncompatibleCombination, InvalidRequest)):
+    if not isinstance(e, USER_ERRORS):
         traceback.print_exception(e)
     print(f"rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -59,6 +59,11 @@ class Summary:
     md_path: Path
     png_path: Path | None
 
+    def show(self) -> None:
+        """The table, then where it was written."""
+        print(self.markdown)
+        print(f"summary: {self.md_path}, {self.csv_path}" + (f", {self.png_path}" if self.png_path else ""))
+
 
 # ---- reading -------------------------------------------------------------------------------------------
 def _natural(path: Path) -> list:

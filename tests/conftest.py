@@ -1,7 +1,13 @@
-"""Shared fixtures: in-process Hydra composition and a tiny engine builder."""
+"""Shared test helpers: the `--update-golden` option, the `compose_cfg` fixture (in-process Hydra
+composition), `options(group)` (a config group's option names), `run_py` (run.py in a subprocess),
+the DSV4_SPEC RoPE frequencies, a tiny spec and engine with helpers to drive it (`tiny_spec`,
+`make_engine`, `hidden_for`, `drive`, `chunked`), and `through` (slot ids through block tables)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +34,25 @@ def compose_cfg():
             return compose(config_name="config", overrides=list(overrides))
     yield _compose
     GlobalHydra.instance().clear()
+
+
+def options(group: str) -> list[str]:
+    """The options of config group `group`: the stems of configs/<group>/*.yaml, sorted."""
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+def run_py(*args: str, run_dir: Path | None = None, importtime: bool = False, pythonpath: Path | None = None,
+           extra_env: dict[str, str] | None = None, timeout: int = 120) -> subprocess.CompletedProcess:
+    """`python run.py *args` in ROOT, HYDRA_FULL_ERROR dropped from the environment (users' view of errors).
+    run_dir: appended as hydra.run.dir=...; importtime: run under `-X importtime`; pythonpath: put first
+    on PYTHONPATH; extra_env: set on top of the environment."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
+    env |= extra_env or {}
+    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "run.py", *args,
+           *([f"hydra.run.dir={run_dir}"] if run_dir is not None else [])]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def spec_rope_freqs(ratio: int) -> list[float]:
@@ -117,3 +142,9 @@ def chunked(lengths: dict, chunk: int) -> list:
             done[r] += k
         steps.append(step)
     return steps
+
+
+def through(table, local, B: int):
+    """Global (vLLM) slot ids of local entries through per-token block tables [T, blocks] (-1 stays -1)."""
+    safe = local.clamp(min=0)
+    return torch.where(local >= 0, table.gather(1, safe // B) * B + safe % B, torch.full_like(local, -1))

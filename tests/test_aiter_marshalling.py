@@ -33,8 +33,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
+from dsv4.bench import random_pages
 from dsv4.compat import Combination, check
-from dsv4.components.kv_pool import BlockAllocator, PagedCache
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
 from dsv4.reference import rel_err, round_rows
@@ -45,7 +45,7 @@ from dsv4.strategies import (AiterSparseMQA, BucketHeadPadding, FlashInferSparse
 from dsv4.strategies import aiter as ai
 from dsv4.strategies.fp8_fnuz import fnuz_to_ocp_pages, ocp_to_fnuz_pages
 from dsv4.strategies.protocols import Needs
-from tests.conftest import CONFIGS, ROOT, tiny_spec
+from tests.conftest import CONFIGS, ROOT, run_py, through, tiny_spec
 
 D, QK, SCALE = 512, 576, 512 ** -0.5
 GFX942 = DeviceInfo(platform="rocm", arch="gfx942", name="MI300X")
@@ -229,34 +229,19 @@ def test_the_targeted_signatures_are_the_wheels():
 # =====================================================================================================
 # Cases
 # =====================================================================================================
-def paged(name: str, layout, blocks: int, B: int, g) -> PagedCache:
-    """A CPU PagedCache with a random row in every slot, written in scrambled slot order."""
-    c = PagedCache(name=name, layout=layout, block_size=B, head_dim=D, allocator=BlockAllocator(blocks),
-                   data=layout.allocate(num_blocks=blocks, block_size=B, head_dim=D, device="cpu"))
-    n = blocks * B
-    c.write(torch.randperm(n, generator=g).to(torch.int32), torch.randn(n, D, generator=g))
-    return c
-
-
-def through(table, local, B: int):
-    """Global slot ids through per-token block tables (-1 stays -1)."""
-    safe = local.clamp(min=0)
-    return torch.where(local >= 0, table.gather(1, safe // B) * B + safe % B, torch.full_like(local, -1))
-
-
 def layer_case(kind: str, layout, seed: int, *, W: int = 128, K: int = 29) -> SparseKV:
     """SWA window max(0, p-W+1)..p per token (-1 after it), and for c4a a top-K of distinct compressed
     entries < (p+1)//4 (-1 padded), for c128a entries 0..(p+1)//128 - 1, through random block tables."""
     g = torch.Generator().manual_seed(seed)
     p = torch.cat((torch.tensor([0, 1, 3, 127, 128, 300]), torch.randint(0, 500, (5,), generator=g)))
     T = p.shape[0]
-    swa = paged("swa", layout, 16, 64, g)
+    swa = random_pages("swa", 16, 64, g, layout)
     local = (p - W + 1).clamp(min=0)[:, None] + torch.arange(W)[None]
     local = torch.where(local <= p[:, None], local, -1)
     tab = torch.stack([torch.randperm(16, generator=g) for _ in range(T)])
     kw = dict(swa=swa, swa_indices=through(tab, local, 64).int(), swa_lens=(p + 1).clamp(max=W).int(), layer_type=kind)
     if kind == "c4a":
-        comp = paged("compressed", layout, 4, 64, g)
+        comp = random_pages("compressed", 4, 64, g, layout)
         n_c = (p + 1) // 4
         lists = []
         for t in range(T):
@@ -267,7 +252,7 @@ def layer_case(kind: str, layout, seed: int, *, W: int = 128, K: int = 29) -> Sp
         ctab = torch.stack([torch.randperm(4, generator=g) for _ in range(T)])
         kw |= dict(extra=comp, extra_indices=through(ctab, lc, 64).int(), extra_lens=(lc >= 0).sum(1).int())
     elif kind == "c128a":
-        comp = paged("compressed", layout, 4, 2, g)
+        comp = random_pages("compressed", 4, 2, g, layout)
         n_c = (p + 1) // 128
         lc = torch.arange(4)[None].expand(T, 4)
         lc = torch.where(lc < n_c[:, None], lc, -1)
@@ -280,7 +265,7 @@ def messy_case(layout, seed: int) -> SparseKV:
     """As loose as a SparseKV allows: -1 holes, ids past the pool, entries past the length, a query
     with no SWA row (0), one with no row at all (1)."""
     g = torch.Generator().manual_seed(seed)
-    swa, comp = paged("swa", layout, 3, 64, g), paged("compressed", layout, 5, 2, g)
+    swa, comp = random_pages("swa", 3, 64, g, layout), random_pages("compressed", 5, 2, g, layout)
     T = 9
 
     def lists(width, n):
@@ -473,7 +458,7 @@ def test_reading_the_other_flavour_is_wrong_and_refused():
     """The hazard check() guards: OCP bytes decoded as FNUZ come out at half their value (and OCP's
     negative zero 0x80 as NaN); FNUZ bytes decoded as OCP at twice. The adapter refuses both."""
     g = torch.Generator().manual_seed(4)
-    ocp, fnuz = paged("swa", Fp8DsMlaLayout(), 2, 64, g), paged("swa", Fp8DsMlaFnuzLayout(), 2, 64, g)
+    ocp, fnuz = random_pages("swa", 2, 64, g, Fp8DsMlaLayout()), random_pages("swa", 2, 64, g, Fp8DsMlaFnuzLayout())
     row = torch.randn(1, D, generator=g)
     row[0, 5] = -1e-20                                                # rounds to e4m3's -0 (byte 0x80)
     ocp.write(torch.tensor([0], dtype=torch.int32), row)
@@ -491,7 +476,7 @@ def test_reading_the_other_flavour_is_wrong_and_refused():
         with pytest.raises(ValueError, match=fix):
             ai.read_rows(cache, slots, fmt=fmt)
     with pytest.raises(ValueError, match="fp8_ds_mla pages"):
-        ai.read_rows(paged("swa", PlainRowLayout(name="bf16", dtype="bfloat16"), 1, 8, g), slots[:4], fmt="ocp")
+        ai.read_rows(random_pages("swa", 1, 8, g, PlainRowLayout(name="bf16", dtype="bfloat16")), slots[:4], fmt="ocp")
 
 
 def test_call_refuses_mismatched_caches_and_devices(fake_aiter):
@@ -722,7 +707,7 @@ def test_page_converters_round_trip(B, blocks):
 def test_fnuz_layout_in_a_paged_cache_reads_what_reference_mqa_expects():
     """ReferenceMQA reads FNUZ pages through the layout on any device: it decodes nothing natively."""
     g = torch.Generator().manual_seed(2)
-    c = paged("swa", Fp8DsMlaFnuzLayout(), 3, 64, g)
+    c = random_pages("swa", 3, 64, g, Fp8DsMlaFnuzLayout())
     rows = torch.randn(5, D, generator=g)
     c.write(torch.tensor([0, 7, 64, 100, -1], dtype=torch.int32), rows)
     got = c.read(torch.tensor([0, 7, 64, 100, -1], dtype=torch.int32))
@@ -884,19 +869,13 @@ def test_check_imports_neither_torch_nor_aiter():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def _run_py(*args, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, "run.py", *args, f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.skipif(os.path.exists("/dev/kfd") or os.path.exists("/proc/driver/nvidia/version"),
                     reason="expects a host without an accelerator")
 def test_cli_check_aiter_on_mi355x_and_h200(tmp_path):
-    r = _run_py("mode=check", "deployment=mi355x", "backend=aiter", tmp_path=tmp_path / "ok")
+    r = run_py("mode=check", "deployment=mi355x", "backend=aiter", run_dir=tmp_path / "ok")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rocm/gfx950" in r.stdout and "mqa_kernel=aiter_sparse" in r.stdout
-    r = _run_py("mode=check", "deployment=h200", "backend=aiter", tmp_path=tmp_path / "no")
+    r = run_py("mode=check", "deployment=h200", "backend=aiter", run_dir=tmp_path / "no")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     for s in ("mqa_kernel=aiter_sparse", "fix: mqa_kernel=reference", "fix: o_proj=reference", "cuda/sm90"):
         assert s in r.stderr, s

@@ -230,7 +230,7 @@ def test_name_and_scale_variants(tmp_path, prefix, suffix, scale_dtype):
         assert all(torch.equal(got.weights[l][n], want[l][n]) for n in want[l])
 
 
-def test_compress_ratio_comes_from_the_checkpoint_config(tmp_path, checkpoint):
+def test_compress_ratio_comes_from_the_checkpoint_config(checkpoint):
     root, *_ = checkpoint
     got = ckpt.load_layers(root, spec(), [0, 1, 2])
     assert got.ratios == {0: 1, 1: 4, 2: 128}

@@ -18,7 +18,7 @@ from hydra.core.global_hydra import GlobalHydra
 from dsv4.app import GROUPS, make_job
 from dsv4.compat import check
 from dsv4.device import DeviceInfo
-from tests.conftest import CONFIGS, ROOT
+from tests.conftest import CONFIGS, ROOT, options
 
 GOLDEN = ROOT / "tests" / "golden" / "compat_matrix.json"
 SETTINGS = {"model": "dsv4_flash", "tp_size": 1, "dtype": "bfloat16"}
@@ -32,10 +32,6 @@ DEVICES = {
     "gfx942": DeviceInfo(platform="rocm", arch="gfx942", name="MI300X"),
     "gfx950": DeviceInfo(platform="rocm", arch="gfx950", name="MI355X"),
 }
-
-
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +100,7 @@ def test_compat_matrix_matches_golden(combos, request):
                       + "\n  ".join(diff))
 
 
-def test_matrix_covers_every_preset_swap_and_device(combos):
+def test_matrix_covers_every_preset_swap_and_device():
     golden = json.loads(GOLDEN.read_text())
     swaps = sum(len(options(g)) - 1 for g in GROUPS)
     assert len(golden["verdicts"]) == len(options("backend")) * (1 + swaps)

@@ -24,7 +24,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import dsv4.strategies
-from tests.conftest import CONFIGS, ROOT
+from tests.conftest import CONFIGS, options, run_py
 from dsv4.app import GROUPS, MODES, info, instantiate_group, make_job, problems_for
 from dsv4.compat import check
 from dsv4.device import DeviceInfo, local_platform
@@ -36,10 +36,6 @@ PROTOCOLS = {"mqa_kernel": MQAKernelStrategy, "o_proj": OProjStrategy, "head_pad
              "cache_layout": CacheLayout}
 HYDRA_KEYS = {"_target_", "_convert_", "_recursive_", "_partial_", "_args_"}
 KERNEL_LIBS = ("flash_mla", "flashinfer", "deep_gemm", "aiter")
-
-
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 
 
 def load_yaml(path: Path):
@@ -344,15 +340,6 @@ def parse_info(text: str) -> dict[str, tuple[str, bool]]:
 
 # ---- the command line, in subprocesses ----------------------------------------------------------------
 on_cpu_host = pytest.mark.skipif(local_platform() != "cpu", reason="expects a host without an accelerator")
-
-
-def run_py(*args: str, run_dir: Path, importtime: bool = False, pythonpath: Path | None = None):
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, *(["-X", "importtime"] if importtime else []), "run.py", *args,
-           f"hydra.run.dir={run_dir}"]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
 def imported(stderr: str) -> set[str]:

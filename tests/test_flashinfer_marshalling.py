@@ -26,15 +26,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
+from dsv4.bench import random_pages
 from dsv4.compat import Combination, check
-from dsv4.components.kv_pool import BlockAllocator, PagedCache
 from dsv4.device import DeviceInfo
 from dsv4.reference import rel_err
 from dsv4.spec import ModelSpec
 from dsv4.strategies import (BucketHeadPadding, FlashInferSparse, Fp8DsMlaLayout, Fp8PerTensorLayout,
                              NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj, SparseKV)
 from dsv4.strategies import flashinfer as fi
-from tests.conftest import CONFIGS, ROOT
+from tests.conftest import CONFIGS, ROOT, through
 
 D = 512
 SCALE = D ** -0.5
@@ -344,22 +344,6 @@ def layout_of(kind: str, kv_scale: float = 1.0, q_scale: float = 1.0):
     return Fp8DsMlaLayout()
 
 
-def paged(name: str, layout, blocks: int, B: int, g, scale: float = 1.0) -> PagedCache:
-    """A CPU PagedCache with a random row in every slot, written in scrambled slot order."""
-    c = PagedCache(name=name, layout=layout, block_size=B, head_dim=D, allocator=BlockAllocator(blocks),
-                   data=layout.allocate(num_blocks=blocks, block_size=B, head_dim=D, device="cpu"))
-    n = blocks * B
-    c.write(torch.randperm(n, generator=g).to(torch.int32), torch.randn(n, D, generator=g) * scale)
-    return c
-
-
-def _slots(table, local, B: int):
-    """vLLM slot ids through a per-token block table (-1 stays -1)."""
-    ok = local >= 0
-    safe = local.clamp(min=0)
-    return torch.where(ok, table.gather(1, safe // B) * B + safe % B, torch.full_like(local, -1))
-
-
 def layer_case(kind: str, layout, T: int, seed: int, *, K: int = 37, positions=None):
     """A SparseKV the way the layer makes one, vLLM-style (§5.8): per token at position p the SWA window
     max(0, p-127)..p in order (fewer than 128 near the start, -1 after), and for `kind` c4a a top-K list
@@ -370,15 +354,15 @@ def layer_case(kind: str, layout, T: int, seed: int, *, K: int = 37, positions=N
         positions = torch.cat((torch.tensor([0, 1, 5, 126, 127, 128, 300]), torch.randint(0, 400, (T,), generator=g)))
     p = torch.as_tensor(positions)[:T] if len(positions) >= T else torch.as_tensor(positions)
     T = p.shape[0]
-    swa = paged("swa", layout, 16, 64, g)
+    swa = random_pages("swa", 16, 64, g, layout)
     tab = torch.stack([torch.randperm(16, generator=g) for _ in range(T)])
     lo = (p - SWA_W + 1).clamp(min=0)
     local = lo[:, None] + torch.arange(SWA_W)[None]
     local = torch.where(local <= p[:, None], local, torch.full_like(local, -1))
-    kw = dict(swa=swa, swa_indices=_slots(tab, local, 64).to(torch.int32),
+    kw = dict(swa=swa, swa_indices=through(tab, local, 64).to(torch.int32),
               swa_lens=torch.minimum(p + 1, torch.full_like(p, SWA_W)).to(torch.int32), layer_type=kind)
     if kind == "c4a":
-        comp = paged("compressed", layout, 8, 64, g)
+        comp = random_pages("compressed", 8, 64, g, layout)
         n_c = (p + 1) // 4
         rows = []
         for t in range(T):
@@ -387,16 +371,16 @@ def layer_case(kind: str, layout, T: int, seed: int, *, K: int = 37, positions=N
             rows.append(torch.cat((sel, torch.full((K - k,), -1, dtype=torch.long))))
         local_c = torch.stack(rows)
         ctab = torch.stack([torch.randperm(8, generator=g) for _ in range(T)])
-        kw |= dict(extra=comp, extra_indices=_slots(ctab, local_c, 64).to(torch.int32),
+        kw |= dict(extra=comp, extra_indices=through(ctab, local_c, 64).to(torch.int32),
                    extra_lens=(local_c >= 0).sum(1).to(torch.int32))
     elif kind == "c128a":
-        comp = paged("compressed", layout, 8, 2, g)
+        comp = random_pages("compressed", 8, 2, g, layout)
         n_c = (p + 1) // 128
         width = max(1, int(n_c.max()))
         local_c = torch.arange(width)[None].expand(T, width)
         local_c = torch.where(local_c < n_c[:, None], local_c, torch.full_like(local_c, -1))
         ctab = torch.stack([torch.randperm(8, generator=g) for _ in range(T)])
-        kw |= dict(extra=comp, extra_indices=_slots(ctab, local_c, 2).to(torch.int32), extra_lens=n_c.to(torch.int32))
+        kw |= dict(extra=comp, extra_indices=through(ctab, local_c, 2).to(torch.int32), extra_lens=n_c.to(torch.int32))
     return SparseKV(scratch={}, **kw)
 
 
@@ -404,7 +388,7 @@ def messy_case(layout, T: int, seed: int, *, extra: bool = True):
     """Lists as loose as a SparseKV allows: -1 holes, slot ids past the pool, entries past the length,
     a query with no SWA row, one with nothing at all."""
     g = torch.Generator().manual_seed(seed)
-    swa = paged("swa", layout, 4, 64, g)
+    swa = random_pages("swa", 4, 64, g, layout)
 
     def lists(width, S):
         idx = torch.randint(0, S + 20, (T, width), generator=g)       # some past the pool: padding
@@ -416,7 +400,7 @@ def messy_case(layout, T: int, seed: int, *, extra: bool = True):
     sl[0], sl[1] = 0, 0
     kw = dict(swa=swa, swa_indices=si, swa_lens=sl)
     if extra:
-        comp = paged("compressed", layout, 6, 2, g)
+        comp = random_pages("compressed", 6, 2, g, layout)
         ei, el = lists(23, comp.num_slots)
         el[1] = 0
         kw |= dict(extra=comp, extra_indices=ei, extra_lens=el)
@@ -656,18 +640,18 @@ def test_narrower_swa_lists_are_padded_to_the_128_columns():
 def test_pool_views_are_views_of_the_live_pages():
     g = torch.Generator().manual_seed(0)
     for lay, shape, kvl in (("bf16", (4, 64, D), "HND"), ("fp8_per_tensor", (4, 64, D), "HND")):
-        c = paged("swa", layout_of(lay), 4, 64, g)
+        c = random_pages("swa", 4, 64, g, layout_of(lay))
         v, layout = fi.kv_pool_views(c)
         assert tuple(v.shape) == shape and layout == kvl and v.data_ptr() == c.data.data_ptr() and v.is_contiguous()
     for B in (64, 2):
-        c = paged("compressed", Fp8DsMlaLayout(), 3, B, g)
+        c = random_pages("compressed", 3, B, g, Fp8DsMlaLayout())
         v, layout = fi.kv_pool_views(c)
         assert tuple(v.shape) == (3, B, 1, 584) and layout == "NHD" and v.data_ptr() == c.data.data_ptr()
         assert v.stride(0) == c.page_bytes                                   # our 576-aligned page stride kept
-    c = paged("swa", PlainRowLayout(name="float32", dtype="float32"), 2, 8, g)
+    c = random_pages("swa", 2, 8, g, PlainRowLayout(name="float32", dtype="float32"))
     with pytest.raises(ValueError, match="cache_layout=bf16"):
         fi.kv_pool_views(c)
-    c = paged("swa", layout_of("bf16"), 2, 8, g)
+    c = random_pages("swa", 2, 8, g, layout_of("bf16"))
     c.data = c.data.transpose(0, 1)
     with pytest.raises(ValueError, match="contiguous"):
         fi.kv_pool_views(c)

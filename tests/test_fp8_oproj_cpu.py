@@ -59,7 +59,7 @@ def combo(spec, o_proj):
 
 
 @pytest.mark.parametrize("strategy", [DeepGemmFp8OProj(), TorchFp8OProj()], ids=lambda s: s.name)
-def test_fp8_oproj_rules(strategy, tmp_path):
+def test_fp8_oproj_rules(strategy):
     from omegaconf import OmegaConf
 
     from dsv4.spec import ModelSpec

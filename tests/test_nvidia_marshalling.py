@@ -19,12 +19,12 @@ import types
 import pytest
 import torch
 
-from dsv4.components.kv_pool import BlockAllocator, PagedCache
+from dsv4.bench import random_pages
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
 from dsv4.reference import rel_err
-from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, Fp8DsMlaLayout, OProjWeights, ReferenceMQA,
-                             ReferenceOProj, SparseKV)
+from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, OProjWeights, ReferenceMQA, ReferenceOProj,
+                             SparseKV)
 from tests.conftest import tiny_spec
 
 
@@ -82,14 +82,6 @@ def fake_flash_mla(calls: list):
     return mod
 
 
-def fp8_pages(name, blocks, B, g):
-    lay = Fp8DsMlaLayout()
-    c = PagedCache(name=name, layout=lay, block_size=B, head_dim=512, allocator=BlockAllocator(blocks),
-                   data=lay.allocate(num_blocks=blocks, block_size=B, head_dim=512, device="cpu"))
-    c.write(torch.randperm(blocks * B, generator=g).int(), torch.randn(blocks * B, 512, generator=g))
-    return c
-
-
 @pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("extra_block,extra_w", [(None, 0), (64, 40), (2, 7)])
 def test_flashmla_adapter_through_the_contract_equals_reference(monkeypatch, arch, extra_block, extra_w):
@@ -97,12 +89,12 @@ def test_flashmla_adapter_through_the_contract_equals_reference(monkeypatch, arc
     monkeypatch.setitem(sys.modules, "flash_mla", fake_flash_mla(calls))
     g = torch.Generator().manual_seed(len(arch) + extra_w)
     T, H = 5, 64
-    swa = fp8_pages("swa", 3, 64, g)
+    swa = random_pages("swa", 3, 64, g)
     lens = torch.tensor([1, 16, 9, 16, 3], dtype=torch.int32)
     idx = torch.randint(0, swa.num_slots, (T, 16), generator=g)
     kw = dict(swa=swa, swa_indices=torch.where(torch.arange(16)[None] < lens[:, None], idx, -1).int(), swa_lens=lens)
     if extra_w:
-        ext = fp8_pages("compressed", 8, extra_block, g)
+        ext = random_pages("compressed", 8, extra_block, g)
         el = torch.randint(0, extra_w + 1, (T,), generator=g).int()
         e = torch.randint(0, ext.num_slots, (T, extra_w), generator=g)
         kw |= dict(extra=ext, extra_indices=torch.where(torch.arange(extra_w)[None] < el[:, None], e, -1).int(),

@@ -17,10 +17,8 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
+from functools import partial
 from importlib.util import find_spec
 from itertools import product
 from pathlib import Path
@@ -36,13 +34,9 @@ from dsv4.device import DeviceInfo, local_platform
 from dsv4.errors import IncompatibleCombination
 from dsv4.report import result_row, tty_progress, write_row
 from dsv4.summarize import load_rows, summarize
-from tests.conftest import CONFIGS, ROOT
+from tests.conftest import CONFIGS, options, run_py
 
 on_cpu_host = pytest.mark.skipif(local_platform() != "cpu", reason="expects a host without an accelerator")
-
-
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 
 
 EXPERIMENTS = options("experiment")
@@ -73,11 +67,8 @@ def sweep_cells(params: dict) -> list[list[str]]:
     return [list(cell) for cell in product(*axes)]
 
 
-def run_py(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    # one torch thread: the jobs are tiny, and on a busy 2-core machine more threads only contend
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "run.py", *args], check=False, cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+# one torch thread: the jobs are tiny, and on a busy 2-core machine more threads only contend
+run_py = partial(run_py, extra_env={"OMP_NUM_THREADS": "1"}, timeout=300)
 
 
 def rows_by_job(sweep: Path) -> dict[str, dict]:
@@ -278,7 +269,7 @@ def test_multirun_config_error_before_the_job_is_a_row(compose_cfg, tmp_path, ca
         cli(cfg, choices={}, out_dir=str(tmp_path / "single"))
 
 
-def test_summarize_callback_is_a_plain_class_with_the_six_hooks(compose_cfg):
+def test_summarize_callback_is_a_plain_class_with_the_six_hooks():
     from dsv4.callbacks import SummarizeCallback
 
     cfg = compose_with_hydra([])

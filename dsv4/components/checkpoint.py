@@ -69,13 +69,13 @@ from safetensors import safe_open
 from dsv4.components.weights import random_layer_weights, weight_shapes
 from dsv4.errors import ConfigError
 from dsv4.spec import ModelSpec
+from dsv4.strategies.fp8_oproj import BLOCK as FP8_BLOCK              # what the fp8 o_proj strategies consume
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PREFIXES = ("layers.{l}.attn.", "model.layers.{l}.self_attn.", "model.layers.{l}.attn.")   # published first
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")         # on the linear: `wq_a.scale` | `wq_a.weight_scale_inv`
 DEFAULT_BLOCK = (128, 128)
-FP8_BLOCK = 128                                          # what the fp8 o_proj strategies consume
 MODEL_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32, torch.float64)

@@ -39,9 +39,6 @@ class Compressor:
         z = torch.zeros(self.ring, self.coff * self.dim, dtype=torch.float32, device=device)
         return CompressorState(a=z, s=z.clone())
 
-    def state_bytes(self) -> int:
-        return 2 * self.ring * self.coff * self.dim * 4
-
     def step(self, x, start: int, state: CompressorState):
         """One request's contiguous tokens at positions start..start+n-1.
 

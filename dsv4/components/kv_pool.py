@@ -55,14 +55,14 @@ class PagedCache:
         import torch
 
         outside = (slots < -1) | (slots >= self.num_slots)
-        if bool(outside.any()):
+        # layouts that store the bf16 value: no overflow to inf either (a non-finite row stays so in bf16)
+        stored = rows if self.layout.kv_row_dtype == "float32" else rows.bfloat16()
+        bad = (slots >= 0) & ~torch.isfinite(stored).all(-1)
+        any_outside, any_bad = torch.stack((outside.any(), bad.any())).tolist()     # one device sync
+        if any_outside:
             raise InvalidRequest(f"{self.name} cache: slot ids {slots[outside][:5].tolist()} are outside the pool "
                                  f"[0, {self.num_slots}) (-1 = skip); nothing was written")
-        finite = torch.isfinite(rows).all(-1)
-        if self.layout.kv_row_dtype != "float32":     # layouts that store the bf16 value: no overflow to inf
-            finite &= torch.isfinite(rows.bfloat16()).all(-1)
-        bad = (slots >= 0) & ~finite
-        if bool(bad.any()):
+        if any_bad:
             i = int(torch.nonzero(bad)[0])
             raise InvalidRequest(f"non-finite {self.name} row ({where(i) if where else f'row {i}'}): refused "
                                  f"before packing it into the cache; nothing of this step was kept")

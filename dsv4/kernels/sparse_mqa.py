@@ -144,7 +144,7 @@ def _pv_blocks(acc, p_ptr, ml_ptr, t, b0, nb, M_use, heads, hmask, H, NC, NB, id
 
 
 @triton.jit
-def _pv_kernel(p_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr,
+def _pv_kernel(p_ptr, ml_ptr, sink_l2_ptr, out_ptr, lse_ptr,
                s_u8, s_bf, s_idx, s_len, s_w, s_bs, s_stride, s_slots,
                e_u8, e_bf, e_idx, e_len, e_w, e_bs, e_stride, e_slots,
                H, NC, NB, NBS,
@@ -178,7 +178,7 @@ def _pv_kernel(p_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr,
         acc = _pv_blocks(acc, p_ptr, ml_ptr, t, NBS, nb_e, M_use, heads, hmask, H, NC, NB,
                          e_idx + t.to(tl.int64) * e_w, n_e, e_slots, e_u8, e_bf, e_bs, e_stride, d0, E_LAYOUT,
                          BN, D, DB, DOT, NATIVE)
-    sink_l2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634
+    sink_l2 = tl.load(sink_l2_ptr + heads, mask=hmask, other=0.0)         # sinks x log2(e), from the wrapper
     row = t.to(tl.int64) * H + heads
     _finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + (d0 + tl.arange(0, DB))[None, :], lse_ptr + row,
             hmask, hmask & (heads * 0 + d0 == 0))       # one dims block writes lse
@@ -229,10 +229,6 @@ def pool_args(cache) -> tuple:
     return code, data, data.view(torch.bfloat16), cache.block_size, data.stride(0), cache.num_slots
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class Launch(NamedTuple):
     block_n: int      # index columns per scores program (and per P·V step)
     block_h: int      # heads per program, both passes
@@ -247,7 +243,7 @@ def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launc
     programs: 64 columns x 16 heads, 64 dims with 8 warps (b=1: 21 µs instead of 34 on the H200; 128
     SWA-only queries, 128 programs: 28 µs with the first shape, 69 with the second)."""
     full = min(64, max(16, triton.next_power_of_2(heads)))
-    if 2 * tokens * _cdiv(columns, 128) * _cdiv(heads, full) >= processors:
+    if 2 * tokens * triton.cdiv(columns, 128) * triton.cdiv(heads, full) >= processors:
         return Launch(128, full, 128, 4)
     return Launch(64, 16, 64, 8)
 
@@ -272,9 +268,9 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
     ew = extra_idx.shape[1] if extra is not None else 0
     plan = plan_launch(T, H, sw + ew, _processors(q.device))
     BN, BH, DB = block_n or plan.block_n, block_h or plan.block_h, block_d or plan.block_d
-    nbs, nbe = _cdiv(sw, BN), _cdiv(ew, BN)
+    nbs, nbe = triton.cdiv(sw, BN), triton.cdiv(ew, BN)
     NB, NC = nbs + nbe, (nbs + nbe) * BN
-    sink = sink.float().contiguous()
+    sink_l2 = (sink.float() * LOG2E).contiguous()
     s_idx, s_len = swa_idx.int().contiguous(), swa_len.int().contiguous()
     e, e_idx, e_len = (extra, extra_idx.int().contiguous(), extra_len.int().contiguous()) if extra is not None \
         else (swa, s_idx, s_len)                   # no extra cache: never read (HAS_EXTRA=False)
@@ -289,10 +285,10 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
         t1 = min(T, t0 + step)
         pools = (*swa[1:3], s_idx[t0:t1], s_len[t0:t1], sw, *swa[3:],
                  *e[1:3], e_idx[t0:t1], e_len[t0:t1], ew, *e[3:])
-        _scores_kernel[(NB, t1 - t0, _cdiv(H, BH))](
+        _scores_kernel[(NB, t1 - t0, triton.cdiv(H, BH))](
             q[t0:t1], p, ml, *pools, H, NC, NB, nbs, scale * LOG2E, BH=BH, **common, num_warps=num_warps,
             num_stages=1)
-        _pv_kernel[(D // DB, t1 - t0, _cdiv(H, BH))](
-            p, ml, sink, out[t0:t1], lse[t0:t1], *pools, H, NC, NB, nbs, BH=BH, DB=DB,
+        _pv_kernel[(D // DB, t1 - t0, triton.cdiv(H, BH))](
+            p, ml, sink_l2, out[t0:t1], lse[t0:t1], *pools, H, NC, NB, nbs, BH=BH, DB=DB,
             NBP=triton.next_power_of_2(NB), **common, num_warps=num_warps_pv or plan.num_warps_pv, num_stages=1)
     return out, lse

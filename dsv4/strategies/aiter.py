@@ -46,7 +46,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4.strategies.fp8_fnuz import record_offsets
+from dsv4.strategies.fp8_layouts import decode_records, record_offsets
+from dsv4.strategies.mqa_kernel import valid_entries
 from dsv4.strategies.protocols import Needs, OProjWeights, SparseKV
 
 AITER_VERSION = "0.1.7.post2.dev18"
@@ -76,15 +77,9 @@ def decode_record_rows(pages, slots, *, block_size: int, fp8):
     """Rows of fp8_ds_mla-geometry pages [num_blocks, page_bytes] uint8 at `slots` (>= 0), their 448
     NoPE bytes decoded as the torch dtype `fp8` times 2^(exponent byte - 127) per 64 dims, their 64
     RoPE dims as bf16 -> [n, 512] float32. Byte for byte §3.2; the flavour is the caller's to pick."""
-    import torch
-
     di, si = record_offsets(pages, slots, block_size)
     flat = pages.reshape(-1)
-    data, scl = flat[di], flat[si]
-    e = scl[:, :7].float() - 127
-    nope = data[:, :448].contiguous().view(fp8).float() * torch.exp2(e).repeat_interleave(64, -1)
-    rope = data[:, 448:].contiguous().view(torch.bfloat16).float()
-    return torch.cat((nope, rope), -1)
+    return decode_records(flat[di], flat[si], fp8)
 
 
 def read_rows(cache, slots, *, fmt: str):
@@ -98,7 +93,7 @@ def read_rows(cache, slots, *, fmt: str):
     if kind != RECORD[fmt]:
         raise ValueError(f"mqa_kernel=aiter_sparse decodes e4m3 as {TORCH_FP8[fmt]} on this device; the "
                          f"{cache.name} cache holds {kind} bytes; fix: cache_layout={RECORD[fmt]}")
-    return decode_record_rows(cache.data, slots, block_size=cache.block_size, fp8=fp8_dtype(fmt))
+    return cache.read(slots)
 
 
 # ---- index marshalling --------------------------------------------------------------------------------
@@ -109,15 +104,11 @@ def attended(kv: SparseKV):
     ReferenceMQA reads it). -> (ids [T, W] int64, counts [T] int64)."""
     import torch
 
-    def valid(idx, lens, n):
-        cols = torch.arange(idx.shape[1], device=idx.device)[None, :]
-        return (idx >= 0) & (idx < n) & (cols < lens[:, None].to(idx.device))
-
     S = kv.swa.num_slots
-    ok = valid(kv.swa_indices, kv.swa_lens, S)
+    ok = valid_entries(kv.swa_indices, kv.swa_lens, S)
     ids = torch.where(ok, kv.swa_indices.long(), -1)
     if kv.extra is not None:
-        eok = valid(kv.extra_indices, kv.extra_lens, kv.extra.num_slots)
+        eok = valid_entries(kv.extra_indices, kv.extra_lens, kv.extra.num_slots)
         ids = torch.cat((ids, torch.where(eok, kv.extra_indices.long() + S, -1)), 1)
         ok = torch.cat((ok, eok), 1)
     order = torch.argsort((~ok).to(torch.int8), dim=1, stable=True)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4.strategies.flashmla import fp8_ds_mla_pages
+from dsv4.strategies.mqa_kernel import valid_entries
 from dsv4.strategies.protocols import Needs, SparseKV
 
 SWA_COLUMNS = 128                          # FlashInfer's fixed SWA width (the model's sliding window)
@@ -73,8 +74,7 @@ def compact(indices, lens, num_slots: int):
     their order, then -1; and how many there are. -> (indices [T, W] int32, counts [T] int32)."""
     import torch
 
-    cols = torch.arange(indices.shape[1], device=indices.device)[None, :]
-    valid = (indices >= 0) & (indices < num_slots) & (cols < lens[:, None])
+    valid = valid_entries(indices, lens, num_slots)
     order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
     out = torch.where(valid, indices, torch.full_like(indices, -1)).gather(1, order)
     return out.to(torch.int32), valid.sum(1).to(torch.int32)
@@ -127,15 +127,9 @@ def varlen_args(indices) -> dict[str, Any]:
 
 def no_rows(kv: SparseKV):
     """[T] bool: the queries that name no row at all (their output is 0)."""
-    import torch
-
-    def some(idx, lens, num_slots):
-        cols = torch.arange(idx.shape[1], device=idx.device)[None, :]
-        return ((idx >= 0) & (idx < num_slots) & (cols < lens[:, None])).any(1)
-
-    has = some(kv.swa_indices, kv.swa_lens, kv.swa.num_slots)
+    has = valid_entries(kv.swa_indices, kv.swa_lens, kv.swa.num_slots).any(1)
     if kv.extra is not None:
-        has = has | some(kv.extra_indices, kv.extra_lens, kv.extra.num_slots)
+        has = has | valid_entries(kv.extra_indices, kv.extra_lens, kv.extra.num_slots).any(1)
     return ~has
 
 
@@ -266,8 +260,6 @@ class FlashInferSparse:
     def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None):
         import importlib
 
-        import torch
-
         if prepared is None:
             raise ValueError("mqa_kernel=flashinfer_sparse needs the state prepare(device=...) returned")
         if q.shape[0] == 0:
@@ -277,5 +269,5 @@ class FlashInferSparse:
                          workspace=self.workspace(kv, prepared, q.device))
         out = decode(**args)
         if prepared["mode"] == "trtllm_combined":         # queries with no row read a placeholder: 0 instead
-            out = torch.where(no_rows(kv)[:, None, None], torch.zeros((), dtype=out.dtype, device=out.device), out)
+            out.masked_fill_(no_rows(kv)[:, None, None], 0)
         return out.to(q.dtype), None                      # the API returns no log-sum-exp

@@ -56,6 +56,7 @@ class FlashMLASparse:
         if self.prefill_gather_min_tokens and q.shape[0] >= self.prefill_gather_min_tokens:
             return self._gather_prefill(q, kv, sink=sink, scale=scale, prepared=prepared)
         import flash_mla
+        import torch
 
         legacy = bool(prepared and prepared["use_legacy"])
         idx = _pad_width(kv.swa_indices)
@@ -71,7 +72,7 @@ class FlashMLASparse:
         if sched is None:
             sched = scratch[key] = flash_mla.get_mla_metadata()[0]
         out, lse = flash_mla.flash_mla_with_kvcache(
-            q.to(torch_bf16()).unsqueeze(1).contiguous(), fp8_ds_mla_pages(kv.swa), None, None, 512, sched,
+            q.to(torch.bfloat16).unsqueeze(1).contiguous(), fp8_ds_mla_pages(kv.swa), None, None, 512, sched,
             softmax_scale=scale, is_fp8_kvcache=True, indices=idx.unsqueeze(1), attn_sink=sink.float().contiguous(),
             topk_length=kv.swa_lens.contiguous(), use_legacy=legacy, **extra)
         return out.squeeze(1).to(q.dtype), lse.squeeze(-1)
@@ -106,9 +107,3 @@ class FlashMLASparse:
             attn_sink=sink.float().contiguous(), topk_length=lens,
             use_legacy=bool(prepared and prepared["use_legacy"]))
         return out.to(q.dtype), lse
-
-
-def torch_bf16():
-    import torch
-
-    return torch.bfloat16

@@ -18,28 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4.strategies.fp8_layouts import Fp8DsMlaLayout
+from dsv4.strategies.fp8_layouts import (DATA_BYTES, EXPONENTS, NOPE_BYTES, SCALE_BYTES, Fp8DsMlaLayout,
+                                          decode_records, read_records, write_records)
 from dsv4.strategies.protocols import Needs
 
 _OCP = Fp8DsMlaLayout()
 
-FNUZ_MAX = 240.0          # largest finite float8_e4m3fnuz
 FNUZ_QUANT_MAX = 224.0    # what a block's amax maps to (vLLM's FNUZ fp8 range; = OCP 448 / 2)
 FNUZ_NAN = 0x80
-DATA_BYTES, SCALE_BYTES, NOPE_BYTES, EXPONENTS = 576, 8, 448, 7
-
-
-def record_offsets(pages, slots, block_size: int):
-    """Byte offsets into `pages.view(-1)` ([num_blocks, page_bytes] uint8) of each slot's 576 data
-    bytes and 8 scale bytes in the fp8_ds_mla page geometry -> ([..., 576], [..., 8]) int64."""
-    import torch
-
-    s = slots.long()
-    base = (s // block_size) * pages.shape[1]
-    t = s % block_size
-    data = (base + t * DATA_BYTES)[..., None] + torch.arange(DATA_BYTES, device=s.device)
-    scl = (base + block_size * DATA_BYTES + t * SCALE_BYTES)[..., None] + torch.arange(SCALE_BYTES, device=s.device)
-    return data, scl
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,29 +70,13 @@ class Fp8DsMlaFnuzLayout:
         """(data [..., 576], scales [..., 8]) -> [..., 512] float32."""
         import torch
 
-        e = scales[..., :EXPONENTS].float() - 127
-        nope = data[..., :NOPE_BYTES].contiguous().view(torch.float8_e4m3fnuz).float()
-        nope = nope * torch.exp2(e).repeat_interleave(64, -1)
-        rope = data[..., NOPE_BYTES:].contiguous().view(torch.bfloat16).float()
-        return torch.cat((nope, rope), -1)
+        return decode_records(data, scales, torch.float8_e4m3fnuz)
 
     def write(self, cache, slots, rows, *, block_size: int) -> None:
-        keep = slots >= 0
-        if not bool(keep.any()):
-            return
-        data, scales = self.pack(rows[keep])
-        di, si = record_offsets(cache, slots[keep], block_size)
-        flat = cache.view(-1)
-        flat[di] = data
-        flat[si] = scales
+        write_records(self, cache, slots, rows, block_size=block_size)
 
     def read(self, cache, slots, *, block_size: int):
-        import torch
-
-        di, si = record_offsets(cache, slots.clamp(min=0), block_size)
-        flat = cache.view(-1)
-        rows = self.unpack(flat[di], flat[si])
-        return torch.where((slots >= 0)[..., None], rows, torch.zeros((), device=rows.device))
+        return read_records(self, cache, slots, block_size=block_size)
 
 
 # ---- converting whole caches between the two flavours ---------------------------------------------

@@ -13,12 +13,60 @@ from dataclasses import dataclass
 from dsv4.strategies.protocols import Needs
 
 E4M3_MAX = 448.0
+DATA_BYTES, SCALE_BYTES, NOPE_BYTES, EXPONENTS = 576, 8, 448, 7     # the record (DSV4_SPEC §3.2)
 
 
 def _e4m3():
     import torch
 
     return torch.float8_e4m3fn
+
+
+def record_offsets(pages, slots, block_size: int, data_bytes: int = DATA_BYTES, scale_bytes: int = SCALE_BYTES):
+    """Byte offsets into `pages.view(-1)` ([num_blocks, page_bytes] uint8) of each slot's data bytes
+    and scale bytes in the fp8_ds_mla page geometry -> ([..., 576], [..., 8]) int64."""
+    import torch
+
+    s = slots.long()
+    base = (s // block_size) * pages.shape[1]
+    t = s % block_size
+    data = (base + t * data_bytes)[..., None] + torch.arange(data_bytes, device=s.device)
+    scl = (base + block_size * data_bytes + t * scale_bytes)[..., None] + torch.arange(scale_bytes, device=s.device)
+    return data, scl
+
+
+def decode_records(data, scales, fp8, *, nope_dim: int = NOPE_BYTES, tile: int = 64):
+    """(data [..., 576], scales [..., 8]) uint8 -> [..., 512] float32: the NoPE bytes read as the torch
+    dtype `fp8` (the record's flavour) times 2^(exponent byte - 127) per `tile` dims, the RoPE dims bf16."""
+    import torch
+
+    e = scales[..., : nope_dim // tile].float() - 127
+    nope = data[..., :nope_dim].contiguous().view(fp8).float() * torch.exp2(e).repeat_interleave(tile, -1)
+    rope = data[..., nope_dim:].contiguous().view(torch.bfloat16).float()
+    return torch.cat((nope, rope), -1)
+
+
+def write_records(layout, cache, slots, rows, *, block_size: int) -> None:
+    """Pack rows with `layout.pack` into their slots (-1: skip) of fp8_ds_mla-geometry pages."""
+    keep = slots >= 0
+    if not bool(keep.any()):
+        return
+    data, scales = layout.pack(rows[keep])
+    di, si = record_offsets(cache, slots[keep], block_size, data.shape[-1], scales.shape[-1])
+    flat = cache.view(-1)
+    flat[di] = data
+    flat[si] = scales
+
+
+def read_records(layout, cache, slots, *, block_size: int, data_bytes: int = DATA_BYTES,
+                 scale_bytes: int = SCALE_BYTES):
+    """Rows at `slots` decoded with `layout.unpack`; zeros for -1."""
+    import torch
+
+    di, si = record_offsets(cache, slots.clamp(min=0), block_size, data_bytes, scale_bytes)
+    flat = cache.view(-1)
+    rows = layout.unpack(flat[di], flat[si])
+    return torch.where((slots >= 0)[..., None], rows, torch.zeros((), device=rows.device))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,42 +129,14 @@ class Fp8DsMlaLayout:
 
     def unpack(self, data, scales):
         """(data [..., 576], scales [..., 8]) -> [..., 512] float32."""
-        import torch
-
-        e = scales[..., : self.nope_dim // self.tile].float() - 127
-        nope = data[..., :self.nope_dim].contiguous().view(_e4m3()).float()
-        nope = nope * torch.exp2(e).repeat_interleave(self.tile, -1)
-        rope = data[..., self.nope_dim:].contiguous().view(torch.bfloat16).float()
-        return torch.cat((nope, rope), -1)
-
-    def _offsets(self, cache, slots, block_size: int):
-        import torch
-
-        s = slots.long()
-        blk, t = s // block_size, s % block_size
-        base = blk * cache.shape[1]
-        data = (base + t * self.data_bytes)[..., None] + torch.arange(self.data_bytes, device=s.device)
-        scl = (base + block_size * self.data_bytes + t * self.scale_bytes)[..., None] \
-            + torch.arange(self.scale_bytes, device=s.device)
-        return data, scl
+        return decode_records(data, scales, _e4m3(), nope_dim=self.nope_dim, tile=self.tile)
 
     def write(self, cache, slots, rows, *, block_size: int) -> None:
-        keep = slots >= 0
-        if not bool(keep.any()):
-            return
-        data, scales = self.pack(rows[keep])
-        di, si = self._offsets(cache, slots[keep], block_size)
-        flat = cache.view(-1)
-        flat[di] = data
-        flat[si] = scales
+        write_records(self, cache, slots, rows, block_size=block_size)
 
     def read(self, cache, slots, *, block_size: int):
-        import torch
-
-        di, si = self._offsets(cache, slots.clamp(min=0), block_size)
-        flat = cache.view(-1)
-        rows = self.unpack(flat[di], flat[si])
-        return torch.where((slots >= 0)[..., None], rows, torch.zeros((), device=rows.device))
+        return read_records(self, cache, slots, block_size=block_size, data_bytes=self.data_bytes,
+                            scale_bytes=self.scale_bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

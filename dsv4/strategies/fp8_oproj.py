@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dsv4.strategies.fp8_layouts import E4M3_MAX
 from dsv4.strategies.protocols import Needs, OProjWeights
 
 BLOCK = 128
-E4M3_MAX = 448.0
 
 
 def pow2_scale(amax, floor: float):
@@ -27,18 +27,12 @@ def pow2_scale(amax, floor: float):
 def inverse_rope_fp8_quant(o, positions, rope, groups: int):
     """o [T, H, D] -> (x [T, G, hpg·D] e4m3, scales [T, G, hpg·D/128] float32 powers of two).
 
-    One float32 copy of o, rotated in place on its last 64 dims, then one scale per 128 dims (in
-    torch ops; a fused kernel would read o once and write the fp8 bytes once)."""
+    The torch-op reference of the fused kernel (dsv4/kernels/inv_rope_fp8.py): o rotated back by -p·f
+    on its last 64 dims in float32, then one scale per 128 dims."""
     import torch
 
     T = o.shape[0]
-    x = o.float()                                     # a copy: o itself is not modified
-    c, s = rope.cos_sin(positions)                    # [T, 32]
-    c, s = c[:, None, :], s[:, None, :]
-    pairs = x[..., -64:].unflatten(-1, (32, 2))
-    ev, od = pairs[..., 0].clone(), pairs[..., 1].clone()
-    pairs[..., 0] = ev * c + od * s                   # inverse rotation: angle -p·f
-    pairs[..., 1] = od * c - ev * s
+    x = rope.apply(o, positions, inverse=True)        # float32; o itself is not modified
     blocks = x.view(T, groups, -1, BLOCK)
     scale = pow2_scale(blocks.abs().amax(-1, keepdim=True), 1e-10)   # vLLM clamps amax at 1e-10 here
     q = (blocks / scale).to(torch.float8_e4m3fn)      # |blocks / scale| <= 448 by the choice of scale
@@ -157,8 +151,7 @@ class TorchFp8OProj:
         x, xs = fused_inverse_rope_fp8_quant(o, positions, rope, prepared["groups"])
         w, ws = prepared["w"], prepared["ws"]
         outs = [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], w[g], ws[g]) for g in range(prepared["groups"])]
-        z = torch.stack(outs, 1) if outs else x.new_zeros(0)
-        return z.flatten(1) @ prepared["wo_b"].T
+        return torch.stack(outs, 1).flatten(1) @ prepared["wo_b"].T
 
 
 M_ALIGN = 8       # cuBLASLt's block-scaled fp8 matmul on the H200 ran every M that is a multiple of 8

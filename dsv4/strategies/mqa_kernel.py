@@ -6,14 +6,20 @@ from dataclasses import dataclass
 from dsv4.strategies.protocols import Needs, SparseKV
 
 
-def _gather(cache, indices, lens):
-    """Rows named by `indices` (float32, zero for invalid ones) and which of them count: a slot
-    counts if it is in the pool (-1 or beyond it is padding) and its column is below the length."""
+def valid_entries(indices, lens, num_slots: int):
+    """[T, W] bool: which entries of a SparseKV list count -- the slot is in the pool (-1 or beyond it
+    is padding) and the column is below the length. Every kernel adapter reads lists by this rule."""
     import torch
 
-    width = indices.shape[1]
-    valid = (indices >= 0) & (indices < cache.num_slots)
-    valid &= torch.arange(width, device=indices.device)[None, :] < lens[:, None]
+    cols = torch.arange(indices.shape[1], device=indices.device)[None, :]
+    return (indices >= 0) & (indices < num_slots) & (cols < lens[:, None].to(indices.device))
+
+
+def _gather(cache, indices, lens):
+    """Rows named by `indices` (float32, zero for invalid ones) and which of them count."""
+    import torch
+
+    valid = valid_entries(indices, lens, cache.num_slots)
     return cache.read(torch.where(valid, indices, torch.full_like(indices, -1))), valid
 
 

@@ -101,9 +101,9 @@ class MQAKernelStrategy(Protocol):
     def needs(self, device: DeviceInfo) -> Needs: ...
     def prepare(self, *, device: DeviceInfo) -> Any: ...     # once per layer: device-dependent choices
     def __call__(self, q: Tensor, kv: SparseKV, *, sink: Tensor, scale: float, prepared: Any = None
-                 ) -> tuple[Tensor, Tensor]: ...
+                 ) -> tuple[Tensor, Tensor | None]: ...
     # returns out [T, Hp, D] in q's dtype and lse [T, Hp] float32 (natural log, sink not included), or
-    # None for a kernel whose API returns no lse (FlashInfer's DSV4 decode)
+    # None for a kernel whose API returns no lse (FlashInfer's DSV4 decode, aiter's)
 
 
 @runtime_checkable
