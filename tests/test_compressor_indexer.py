@@ -264,9 +264,11 @@ def test_indexer_scores_match_spec(n, T, seed):
     assert got.shape == (T, n)
     assert torch.equal(torch.isinf(got), torch.isinf(ref))
     assert bool((got[torch.isinf(got)] < 0).all())                    # masked entries are -inf
+    # float32 error scales with the terms' magnitudes, Σ_h |w_h| Σ_d |q_hd k_d|, not with the score, which
+    # signed weights can cancel to near 0 (n=1, T=1, seed=25: a score of -0.093 off by 2.1e-5 relative)
+    mag = (w.double().abs()[:, :, None] * (q.double().abs() @ keys.double().abs().T)).sum(1)
     fin = torch.isfinite(ref)
-    if fin.any():
-        assert rel(got[fin], ref[fin]) <= 1e-5
+    assert bool(((got.double() - ref).abs()[fin] <= 1e-6 * mag[fin]).all())
 
 
 def _check_selection(sel, scores, K):
