@@ -123,6 +123,25 @@ def test_empty_lists_and_sink_infinities():
         check_against_reference(out, lse, q, kv, sink)
 
 
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "fp8_ds_mla_fnuz"])
+def test_each_64_dims_take_their_own_scale_on_odd_page_sizes(layout):
+    """Rows whose 7 e4m3 groups differ in magnitude by 2^3 steps (so each group has its own scale byte),
+    compressed pages of 3 slots (not a power of two): every group of output dims matches the reference."""
+    q, kv, sink = case(4, 8, (3, 24), layout, seed=11, q_std=0.05)
+    g = torch.Generator(device=DEVICE).manual_seed(12)
+    steps = (2.0 ** torch.arange(-12, 9, 3, device=DEVICE)).repeat_interleave(64)
+    for cache in (kv.swa, kv.extra):
+        rows = torch.randn(cache.num_slots, 512, generator=g, device=DEVICE)
+        rows[:, :448] *= steps
+        cache.write(torch.arange(cache.num_slots, dtype=torch.int32, device=DEVICE), rows)
+    ref, _ = ReferenceMQA()(q.float(), kv, sink=sink, scale=SCALE)
+    for launch in LAUNCHES:
+        out, lse = TritonSparseMQA(**dict(launch, block_n=16))(q, kv, sink=sink, scale=SCALE)
+        check_against_reference(out, lse, q, kv, sink)
+        for d in range(0, 512, 64):
+            assert rel_err(out[..., d:d + 64], ref[..., d:d + 64]) <= 8e-3, (launch, d)
+
+
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("layout", ["fp8_ds_mla", "fp8_ds_mla_fnuz"])
 def test_both_e4m3_decodings(native, layout):

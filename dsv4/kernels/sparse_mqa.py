@@ -17,6 +17,12 @@ The rows are read twice (keys, then values); p is written once and read once per
 L2 (the programs of one token are launched next to each other). Prefill-sized steps go through the
 workspace WORKSPACE_BYTES at a time.
 
+Addressing: a row's 8 scale bytes are one int64 load per row, shifted per 64 dims (byte loads per
+slice, widened through shared memory, were the scores pass's main stall); the page size is a
+constexpr, so slot -> (page, offset) is a shift for power-of-two pages instead of an integer division;
+P·V programs whose dims hold no RoPE part (3 of 4) skip the bf16 loads. Together: 201 -> 167 µs at
+b=128, s_q=2 on the H200 (docs/benchmarks.md).
+
 Row decoding (DSV4_SPEC §3.2): on GPUs that convert OCP e4m3 in hardware (NVIDIA sm89+) the bytes go
 through that conversion; everywhere else (FNUZ bytes, A100, AMD) it is integer arithmetic, which needs
 no fp8 hardware: an e4m3 byte's 7 magnitude bits shifted left by 7, with its sign moved to bit 15, are
@@ -44,22 +50,24 @@ WORKSPACE_BYTES = 1 << 28      # the bf16 p workspace of one launch; longer step
 
 
 @triton.jit
-def _slice(u8, bf, slots, ok, block_size, page_stride, d0, LAYOUT: tl.constexpr, D: tl.constexpr,
-           W: tl.constexpr, NATIVE: tl.constexpr):
-    """Dims [d0, d0 + W) of the rows at `slots` [BN] as bf16 [BN, W] (zeros where not `ok`); d0 and W
-    multiples of 64. NATIVE: OCP e4m3 bytes through the hardware conversion (sm89+); otherwise the
-    integer decoding above. A row's scale bytes are loaded once per 64 dims and widened in registers."""
-    d = d0 + tl.arange(0, W)
+def _rows(slots, ok, BS: tl.constexpr, page_stride, LAYOUT: tl.constexpr, D: tl.constexpr):
+    """Per row at `slots` [BN]: its offset (elements of a bf16 pool, bytes of an fp8_ds_mla record) and the
+    byte offset of its 8 scale bytes (fp8_ds_mla; 0 for bf16 rows), which `_gather` loads as one int64."""
+    slot = tl.where(ok, slots, 0)
     if LAYOUT == 0:
-        return tl.load(bf + slots.to(tl.int64)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    NOPE: tl.constexpr = D - 64
-    slot = tl.where(ok, slots, 0).to(tl.int64)
-    page = slot // block_size
-    t = slot - page * block_size
-    base = page * page_stride + t * (NOPE + 128)
-    scl = page * page_stride + block_size * (NOPE + 128) + t * 8
-    nope = (d < NOPE)[None, :] & ok[:, None]
-    byte = tl.load(u8 + base[:, None] + d[None, :], mask=nope, other=0)
+        return slot.to(tl.int64) * D, tl.zeros_like(slot).to(tl.int64)
+    page = (slot // BS).to(tl.int64)          # BS is a constexpr: a shift for power-of-two pages
+    t = slot % BS
+    return page * page_stride + t * (D + 64), page * page_stride + BS * (D + 64) + t * 8
+
+
+@triton.jit
+def _nope(u8, base, words, ok, d0, D: tl.constexpr, W: tl.constexpr, LAYOUT: tl.constexpr, NATIVE: tl.constexpr):
+    """NoPE dims [d0, d0 + W) of fp8_ds_mla rows as float32 [BN, W] (0 past the NoPE dims and where not
+    `ok`); each 64 dims take their scale byte from the row's `words`. NATIVE: OCP e4m3 bytes through the
+    hardware conversion (sm89+); otherwise the integer decoding above."""
+    d = d0 + tl.arange(0, W)
+    byte = tl.load(u8 + base[:, None] + d[None, :], mask=(d < D - 64)[None, :] & ok[:, None], other=0)
     if NATIVE and LAYOUT == 1:
         fix: tl.constexpr = 0
         value = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -67,29 +75,58 @@ def _slice(u8, bf, slots, ok, block_size, page_stride, d0, LAYOUT: tl.constexpr,
         fix: tl.constexpr = 8 if LAYOUT == 1 else 7
         b16 = byte.to(tl.uint16)
         value = (((b16 & 0x7F) << 7) | ((b16 & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-    G: tl.constexpr = W // 64
-    e8 = tl.load(u8 + scl[:, None] + d0 // 64 + tl.arange(0, G)[None, :], mask=ok[:, None], other=0).to(tl.int32)
-    s8 = ((e8 + fix) << 23).to(tl.float32, bitcast=True)
-    scale = tl.reshape(tl.broadcast_to(s8[:, :, None], [s8.shape[0], G, 64]), [s8.shape[0], W])
-    rope = tl.load(bf + ((base + NOPE) // 2)[:, None] + (d - NOPE)[None, :],
-                   mask=(d >= NOPE)[None, :] & ok[:, None], other=0.0)
-    return tl.where((d < NOPE)[None, :], value * scale, rope.to(tl.float32)).to(tl.bfloat16)
+    e = ((words >> (8 * (d0 // 64))) & 0xFF).to(tl.int32)
+    scale = tl.broadcast_to((((e + fix) << 23).to(tl.float32, bitcast=True))[:, None], [e.shape[0], W])
+    for g in tl.static_range(1, W // 64):
+        e = ((words >> (8 * (d0 // 64 + g))) & 0xFF).to(tl.int32)
+        scale = tl.where((d >= d0 + 64 * g)[None, :], (((e + fix) << 23).to(tl.float32, bitcast=True))[:, None],
+                         scale)
+    return value * scale
 
 
 @triton.jit
-def _score_block(q_ptr, p_ptr, ml_ptr, t, blk, heads, hmask, H, NC, NB, idx_ptr, lo, n, num_slots, u8, bf,
-                 block_size, page_stride, qk_scale, LAYOUT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-                 DOT: tl.constexpr, NATIVE: tl.constexpr):
-    """Q·Kᵀ for BN columns of a token's list, then the block's p and (max, sum) per head."""
-    cols = lo + tl.arange(0, BN)
+def _slice(u8, bf, base, words, ok, d0, LAYOUT: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+           NATIVE: tl.constexpr):
+    """Dims [d0, d0 + W) of the rows at `base` (from `_rows`) as bf16 [BN, W], zeros where not `ok`; d0
+    and W multiples of 64."""
+    d = d0 + tl.arange(0, W)
+    if LAYOUT == 0:
+        rows = tl.load(bf + base[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+    else:
+        NOPE: tl.constexpr = D - 64
+        rope = tl.load(bf + ((base + NOPE) // 2)[:, None] + (d - NOPE)[None, :],
+                       mask=(d >= NOPE)[None, :] & ok[:, None], other=0.0)
+        rows = tl.where((d < NOPE)[None, :], _nope(u8, base, words, ok, d0, D, W, LAYOUT, NATIVE),
+                        rope.to(tl.float32)).to(tl.bfloat16)
+    return rows
+
+
+@triton.jit
+def _gather(idx_ptr, cols, n, num_slots, w64, BS: tl.constexpr, page_stride, LAYOUT: tl.constexpr,
+            D: tl.constexpr):
+    """The slots at list columns `cols`, which of them are valid rows, their offsets and scale words."""
     slots = tl.load(idx_ptr + cols, mask=cols < n, other=-1)
     ok = (cols < n) & (slots >= 0) & (slots < num_slots)
+    base, scl = _rows(slots, ok, BS, page_stride, LAYOUT, D)
+    if LAYOUT == 0:
+        words = scl                                 # bf16 rows have no scales (zeros)
+    else:
+        words = tl.load(w64 + scl // 8, mask=ok, other=0)
+    return ok, base, words
+
+
+@triton.jit
+def _score_block(q_ptr, p_ptr, ml_ptr, t, blk, heads, hmask, H, NC, NB, idx_ptr, lo, n, num_slots, u8, bf, w64,
+                 BS: tl.constexpr, page_stride, qk_scale, LAYOUT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+                 DOT: tl.constexpr, NATIVE: tl.constexpr):
+    """Q·Kᵀ for BN columns of a token's list, then the block's p and (max, sum) per head."""
+    ok, base, words = _gather(idx_ptr, lo + tl.arange(0, BN), n, num_slots, w64, BS, page_stride, LAYOUT, D)
     qrow = (t.to(tl.int64) * H + heads) * D
     s = tl.zeros([heads.shape[0], BN], tl.float32)
     for j in tl.static_range(D // 64):
         dj = j * 64 + tl.arange(0, 64)
         qj = tl.load(q_ptr + qrow[:, None] + dj[None, :], mask=hmask[:, None], other=0.0).to(DOT)
-        kj = _slice(u8, bf, slots, ok, block_size, page_stride, j * 64, LAYOUT, D, 64, NATIVE).to(DOT)
+        kj = _slice(u8, bf, base, words, ok, j * 64, LAYOUT, D, 64, NATIVE).to(DOT)
         s += tl.dot(qj, tl.trans(kj))
     s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
     m = tl.max(s, 1)
@@ -103,11 +140,12 @@ def _score_block(q_ptr, p_ptr, ml_ptr, t, blk, heads, hmask, H, NC, NB, idx_ptr,
 
 @triton.jit
 def _scores_kernel(q_ptr, p_ptr, ml_ptr,
-                   s_u8, s_bf, s_idx, s_len, s_w, s_bs, s_stride, s_slots,
-                   e_u8, e_bf, e_idx, e_len, e_w, e_bs, e_stride, e_slots,
+                   s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots,
+                   e_u8, e_bf, e_w64, e_idx, e_len, e_w, e_stride, e_slots,
                    H, NC, NB, NBS, qk_scale,
-                   S_LAYOUT: tl.constexpr, E_LAYOUT: tl.constexpr, HAS_EXTRA: tl.constexpr,
-                   BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
+                   S_LAYOUT: tl.constexpr, E_LAYOUT: tl.constexpr, S_BS: tl.constexpr, E_BS: tl.constexpr,
+                   HAS_EXTRA: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
+                   NATIVE: tl.constexpr):
     blk = tl.program_id(0)
     t = tl.program_id(1)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -116,41 +154,61 @@ def _scores_kernel(q_ptr, p_ptr, ml_ptr,
         n = tl.minimum(tl.load(s_len + t), s_w)
         if blk * BN < n:
             _score_block(q_ptr, p_ptr, ml_ptr, t, blk, heads, hmask, H, NC, NB, s_idx + t.to(tl.int64) * s_w,
-                         blk * BN, n, s_slots, s_u8, s_bf, s_bs, s_stride, qk_scale, S_LAYOUT, BN, D, DOT, NATIVE)
+                         blk * BN, n, s_slots, s_u8, s_bf, s_w64, S_BS, s_stride, qk_scale, S_LAYOUT, BN, D, DOT,
+                         NATIVE)
     elif HAS_EXTRA:                                 # a block of the compressed-cache list
         n = tl.minimum(tl.load(e_len + t), e_w)
         if (blk - NBS) * BN < n:
             _score_block(q_ptr, p_ptr, ml_ptr, t, blk, heads, hmask, H, NC, NB, e_idx + t.to(tl.int64) * e_w,
-                         (blk - NBS) * BN, n, e_slots, e_u8, e_bf, e_bs, e_stride, qk_scale, E_LAYOUT, BN, D,
-                         DOT, NATIVE)
+                         (blk - NBS) * BN, n, e_slots, e_u8, e_bf, e_w64, E_BS, e_stride, qk_scale, E_LAYOUT, BN,
+                         D, DOT, NATIVE)
 
 
 @triton.jit
-def _pv_blocks(acc, p_ptr, ml_ptr, t, b0, nb, M_use, heads, hmask, H, NC, NB, idx_ptr, n, num_slots, u8, bf,
-               block_size, page_stride, d0, LAYOUT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
-               DB: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
-    """acc += Σ over the list's first nb blocks (workspace blocks b0..) of p · V[:, d0:d0+DB] · 2^(m_blk − M)."""
+def _pv_blocks(acc, p_ptr, ml_ptr, t, b0, nb, M_use, heads, hmask, H, NC, NB, idx_ptr, n, num_slots, u8, bf, w64,
+               BS: tl.constexpr, page_stride, d0, LAYOUT: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
+               DB: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr, ROPE: tl.constexpr):
+    """acc += Σ over the list's first nb blocks (workspace blocks b0..) of p · V[:, d0:d0+DB] · 2^(m_blk − M).
+    ROPE: whether dims [d0, d0 + DB) reach the bf16 RoPE part (otherwise only e4m3 bytes are read)."""
     prow = (t.to(tl.int64) * H + heads) * NC
     for i in range(0, nb):
-        cols = i * BN + tl.arange(0, BN)
-        slots = tl.load(idx_ptr + cols, mask=cols < n, other=-1)
-        ok = (cols < n) & (slots >= 0) & (slots < num_slots)
+        ok, base, words = _gather(idx_ptr, i * BN + tl.arange(0, BN), n, num_slots, w64, BS, page_stride, LAYOUT, D)
         p = tl.load(p_ptr + prow[:, None] + ((b0 + i) * BN + tl.arange(0, BN))[None, :], mask=hmask[:, None],
                     other=0.0).to(DOT)
-        v = _slice(u8, bf, slots, ok, block_size, page_stride, d0, LAYOUT, D, DB, NATIVE).to(DOT)
+        if ROPE or LAYOUT == 0:
+            v = _slice(u8, bf, base, words, ok, d0, LAYOUT, D, DB, NATIVE).to(DOT)
+        else:
+            v = _nope(u8, base, words, ok, d0, D, DB, LAYOUT, NATIVE).to(tl.bfloat16).to(DOT)
         m = tl.load(ml_ptr + ((t.to(tl.int64) * NB + b0 + i) * H + heads) * 2, mask=hmask, other=float("-inf"))
         acc += tl.dot(p, v) * tl.exp2(m - M_use)[:, None]
     return acc
 
 
 @triton.jit
+def _pv_lists(p_ptr, ml_ptr, t, M_use, heads, hmask, H, NC, NB, NBS, d0, nb_s, nb_e, n_s, n_e,
+              s_u8, s_bf, s_w64, s_idx, s_w, s_stride, s_slots, e_u8, e_bf, e_w64, e_idx, e_w, e_stride, e_slots,
+              S_LAYOUT: tl.constexpr, E_LAYOUT: tl.constexpr, S_BS: tl.constexpr, E_BS: tl.constexpr,
+              HAS_EXTRA: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DB: tl.constexpr,
+              DOT: tl.constexpr, NATIVE: tl.constexpr, ROPE: tl.constexpr):
+    """The token's SWA blocks, then its compressed-cache blocks, into one [BH, DB] accumulator."""
+    acc = tl.zeros([BH, DB], tl.float32)
+    acc = _pv_blocks(acc, p_ptr, ml_ptr, t, 0, nb_s, M_use, heads, hmask, H, NC, NB, s_idx + t.to(tl.int64) * s_w,
+                     n_s, s_slots, s_u8, s_bf, s_w64, S_BS, s_stride, d0, S_LAYOUT, BN, D, DB, DOT, NATIVE, ROPE)
+    if HAS_EXTRA:
+        acc = _pv_blocks(acc, p_ptr, ml_ptr, t, NBS, nb_e, M_use, heads, hmask, H, NC, NB,
+                         e_idx + t.to(tl.int64) * e_w, n_e, e_slots, e_u8, e_bf, e_w64, E_BS, e_stride, d0,
+                         E_LAYOUT, BN, D, DB, DOT, NATIVE, ROPE)
+    return acc
+
+
+@triton.jit
 def _pv_kernel(p_ptr, ml_ptr, sink_l2_ptr, out_ptr, lse_ptr,
-               s_u8, s_bf, s_idx, s_len, s_w, s_bs, s_stride, s_slots,
-               e_u8, e_bf, e_idx, e_len, e_w, e_bs, e_stride, e_slots,
+               s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots,
+               e_u8, e_bf, e_w64, e_idx, e_len, e_w, e_stride, e_slots,
                H, NC, NB, NBS,
-               S_LAYOUT: tl.constexpr, E_LAYOUT: tl.constexpr, HAS_EXTRA: tl.constexpr,
-               BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DB: tl.constexpr, NBP: tl.constexpr,
-               DOT: tl.constexpr, NATIVE: tl.constexpr):
+               S_LAYOUT: tl.constexpr, E_LAYOUT: tl.constexpr, S_BS: tl.constexpr, E_BS: tl.constexpr,
+               HAS_EXTRA: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DB: tl.constexpr,
+               NBP: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
     d0 = tl.program_id(0) * DB
     t = tl.program_id(1)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -171,17 +229,16 @@ def _pv_kernel(p_ptr, ml_ptr, sink_l2_ptr, out_ptr, lse_ptr,
     M = tl.max(mb, 0)
     M_use = tl.where(M == float("-inf"), 0.0, M)
     L = tl.sum(lb * tl.exp2(mb - M_use[None, :]), 0)
-    acc = tl.zeros([BH, DB], tl.float32)
-    acc = _pv_blocks(acc, p_ptr, ml_ptr, t, 0, nb_s, M_use, heads, hmask, H, NC, NB, s_idx + t.to(tl.int64) * s_w,
-                     n_s, s_slots, s_u8, s_bf, s_bs, s_stride, d0, S_LAYOUT, BN, D, DB, DOT, NATIVE)
-    if HAS_EXTRA:
-        acc = _pv_blocks(acc, p_ptr, ml_ptr, t, NBS, nb_e, M_use, heads, hmask, H, NC, NB,
-                         e_idx + t.to(tl.int64) * e_w, n_e, e_slots, e_u8, e_bf, e_bs, e_stride, d0, E_LAYOUT,
-                         BN, D, DB, DOT, NATIVE)
+    lists = (p_ptr, ml_ptr, t, M_use, heads, hmask, H, NC, NB, NBS, d0, nb_s, nb_e, n_s, n_e, s_u8, s_bf, s_w64, s_idx,
+             s_w, s_stride, s_slots, e_u8, e_bf, e_w64, e_idx, e_w, e_stride, e_slots)
+    if d0 + DB <= D - 64:                       # e4m3 dims only (3 of 4 programs at DB=128): no RoPE loads
+        acc = _pv_lists(*lists, S_LAYOUT, E_LAYOUT, S_BS, E_BS, HAS_EXTRA, BH, BN, D, DB, DOT, NATIVE, False)
+    else:
+        acc = _pv_lists(*lists, S_LAYOUT, E_LAYOUT, S_BS, E_BS, HAS_EXTRA, BH, BN, D, DB, DOT, NATIVE, True)
     sink_l2 = tl.load(sink_l2_ptr + heads, mask=hmask, other=0.0)         # sinks x log2(e), from the wrapper
     row = t.to(tl.int64) * H + heads
-    _finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + (d0 + tl.arange(0, DB))[None, :], lse_ptr + row,
-            hmask, hmask & (heads * 0 + d0 == 0))       # one dims block writes lse
+    _finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + (d0 + tl.arange(0, DB))[None, :],
+            lse_ptr + row, hmask, hmask & (heads * 0 + d0 == 0))       # one dims block writes lse
 
 
 @triton.jit
@@ -216,7 +273,8 @@ def _processors(device) -> int:
 
 
 def pool_args(cache) -> tuple:
-    """(layout code, uint8 view, bf16 view, block_size, page stride in bytes, num_slots) of a PagedCache."""
+    """(layout code, block_size, uint8 view, bf16 view, int64 view, page stride in bytes, num_slots) of a
+    PagedCache."""
     import torch
 
     row = cache.layout.kv_row_dtype
@@ -225,8 +283,9 @@ def pool_args(cache) -> tuple:
                          f"(cache {cache.name}); check() refuses this combination")
     code, data = LAYOUT_CODES[row], cache.data
     if code == 0:
-        return code, data, data, cache.block_size, 0, cache.num_slots
-    return code, data, data.view(torch.bfloat16), cache.block_size, data.stride(0), cache.num_slots
+        return code, cache.block_size, data, data, data, 0, cache.num_slots
+    return (code, cache.block_size, data, data.view(torch.bfloat16), data.view(torch.int64), data.stride(0),
+            cache.num_slots)
 
 
 class Launch(NamedTuple):
@@ -240,8 +299,8 @@ def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launc
     """Launch shapes from the step's size (H200 sweeps, docs/benchmarks.md). When the scores pass at
     128 columns x 64 heads per program gives at least half as many programs as processors: that
     (4 warps), and 128 output dims per P·V program. Otherwise (decode of a few requests) more, smaller
-    programs: 64 columns x 16 heads, 64 dims with 8 warps (b=1: 21 µs instead of 34 on the H200; 128
-    SWA-only queries, 128 programs: 28 µs with the first shape, 69 with the second)."""
+    programs: 64 columns x 16 heads, 64 dims with 8 warps (third session's kernel on the H200: b=1 21 µs
+    instead of 34; 128 SWA-only queries, 128 programs: 28 µs with the first shape, 69 with the second)."""
     full = min(64, max(16, triton.next_power_of_2(heads)))
     if 2 * tokens * triton.cdiv(columns, 128) * triton.cdiv(heads, full) >= processors:
         return Launch(128, full, 128, 4)
@@ -275,7 +334,7 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
     e, e_idx, e_len = (extra, extra_idx.int().contiguous(), extra_len.int().contiguous()) if extra is not None \
         else (swa, s_idx, s_len)                   # no extra cache: never read (HAS_EXTRA=False)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    common = dict(S_LAYOUT=swa[0], E_LAYOUT=e[0], HAS_EXTRA=extra is not None, BN=BN, D=D,
+    common = dict(S_LAYOUT=swa[0], E_LAYOUT=e[0], S_BS=swa[1], E_BS=e[1], HAS_EXTRA=extra is not None, BN=BN, D=D,
                   NATIVE=native_e4m3(q.device) if native_fp8 is None else native_fp8,
                   DOT=tl.float32 if interpret else tl.bfloat16)
     step = max(1, WORKSPACE_BYTES // (H * NC * 2))
@@ -283,8 +342,8 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
     ml = torch.empty(min(T, step) * NB * H * 2, dtype=torch.float32, device=q.device)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        pools = (*swa[1:3], s_idx[t0:t1], s_len[t0:t1], sw, *swa[3:],
-                 *e[1:3], e_idx[t0:t1], e_len[t0:t1], ew, *e[3:])
+        pools = (*swa[2:5], s_idx[t0:t1], s_len[t0:t1], sw, *swa[5:],
+                 *e[2:5], e_idx[t0:t1], e_len[t0:t1], ew, *e[5:])
         _scores_kernel[(NB, t1 - t0, triton.cdiv(H, BH))](
             q[t0:t1], p, ml, *pools, H, NC, NB, nbs, scale * LOG2E, BH=BH, **common, num_warps=num_warps,
             num_stages=1)

@@ -1,0 +1,24 @@
+"""mqa_kernel=triton_sparse's kernels compile for GPUs CI does not have (dsv4.kernels.compile_check):
+A100 with the integer e4m3 decoding, the H200 reading bf16 rows, MI300 reading FNUZ bytes. Compiled in
+a fresh process, since the other Triton tests import the kernels under TRITON_INTERPRET=1."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+# not imported here: Triton reads TRITON_INTERPRET once, and test_triton_sparse sets it for this process
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="triton is not installed (pip install triton>=3.7)")
+
+
+@pytest.mark.parametrize("job", ["cuda:80/fp8_ds_mla", "cuda:90/bfloat16", "hip:gfx942/fp8_ds_mla_fnuz"])
+def test_kernels_compile_for(job):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "dsv4.kernels.compile_check", job], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "compiled in" in r.stdout
