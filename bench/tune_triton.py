@@ -4,8 +4,10 @@
                                          # cases, prefill at 4096 tokens, the fused o_proj prologue vs a copy
   python bench/tune_triton.py quick      # the launch sweep on three decode cases
   python bench/tune_triton.py planned    # the shipped (planned) launch beside FlashMLA, around the planner's switch
+  python bench/tune_triton.py oproj      # o_proj=triton_fp8's grouped e4m3 product beside DeepGEMM, torch_fp8, bf16
 
-The shipped defaults (configs/mqa_kernel/triton_sparse.yaml, inv_rope_fp8_quant's) come from this sweep.
+The shipped defaults (configs/mqa_kernel/triton_sparse.yaml, configs/o_proj/triton_fp8.yaml, inv_rope_fp8_quant's)
+come from these sweeps.
 """
 from __future__ import annotations
 
@@ -118,11 +120,54 @@ def prologue() -> None:
             print(f"| {bpp} | {nw} | {t:.1f} | {moved / t / 1e3:.0f} |", flush=True)
 
 
+def oproj() -> None:
+    """The grouped wo_a product alone (launch variants of ours, DeepGEMM's fp8_einsum, 8 torch._scaled_mm,
+    the bf16 einsum) on the same fp8 bytes, then each whole fp8 o_proj strategy; DSV4-Flash shapes."""
+    import deep_gemm
+
+    from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
+    from dsv4.strategies import DeepGemmFp8OProj, ReferenceOProj, TorchFp8OProj, TritonFp8OProj
+    from dsv4.strategies.fp8_oproj import blockwise_scaled_mm, fused_inverse_rope_fp8_quant, quantize_weight_blocks
+
+    dev, rope, G = detect(), Rope.for_layer(tiny_spec(), 4), 8
+    print("\nwo_a alone, G=8, 4096 -> 1024 per group (µs; rel err vs DeepGEMM)\n| T | launch | triton_fp8 | rel err | "
+          "DeepGEMM fp8_einsum | torch_fp8 (8 scaled_mm) | bf16 einsum |\n|---|---|---|---|---|---|---|")
+    for T in (1, 64, 128, 1024, 4096):
+        w, o, pos = oproj_case(T, G)
+        x, xs = fused_inverse_rope_fp8_quant(o, pos, rope, G)
+        wq, ws = quantize_weight_blocks(w.wo_a.cuda().view(G, 1024, -1))
+        z = torch.empty(T, G, 1024, dtype=torch.bfloat16, device="cuda")
+        t_dg = graph_time_us(lambda: deep_gemm.fp8_einsum("bhr,hdr->bhd", (x, xs), (wq, ws), z, recipe=(1, 128, 128)))
+        ref = z.clone()
+        t_tf = graph_time_us(lambda: [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], wq[g], ws[g]) for g in range(G)])
+        xb, wb = o.reshape(T, G, -1), w.wo_a.cuda().bfloat16().view(G, 1024, -1)
+        t_bf = graph_time_us(lambda: torch.einsum("tgd,grd->tgr", xb, wb))
+        for bm, nw, st in ((64, 4, 4), (64, 4, 3), (128, 8, 3), (128, 8, 4), (128, 4, 3)):
+            try:
+                out = grouped_fp8_gemm(x, xs, wq, ws, block_m=bm, num_warps=nw, num_stages=st)
+                t = graph_time_us(lambda: grouped_fp8_gemm(x, xs, wq, ws, block_m=bm, num_warps=nw, num_stages=st))
+                print(f"| {T} | m{bm} w{nw} s{st} | {t:.1f} | {rel_err(out, ref):.1e} | {t_dg:.1f} | {t_tf:.1f} | "
+                      f"{t_bf:.1f} |", flush=True)
+            except Exception as e:  # noqa: BLE001 - a launch that does not compile is a row, not a stop
+                print(f"| {T} | m{bm} w{nw} s{st} | {type(e).__name__}: {str(e)[:80]} |", flush=True)
+    print("\nwhole o_proj (prologue + wo_a + wo_b), µs\n| T | reference | deepgemm_fp8 | torch_fp8 | triton_fp8 |"
+          "\n|---|---|---|---|---|")
+    for T in (1, 128, 4096):
+        w, o, pos = oproj_case(T, G)
+        row = []
+        for s in (ReferenceOProj(), DeepGemmFp8OProj(), TorchFp8OProj(), TritonFp8OProj()):
+            prep = s.prepare(w, device=dev, dtype="bfloat16")
+            row.append(graph_time_us(lambda: s(o, pos, rope=rope, prepared=prep)))
+        print(f"| {T} | " + " | ".join(f"{t:.1f}" for t in row) + " |", flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
     if "planned" in sys.argv:
         planned()
+    elif "oproj" in sys.argv:
+        oproj()
     elif "quick" in sys.argv:
         decode([CASES[0], CASES[3], CASES[4]])
     else:

@@ -28,7 +28,7 @@ from dsv4.device import DeviceInfo
 from dsv4.dump import recompute
 from dsv4.errors import ConfigError
 from dsv4.reference import rel_err
-from dsv4.strategies import DeepGemmFp8OProj, OProjWeights, ReferenceOProj, TorchFp8OProj
+from dsv4.strategies import DeepGemmFp8OProj, OProjWeights, ReferenceOProj, TorchFp8OProj, TritonFp8OProj
 from tests.conftest import CONFIGS, ROOT, tiny_spec
 
 # the tiny model with o_lora_rank a multiple of 128, so that wo_a's groups are whole fp8 blocks
@@ -277,7 +277,7 @@ def test_fp8_oproj_prepare_returns_the_stored_bytes_and_scales(monkeypatch, chec
     for rank in range(tp_size):
         rows = slice(rank * G * r, (rank + 1) * G * r)
         srows = slice(rank * G * r // 128, (rank + 1) * G * r // 128)
-        for s in (DeepGemmFp8OProj(), TorchFp8OProj()):
+        for s in (DeepGemmFp8OProj(), TorchFp8OProj(), TritonFp8OProj()):
             st = Strategies(mqa_kernel=ReferenceMQA(), o_proj=s, head_padding=NoHeadPadding(),
                             cache_layout=PlainRowLayout(name="float32", dtype="float32"))
             layer = build_layer(spec=sp, layer=1, weights=got.weights[1], rank=rank, tp_size=tp_size, strategies=st,

@@ -10,7 +10,8 @@ from dsv4.compat import Combination, check
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
 from dsv4.reference import _rope
-from dsv4.strategies import (BucketHeadPadding, DeepGemmFp8OProj, Fp8DsMlaLayout, ReferenceMQA, TorchFp8OProj)
+from dsv4.strategies import (BucketHeadPadding, DeepGemmFp8OProj, Fp8DsMlaLayout, ReferenceMQA, TorchFp8OProj,
+                             TritonFp8OProj)
 from dsv4.strategies.fp8_oproj import inverse_rope_fp8_quant, quantize_weight_blocks
 from tests.conftest import spec_rope_freqs, tiny_spec
 
@@ -58,7 +59,7 @@ def combo(spec, o_proj):
         name="buckets_64_128", buckets=(64, 128)), cache_layout=Fp8DsMlaLayout(), dtype="bfloat16")
 
 
-@pytest.mark.parametrize("strategy", [DeepGemmFp8OProj(), TorchFp8OProj()], ids=lambda s: s.name)
+@pytest.mark.parametrize("strategy", [DeepGemmFp8OProj(), TorchFp8OProj(), TritonFp8OProj()], ids=lambda s: s.name)
 def test_fp8_oproj_rules(strategy):
     from omegaconf import OmegaConf
 

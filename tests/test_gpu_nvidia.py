@@ -8,7 +8,8 @@ from dsv4.bench import oproj_case, sparse_case
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
 from dsv4.reference import rel_err
-from dsv4.strategies import DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, SparseKV, TorchFp8OProj
+from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, SparseKV, TorchFp8OProj,
+                             TritonFp8OProj)
 from dsv4.strategies.fp8_oproj import inverse_rope_fp8_quant, quantize_weight_blocks
 from tests.conftest import tiny_spec
 
@@ -89,7 +90,7 @@ def test_flashmla_schedule_is_made_once_per_layer_type_and_step_and_reused():
     assert not torch.equal(first, again)
 
 
-@pytest.mark.parametrize("strategy", [DeepGemmFp8OProj(), TorchFp8OProj()], ids=lambda s: s.name)
+@pytest.mark.parametrize("strategy", [DeepGemmFp8OProj(), TorchFp8OProj(), TritonFp8OProj()], ids=lambda s: s.name)
 @pytest.mark.parametrize("T,G", [(1, 8), (33, 8), (256, 2)])
 def test_fp8_oproj_matches_fp8_simulation_and_reference(strategy, T, G):
     spec = tiny_spec()

@@ -1,14 +1,15 @@
-"""Compile mqa_kernel=triton_sparse's two kernels for GPUs this machine does not have, with the Triton
-wheel's own compilers (ptxas for NVIDIA, LLVM for AMD; no GPU and no driver needed): the portability
-check behind `backend=triton`. Compiling is not running: the numbers are checked on the H200 (tests
-marked gpu) and on the CPU under TRITON_INTERPRET=1.
+"""Compile our Triton kernels for GPUs this machine does not have, with the Triton wheel's own compilers
+(ptxas for NVIDIA, LLVM for AMD; no GPU and no driver needed): the portability check behind
+`backend=triton` and `o_proj=triton_fp8`. Compiling is not running: the numbers are checked on the H200
+(tests marked gpu) and on the CPU under TRITON_INTERPRET=1.
 
-  python -m dsv4.kernels.compile_check                              # every target x layout below
-  python -m dsv4.kernels.compile_check cuda:80/fp8_ds_mla hip:gfx942/fp8_ds_mla_fnuz
+  python -m dsv4.kernels.compile_check                              # every job below
+  python -m dsv4.kernels.compile_check cuda:80/fp8_ds_mla hip:gfx942/fp8_ds_mla_fnuz cuda:89/o_proj
 
-Each argument is TARGET/LAYOUT; TARGET is cuda:<sm> or hip:<gfx arch>, LAYOUT a key of LAYOUT_CODES.
-OCP e4m3 bytes take the hardware conversion where sparse_mqa would use it (NVIDIA sm89+).
-Exits non-zero if any kernel fails to compile.
+Each argument is TARGET/WHAT; TARGET is cuda:<sm> or hip:<gfx arch>; WHAT is a key of LAYOUT_CODES
+(mqa_kernel=triton_sparse's two kernels reading such pages; OCP e4m3 bytes take the hardware conversion
+where sparse_mqa would use it, NVIDIA sm89+) or `o_proj` (o_proj=triton_fp8's grouped e4m3 product,
+NVIDIA sm89+ only). Exits non-zero if any kernel fails to compile.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 import time
 
 TARGETS = ("cuda:80", "cuda:89", "cuda:90", "cuda:120", "hip:gfx942")   # A100, L40/4090, H200, RTX PRO 6000, MI300
+FP8_TARGETS = ("cuda:89", "cuda:90", "cuda:120")                          # e4m3 tensor-core dots
 
 
 def _arg_type(name: str, layout: int) -> str:
@@ -33,42 +35,60 @@ def _arg_type(name: str, layout: int) -> str:
     return "fp32" if name == "qk_scale" else "i32"
 
 
-def compile_for(target: str, layout: str) -> float:
-    """Compile both kernels at the planner's large-step launch (and page sizes 64 and 3) for `target`;
-    seconds taken. Raises what Triton raises."""
-    import triton
-    import triton.language as tl
+def _gpu(target: str):
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from dsv4.kernels import sparse_mqa as mod
 
     backend, arch = target.split(":")
-    gpu = GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64)
-    code = mod.LAYOUT_CODES[layout]
-    native = backend == "cuda" and int(arch) >= 89 and code == 1
-    plan = mod.plan_launch(256, 64, 640, 132)
+    return GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64)
+
+
+def _compile(fn, const: dict, types, target) -> None:
+    import triton
+    from triton.compiler import ASTSource
+
+    sig = {a: "constexpr" if a in const else types(a) for a in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    triton.compile(src, target=target, options=dict(num_warps=4, num_stages=1))
+
+
+def compile_for(target: str, what: str) -> float:
+    """Compile `what` (a layout: both sparse-MQA kernels at the planner's large-step launch, page sizes 64
+    and 3; or `o_proj`) for `target`; seconds taken. Raises what Triton raises."""
+    import triton.language as tl
+
+    gpu = _gpu(target)
     t0 = time.perf_counter()
+    if what == "o_proj":
+        from dsv4.kernels.fp8_grouped_gemm import _grouped_fp8_kernel
+
+        types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "z_ptr": "*bf16"}
+        for bm in (64, 128):
+            _compile(_grouped_fp8_kernel, dict(BM=bm, DOT=tl.float8e4nv, STAGES=3), lambda a: types.get(a, "i32"), gpu)
+        return time.perf_counter() - t0
+    from dsv4.kernels import sparse_mqa as mod
+
+    code = mod.LAYOUT_CODES[what]
+    native = gpu.backend == "cuda" and gpu.arch >= 89 and code == 1
+    plan = mod.plan_launch(256, 64, 640, 132)
     for fn, extra in ((mod._scores_kernel, {}), (mod._pv_kernel, dict(DB=plan.block_d, NBP=8))):
         const = dict(S_LAYOUT=code, E_LAYOUT=code, S_BS=64, E_BS=3, HAS_EXTRA=True, BH=plan.block_h,
                      BN=plan.block_n, D=512, DOT=tl.bfloat16, NATIVE=native, **extra)
-        sig = {a: "constexpr" if a in const else _arg_type(a, code) for a in fn.arg_names}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-        triton.compile(src, target=gpu, options=dict(num_warps=4, num_stages=1))
+        _compile(fn, const, lambda a: _arg_type(a, code), gpu)
     return time.perf_counter() - t0
 
 
 def main(argv: list[str]) -> int:
     from dsv4.kernels.sparse_mqa import LAYOUT_CODES
 
-    jobs = [a.split("/") for a in argv] or [(t, lay) for t in TARGETS for lay in LAYOUT_CODES]
+    jobs = [a.split("/") for a in argv] or ([(t, lay) for t in TARGETS for lay in LAYOUT_CODES]
+                                            + [(t, "o_proj") for t in FP8_TARGETS])
     failed = 0
-    for target, layout in jobs:
+    for target, what in jobs:
         try:
-            print(f"{target:12s} {layout:16s} compiled in {compile_for(target, layout):.1f} s", flush=True)
+            print(f"{target:12s} {what:16s} compiled in {compile_for(target, what):.1f} s", flush=True)
         except Exception as e:  # noqa: BLE001 - report every target, then fail
             failed += 1
-            print(f"{target:12s} {layout:16s} FAILED: {type(e).__name__}: {e}", flush=True)
+            print(f"{target:12s} {what:16s} FAILED: {type(e).__name__}: {e}", flush=True)
     return 1 if failed else 0
 
 

@@ -5,7 +5,7 @@ from dsv4.strategies.flashinfer import FlashInferSparse
 from dsv4.strategies.flashmla import FlashMLASparse
 from dsv4.strategies.fp8_fnuz import Fp8DsMlaFnuzLayout
 from dsv4.strategies.fp8_layouts import Fp8DsMlaLayout, Fp8PerTensorLayout
-from dsv4.strategies.fp8_oproj import DeepGemmFp8OProj, TorchFp8OProj
+from dsv4.strategies.fp8_oproj import DeepGemmFp8OProj, TorchFp8OProj, TritonFp8OProj
 from dsv4.strategies.head_padding import BucketHeadPadding, NoHeadPadding
 from dsv4.strategies.mqa_kernel import ReferenceMQA
 from dsv4.strategies.o_proj import ReferenceOProj
@@ -16,4 +16,4 @@ from dsv4.strategies.triton_sparse import TritonSparseMQA
 __all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8OProj", "FlashInferSparse", "FlashMLASparse",
            "Fp8DsMlaFnuzLayout", "Fp8DsMlaLayout", "Fp8PerTensorLayout", "TorchFp8OProj", "HeadPaddingPolicy", "MQAKernelStrategy",
            "Needs", "NoHeadPadding", "OProjStrategy", "OProjWeights", "PlainRowLayout", "ReferenceMQA",
-           "ReferenceOProj", "RocmBf16OProj", "SparseKV", "TritonSparseMQA"]
+           "ReferenceOProj", "RocmBf16OProj", "SparseKV", "TritonFp8OProj", "TritonSparseMQA"]

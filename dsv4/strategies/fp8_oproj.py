@@ -1,4 +1,5 @@
-"""fp8 OProjStrategy options: `deepgemm_fp8` (DeepGEMM fp8_einsum) and `torch_fp8` (torch scaled-mm).
+"""fp8 OProjStrategy options: `deepgemm_fp8` (DeepGEMM fp8_einsum), `torch_fp8` (torch scaled-mm) and
+`triton_fp8` (our Triton grouped product, dsv4/kernels/fp8_grouped_gemm.py).
 
 Both follow vLLM's DSV4 o_proj (DSV4_SPEC §4.2): inverse RoPE on the attention output fused with
 fp8 quantization at one power-of-two scale per 128 contiguous dims of each (token, group) vector
@@ -174,3 +175,34 @@ def blockwise_scaled_mm(a, sa, w, sw):
     sa_t = sa.float().t().contiguous().t()             # [Mp, K/128], M-major
     out = torch._scaled_mm(a, w.t(), scale_a=sa_t, scale_b=sw.float().t(), out_dtype=torch.bfloat16)
     return out[:M]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TritonFp8OProj:
+    """The same fp8 projection with our Triton grouped product (dsv4/kernels/fp8_grouped_gemm.py), for
+    NVIDIA GPUs with fp8 tensor cores (sm89+) and no DeepGEMM. The default launch was the fastest at
+    every token count measured on the H200 (docs/benchmarks.md)."""
+    name: str = "triton_fp8"
+    block_m: int = 64         # tokens per program
+    num_warps: int = 4
+    num_stages: int = 4       # software-pipelining depth of the K loop
+
+    def __post_init__(self) -> None:
+        for key, allowed in (("block_m", (64, 128)), ("num_warps", (4, 8)), ("num_stages", (1, 2, 3, 4))):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"o_proj=triton_fp8: {key}={getattr(self, key)} is not one of {allowed}")
+
+    def needs(self, device) -> Needs:
+        return fp8_needs(archs={"sm89", "sm90", "sm100", "sm120"})
+
+    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
+        (wq, ws), wo_b = _grouped_weights(weights, device)
+        return {"w": wq, "ws": ws, "wo_b": wo_b, "groups": weights.groups}
+
+    def __call__(self, o, positions, *, rope, prepared):
+        from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
+
+        x, xs = fused_inverse_rope_fp8_quant(o, positions, rope, prepared["groups"])
+        z = grouped_fp8_gemm(x, xs, prepared["w"], prepared["ws"], block_m=self.block_m, num_warps=self.num_warps,
+                             num_stages=self.num_stages)
+        return z.flatten(1) @ prepared["wo_b"].T
