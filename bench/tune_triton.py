@@ -139,7 +139,8 @@ def oproj() -> None:
         z = torch.empty(T, G, 1024, dtype=torch.bfloat16, device="cuda")
         t_dg = graph_time_us(lambda: deep_gemm.fp8_einsum("bhr,hdr->bhd", (x, xs), (wq, ws), z, recipe=(1, 128, 128)))
         ref = z.clone()
-        t_tf = graph_time_us(lambda: [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], wq[g], ws[g]) for g in range(G)])
+        t_tf = graph_time_us(lambda: [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], wq[g], ws[g])
+                                      for g in range(G)])
         xb, wb = o.reshape(T, G, -1), w.wo_a.cuda().bfloat16().view(G, 1024, -1)
         t_bf = graph_time_us(lambda: torch.einsum("tgd,grd->tgr", xb, wb))
         for bm, nw, st in ((64, 4, 4), (64, 4, 3), (128, 8, 3), (128, 8, 4), (128, 4, 3)):

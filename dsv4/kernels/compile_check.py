@@ -63,7 +63,7 @@ def compile_for(target: str, what: str) -> float:
 
         types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "z_ptr": "*bf16"}
         for bm in (64, 128):
-            _compile(_grouped_fp8_kernel, dict(BM=bm, DOT=tl.float8e4nv, STAGES=3), lambda a: types.get(a, "i32"), gpu)
+            _compile(_grouped_fp8_kernel, dict(BM=bm, DOT=tl.float8e4nv, STAGES=4), lambda a: types.get(a, "i32"), gpu)
         return time.perf_counter() - t0
     from dsv4.kernels import sparse_mqa as mod
 

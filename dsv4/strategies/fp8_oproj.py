@@ -180,8 +180,8 @@ def blockwise_scaled_mm(a, sa, w, sw):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TritonFp8OProj:
     """The same fp8 projection with our Triton grouped product (dsv4/kernels/fp8_grouped_gemm.py), for
-    NVIDIA GPUs with fp8 tensor cores (sm89+) and no DeepGEMM. The default launch was the fastest at
-    every token count measured on the H200 (docs/benchmarks.md)."""
+    NVIDIA GPUs with fp8 tensor cores (sm89+) and no DeepGEMM. Launch defaults from the H200 sweep
+    (docs/benchmarks.md)."""
     name: str = "triton_fp8"
     block_m: int = 64         # tokens per program
     num_warps: int = 4
