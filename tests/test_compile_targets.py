@@ -8,6 +8,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 def test_kernels_compile_for(job):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-m", "dsv4.kernels.compile_check", job], env=env, capture_output=True,
-                       text=True, timeout=900)
+                       text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "compiled in" in r.stdout

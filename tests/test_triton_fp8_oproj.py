@@ -24,8 +24,8 @@ if INTERPRET:
     pytestmark = pytest.mark.skipif(VERSION < (3, 7), reason="Triton's interpreter before 3.7 (NumPy 2)")
     DEVICE = "cpu"
 else:
-    pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.get_device_capability() < (8, 9),
-                                                      reason="needs fp8 tensor cores (sm89+)")]
+    pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(torch.version.hip) or torch.cuda.get_device_capability()
+                                                      < (8, 9), reason="needs NVIDIA fp8 tensor cores (sm89+)")]
     DEVICE = "cuda"
 
 
@@ -43,7 +43,7 @@ def simulate(x, xs, w, ws):
     return torch.einsum("tgk,gnk->tgn", xd, wd).bfloat16()
 
 
-SHAPES = [(1, 2, 128, 256), (5, 1, 256, 128), (70, 2, 128, 384)] + ([(33, 8, 1024, 4096), (300, 8, 1024, 4096)]
+SHAPES = [(1, 2, 128, 256), (5, 1, 256, 128), (70, 2, 128, 384), (3, 2, 256, 256)] + ([(33, 8, 1024, 4096), (300, 8, 1024, 4096)]
                                                                     if not INTERPRET else [])
 
 
@@ -72,6 +72,8 @@ def test_bad_shapes_and_launches_are_refused():
     w, ws = e4m3_blocks(128, 256, g, (1,))
     with pytest.raises(ValueError, match="one scale per block"):
         grouped_fp8_gemm(x, xs, w, ws)                  # ws per row, not per 128x128 block
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        grouped_fp8_gemm(x.float(), xs, w, ws[:, ::128])
     for key, value in (("block_m", 0), ("num_warps", 2), ("num_stages", 0)):
         with pytest.raises(ValueError, match=key):
             TritonFp8OProj(**{key: value})
@@ -86,7 +88,7 @@ def test_rules_name_the_architectures():
     from tests.test_fp8_oproj_cpu import combo
 
     flash = ModelSpec.from_config(OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "dsv4_flash.yaml")))
-    for arch in ("sm89", "sm90", "sm120"):
+    for arch in ("sm89", "sm90", "sm100", "sm103", "sm120", "sm121"):
         assert check(combo(flash, TritonFp8OProj()), DeviceInfo(platform="cuda", arch=arch, name=arch)) == []
     a100 = check(combo(flash, TritonFp8OProj()), DeviceInfo(platform="cuda", arch="sm80", name="A100"))
     assert [p.group for p in a100] == ["o_proj"] and "sm80" in a100[0].reason

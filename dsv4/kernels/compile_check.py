@@ -16,8 +16,9 @@ from __future__ import annotations
 import sys
 import time
 
-TARGETS = ("cuda:80", "cuda:89", "cuda:90", "cuda:120", "hip:gfx942")   # A100, L40/4090, H200, RTX PRO 6000, MI300
-FP8_TARGETS = ("cuda:89", "cuda:90", "cuda:120")                          # e4m3 tensor-core dots
+# A100, L40/4090, H200, B200, RTX PRO 6000, MI300
+TARGETS = ("cuda:80", "cuda:89", "cuda:90", "cuda:100", "cuda:120", "hip:gfx942")
+FP8_TARGETS = ("cuda:89", "cuda:90", "cuda:100", "cuda:120")                # e4m3 tensor-core dots
 
 
 def _arg_type(name: str, layout: int) -> str:
@@ -42,38 +43,58 @@ def _gpu(target: str):
     return GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64)
 
 
-def _compile(fn, const: dict, types, target) -> None:
+# largest shared memory one program may use (bytes); Triton checks it only when a kernel is loaded
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376, "gfx942": 65536}
+
+
+def _compile(fn, const: dict, types, divisible: set, gpu, num_warps: int) -> None:
+    """Compile fn as the launcher would specialize it (pointers and the named ints divisible by 16) and
+    check its shared memory against the target's limit."""
     import triton
     from triton.compiler import ASTSource
 
     sig = {a: "constexpr" if a in const else types(a) for a in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    triton.compile(src, target=target, options=dict(num_warps=4, num_stages=1))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if a not in const and (sig[a].startswith("*") or a in divisible)}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                    attrs=attrs)
+    k = triton.compile(src, target=gpu, options=dict(num_warps=num_warps, num_stages=1))
+    limit = SHARED_LIMIT.get(gpu.arch)
+    if limit is not None and k.metadata.shared > limit:
+        raise ValueError(f"{fn.__name__} needs {k.metadata.shared} B of shared memory, {gpu.arch} has {limit}")
 
 
 def compile_for(target: str, what: str) -> float:
-    """Compile `what` (a layout: both sparse-MQA kernels at the planner's large-step launch, page sizes 64
-    and 3; or `o_proj`) for `target`; seconds taken. Raises what Triton raises."""
+    """Compile `what` for `target`; seconds taken. Raises what Triton raises. A layout: both sparse-MQA
+    kernels at the planner's two launches (large steps, decode), page sizes 64 and 3. `o_proj`: the fused
+    prologue and the grouped product at both allowed token blocks, 4 stages."""
     import triton.language as tl
 
     gpu = _gpu(target)
     t0 = time.perf_counter()
     if what == "o_proj":
         from dsv4.kernels.fp8_grouped_gemm import _grouped_fp8_kernel
+        from dsv4.kernels.inv_rope_fp8 import _inv_rope_fp8_kernel
 
-        types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "z_ptr": "*bf16"}
-        for bm in (64, 128):
-            _compile(_grouped_fp8_kernel, dict(BM=bm, DOT=tl.float8e4nv, STAGES=4), lambda a: types.get(a, "i32"), gpu)
+        types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "z_ptr": "*bf16",
+                 "o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "s_ptr": "*fp32"}
+        _compile(_inv_rope_fp8_kernel, dict(HEAD_DIM=512, ROPE=64, BPP=16), lambda a: types.get(a, "i32"),
+                 {"n_blocks", "groups_per_token"}, gpu, 4)
+        for bm, warps in ((64, 4), (128, 8)):
+            _compile(_grouped_fp8_kernel, dict(BM=bm, DOT=tl.float8e4nv, STAGES=4), lambda a: types.get(a, "i32"),
+                     {"N", "K"}, gpu, warps)
         return time.perf_counter() - t0
     from dsv4.kernels import sparse_mqa as mod
 
     code = mod.LAYOUT_CODES[what]
     native = gpu.backend == "cuda" and gpu.arch >= 89 and code == 1
-    plan = mod.plan_launch(256, 64, 640, 132)
-    for fn, extra in ((mod._scores_kernel, {}), (mod._pv_kernel, dict(DB=plan.block_d, NBP=8))):
-        const = dict(S_LAYOUT=code, E_LAYOUT=code, S_BS=64, E_BS=3, HAS_EXTRA=True, BH=plan.block_h,
-                     BN=plan.block_n, D=512, DOT=tl.bfloat16, NATIVE=native, **extra)
-        _compile(fn, const, lambda a: _arg_type(a, code), gpu)
+    ints = {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "NC"}
+    for plan in (mod.plan_launch(256, 64, 640, 132), mod.plan_launch(1, 64, 640, 132)):
+        for fn, extra, warps in ((mod._scores_kernel, {}, 4),
+                                 (mod._pv_kernel, dict(DB=plan.block_d, NBP=8), plan.num_warps_pv)):
+            const = dict(S_LAYOUT=code, E_LAYOUT=code, S_BS=64, E_BS=3, HAS_EXTRA=True, BH=plan.block_h,
+                         BN=plan.block_n, D=512, DOT=tl.bfloat16, NATIVE=native, **extra)
+            _compile(fn, const, lambda a: _arg_type(a, code), ints, gpu, warps)
     return time.perf_counter() - t0
 
 

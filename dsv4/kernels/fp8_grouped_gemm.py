@@ -51,6 +51,8 @@ def grouped_fp8_gemm(x, xs, w, ws, *, block_m: int = 64, num_warps: int = 4, num
 
     T, G, K = x.shape
     N = w.shape[1]
+    if x.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"grouped fp8 product: x and w must be float8_e4m3fn (OCP e4m3), got {x.dtype} and {w.dtype}")
     if K % BLOCK or N % BLOCK or tuple(w.shape) != (G, N, K) or tuple(ws.shape) != (G, N // BLOCK, K // BLOCK) \
             or tuple(xs.shape) != (T, G, K // BLOCK):
         raise ValueError(f"grouped fp8 product: x {tuple(x.shape)}, xs {tuple(xs.shape)}, w {tuple(w.shape)}, "

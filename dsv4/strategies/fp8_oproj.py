@@ -15,8 +15,11 @@ from typing import Any
 
 from dsv4.strategies.fp8_layouts import E4M3_MAX
 from dsv4.strategies.protocols import Needs, OProjWeights
+from dsv4.strategies.triton_sparse import TRITON_ARCHS
 
 BLOCK = 128
+# the NVIDIA architectures Triton supports that have e4m3 tensor cores (sm89 and newer)
+FP8_TRITON_ARCHS = frozenset(a for a in TRITON_ARCHS if a.startswith("sm") and int(a[2:]) >= 89)
 
 
 def pow2_scale(amax, floor: float):
@@ -193,7 +196,7 @@ class TritonFp8OProj:
                 raise ValueError(f"o_proj=triton_fp8: {key}={getattr(self, key)} is not one of {allowed}")
 
     def needs(self, device) -> Needs:
-        return fp8_needs(archs={"sm89", "sm90", "sm100", "sm120"})
+        return fp8_needs(archs=FP8_TRITON_ARCHS)
 
     def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
         (wq, ws), wo_b = _grouped_weights(weights, device)
