@@ -210,9 +210,8 @@ def _run_rank(job: Job) -> float | None:
 
     try:
         ranks = parallel.init(platform=job.device.platform, tp_size=job.combo.tp_size, config=job.parallel)
-        value = execute(job, ranks)
-        ranks.barrier()
-        parallel.shutdown()
+        value = execute(job, ranks)       # its gather is the last collective: no barrier, so other ranks
+        parallel.shutdown()               # do not wait (under the group's timeout) while rank 0 grades
         return value
     except Exception as e:
         parallel.fail_rank(int(os.environ["RANK"]), e)

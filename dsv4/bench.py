@@ -20,6 +20,7 @@ from dsv4.report import table
 from dsv4.strategies import Fp8DsMlaLayout, OProjWeights, SparseKV
 
 CEILINGS = {"sm90": {"tflops": 777.0, "gbps": 4260.0}}   # measured on the H200 (GPU.md): bf16 GEMM, d2d copy
+STEP_REQUESTS, STEP_TOKENS = 64, 2                          # the layer-step benches' decode batch
 POOL_BLOCKS = 4096                                          # 262,144 rows x 584 B = 153 MB per cache
 DECODE_CASES = [("h64 128+512", 64, 64, 512, b, sq) for b, sq in ((1, 1), (64, 2), (128, 1), (128, 2))] + [
     ("h128 128+1024", 128, 64, 1024, 128, 2), ("h64 128 SWA only", 64, None, 0, 128, 1)]
@@ -160,10 +161,10 @@ def bench_o_proj(job) -> str:
 
 
 def _decode_step_times(eng, spec, layers) -> dict[int, tuple[float, float]]:
-    """Per layer, the median µs of a decode step (64 requests x 2 tokens, after a 600-token prefill)
-    and of the all-reduce within it (0 when ranks are simulated)."""
+    """Per layer, the median µs of a decode step (STEP_REQUESTS requests x STEP_TOKENS tokens, after a
+    600-token prefill) and of the all-reduce within it (0 when ranks are simulated)."""
     g = torch.Generator().manual_seed(1)
-    nreq, prompt = 64, 600
+    nreq, n, prompt = STEP_REQUESTS, STEP_TOKENS, 600
     for r in range(nreq):
         eng.add_request(r)
     for start in range(0, prompt, 300):
@@ -172,9 +173,9 @@ def _decode_step_times(eng, spec, layers) -> dict[int, tuple[float, float]]:
         eng.step(x, pos, [r for r in range(nreq) for _ in range(300)])
     times: dict[int, list] = {l: [] for l in layers}
     for step in range(8):
-        x = torch.randn(nreq * 2, spec.hidden_size, generator=g)
-        p0 = prompt + 2 * step
-        out = eng.step(x, torch.tensor([p0, p0 + 1] * nreq), [r for r in range(nreq) for _ in range(2)])
+        x = torch.randn(nreq * n, spec.hidden_size, generator=g)
+        p0 = prompt + n * step
+        out = eng.step(x, torch.arange(p0, p0 + n).repeat(nreq), [r for r in range(nreq) for _ in range(n)])
         for l in layers:
             times[l].append((out.seconds[l] * 1e6, out.reduce_seconds.get(l, 0.0) * 1e6))
     for r in range(nreq):
@@ -203,7 +204,7 @@ def bench_layer_step(job) -> str:
                     head_padding=BucketHeadPadding(name="buckets_64_128", buckets=(64, 128)))
         eng = build_engine(replace(job, combo=c), weights, pool)
         for l, (us, _) in _decode_step_times(eng, job.spec, layers).items():
-            rows.append([label, job.spec.layer_type(l), 64, 2, f"{us:.0f}"])
+            rows.append([label, job.spec.layer_type(l), STEP_REQUESTS, STEP_TOKENS, f"{us:.0f}"])
     return table(["backend", "layer", "requests", "tokens/request", "µs per decode step (eager, median)"], rows)
 
 
@@ -219,8 +220,8 @@ def _step_setup(job):
 
 def bench_tp_step(job, ranks) -> str | None:
     """Under torchrun: the job's combination as tp_size processes (all-reduce over the group) beside the
-    same combination in one process at tp_size=1 (rank 0 alone, the others waiting). Rank 0 returns
-    the table."""
+    same combination in one process at tp_size=1 (rank 0 alone, after the others have finished). Rank 0
+    returns the table."""
     from dataclasses import replace
 
     from dsv4.runner import build_engine
@@ -232,7 +233,6 @@ def bench_tp_step(job, ranks) -> str | None:
     if ranks.is_main:
         single = replace(job, combo=replace(job.combo, tp_size=1, world_size=None))
         one = _decode_step_times(build_engine(single, weights, pool), job.spec, layers)
-    ranks.barrier()
     if not ranks.is_main:
         return None
     rows = [[job.spec.layer_type(l), f"{one[l][0]:.0f}", f"{tp[l][0]:.0f}", f"{tp[l][1]:.0f}",

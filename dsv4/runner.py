@@ -69,6 +69,8 @@ def rank_memory(engine: Engine, ranks: Ranks, device) -> list[dict[str, Any]]:
 def execute(job, ranks: Ranks | None = None) -> float | None:
     """Run the workload on this process's ranks; the main rank grades it, prints and writes result.json
     (other ranks return None)."""
+    from dsv4.app import settings
+
     ranks = ranks or Ranks(tp_size=job.combo.tp_size)
     cfg, spec, c = job.cfg, job.spec, job.combo
     wl = Workload.from_config(OmegaConf.to_container(cfg.workload, resolve=True))
@@ -79,7 +81,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     weights, wo_a_fp8 = load_or_random(job, layers, seed)
     engine = build_engine(job, weights, pool, wo_a_fp8, ranks)
     rec_raw = run_workload(engine, wl, hidden_size=spec.hidden_size, seed=seed,
-                           progress=tty_progress() if ranks.is_main else None)
+                           progress=tty_progress() if ranks.is_main else None, record=ranks.is_main)
     per_rank = [m for part in ranks.gather(rank_memory(engine, ranks, job.device)) for m in part]
     if not ranks.is_main:
         return None
@@ -146,8 +148,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
                           choices=job.choices, kv_scale=kv_scale)
         print(f"  dump written to {path} (spec.json, tensors.safetensors)")
     path = write_row(job.out_dir, result_row(status="ok", problems=[], choices=job.choices, device=job.device,
-                                             settings={"tp_size": c.tp_size, "dtype": c.dtype, "seed": seed,
-                                                       "processes": ranks.world_size},
+                                             settings=settings(job),
                                              workload=wdict, metrics=metrics))
     print(f"  result: {path}")
     return metrics["max_rel_err"]

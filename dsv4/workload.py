@@ -82,9 +82,11 @@ class RunRecord:
                 "topk": {l: torch.cat(v) for l, v in self.topk.items()}}
 
 
-def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, progress=None) -> RunRecord:
+def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, progress=None,
+                 record: bool = True) -> RunRecord:
     """`progress(step, steps, phase, layer=None)`, if given, is called as each layer of a step starts
-    (`layer` names it: "layer 2 (c4a) 2/3") and once after the step (`layer=None`)."""
+    (`layer` names it: "layer 2 (c4a) 2/3") and once after the step (`layer=None`). record=False keeps
+    no outputs or selections (ranks other than the one that grades them): no copies to the host."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -109,11 +111,12 @@ def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, pro
         rec.positions.append(pos)
         rec.request_index.append(torch.tensor(rid, dtype=torch.int32))
         for layer, y in out.outputs.items():
-            rec.outputs.setdefault(layer, []).append(y.float().cpu())
+            if record:
+                rec.outputs.setdefault(layer, []).append(y.float().cpu())
             rec.seconds[(phase, layer)] = rec.seconds.get((phase, layer), 0.0) + out.seconds[layer]
             rec.reduce_seconds[(phase, layer)] = rec.reduce_seconds.get((phase, layer), 0.0) \
                 + out.reduce_seconds.get(layer, 0.0)
-        for layer, t in out.topk.items():
+        for layer, t in out.topk.items() if record else ():
             rec.topk.setdefault(layer, []).append(t.cpu())
         rec.steps[phase] = rec.steps.get(phase, 0) + 1
         rec.tokens[phase] = rec.tokens.get(phase, 0) + len(rid)

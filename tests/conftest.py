@@ -71,6 +71,14 @@ def spec_rope_freqs(ratio: int) -> list[float]:
     return out
 
 
+def fp8_block_product(x, xs, w, ws):
+    """z[t, g] = Σ_k x·xs · w·ws in float32: e4m3 x [T, G, K] with one scale per 1×128 block, e4m3 w [G, N, K]
+    with one per 128×128 block -- the product every fp8 o_proj computes, simulated."""
+    xd = (x.float().unflatten(-1, (-1, 128)) * xs[..., None]).flatten(-2)
+    wd = w.float() * ws.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    return torch.einsum("tgk,gnk->tgn", xd, wd)
+
+
 def tiny_spec(**changes):
     from dsv4.spec import ModelSpec
 
@@ -81,8 +89,9 @@ def tiny_spec(**changes):
 
 def make_engine(spec, *, layers=(0, 1, 2), layout="float32", tp_size=1, dtype="float32", seed=0,
                 swa_block_size=8, compressed_block_tokens=32, swa_blocks=64, compressed_blocks=64,
-                head_padding=None, weights=None):
-    """An Engine over the reference strategies; returns (engine, {layer: full weights})."""
+                head_padding=None, weights=None, ranks=None, all_reduce=None):
+    """An Engine over the reference strategies; returns (engine, {layer: full weights}). ranks: the tensor-
+    parallel ranks it holds (default all tp_size of them); all_reduce: the engine's (one rank per process)."""
     from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_layer_kv
     from dsv4.components.engine import Engine
     from dsv4.components.weights import random_layer_weights
@@ -95,11 +104,12 @@ def make_engine(spec, *, layers=(0, 1, 2), layout="float32", tp_size=1, dtype="f
     pool = PoolConfig(swa_block_size=swa_block_size, compressed_block_tokens=compressed_block_tokens,
                       swa_blocks=swa_blocks, compressed_blocks=compressed_blocks)
     W = weights or {l: random_layer_weights(spec, l, seed) for l in layers}
+    ranks = range(tp_size) if ranks is None else ranks
     mods = {l: [build_layer(spec=spec, layer=l, weights=W[l], rank=r, tp_size=tp_size, strategies=st, device=dev,
-                            dtype=dtype) for r in range(tp_size)] for l in layers}
+                            dtype=dtype) for r in ranks] for l in layers}
     kvs = {l: [build_layer_kv(spec=spec, layer=l, layout=st.cache_layout, pool=pool, device=dev)
-               for _ in range(tp_size)] for l in layers}
-    return Engine(spec=spec, layers=mods, kvs=kvs, device="cpu"), W
+               for _ in ranks] for l in layers}
+    return Engine(spec=spec, layers=mods, kvs=kvs, device="cpu", all_reduce=all_reduce), W
 
 
 def hidden_for(lengths: dict, hidden_size: int, seed: int = 1) -> dict:

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from safetensors.torch import load_file
 from dsv4.app import main
 from dsv4.dump import recompute
 from dsv4.reference import grade_selection, rel_err
-from tests.conftest import ROOT
+from tests.conftest import run_py
 
 TINY = ["model=dsv4_tiny", "dtype=float32", "workload.kv_pool.swa_block_size=8",
         "workload.kv_pool.compressed_block_tokens=32"]
@@ -94,8 +92,7 @@ def test_tp_size_two_matches_tp_one(compose_cfg, tmp_path):
 
 def test_default_run_is_the_quick_start(tmp_path):
     """`python run.py` with its defaults (DSV4-Flash shapes, one layer of each type) on the CPU."""
-    p = subprocess.run([sys.executable, "run.py", f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
+    p = run_py(run_dir=tmp_path, timeout=600)
     assert p.returncode == 0, p.stderr
     for t in ("swa", "c4a", "c128a"):
         assert f"\n{t} " in p.stdout

@@ -29,7 +29,7 @@ from dsv4.dump import recompute
 from dsv4.errors import ConfigError
 from dsv4.reference import rel_err
 from dsv4.strategies import DeepGemmFp8OProj, OProjWeights, ReferenceOProj, TorchFp8OProj, TritonFp8OProj
-from tests.conftest import CONFIGS, ROOT, tiny_spec
+from tests.conftest import CONFIGS, ROOT, fp8_block_product, run_py, tiny_spec
 
 # the tiny model with o_lora_rank a multiple of 128, so that wo_a's groups are whole fp8 blocks
 MODEL = ["model=dsv4_tiny", "model.o_lora_rank=128"]
@@ -246,9 +246,7 @@ def fake_deep_gemm(calls: list):
         assert expr == "bhr,hdr->bhd" and recipe == (1, 128, 128)
         assert x.dtype == w.dtype == torch.float8_e4m3fn and sw.dtype == torch.float32
         calls.append((w, sw))
-        xd = (x.float().unflatten(-1, (-1, 128)) * sx[..., None]).flatten(-2)
-        wd = w.float() * sw.repeat_interleave(128, 1).repeat_interleave(128, 2)
-        d.copy_(torch.einsum("bhr,hdr->bhd", xd, wd))
+        d.copy_(fp8_block_product(x, sx, w, sw))
 
     mod = types.ModuleType("deep_gemm")
     mod.fp8_einsum = fp8_einsum
@@ -530,9 +528,7 @@ def test_folder_without_index_or_config(tmp_path):
 
 
 def test_cli_prints_the_error_without_a_traceback(tmp_path):
-    p = subprocess.run([sys.executable, "run.py", *MODEL, "weights=checkpoint", f"checkpoint.path={tmp_path / 'nope'}",
-                        f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       check=False)
+    p = run_py(*MODEL, "weights=checkpoint", f"checkpoint.path={tmp_path / 'nope'}", run_dir=tmp_path, timeout=300)
     assert p.returncode == 1
     assert "error: checkpoint.path=" in p.stderr and "no such folder" in p.stderr
     assert "Traceback" not in p.stderr

@@ -11,7 +11,7 @@ from dsv4.reference import rel_err
 from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, SparseKV, TorchFp8OProj,
                              TritonFp8OProj)
 from dsv4.strategies.fp8_oproj import inverse_rope_fp8_quant, quantize_weight_blocks
-from tests.conftest import tiny_spec
+from tests.conftest import fp8_block_product, tiny_spec
 
 
 def _device():
@@ -102,9 +102,7 @@ def test_fp8_oproj_matches_fp8_simulation_and_reference(strategy, T, G):
     # exactly the fp8 numerics, simulated in float32
     x, xs = inverse_rope_fp8_quant(o, pos, rope, G)
     wq, ws = quantize_weight_blocks(w.wo_a.cuda().view(G, 1024, -1))
-    xd = (x.float().unflatten(-1, (-1, 128)) * xs[..., None]).flatten(-2)
-    wd = wq.float() * ws.repeat_interleave(128, 1).repeat_interleave(128, 2)
-    z = torch.einsum("tgk,gnk->tgn", xd, wd).bfloat16()
+    z = fp8_block_product(x, xs, wq, ws).bfloat16()
     y_sim = z.flatten(1).float() @ w.wo_b.cuda().bfloat16().float().T
     assert rel_err(y, y_sim) <= 2e-2
     assert rel_err(y, y_ref) <= 6e-2          # fp8 activations and weights against float

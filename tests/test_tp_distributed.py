@@ -24,21 +24,9 @@ TOTAL = {r: sum(step.get(r, 0) for step in SCHEDULE) for r in LENGTHS}
 
 def _tp_worker(tp: int, out_path: str) -> None:
     """One rank: its heads and groups only, its own pools, wo_b's partial sums all-reduced."""
-    from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_layer_kv
-    from dsv4.components.engine import Engine
-    from dsv4.device import DeviceInfo
-    from dsv4.strategies import NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
-
     ranks = parallel.init(platform="cpu", tp_size=tp, config=parallel.ParallelConfig(timeout_s=60))
-    spec, dev = tiny_spec(**SPEC), DeviceInfo(platform="cpu")
-    _, W = make_engine(spec)                                  # the full weights, same seed on every rank
-    st = Strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=NoHeadPadding(),
-                    cache_layout=PlainRowLayout(name="float32", dtype="float32"))
-    pool = PoolConfig(swa_block_size=8, compressed_block_tokens=32, swa_blocks=64, compressed_blocks=64)
-    eng = Engine(spec=spec, device="cpu", all_reduce=ranks.all_reduce,
-                 layers={l: [build_layer(spec=spec, layer=l, weights=W[l], rank=ranks.rank, tp_size=tp, strategies=st,
-                                         device=dev, dtype="float32")] for l in W},
-                 kvs={l: [build_layer_kv(spec=spec, layer=l, layout=st.cache_layout, pool=pool, device=dev)] for l in W})
+    spec = tiny_spec(**SPEC)                                  # the full weights, same seed on every rank
+    eng, _ = make_engine(spec, tp_size=tp, ranks=[ranks.rank], all_reduce=ranks.all_reduce)
     assert eng.layers[0][0].heads == 8 // tp
     outs, topk = drive(eng, hidden_for(TOTAL, spec.hidden_size), SCHEDULE)
     if ranks.is_main:

@@ -17,6 +17,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 from dsv4.device import DeviceInfo  # noqa: E402
 from dsv4.reference import rel_err  # noqa: E402
 from dsv4.strategies import TritonFp8OProj  # noqa: E402
+from tests.conftest import fp8_block_product  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:
@@ -36,13 +37,6 @@ def e4m3_blocks(rows, K, g, lead=()):
     return x, s
 
 
-def simulate(x, xs, w, ws):
-    """z[t, g] = Σ_k x·xs · w·ws in float32 (the block scales applied per 128-wide K block), as bf16."""
-    xd = (x.float().unflatten(-1, (-1, 128)) * xs[..., None]).flatten(-2)
-    wd = w.float() * ws.repeat_interleave(128, 1).repeat_interleave(128, 2)
-    return torch.einsum("tgk,gnk->tgn", xd, wd).bfloat16()
-
-
 SHAPES = [(1, 2, 128, 256), (5, 1, 256, 128), (70, 2, 128, 384), (3, 2, 256, 256)] + ([(33, 8, 1024, 4096), (300, 8, 1024, 4096)]
                                                                     if not INTERPRET else [])
 
@@ -57,7 +51,7 @@ def test_grouped_product_matches_the_fp8_simulation(T, G, N, K, launch):
     w, ws = e4m3_blocks(N, K, g, (G,))
     ws = ws[:, ::128]                                   # one scale per 128x128 weight block
     z = grouped_fp8_gemm(x, xs, w, ws, **launch)
-    want = simulate(x, xs, w, ws)
+    want = fp8_block_product(x, xs, w, ws).bfloat16()
     assert z.shape == (T, G, N) and z.dtype == torch.bfloat16
     # float32 products are exact; only the order of the sums differs (interpreted: 3e-8 measured). Tensor
     # cores accumulate e4m3 products with fewer bits within each 128-wide block: a bf16 rounding

@@ -61,12 +61,6 @@ PADDED_HEADS = frozenset(range(16, 129, 16))
 NATIVE_HEADS = 128                                              # heads one kernel row takes besides 16
 
 
-def fp8_dtype(fmt: str):
-    import torch
-
-    return getattr(torch, TORCH_FP8[fmt])
-
-
 def format_of(dtype) -> str | None:
     """"ocp" / "fnuz" for a torch fp8 dtype (aiter's dtypes.fp8 is uint8 on other GPUs: None)."""
     return {v: k for k, v in TORCH_FP8.items()}.get(str(dtype).removeprefix("torch."))

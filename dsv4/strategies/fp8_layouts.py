@@ -48,11 +48,9 @@ def decode_records(data, scales, fp8, *, nope_dim: int = NOPE_BYTES, tile: int =
 
 def write_records(layout, cache, slots, rows, *, block_size: int) -> None:
     """Pack rows with `layout.pack` into their slots (-1: skip) of fp8_ds_mla-geometry pages."""
-    keep = slots >= 0
-    if not bool(keep.any()):
-        return
-    data, scales = layout.pack(rows[keep])
-    di, si = record_offsets(cache, slots[keep], block_size, data.shape[-1], scales.shape[-1])
+    keep = (slots >= 0).nonzero().squeeze(-1)          # one device sync; zero rows pack and write nothing
+    data, scales = layout.pack(rows.index_select(0, keep))
+    di, si = record_offsets(cache, slots.index_select(0, keep), block_size, data.shape[-1], scales.shape[-1])
     flat = cache.view(-1)
     flat[di] = data
     flat[si] = scales
@@ -60,13 +58,10 @@ def write_records(layout, cache, slots, rows, *, block_size: int) -> None:
 
 def read_records(layout, cache, slots, *, block_size: int, data_bytes: int = DATA_BYTES,
                  scale_bytes: int = SCALE_BYTES):
-    """Rows at `slots` decoded with `layout.unpack`; zeros for -1."""
-    import torch
-
+    """Rows at `slots` decoded with `layout.unpack` (a new tensor); zeros for -1."""
     di, si = record_offsets(cache, slots.clamp(min=0), block_size, data_bytes, scale_bytes)
     flat = cache.view(-1)
-    rows = layout.unpack(flat[di], flat[si])
-    return torch.where((slots >= 0)[..., None], rows, torch.zeros((), device=rows.device))
+    return layout.unpack(flat[di], flat[si]).masked_fill_((slots < 0)[..., None], 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

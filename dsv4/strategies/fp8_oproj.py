@@ -95,6 +95,12 @@ def _grouped_weights(weights: OProjWeights, device):
     return quantize_weight_blocks(wa), weights.wo_b.to(device=device.torch_device, dtype=torch.bfloat16)
 
 
+def _block_scaled_weights(weights: OProjWeights, device) -> dict:
+    """wo_a's e4m3 bytes [G, N, K] and 128x128 block scales as separate tensors, wo_b in bf16."""
+    (wq, ws), wo_b = _grouped_weights(weights, device)
+    return {"w": wq, "ws": ws, "wo_b": wo_b, "groups": weights.groups}
+
+
 def fp8_needs(*, archs, modules=()) -> Needs:
     """128×128 weight blocks: each group's wo_a rows (o_lora_rank) and columns (heads/group · 512) in whole
     blocks; the prologue is our Triton kernel."""
@@ -146,8 +152,7 @@ class TorchFp8OProj:
         return fp8_needs(archs={"sm90", "sm100"})
 
     def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
-        (wq, ws), wo_b = _grouped_weights(weights, device)
-        return {"w": wq, "ws": ws, "wo_b": wo_b, "groups": weights.groups}
+        return _block_scaled_weights(weights, device)
 
     def __call__(self, o, positions, *, rope, prepared):
         import torch
@@ -199,8 +204,7 @@ class TritonFp8OProj:
         return fp8_needs(archs=FP8_TRITON_ARCHS)
 
     def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
-        (wq, ws), wo_b = _grouped_weights(weights, device)
-        return {"w": wq, "ws": ws, "wo_b": wo_b, "groups": weights.groups}
+        return _block_scaled_weights(weights, device)
 
     def __call__(self, o, positions, *, rope, prepared):
         from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm

@@ -8,7 +8,8 @@ from dsv4.strategies.protocols import Needs, SparseKV
 
 def valid_entries(indices, lens, num_slots: int):
     """[T, W] bool: which entries of a SparseKV list count -- the slot is in the pool (-1 or beyond it
-    is padding) and the column is below the length. Every kernel adapter reads lists by this rule."""
+    is padding) and the column is below the length. The reference kernel and the flashinfer and aiter
+    adapters read lists by this rule; our Triton kernel applies the same one in-kernel."""
     import torch
 
     cols = torch.arange(indices.shape[1], device=indices.device)[None, :]

@@ -28,13 +28,12 @@ class TritonSparseMQA:
     num_warps_pv: int = 0     # P·V pass; 0 = planned (4, or 8 for small steps)
 
     def __post_init__(self) -> None:
-        for key, allowed in (("block_n", (16, 32, 64, 128, 256)), ("block_h", (16, 32, 64, 128)),
-                             ("block_d", (64, 128, 256)), ("num_warps", (1, 2, 4, 8, 16)),
-                             ("num_warps_pv", (1, 2, 4, 8, 16))):
-            value = getattr(self, key)
-            if value not in allowed and not (value == 0 and key != "num_warps"):
-                raise ValueError(f"mqa_kernel=triton_sparse: {key}={value} is not one of {allowed}"
-                                 f"{'' if key == 'num_warps' else ' (or 0 = planned)'}")
+        for key, allowed in (("block_n", (0, 16, 32, 64, 128, 256)), ("block_h", (0, 16, 32, 64, 128)),
+                             ("block_d", (0, 64, 128, 256)), ("num_warps", (1, 2, 4, 8, 16)),
+                             ("num_warps_pv", (0, 1, 2, 4, 8, 16))):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"mqa_kernel=triton_sparse: {key}={getattr(self, key)} is not one of {allowed}"
+                                 f"{'' if key == 'num_warps' else ' (0 = planned)'}")
 
     def needs(self, device) -> Needs:
         return Needs(platforms=frozenset({"cuda", "rocm"}), archs=TRITON_ARCHS, cache_layouts=READS,
