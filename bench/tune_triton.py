@@ -3,7 +3,8 @@
   python bench/tune_triton.py            # launch parameters of mqa_kernel=triton_sparse on GPU.md's decode
                                          # cases, prefill at 4096 tokens, the fused o_proj prologue vs a copy
   python bench/tune_triton.py quick      # the launch sweep on three decode cases
-  python bench/tune_triton.py planned    # the shipped (planned) launch beside FlashMLA, around the planner's switch
+  python bench/tune_triton.py planned    # triton_sparse as shipped (variant=auto) and both its kernels beside FlashMLA,
+                                         # around the planners' switches and at prefill size
   python bench/tune_triton.py oproj      # o_proj=triton_fp8's grouped e4m3 product beside DeepGEMM, torch_fp8, bf16
 
 The shipped defaults (configs/mqa_kernel/triton_sparse.yaml, configs/o_proj/triton_fp8.yaml, inv_rope_fp8_quant's)
@@ -70,7 +71,7 @@ def decode(cases=CASES) -> None:
         for c in CONFIGS + [dict()]:
             if c.get("block_h", 0) > max(H, 16):
                 continue
-            k = functools.partial(TritonSparseMQA(**c), sink=sink, scale=scale)
+            k = functools.partial(TritonSparseMQA(**c, variant="two_pass"), sink=sink, scale=scale)
             name = " ".join(f"{a}={v}" for a, v in c.items()) or "planned"
             try:
                 out, _ = k(q, kv)
@@ -88,19 +89,25 @@ def decode(cases=CASES) -> None:
 
 
 def planned() -> None:
-    """mqa_kernel=triton_sparse as shipped (launch planned per step) beside FlashMLA on the same pages."""
-    fm, tr = FlashMLASparse(), TritonSparseMQA()
+    """mqa_kernel=triton_sparse as shipped (variant=auto) and its two kernels beside FlashMLA on the same pages:
+    GPU.md's decode cases, the steps around both planners' switches, and prefill-sized steps."""
+    fm = FlashMLASparse()
+    variants = {v: TritonSparseMQA(variant=v) for v in ("auto", "two_pass", "hopper")}
     prep = fm.prepare(device=detect())
-    print("| case | FlashMLA µs | triton_sparse µs | ratio | rel diff |\n|---|---|---|---|---|")
-    for label, H, eb, ew, b, sq in DECODE_CASES + [("h64 128+512", 64, 64, 512, b, 1) for b in (8, 16)]:
+    print("| case | FlashMLA µs | auto µs | two_pass µs | hopper µs | auto / FlashMLA | rel diff auto |\n"
+          "|---|---|---|---|---|---|---|")
+    cases = DECODE_CASES + [("h64 128+512", 64, 64, 512, b, 1) for b in (8, 16, 32, 48, 64, 96)] + [
+        ("h64 128+512 prefill", 64, 64, 512, 4096, 1), ("h128 128+1024 prefill", 128, 64, 1024, 2048, 1)]
+    for label, H, eb, ew, b, sq in cases:
         T = b * sq
         q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
                                   extra_blocks=POOL_BLOCKS, full=True)
         a, _ = fm(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)
-        o, _ = tr(q, kv, sink=sink, scale=512 ** -0.5)
+        o, _ = variants["auto"](q, kv, sink=sink, scale=512 ** -0.5)
         t_f = graph_time_us(lambda: fm(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep))
-        t_t = graph_time_us(lambda: tr(q, kv, sink=sink, scale=512 ** -0.5))
-        print(f"| {label} b={b} s_q={sq} | {t_f:.1f} | {t_t:.1f} | {t_t / t_f:.2f} | {rel_err(o, a):.1e} |", flush=True)
+        t = {v: graph_time_us(lambda: k(q, kv, sink=sink, scale=512 ** -0.5)) for v, k in variants.items()}
+        print(f"| {label} b={b} s_q={sq} | {t_f:.1f} | {t['auto']:.1f} | {t['two_pass']:.1f} | {t['hopper']:.1f} | "
+              f"{t['auto'] / t_f:.2f} | {rel_err(o, a):.1e} |", flush=True)
 
 
 def prologue() -> None:

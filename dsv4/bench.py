@@ -115,7 +115,11 @@ def _available(job, group: str) -> list:
 
 
 def bench_mqa(job) -> str:
+    from dataclasses import replace
+
     kernels = _available(job, "mqa_kernel")
+    # triton_sparse as shipped (variant=auto) and its portable two-pass kernel beside it
+    kernels += [replace(k, variant="two_pass") for k in kernels if getattr(k, "variant", None) == "auto"]
     ceil = CEILINGS.get(job.device.arch, {})
     rows = []
     for label, H, eb, ew, b, sq in DECODE_CASES:
@@ -127,6 +131,7 @@ def bench_mqa(job) -> str:
         ref_out = None
         base = None
         for k in kernels:
+            name = k.name if getattr(k, "variant", "auto") == "auto" else f"{k.name} ({k.variant})"
             prep = k.prepare(device=job.device)
             out, _ = k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)
             ref_out = out if ref_out is None else ref_out
@@ -134,7 +139,7 @@ def bench_mqa(job) -> str:
                                calls=20 if k.name != "reference" else 3, repeats=7 if k.name != "reference" else 3)
             base = base or us
             tf, gb = flops / us / 1e6, nbytes / us / 1e3
-            rows.append([label, b, sq, k.name, f"{us:.1f}", f"{tf:.0f}", f"{gb:.0f}",
+            rows.append([label, b, sq, name, f"{us:.1f}", f"{tf:.0f}", f"{gb:.0f}",
                          f"{tf / ceil['tflops']:.0%}" if ceil else "-", f"{gb / ceil['gbps']:.0%}" if ceil else "-",
                          f"{us / base:.2f}", f"{rel_err(out, ref_out):.1e}"])
     return table(["case", "b", "s_q", "mqa_kernel", "µs", "TFLOP/s", "GB/s", "of bf16 peak", "of copy BW",

@@ -119,13 +119,13 @@ def _fp8_note(reads: frozenset[str], stored: frozenset[str], layout: str, device
 def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str | None) -> list[Problem]:
     n = strat.needs(device)
     name, out = strat.name, []
-    fix_self = SAFE_CHOICE[group]
+    fix_self, fix_machine = SAFE_CHOICE[group], n.fix or SAFE_CHOICE[group]
     if n.platforms and device.platform not in n.platforms:
         out.append(Problem(group=group, value=name, reason=f"runs on {'/'.join(sorted(n.platforms))}, "
-                           f"this device is {device.describe()}", supported=tuple(sorted(n.platforms)), fix=fix_self))
+                           f"this device is {device.describe()}", supported=tuple(sorted(n.platforms)), fix=fix_machine))
     elif n.archs and device.arch not in n.archs:
         out.append(Problem(group=group, value=name, reason=f"needs arch in {sorted(n.archs)}, "
-                           f"this device is {device.describe()}", supported=tuple(sorted(n.archs)), fix=fix_self))
+                           f"this device is {device.describe()}", supported=tuple(sorted(n.archs)), fix=fix_machine))
     layout = c.cache_layout.name
     stored = c.cache_layout.needs(device).fp8_formats if group != "cache_layout" else frozenset()
     if n.cache_layouts and layout not in n.cache_layouts:

@@ -434,3 +434,23 @@ def test_padding_options_known_to_check_match_the_configs():
         node = OmegaConf.to_container(OmegaConf.load(path))
         shipped[path.stem] = tuple(node["buckets"]) if "buckets" in node else None
     assert dict(PADDING_OPTIONS) == shipped
+
+
+# ---- mqa_kernel=triton_sparse: variant=hopper narrows what it runs on -------------------------------------
+def test_triton_sparse_hopper_variant_needs_sm90_and_fp8_ds_mla_pages():
+    from dsv4.strategies.triton_sparse import TritonSparseMQA
+
+    fp8 = load_option("cache_layout", "fp8_ds_mla")
+    auto, hopper = TritonSparseMQA(), TritonSparseMQA(variant="hopper")
+    for dev in (SM80, SM90, SM100, GFX942):                        # auto and two_pass run on every Triton GPU
+        assert check(combo(mqa_kernel=auto, cache_layout=fp8, dtype="bfloat16"), dev) == []
+    assert check(combo(mqa_kernel=hopper, cache_layout=fp8, dtype="bfloat16"), SM90) == []
+    for dev in (SM80, SM100, GFX942):
+        probs = check(combo(mqa_kernel=hopper, cache_layout=fp8, dtype="bfloat16"), dev)
+        assert [(p.group, p.value) for p in probs][:1] == [("mqa_kernel", "triton_sparse")], probs
+        assert probs[0].supported in (("cuda",), ("sm90",)) and probs[0].fix == "mqa_kernel.variant=auto"
+    for layout in ("bf16", "fp8_ds_mla_fnuz"):                     # pages it does not read, even on sm90
+        probs = check(combo(mqa_kernel=hopper, cache_layout=load_option("cache_layout", layout),
+                            dtype="bfloat16"), SM90)
+        assert probs and all(p.group in ("mqa_kernel", "cache_layout") for p in probs), probs
+        assert any("fp8_ds_mla" in (p.fix or "") or "fp8_ds_mla" in p.supported for p in probs), probs

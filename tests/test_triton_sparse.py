@@ -1,10 +1,11 @@
 """mqa_kernel=triton_sparse against the reference kernel on the same pages.
 
-Without a GPU the kernels run under TRITON_INTERPRET=1 on tiny shapes (CI); on an NVIDIA GPU they are
-compiled (tests marked gpu). Both walk the same cases: SWA-only, ratio-4 and ratio-128 layers; fp8_ds_mla
-(OCP and FNUZ) and bf16 pages; head counts that are not powers of two; several launch shapes, the
-planner's two included; steps run through the workspace in token chunks; lists full of -1; queries with no
-valid row; sinks of ±inf.
+Without a GPU the two-pass kernels run under TRITON_INTERPRET=1 on tiny shapes (CI); on an NVIDIA GPU
+they are compiled (tests marked gpu). Both walk the same cases: SWA-only, ratio-4 and ratio-128 layers;
+fp8_ds_mla (OCP and FNUZ) and bf16 pages; head counts that are not powers of two; several launch shapes,
+the planner's two included; steps run through the workspace in token chunks; lists full of -1; queries
+with no valid row; sinks of ±inf. The one-pass Hopper kernel (Gluon) walks the fp8_ds_mla cases on an
+sm90 GPU only: Gluon has no interpreter, so CI compiles it for sm90 instead (test_compile_targets.py).
 """
 from __future__ import annotations
 
@@ -32,6 +33,18 @@ if INTERPRET:
 else:
     pytestmark = pytest.mark.gpu
     DEVICE, BIG = "cuda", True
+ARCH = ("rocm" if torch.version.hip else "sm%d%d" % torch.cuda.get_device_capability()) if GPU else "cpu"
+
+
+def kernel(variant, layout="fp8_ds_mla", **launch):
+    """TritonSparseMQA with that variant; skips the Hopper one where it cannot run."""
+    if variant == "hopper" and (ARCH != "sm90" or layout != "fp8_ds_mla"):
+        pytest.skip(f"variant=hopper runs on sm90 with fp8_ds_mla pages (here: {ARCH}, {layout}; on the CPU "
+                    "Gluon has no interpreter, CI compiles it instead)")
+    return TritonSparseMQA(variant=variant, **launch)
+
+
+VARIANTS = ["two_pass", "hopper"]
 LAYOUTS = {"fp8_ds_mla": Fp8DsMlaLayout(), "fp8_ds_mla_fnuz": Fp8DsMlaFnuzLayout(),
            "bf16": PlainRowLayout(name="bf16", dtype="bfloat16")}
 SCALE = 512 ** -0.5
@@ -59,12 +72,13 @@ LAYER_TYPES = {"swa": (None, 0), "c4a": (64, 512), "c128a": (2, 256)}
 
 
 @pytest.mark.parametrize("layer", list(LAYER_TYPES))
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout,variant", [(lay, "two_pass") for lay in LAYOUTS] + [("fp8_ds_mla", "hopper")])
 @pytest.mark.parametrize("H", [1, 5, 16, 64] + ([128] if BIG else []))
 @pytest.mark.parametrize("T", [1, 37] if BIG else [1, 3])
-def test_matches_reference_on_the_same_pages(layer, layout, H, T):
+def test_matches_reference_on_the_same_pages(layer, layout, H, T, variant):
     q, kv, sink = case(T, H, LAYER_TYPES[layer], layout, seed=T * 7 + H)
-    out, lse = TritonSparseMQA(block_n=16 if not BIG else 32)(q, kv, sink=sink, scale=SCALE)
+    launch = dict(block_n=16 if not BIG else 32) if variant == "two_pass" else {}
+    out, lse = kernel(variant, layout, **launch)(q, kv, sink=sink, scale=SCALE)
     check_against_reference(out, lse, q, kv, sink)
 
 
@@ -78,7 +92,7 @@ def test_launch_shapes_agree(launch):
     """Every launch shape gives the reference's answer, for decode-sized and prefill-sized steps."""
     for T in (4, 40):
         q, kv, sink = case(T, 8, LAYER_TYPES["c4a"], seed=3 + T)
-        out, lse = TritonSparseMQA(**launch)(q, kv, sink=sink, scale=SCALE)
+        out, lse = TritonSparseMQA(variant="two_pass", **launch)(q, kv, sink=sink, scale=SCALE)
         check_against_reference(out, lse, q, kv, sink)
 
 
@@ -95,20 +109,57 @@ def test_long_steps_run_through_the_workspace_in_chunks(monkeypatch):
     from dsv4.kernels import sparse_mqa as mod
 
     q, kv, sink = case(7, 8, LAYER_TYPES["c4a"], seed=5)
-    whole, whole_lse = TritonSparseMQA(block_n=16)(q, kv, sink=sink, scale=SCALE)
+    whole, whole_lse = TritonSparseMQA(block_n=16, variant="two_pass")(q, kv, sink=sink, scale=SCALE)
     monkeypatch.setattr(mod, "WORKSPACE_BYTES", 4096)                     # a few tokens of p at a time
-    out, lse = TritonSparseMQA(block_n=16)(q, kv, sink=sink, scale=SCALE)
+    out, lse = TritonSparseMQA(block_n=16, variant="two_pass")(q, kv, sink=sink, scale=SCALE)
     check_against_reference(out, lse, q, kv, sink)
     assert torch.equal(out, whole) and torch.equal(lse, whole_lse)
 
 
-@pytest.mark.parametrize("key,value", [("block_d", 96), ("block_n", 48), ("block_h", 8), ("num_warps", 0)])
+@pytest.mark.parametrize("key,value", [("block_d", 96), ("block_n", 48), ("block_h", 8), ("num_warps", 0),
+                                       ("variant", "one_pass")])
 def test_bad_launch_shape_is_refused_at_construction(key, value):
     with pytest.raises(ValueError, match=key):
-        TritonSparseMQA(**{key: value})
+        TritonSparseMQA(**{key: value, "variant": "two_pass"} if key != "variant" else {key: value})
 
 
-def test_empty_lists_and_sink_infinities():
+@pytest.mark.parametrize("variant", ["auto", "hopper"])
+def test_launch_shapes_need_the_two_pass_variant(variant):
+    """The launch fields are the two-pass kernel's: with a variant that can run the Hopper kernel they
+    would do nothing, so they are refused with the fix."""
+    with pytest.raises(ValueError, match="variant=two_pass"):
+        TritonSparseMQA(block_n=64, variant=variant)
+    TritonSparseMQA(block_n=64, variant="two_pass")
+
+
+def test_kernel_plan(monkeypatch):
+    """auto takes the Hopper kernel on sm90 for fp8_ds_mla pages once the step gives 3/8 as many
+    programs as SMs; an explicit hopper that cannot run is an error naming the reason and the fix."""
+    from dsv4.kernels.sparse_mqa import plan_kernel
+
+    h200 = dict(arch="sm90", layouts=(1, 1), head_dim=512, native=True, processors=132)
+    assert plan_kernel("auto", **h200, programs=256) == "hopper"              # b=128, s_q=2, 64 heads
+    assert plan_kernel("auto", **h200, programs=50) == "hopper"
+    assert plan_kernel("auto", **h200, programs=49) == "two_pass"             # small steps: split over blocks
+    assert plan_kernel("two_pass", **h200, programs=256) == "two_pass"
+    assert plan_kernel("hopper", **h200, programs=1) == "hopper"
+    for change, why in ((dict(arch="sm89"), "sm90"), (dict(arch="rocm"), "sm90"), (dict(layouts=(0, 0)), "fp8_ds_mla"),
+                        (dict(layouts=(1, 2)), "fp8_ds_mla"), (dict(native=False), "native_fp8"),
+                        (dict(head_dim=576), "512")):
+        other = {**h200, **change}
+        assert plan_kernel("auto", **other, programs=256) == "two_pass"
+        with pytest.raises(ValueError, match=why):
+            plan_kernel("hopper", **other, programs=256)
+    from dsv4.kernels import sparse_mqa as mod
+
+    monkeypatch.setattr(mod, "gluon_error", lambda: "Triton 3.4 has no usable Gluon")   # an older Triton
+    assert plan_kernel("auto", **h200, programs=256) == "two_pass"
+    with pytest.raises(ValueError, match="no usable Gluon"):
+        plan_kernel("hopper", **h200, programs=256)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_empty_lists_and_sink_infinities(variant):
     q, kv, sink = case(6, 8, LAYER_TYPES["c4a"], seed=9)
     kv.swa_indices[0] = -1                              # a list full of -1 with a length that says otherwise
     kv.swa_lens[1] = 0                                  # no SWA row, no compressed row: output 0, lse +inf
@@ -116,15 +167,16 @@ def test_empty_lists_and_sink_infinities():
     kv.swa_indices[2, :3] = kv.swa.num_slots + 5        # slots outside the pool count as padding
     sink = sink.clone()
     sink[:2], sink[2:4] = float("inf"), float("-inf")
-    for launch in LAUNCHES[:2]:
-        out, lse = TritonSparseMQA(**dict(launch, block_n=16))(q, kv, sink=sink, scale=SCALE)
+    for launch in LAUNCHES[:2] if variant == "two_pass" else [{}]:
+        out, lse = kernel(variant, **launch)(q, kv, sink=sink, scale=SCALE)
         assert bool((out[:, :2] == 0).all())            # an infinite sink takes all the mass
         assert bool((out[1] == 0).all()) and bool((lse[1] == float("inf")).all())
         check_against_reference(out, lse, q, kv, sink)
 
 
-@pytest.mark.parametrize("layout", ["fp8_ds_mla", "fp8_ds_mla_fnuz"])
-def test_each_64_dims_take_their_own_scale_on_odd_page_sizes(layout):
+@pytest.mark.parametrize("layout,variant", [("fp8_ds_mla", "two_pass"), ("fp8_ds_mla_fnuz", "two_pass"),
+                                            ("fp8_ds_mla", "hopper")])
+def test_each_64_dims_take_their_own_scale_on_odd_page_sizes(layout, variant):
     """Rows whose 7 e4m3 groups differ in magnitude by 2^3 steps (so each group has its own scale byte),
     compressed pages of 3 slots (not a power of two): every group of output dims matches the reference."""
     q, kv, sink = case(4, 8, (3, 24), layout, seed=11, q_std=0.05)
@@ -135,8 +187,8 @@ def test_each_64_dims_take_their_own_scale_on_odd_page_sizes(layout):
         rows[:, :448] *= steps
         cache.write(torch.arange(cache.num_slots, dtype=torch.int32, device=DEVICE), rows)
     ref, _ = ReferenceMQA()(q.float(), kv, sink=sink, scale=SCALE)
-    for launch in LAUNCHES:
-        out, lse = TritonSparseMQA(**dict(launch, block_n=16))(q, kv, sink=sink, scale=SCALE)
+    for launch in LAUNCHES if variant == "two_pass" else [{}]:
+        out, lse = kernel(variant, layout, **launch)(q, kv, sink=sink, scale=SCALE)
         check_against_reference(out, lse, q, kv, sink)
         for d in range(0, 512, 64):
             assert rel_err(out[..., d:d + 64], ref[..., d:d + 64]) <= 8e-3, (launch, d)
@@ -155,8 +207,19 @@ def test_both_e4m3_decodings(native, layout):
     check_against_reference(out, lse, q, kv, sink)
 
 
-def test_many_tokens_prefill_step():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_many_tokens_prefill_step(variant):
     """A prefill-sized step: every token its own lists."""
     q, kv, sink = case(300 if BIG else 40, 16, LAYER_TYPES["c4a"], seed=4)
-    out, lse = TritonSparseMQA(block_n=16)(q, kv, sink=sink, scale=SCALE)
+    out, lse = kernel(variant, **(dict(block_n=16) if variant == "two_pass" else {}))(q, kv, sink=sink, scale=SCALE)
     check_against_reference(out, lse, q, kv, sink)
+
+
+def test_auto_runs_what_the_plan_says():
+    """variant=auto gives the answer of the kernel plan_kernel names for the step (on the CPU: two_pass)."""
+    q, kv, sink = case(40 if not BIG else 300, 64, LAYER_TYPES["c4a"], seed=8)
+    out, lse = TritonSparseMQA()(q, kv, sink=sink, scale=SCALE)
+    check_against_reference(out, lse, q, kv, sink)
+    planned = "hopper" if ARCH == "sm90" else "two_pass"                     # 300 programs >= 66 on an H200
+    same, same_lse = kernel(planned)(q, kv, sink=sink, scale=SCALE)
+    assert torch.equal(out, same) and torch.equal(lse, same_lse)

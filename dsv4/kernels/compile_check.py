@@ -7,9 +7,10 @@
   python -m dsv4.kernels.compile_check cuda:80/fp8_ds_mla hip:gfx942/fp8_ds_mla_fnuz cuda:89/o_proj
 
 Each argument is TARGET/WHAT; TARGET is cuda:<sm> or hip:<gfx arch>; WHAT is a key of LAYOUT_CODES
-(mqa_kernel=triton_sparse's two kernels reading such pages; OCP e4m3 bytes take the hardware conversion
-where sparse_mqa would use it, NVIDIA sm89+) or `o_proj` (o_proj=triton_fp8's grouped e4m3 product,
-NVIDIA sm89+ only). Exits non-zero if any kernel fails to compile.
+(mqa_kernel=triton_sparse's two-pass kernels reading such pages; OCP e4m3 bytes take the hardware
+conversion where sparse_mqa would use it, NVIDIA sm89+), `o_proj` (o_proj=triton_fp8's grouped e4m3
+product, NVIDIA sm89+ only) or `hopper` (triton_sparse's one-pass Gluon kernel, sm90 only). Exits
+non-zero if any kernel fails to compile.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 # A100, L40/4090, H200, B200, RTX PRO 6000, MI300
 TARGETS = ("cuda:80", "cuda:89", "cuda:90", "cuda:100", "cuda:120", "hip:gfx942")
 FP8_TARGETS = ("cuda:89", "cuda:90", "cuda:100", "cuda:120")                # e4m3 tensor-core dots
+HOPPER_TARGETS = ("cuda:90",)                                                # warpgroup MMAs
 
 
 def _arg_type(name: str, layout: int) -> str:
@@ -47,18 +49,21 @@ def _gpu(target: str):
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376, "gfx942": 65536}
 
 
-def _compile(fn, const: dict, types, divisible: set, gpu, num_warps: int) -> None:
+def _compile(fn, const: dict, types, divisible: set, gpu, num_warps: int, **options) -> None:
     """Compile fn as the launcher would specialize it (pointers and the named ints divisible by 16) and
     check its shared memory against the target's limit."""
     import triton
     from triton.compiler import ASTSource
+
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
     sig = {a: "constexpr" if a in const else types(a) for a in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
              if a not in const and (sig[a].startswith("*") or a in divisible)}
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
                     attrs=attrs)
-    k = triton.compile(src, target=gpu, options=dict(num_warps=num_warps, num_stages=1))
+    k = triton.compile(src, target=gpu, options=dict(num_warps=num_warps, num_stages=1, **options))
     limit = SHARED_LIMIT.get(gpu.arch)
     if limit is not None and k.metadata.shared > limit:
         raise ValueError(f"{fn.__name__} needs {k.metadata.shared} B of shared memory, {gpu.arch} has {limit}")
@@ -67,11 +72,19 @@ def _compile(fn, const: dict, types, divisible: set, gpu, num_warps: int) -> Non
 def compile_for(target: str, what: str) -> float:
     """Compile `what` for `target`; seconds taken. Raises what Triton raises. A layout: both sparse-MQA
     kernels at the planner's two launches (large steps, decode), page sizes 64 and 3. `o_proj`: the fused
-    prologue and the grouped product at both allowed token blocks, 4 stages."""
+    prologue and the grouped product at both allowed token blocks, 4 stages. `hopper`: the one-pass
+    kernel with its register split."""
     import triton.language as tl
 
     gpu = _gpu(target)
     t0 = time.perf_counter()
+    if what == "hopper":
+        from dsv4.kernels import sparse_mqa_hopper as hop
+
+        _compile(hop._hopper_kernel, dict(D=512, WG1_REGS=hop.WG1_REGS, PRODUCER_REGS=hop.PRODUCER_REGS),
+                 lambda a: _arg_type(a, 1), {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"},
+                 gpu, 4, maxnreg=hop.MAXNREG)
+        return time.perf_counter() - t0
     if what == "o_proj":
         from dsv4.kernels.fp8_grouped_gemm import _grouped_fp8_kernel
         from dsv4.kernels.inv_rope_fp8 import _inv_rope_fp8_kernel
@@ -102,7 +115,8 @@ def main(argv: list[str]) -> int:
     from dsv4.kernels.sparse_mqa import LAYOUT_CODES
 
     jobs = [a.split("/") for a in argv] or ([(t, lay) for t in TARGETS for lay in LAYOUT_CODES]
-                                            + [(t, "o_proj") for t in FP8_TARGETS])
+                                            + [(t, "o_proj") for t in FP8_TARGETS]
+                                            + [(t, "hopper") for t in HOPPER_TARGETS])
     failed = 0
     for target, what in jobs:
         try:

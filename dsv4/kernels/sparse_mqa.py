@@ -1,6 +1,8 @@
-"""Sparse MQA with attention sink in Triton, reading the paged cache in place (mqa_kernel=triton_sparse).
+"""Sparse MQA with attention sink in Triton, reading the paged cache in place (mqa_kernel=triton_sparse):
+the portable two-pass kernel, and `plan_kernel`, which sends large steps on sm90 with fp8_ds_mla pages to
+the one-pass Hopper kernel instead (sparse_mqa_hopper.py; 1.6x faster there, docs/benchmarks.md).
 
-Two passes, so that no program holds more than a [heads, rows] or a [heads, dims] tile (a one-pass
+Two passes, so that no program holds more than a [heads, rows] or a [heads, dims] tile (in plain Triton a one-pass
 flash kernel owns a [heads, 512] float32 accumulator plus a decoded [rows, 512] tile: 255 registers,
 spills, one program per SM; it measured 1.3-3x slower on the H200, docs/benchmarks.md):
 
@@ -307,18 +309,92 @@ def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launc
     return Launch(64, 16, 64, 8)
 
 
+VARIANTS = ("auto", "two_pass", "hopper")
+# auto takes the one-pass Hopper kernel from this many (token, 64-head) programs per SM on: below it the
+# two-pass kernel's split over list blocks fills the GPU better. H200 (132 SMs), 64 heads, 128+512 rows,
+# two-pass / Hopper µs: 32 programs 31.4 / 34.2, 48 36.0 / 36.0, 64 45.2 / 41.5 (docs/benchmarks.md)
+HOPPER_MIN_PROGRAMS_PER_SM = 0.375
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_error() -> str:
+    """Why the one-pass Hopper kernel's module does not import here ('' if it does): it is written in
+    Triton's Gluon, whose API it uses is that of Triton 3.6 to 3.9."""
+    try:
+        import dsv4.kernels.sparse_mqa_hopper  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure means: not available, with the reason
+        return f"Triton {triton.__version__} has no usable Gluon ({type(e).__name__}: {e})"
+    return ""
+
+
+def hopper_unfit(*, arch: str, layouts: tuple[int, int], head_dim: int, native: bool) -> str:
+    """Why the one-pass Hopper kernel cannot run this call ('' if it can)."""
+    if arch != "sm90":
+        return f"it runs on NVIDIA sm90 (Hopper warpgroup MMAs) only, not {arch}"
+    if layouts != (1, 1):
+        return "it reads fp8_ds_mla pages (OCP e4m3) only"
+    if head_dim != 512:
+        return f"it is built for head_dim 512, not {head_dim}"
+    if not native:
+        return "it decodes e4m3 with the hardware conversion (native_fp8=False asks for the integer decoding)"
+    return gluon_error()
+
+
+def plan_kernel(variant: str, *, arch: str, layouts: tuple[int, int], head_dim: int, native: bool, programs: int,
+                processors: int) -> str:
+    """'hopper' or 'two_pass' for a call. auto: Hopper where it can run and the step gives at least
+    HOPPER_MIN_PROGRAMS_PER_SM programs per SM; an explicit 'hopper' that cannot run is an error."""
+    if variant not in VARIANTS:
+        raise ValueError(f"mqa_kernel=triton_sparse: variant={variant!r} is not one of {VARIANTS}")
+    if variant == "two_pass":
+        return variant
+    why = hopper_unfit(arch=arch, layouts=layouts, head_dim=head_dim, native=native)
+    if variant == "hopper":
+        if why:
+            raise ValueError(f"mqa_kernel=triton_sparse variant=hopper: {why}; set mqa_kernel.variant=auto or "
+                             f"two_pass")
+        return variant
+    return "hopper" if not why and programs >= HOPPER_MIN_PROGRAMS_PER_SM * processors else "two_pass"
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(device) -> str:
+    """'sm90'-style name of a CUDA device ('rocm' on ROCm, 'cpu' otherwise): the arch plan_kernel sees."""
+    import torch
+
+    if device.type != "cuda":
+        return "cpu"
+    if getattr(torch.version, "hip", None):
+        return "rocm"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
 def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple | None = None, extra_idx=None,
                extra_len=None, *, block_n: int = 0, block_h: int = 0, block_d: int = 0, num_warps: int = 4,
-               num_warps_pv: int = 0, native_fp8: bool | None = None):
+               num_warps_pv: int = 0, native_fp8: bool | None = None, variant: str = "auto"):
     """q [T, H, D] -> (out [T, H, D] in q's dtype, lse [T, H] float32, natural log, sink excluded).
 
     `swa`/`extra` are `pool_args(...)`; index lists [T, W] int32 with -1 padding and lengths [T].
-    Launch shapes left at 0 come from `plan_launch`. `native_fp8`: decode OCP e4m3 with the hardware
-    conversion; None = where the GPU has it (NVIDIA sm89+)."""
+    `variant` picks the kernel (plan_kernel): the one-pass Hopper kernel (sparse_mqa_hopper.py) or the
+    portable two-pass one, whose launch shapes left at 0 come from `plan_launch`. `native_fp8`: decode
+    OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA sm89+)."""
     import torch
 
     T, H, D = q.shape
     q = q.contiguous()
+    native = native_e4m3(q.device) if native_fp8 is None else native_fp8
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    kernel = plan_kernel(variant, arch="interpreter" if interpret else device_arch(q.device),
+                         layouts=(swa[0], extra[0] if extra is not None else swa[0]), head_dim=D, native=native,
+                         programs=T * triton.cdiv(H, 64), processors=_processors(q.device))
+    sink_l2 = (sink.float() * LOG2E).contiguous()
+    s_idx, s_len = swa_idx.int().contiguous(), swa_len.int().contiguous()
+    e_idx, e_len = (extra_idx.int().contiguous(), extra_len.int().contiguous()) if extra is not None else (None, None)
+    if kernel == "hopper":
+        from dsv4.kernels.sparse_mqa_hopper import sparse_mqa_hopper
+
+        return sparse_mqa_hopper(q, sink_l2, scale * LOG2E, swa, s_idx, s_len, extra, e_idx, e_len)
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
@@ -329,14 +405,9 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
     BN, BH, DB = block_n or plan.block_n, block_h or plan.block_h, block_d or plan.block_d
     nbs, nbe = triton.cdiv(sw, BN), triton.cdiv(ew, BN)
     NB, NC = nbs + nbe, (nbs + nbe) * BN
-    sink_l2 = (sink.float() * LOG2E).contiguous()
-    s_idx, s_len = swa_idx.int().contiguous(), swa_len.int().contiguous()
-    e, e_idx, e_len = (extra, extra_idx.int().contiguous(), extra_len.int().contiguous()) if extra is not None \
-        else (swa, s_idx, s_len)                   # no extra cache: never read (HAS_EXTRA=False)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    e, e_idx, e_len = (extra, e_idx, e_len) if extra is not None else (swa, s_idx, s_len)  # no extra: never read
     common = dict(S_LAYOUT=swa[0], E_LAYOUT=e[0], S_BS=swa[1], E_BS=e[1], HAS_EXTRA=extra is not None, BN=BN, D=D,
-                  NATIVE=native_e4m3(q.device) if native_fp8 is None else native_fp8,
-                  DOT=tl.float32 if interpret else tl.bfloat16)
+                  NATIVE=native, DOT=tl.float32 if interpret else tl.bfloat16)
     step = max(1, WORKSPACE_BYTES // (H * NC * 2))
     p = torch.empty(min(T, step) * H * NC, dtype=torch.bfloat16, device=q.device)
     ml = torch.empty(min(T, step) * NB * H * 2, dtype=torch.float32, device=q.device)

@@ -33,6 +33,9 @@ class Needs:
     # float8_e4m3fnuz (bias 8, max 240, no -0: byte 0x80 is NaN). Read as FNUZ a byte is worth half what
     # it is as OCP, so check() refuses a kernel and a layout with disjoint sets. Empty = none / any.
     fp8_formats: frozenset[str] = frozenset()
+    # the override that lifts the platform/arch requirement when the strategy has a wider setting
+    # (e.g. "mqa_kernel.variant=auto"); empty = the group's safe choice (the reference)
+    fix: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

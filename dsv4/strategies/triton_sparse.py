@@ -1,10 +1,15 @@
-"""mqa_kernel=triton_sparse: our Triton sparse MQA (dsv4/kernels/sparse_mqa.py) for any GPU Triton runs on.
+"""mqa_kernel=triton_sparse: our Triton sparse MQA (dsv4/kernels/) for any GPU Triton runs on.
 
 It reads the SWA and compressed caches in place -- fp8_ds_mla pages (OCP or FNUZ e4m3: the hardware
 conversion where the GPU has one for the bytes, integer arithmetic elsewhere, so no fp8 hardware is
 needed) or bf16 rows -- takes any number of heads (no padding), per-query lists with -1 padding and
-lengths, and returns the log-sum-exp. Two passes (scores, then P·V by blocks of output dims); the launch
-shapes left at 0 are planned from the step's size. Prefill uses the same kernels.
+lengths, and returns the log-sum-exp. Two kernels (`variant`):
+- two_pass (sparse_mqa.py, every GPU): scores, then P·V by blocks of output dims; launch shapes left at
+  0 are planned from the step's size;
+- hopper (sparse_mqa_hopper.py, Gluon, NVIDIA sm90 and fp8_ds_mla pages): one pass, warp-specialized,
+  rows read and decoded once into shared memory;
+- auto: hopper where it can run and the step fills the GPU, two_pass otherwise.
+Prefill uses the same kernels.
 """
 from __future__ import annotations
 
@@ -26,16 +31,32 @@ class TritonSparseMQA:
     block_d: int = 0          # output dims per P·V program; 0 = planned (128, or 64 for small steps)
     num_warps: int = 4        # scores pass
     num_warps_pv: int = 0     # P·V pass; 0 = planned (4, or 8 for small steps)
+    variant: str = "auto"     # auto | two_pass | hopper (the launch fields above are two_pass's)
 
     def __post_init__(self) -> None:
+        from dsv4.kernels.sparse_mqa import VARIANTS
+
+        if self.variant not in VARIANTS:
+            raise ValueError(f"mqa_kernel=triton_sparse: variant={self.variant!r} is not one of {VARIANTS}")
         for key, allowed in (("block_n", (0, 16, 32, 64, 128, 256)), ("block_h", (0, 16, 32, 64, 128)),
                              ("block_d", (0, 64, 128, 256)), ("num_warps", (1, 2, 4, 8, 16)),
                              ("num_warps_pv", (0, 1, 2, 4, 8, 16))):
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"mqa_kernel=triton_sparse: {key}={getattr(self, key)} is not one of {allowed}"
+            value = getattr(self, key)
+            if value not in allowed:
+                raise ValueError(f"mqa_kernel=triton_sparse: {key}={value} is not one of {allowed}"
                                  f"{'' if key == 'num_warps' else ' (0 = planned)'}")
+            if value != (4 if key == "num_warps" else 0) and self.variant != "two_pass":
+                raise ValueError(f"mqa_kernel=triton_sparse: {key}={value} sets the two-pass kernel's launch; "
+                                 f"variant={self.variant} can run the one-pass Hopper kernel, which has no such "
+                                 f"setting: add variant=two_pass")
 
     def needs(self, device) -> Needs:
+        if self.variant == "hopper":
+            return Needs(platforms=frozenset({"cuda"}), archs=frozenset({"sm90"}),
+                         cache_layouts=frozenset({"fp8_ds_mla"}), dtypes=frozenset({"bfloat16"}),
+                         modules=(("triton", "triton>=3.6"),), fp8_formats=frozenset({"ocp"}),
+                         model_values=(("head_dim", 512), ("qk_rope_head_dim", 64)),
+                         fix="mqa_kernel.variant=auto")
         return Needs(platforms=frozenset({"cuda", "rocm"}), archs=TRITON_ARCHS, cache_layouts=READS,
                      dtypes=frozenset({"bfloat16"}), modules=(("triton", "triton"),),
                      fp8_formats=frozenset({"ocp", "fnuz"}),       # whichever the layout stores
@@ -52,4 +73,4 @@ class TritonSparseMQA:
             extra = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens)
         return sparse_mqa(q, sink, scale, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **extra,
                           block_n=self.block_n, block_h=self.block_h, block_d=self.block_d,
-                          num_warps=self.num_warps, num_warps_pv=self.num_warps_pv)
+                          num_warps=self.num_warps, num_warps_pv=self.num_warps_pv, variant=self.variant)

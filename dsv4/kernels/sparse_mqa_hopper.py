@@ -1,0 +1,280 @@
+"""Sparse MQA with sink in one pass on Hopper (sm90), in Gluon: mqa_kernel=triton_sparse variant=hopper,
+which auto picks for large steps on fp8_ds_mla pages (the portable two-pass kernel, sparse_mqa.py, reads
+every row twice and writes P to memory in between).
+
+One program per (token, 64 heads): 12 warps in three warp-specialized partitions that hand blocks of 64
+list rows to each other through shared memory and mbarriers (FlashMLA's sm90 sparse decode structure):
+- producer (4 warps): gathers a block's rows (7 x 64 e4m3 bytes, 64 bf16 RoPE dims, the 8 scale bytes as
+  one int64) and decodes them, e4m3 x 2^(e-127) -> bf16, into one of two K buffers [64, 512], with the
+  block's column bias (0, or -inf for an invalid row);
+- WG0 (4 warps, the default partition): S = Q·Kᵀ (warpgroup MMA, Q and K in shared memory), the online
+  softmax in the log2 domain, P rounded to bf16 (as FlashMLA rounds it) and α into shared memory for
+  WG1, then O[:, :256] = O·α + P·V, V being the same K buffer; at the end the sink, lse and 1/denominator;
+- WG1 (4 warps): O[:, 256:] = O·α + P·V.
+Each row is read from memory once and decoded once. Shared memory: Q 64 KB + 2 x 64 KB of K + 2 x 8 KB of
+P. Registers (the SM's 64K over 384 threads): WG0 192 (its half of O is 128 of them), WG1 160, producer
+152; the producer loads four chunks before waiting for a free buffer and the rest while decoding (all
+seven at once spill). What did not work on the way (a single 8-warp instruction stream: 255 registers and
+spills, 3.4x slower; two consumer warp groups of one budget: ptxas ignored setmaxnreg): docs/benchmarks.md.
+
+Gluon exposes what this needs and plain Triton does not: explicit shared-memory buffers, warp
+specialization with per-partition register budgets, mbarriers, and asynchronous warpgroup MMAs reading
+the K buffer both as Kᵀ and as V. Only NVIDIA sm90 runs warpgroup MMAs; sparse_mqa.plan_kernel decides
+when it runs. The Gluon API used is Triton 3.6's (the H200's) and compiles with 3.9 (CI's compile check).
+"""
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                            warpgroup_mma_wait)
+
+# Triton 3.6 (the H200's) calls the CTA barrier thread_barrier, 3.9 (CI's, for the compile check) barrier
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+BH = gl.constexpr(64)      # heads per program: one warpgroup MMA's M
+BN = gl.constexpr(64)      # list columns per block
+# 12 warps x 168 registers = the SM's 64K: WG1 160, the producer 152, WG0 the rest (192)
+MAXNREG, WG1_REGS, PRODUCER_REGS = 168, 160, 152
+
+
+@gluon.jit
+def _rows(idx_row, c0, n, num_slots, w64, page_stride, bs, D: gl.constexpr, blk: gl.constexpr):
+    """List columns [c0, c0 + BN): which are valid rows, each row's byte offset and its 8 scale bytes
+    (one int64). Invalid rows point at slot 0 and read as zeros."""
+    r = c0 + gl.arange(0, BN, layout=gl.SliceLayout(1, blk))
+    slots = gl.load(idx_row + r, mask=r < n, other=-1)
+    ok = (r < n) & (slots >= 0) & (slots < num_slots)
+    slot = gl.where(ok, slots, 0)
+    page = (slot // bs).to(gl.int64)
+    t = slot % bs
+    words = gl.load(w64 + (page * page_stride + bs * (D + 64) + t * 8) // 8, mask=ok, other=0)
+    return ok, page * page_stride + t * (D + 64), words
+
+
+@gluon.jit
+def _chunk(u8, base, ok, c: gl.constexpr, blk: gl.constexpr):
+    """e4m3 bytes of dims 64c..64c+63 of the rows at `base` (zeros where not ok)."""
+    cols = gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
+    return gl.load(u8 + base[:, None] + (64 * c + cols)[None, :], mask=ok[:, None], other=0)
+
+
+@gluon.jit
+def _put(kb, c: gl.constexpr, byte, words):
+    """e4m3 chunk c (dims 64c..64c+63) of the block times its rows' 2^(e-127), as bf16 into K tile kb."""
+    e = ((words >> (8 * c)) & 0xFF).to(gl.int32)
+    scale = (e << 23).to(gl.float32, bitcast=True)
+    v = byte.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+    kb.slice(64 * c, 64, dim=1).store(v.to(gl.bfloat16))
+
+
+@gluon.jit
+def _nblocks(t, s_len, e_len, s_w, e_w):
+    """The token's SWA list length, compressed list length, SWA blocks and all blocks."""
+    n_s = gl.minimum(gl.load(s_len + t), s_w)
+    n_e = gl.minimum(gl.load(e_len + t), e_w)
+    nb_s = gl.cdiv(n_s, BN)
+    return n_s, n_e, nb_s, nb_s + gl.cdiv(n_e, BN)
+
+
+@gluon.jit
+def _producer(a, D: gl.constexpr):
+    """Worker, 4 warps: per block, gather the rows and decode them into K buffer j % 2 with the block's
+    column bias (0, or -inf for an invalid row), then signal `full`. The first four 64-dim chunks are
+    loaded before waiting for a free buffer; the rest are loaded while earlier ones are decoded (all
+    seven in registers at once spill)."""
+    (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
+     out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
+     e_stride, e_slots, e_bs) = a
+    blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    n_s, n_e, nb_s, nblk = _nblocks(t, s_len, e_len, s_w, e_w)
+    for j in range(nblk):
+        if j >= nb_s:                       # a block of the compressed list
+            u8, bf = e_u8, e_bf
+            ok, base, words = _rows(e_idx + t.to(gl.int64) * e_w, (j - nb_s) * BN, n_e, e_slots, e_w64, e_stride,
+                                    e_bs, D, blk)
+        else:
+            u8, bf = s_u8, s_bf
+            ok, base, words = _rows(s_idx + t.to(gl.int64) * s_w, j * BN, n_s, s_slots, s_w64, s_stride, s_bs, D,
+                                    blk)
+        c0 = _chunk(u8, base, ok, 0, blk)
+        c1 = _chunk(u8, base, ok, 1, blk)
+        c2 = _chunk(u8, base, ok, 2, blk)
+        c3 = _chunk(u8, base, ok, 3, blk)
+        b = j % 2
+        mbarrier.wait(empty.index(b), ((j // 2) & 1) ^ 1)     # both consumers are done with this buffer
+        kb = k_smem.index(b)
+        _put(kb, 0, c0, words)
+        c4 = _chunk(u8, base, ok, 4, blk)
+        _put(kb, 1, c1, words)
+        c5 = _chunk(u8, base, ok, 5, blk)
+        _put(kb, 2, c2, words)
+        c6 = _chunk(u8, base, ok, 6, blk)
+        _put(kb, 3, c3, words)
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
+        rope = gl.load(bf + ((base + D - 64) // 2)[:, None] + cols[None, :], mask=ok[:, None], other=0.0)
+        _put(kb, 4, c4, words)
+        _put(kb, 5, c5, words)
+        _put(kb, 6, c6, words)
+        kb.slice(D - 64, 64, dim=1).store(rope)               # the RoPE dims as stored (bf16)
+        bias_smem.index(b).store(gl.where(ok, 0.0, float("-inf")))
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(full.index(b), count=1)
+
+
+@gluon.jit
+def _second_half(a, D: gl.constexpr):
+    """Worker, 4 warps: output dims 256..511. Per block: wait for WG0's P (shared memory) and α, then
+    O = O·α + P·V[:, 256:]; at the end, WG0's 1/denominator."""
+    (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
+     out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
+     e_stride, e_slots, e_bs) = a
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    n_s, n_e, nb_s, nblk = _nblocks(t, s_len, e_len, s_w, e_w)
+    o = gl.zeros([BH, D // 2], gl.float32, o_l)
+    for j in range(nblk):
+        b = j % 2
+        mbarrier.wait(p_ready.index(b), (j // 2) & 1)
+        o = o * alpha_smem.index(b).load(gl.SliceLayout(1, o_l))[:, None]
+        o = warpgroup_mma(p_smem.index(b), k_smem.index(b).slice(D // 2, D // 2, dim=1), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        _cta_barrier()
+        mbarrier.arrive(empty.index(b), count=1)
+        mbarrier.arrive(p_free.index(b), count=1)
+    mbarrier.wait(fin, 0)
+    _store_out(o, inv_smem.load(gl.SliceLayout(1, o_l)), out_ptr, t, h0, H, D // 2, D, o_l)
+
+
+@gluon.jit
+def _store_out(o, inv, out_ptr, t, h0, H, d0, D: gl.constexpr, o_l: gl.constexpr):
+    """Rows h0.. of token t's output, dims d0..d0+255: o x inv (1/denominator, 0 for an empty head)."""
+    ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
+    do = d0 + gl.arange(0, D // 2, layout=gl.SliceLayout(0, o_l))
+    gl.store(out_ptr + ((t.to(gl.int64) * H + ho) * D)[:, None] + do[None, :], (o * inv[:, None]).to(gl.bfloat16),
+             mask=(ho < H)[:, None])
+
+
+@gluon.jit
+def _first_half(q_ptr, sink_l2_ptr, lse_ptr, qk_scale, a, D: gl.constexpr):
+    """Default partition, 4 warps (WG0): Q into shared memory; per block S = Q·Kᵀ, online softmax, P and α
+    to WG1 through shared memory, O = O·α + P·V[:, :256]; then sink, lse, 1/denominator for both halves."""
+    (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
+     out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
+     e_stride, e_slots, e_bs) = a
+    blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, blk))
+    for c in gl.static_range(D // 64):
+        d = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
+        qc = gl.load(q_ptr + ((t.to(gl.int64) * H + hr) * D)[:, None] + d[None, :], mask=(hr < H)[:, None],
+                     other=0.0)
+        q_smem.slice(64 * c, 64, dim=1).store(qc)
+    fence_async_shared()
+    _cta_barrier()
+
+    n_s, n_e, nb_s, nblk = _nblocks(t, s_len, e_len, s_w, e_w)
+    m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([BH], gl.float32, gl.SliceLayout(1, s_l))
+    o = gl.zeros([BH, D // 2], gl.float32, o_l)
+    for j in range(nblk):
+        b = j % 2
+        ph = (j // 2) & 1
+        mbarrier.wait(full.index(b), ph)
+        kb = k_smem.index(b)
+        s = warpgroup_mma(q_smem, kb.permute((1, 0)), gl.zeros([BH, BN], gl.float32, s_l), use_acc=False,
+                          is_async=True)
+        bias = bias_smem.index(b).load(gl.SliceLayout(0, s_l))
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = s * qk_scale + bias[None, :]
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        mbarrier.wait(p_free.index(b), ph ^ 1)                # WG1 is done with the P and α of block j - 2
+        p_smem.index(b).store(p.to(gl.bfloat16))
+        alpha_smem.index(b).store(alpha)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(p_ready.index(b), count=1)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        o = warpgroup_mma(p_smem.index(b), kb.slice(0, D // 2, dim=1), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        _cta_barrier()
+        mbarrier.arrive(empty.index(b), count=1)
+
+    # sink in the denominator; a head with no valid row gets 0 and lse = +inf
+    has = l_i > 0
+    m_fin = gl.where(has, m_i, 0.0)
+    hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
+    sink_l2 = gl.load(sink_l2_ptr + hs, mask=hs < H, other=0.0)
+    denom = gl.where(has, l_i + gl.exp2(sink_l2 - m_fin), 1.0)
+    gl.store(lse_ptr + t.to(gl.int64) * H + hs,
+             gl.where(has, (m_fin + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("inf")),
+             mask=hs < H)
+    inv = gl.where(has, 1.0 / denom, 0.0)
+    inv_smem.store(inv)
+    _cta_barrier()
+    mbarrier.arrive(fin, count=1)
+    _store_out(o, gl.convert_layout(inv, gl.SliceLayout(1, o_l)), out_ptr, t, h0, H, 0, D, o_l)
+
+
+@gluon.jit
+def _hopper_kernel(q_ptr, sink_l2_ptr, out_ptr, lse_ptr,
+                   s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs,
+                   e_u8, e_bf, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs,
+                   H, qk_scale, D: gl.constexpr, WG1_REGS: gl.constexpr,
+                   PRODUCER_REGS: gl.constexpr):
+    gl.static_assert(D == 512)
+    sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    t = gl.program_id(0)
+    h0 = gl.program_id(1) * BH
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, D], sh)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], sh)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN], sh)
+    bias_smem = gl.allocate_shared_memory(gl.float32, [2, BN], vec)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [2, BH], vec)
+    inv_smem = gl.allocate_shared_memory(gl.float32, [BH], vec)
+    full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)            # WG0 and WG1
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
+    mbarrier.init(fin, count=1)
+    a = (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
+         out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
+         e_stride, e_slots, e_bs)
+    gl.warp_specialize([(_first_half, (q_ptr, sink_l2_ptr, lse_ptr, qk_scale, a, D)),
+                        (_second_half, (a, D)), (_producer, (a, D))],
+                       [4, 4], [WG1_REGS, PRODUCER_REGS])
+
+
+def sparse_mqa_hopper(q, sink_l2, scale_l2: float, swa: tuple, swa_idx, swa_len, extra: tuple | None = None,
+                      extra_idx=None, extra_len=None):
+    """(out [T, H, 512], lse [T, H]) like sparse_mqa's, for fp8_ds_mla (OCP) pools given as `pool_args`.
+    sink_l2: sinks x log2(e), float32 [H]; scale_l2: softmax scale x log2(e). Lists int32, contiguous."""
+    import torch
+
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    e, e_idx, e_len = (extra, extra_idx, extra_len) if extra is not None else (swa, swa_idx, swa_len)
+    _hopper_kernel[(T, triton.cdiv(H, 64))](
+        q, sink_l2, out, lse,
+        swa[2], swa[3], swa[4], swa_idx, swa_len, swa_idx.shape[1], swa[5], swa[6], swa[1],
+        e[2], e[3], e[4], e_idx, e_len, e_idx.shape[1] if extra is not None else 0, e[5], e[6], e[1],
+        H, scale_l2, D=D, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+        maxnreg=MAXNREG)
+    return out, lse
