@@ -122,7 +122,8 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
     fix_self, fix_machine = SAFE_CHOICE[group], n.fix or SAFE_CHOICE[group]
     if n.platforms and device.platform not in n.platforms:
         out.append(Problem(group=group, value=name, reason=f"runs on {'/'.join(sorted(n.platforms))}, "
-                           f"this device is {device.describe()}", supported=tuple(sorted(n.platforms)), fix=fix_machine))
+                           f"this device is {device.describe()}", supported=tuple(sorted(n.platforms)),
+                           fix=fix_machine))
     elif n.archs and device.arch not in n.archs:
         out.append(Problem(group=group, value=name, reason=f"needs arch in {sorted(n.archs)}, "
                            f"this device is {device.describe()}", supported=tuple(sorted(n.archs)), fix=fix_machine))
