@@ -118,8 +118,9 @@ def bench_mqa(job) -> str:
     from dataclasses import replace
 
     kernels = _available(job, "mqa_kernel")
-    # triton_sparse as shipped (variant=auto) and its portable two-pass kernel beside it
-    kernels += [replace(k, variant="two_pass") for k in kernels if getattr(k, "variant", None) == "auto"]
+    # on sm90, where auto runs the one-pass Hopper kernel, triton_sparse's two-pass kernel beside it
+    if job.device.arch == "sm90":
+        kernels += [replace(k, variant="two_pass") for k in kernels if getattr(k, "variant", None) == "auto"]
     ceil = CEILINGS.get(job.device.arch, {})
     rows = []
     for label, H, eb, ew, b, sq in DECODE_CASES:

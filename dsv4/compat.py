@@ -116,6 +116,11 @@ def _fp8_note(reads: frozenset[str], stored: frozenset[str], layout: str, device
     return f" ({'; '.join(parts)})" if parts else ""
 
 
+def _shell_word(spec: str) -> str:
+    """A pip requirement as one shell word: quoted when it holds a version bound (`>` is a redirect)."""
+    return f"'{spec}'" if any(ch in spec for ch in "<>=!~ ") else spec
+
+
 def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str | None) -> list[Problem]:
     n = strat.needs(device)
     name, out = strat.name, []
@@ -166,7 +171,7 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
             # the top-level name only: find_spec("a.b") would import package "a"
             if importlib.util.find_spec(module.partition(".")[0]) is None:
                 out.append(Problem(group=group, value=name, reason=f"Python module '{module}' not found "
-                                   f"(pip package {dist})", fix=f"pip install {dist}  (or {fix_self})"))
+                                   f"(pip package {dist})", fix=f"pip install {_shell_word(dist)}  (or {fix_self})"))
     return out
 
 

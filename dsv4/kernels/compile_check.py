@@ -81,6 +81,7 @@ def compile_for(target: str, what: str) -> float:
     if what == "hopper":
         from dsv4.kernels import sparse_mqa_hopper as hop
 
+        # SWA pages of 64 rows (divisible by 16, as launched), compressed pages of 2 (a ratio-128 layer)
         _compile(hop._hopper_kernel, dict(D=512, WG1_REGS=hop.WG1_REGS, PRODUCER_REGS=hop.PRODUCER_REGS),
                  lambda a: _arg_type(a, 1), {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"},
                  gpu, 4, maxnreg=hop.MAXNREG)

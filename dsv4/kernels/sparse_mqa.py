@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import NamedTuple
 
 import triton
@@ -316,10 +317,15 @@ VARIANTS = ("auto", "two_pass", "hopper")
 HOPPER_MIN_PROGRAMS_PER_SM = 0.375
 
 
+GLUON_MIN_TRITON = (3, 6)        # the Gluon API the Hopper kernel is written in (3.6 runs it, 3.9 compiles it)
+
+
 @functools.lru_cache(maxsize=None)
 def gluon_error() -> str:
-    """Why the one-pass Hopper kernel's module does not import here ('' if it does): it is written in
-    Triton's Gluon, whose API it uses is that of Triton 3.6 to 3.9."""
+    """Why the one-pass Hopper kernel cannot be built with this Triton ('' if it can)."""
+    version = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
+    if version < GLUON_MIN_TRITON:
+        return f"it needs Triton >= {'.'.join(map(str, GLUON_MIN_TRITON))}'s Gluon, this is {triton.__version__}"
     try:
         import dsv4.kernels.sparse_mqa_hopper  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any failure means: not available, with the reason
@@ -327,10 +333,12 @@ def gluon_error() -> str:
     return ""
 
 
-def hopper_unfit(*, arch: str, layouts: tuple[int, int], head_dim: int, native: bool) -> str:
+def hopper_unfit(*, arch: str, layouts: tuple[int, int], head_dim: int, native: bool, dtype: str) -> str:
     """Why the one-pass Hopper kernel cannot run this call ('' if it can)."""
     if arch != "sm90":
         return f"it runs on NVIDIA sm90 (Hopper warpgroup MMAs) only, not {arch}"
+    if dtype != "bfloat16":
+        return f"it takes bfloat16 queries, not {dtype}"
     if layouts != (1, 1):
         return "it reads fp8_ds_mla pages (OCP e4m3) only"
     if head_dim != 512:
@@ -340,15 +348,15 @@ def hopper_unfit(*, arch: str, layouts: tuple[int, int], head_dim: int, native: 
     return gluon_error()
 
 
-def plan_kernel(variant: str, *, arch: str, layouts: tuple[int, int], head_dim: int, native: bool, programs: int,
-                processors: int) -> str:
+def plan_kernel(variant: str, *, arch: str, layouts: tuple[int, int], head_dim: int, native: bool, dtype: str,
+                programs: int, processors: int) -> str:
     """'hopper' or 'two_pass' for a call. auto: Hopper where it can run and the step gives at least
     HOPPER_MIN_PROGRAMS_PER_SM programs per SM; an explicit 'hopper' that cannot run is an error."""
     if variant not in VARIANTS:
         raise ValueError(f"mqa_kernel=triton_sparse: variant={variant!r} is not one of {VARIANTS}")
     if variant == "two_pass":
         return variant
-    why = hopper_unfit(arch=arch, layouts=layouts, head_dim=head_dim, native=native)
+    why = hopper_unfit(arch=arch, layouts=layouts, head_dim=head_dim, native=native, dtype=dtype)
     if variant == "hopper":
         if why:
             raise ValueError(f"mqa_kernel=triton_sparse variant=hopper: {why}; set mqa_kernel.variant=auto or "
@@ -387,7 +395,12 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     kernel = plan_kernel(variant, arch="interpreter" if interpret else device_arch(q.device),
                          layouts=(swa[0], extra[0] if extra is not None else swa[0]), head_dim=D, native=native,
-                         programs=T * triton.cdiv(H, 64), processors=_processors(q.device))
+                         dtype=str(q.dtype).removeprefix("torch."), programs=T * triton.cdiv(H, 64),
+                         processors=_processors(q.device))
+    if kernel == "hopper" and (block_n, block_h, block_d, num_warps, num_warps_pv) != (0, 0, 0, 4, 0):
+        raise ValueError("sparse_mqa: block_n/block_h/block_d/num_warps/num_warps_pv set the two-pass kernel's "
+                         f"launch, and variant={variant} runs the one-pass Hopper kernel here; pass "
+                         "variant='two_pass'")
     sink_l2 = (sink.float() * LOG2E).contiguous()
     s_idx, s_len = swa_idx.int().contiguous(), swa_len.int().contiguous()
     e_idx, e_len = (extra_idx.int().contiguous(), extra_len.int().contiguous()) if extra is not None else (None, None)

@@ -1,6 +1,6 @@
 """Sparse MQA with sink in one pass on Hopper (sm90), in Gluon: mqa_kernel=triton_sparse variant=hopper,
-which auto picks for large steps on fp8_ds_mla pages (the portable two-pass kernel, sparse_mqa.py, reads
-every row twice and writes P to memory in between).
+which auto picks for large steps on fp8_ds_mla pages with bf16 queries (the portable two-pass kernel,
+sparse_mqa.py, reads every row twice and writes P to memory in between).
 
 One program per (token, 64 heads): 12 warps in three warp-specialized partitions that hand blocks of 64
 list rows to each other through shared memory and mbarriers (FlashMLA's sm90 sparse decode structure):
@@ -71,9 +71,10 @@ def _put(kb, c: gl.constexpr, byte, words):
 
 @gluon.jit
 def _nblocks(t, s_len, e_len, s_w, e_w):
-    """The token's SWA list length, compressed list length, SWA blocks and all blocks."""
-    n_s = gl.minimum(gl.load(s_len + t), s_w)
-    n_e = gl.minimum(gl.load(e_len + t), e_w)
+    """The token's SWA list length, compressed list length, SWA blocks and all blocks (a length is
+    clamped to [0, list width], as the two-pass kernel and the reference read it)."""
+    n_s = gl.maximum(gl.minimum(gl.load(s_len + t), s_w), 0)
+    n_e = gl.maximum(gl.minimum(gl.load(e_len + t), e_w), 0)
     nb_s = gl.cdiv(n_s, BN)
     return n_s, n_e, nb_s, nb_s + gl.cdiv(n_e, BN)
 
