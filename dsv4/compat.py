@@ -124,7 +124,8 @@ def _shell_word(spec: str) -> str:
 def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str | None) -> list[Problem]:
     n = strat.needs(device)
     name, out = strat.name, []
-    fix_self, fix_machine = SAFE_CHOICE[group], n.fix or SAFE_CHOICE[group]
+    fix_self = SAFE_CHOICE[group]
+    fix_machine = n.fix or fix_self
     if n.platforms and device.platform not in n.platforms:
         out.append(Problem(group=group, value=name, reason=f"runs on {'/'.join(sorted(n.platforms))}, "
                            f"this device is {device.describe()}", supported=tuple(sorted(n.platforms)),

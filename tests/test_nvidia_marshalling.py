@@ -25,7 +25,7 @@ from dsv4.device import DeviceInfo
 from dsv4.reference import rel_err
 from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, OProjWeights, ReferenceMQA, ReferenceOProj,
                              SparseKV)
-from tests.conftest import tiny_spec
+from tests.conftest import fp8_block_product, tiny_spec
 
 
 def decode_model1_page(page_bytes: torch.Tensor, B: int) -> torch.Tensor:
@@ -124,13 +124,13 @@ def fake_deep_gemm(calls: list):
         (x, sx), (w, sw) = a, b
         assert x.dtype == w.dtype == torch.float8_e4m3fn and d.dtype == torch.bfloat16
         calls.append(recipe)
-        xd = (x.float().unflatten(-1, (-1, 128)) * sx[..., None]).flatten(-2)
         if recipe == (1, 128, 128):
             assert sw.shape == (w.shape[0], w.shape[1] // 128, w.shape[2] // 128)
-            wd = w.float() * sw.repeat_interleave(128, 1).repeat_interleave(128, 2)
-        else:
-            assert recipe == (1, 1, 128) and sw.shape == (w.shape[0], w.shape[1], w.shape[2] // 128)
-            wd = w.float() * sw.repeat_interleave(128, 2)
+            d.copy_(fp8_block_product(x, sx, w, sw))
+            return
+        assert recipe == (1, 1, 128) and sw.shape == (w.shape[0], w.shape[1], w.shape[2] // 128)
+        xd = (x.float().unflatten(-1, (-1, 128)) * sx[..., None]).flatten(-2)
+        wd = w.float() * sw.repeat_interleave(128, 2)
         d.copy_(torch.einsum("bhr,hdr->bhd", xd, wd))
 
     mod = types.ModuleType("deep_gemm")

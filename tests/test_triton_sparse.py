@@ -120,7 +120,7 @@ def test_long_steps_run_through_the_workspace_in_chunks(monkeypatch):
                                        ("variant", "one_pass")])
 def test_bad_launch_shape_is_refused_at_construction(key, value):
     with pytest.raises(ValueError, match=key):
-        TritonSparseMQA(**{key: value, "variant": "two_pass"} if key != "variant" else {key: value})
+        TritonSparseMQA(**{"variant": "two_pass", key: value})
 
 
 @pytest.mark.parametrize("variant", ["auto", "hopper"])

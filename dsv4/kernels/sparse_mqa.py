@@ -45,6 +45,8 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from dsv4.strategies.triton_sparse import VARIANTS
+
 LOG2E = 1.4426950408889634
 # how a cache's rows are stored (its layout's kv_row_dtype): bf16 rows, fp8_ds_mla records with OCP or
 # FNUZ e4m3 NoPE bytes
@@ -257,13 +259,22 @@ def _finish(acc, m, l, sink_l2, out_ptrs, lse_ptrs, hmask, lse_mask):
 
 
 @functools.lru_cache(maxsize=None)
-def native_e4m3(device) -> bool:
-    """Whether `device` converts OCP e4m3 in hardware (NVIDIA sm89 and newer; not ROCm's FNUZ-only gfx942)."""
+def device_arch(device) -> str:
+    """'sm90'-style name of a CUDA device ('rocm' on ROCm, 'cpu' otherwise): the arch plan_kernel sees."""
     import torch
 
-    if device.type != "cuda" or getattr(torch.version, "hip", None):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    if device.type != "cuda":
+        return "cpu"
+    if getattr(torch.version, "hip", None):
+        return "rocm"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def native_e4m3(device) -> bool:
+    """Whether `device` converts OCP e4m3 in hardware (NVIDIA sm89 and newer; not ROCm's FNUZ-only gfx942)."""
+    arch = device_arch(device)
+    return arch.startswith("sm") and int(arch[2:]) >= 89
 
 
 @functools.lru_cache(maxsize=None)
@@ -310,7 +321,6 @@ def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launc
     return Launch(64, 16, 64, 8)
 
 
-VARIANTS = ("auto", "two_pass", "hopper")
 # auto takes the one-pass Hopper kernel from this many (token, 64-head) programs per SM on: below it the
 # two-pass kernel's split over list blocks fills the GPU better. H200 (132 SMs), 64 heads, 128+512 rows,
 # two-pass / Hopper µs: 32 programs 31.4 / 34.2, 48 36.0 / 36.0, 64 45.2 / 41.5 (docs/benchmarks.md)
@@ -363,19 +373,6 @@ def plan_kernel(variant: str, *, arch: str, layouts: tuple[int, int], head_dim: 
                              f"two_pass")
         return variant
     return "hopper" if not why and programs >= HOPPER_MIN_PROGRAMS_PER_SM * processors else "two_pass"
-
-
-@functools.lru_cache(maxsize=None)
-def device_arch(device) -> str:
-    """'sm90'-style name of a CUDA device ('rocm' on ROCm, 'cpu' otherwise): the arch plan_kernel sees."""
-    import torch
-
-    if device.type != "cuda":
-        return "cpu"
-    if getattr(torch.version, "hip", None):
-        return "rocm"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm{major}{minor}"
 
 
 def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple | None = None, extra_idx=None,

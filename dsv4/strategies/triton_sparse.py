@@ -21,6 +21,7 @@ from dsv4.strategies.protocols import Needs, SparseKV
 TRITON_ARCHS = frozenset({"sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm110", "sm120", "sm121",
                           "gfx90a", "gfx942", "gfx950"})
 READS = frozenset({"bf16", "fp8_ds_mla", "fp8_ds_mla_fnuz"})
+VARIANTS = ("auto", "two_pass", "hopper")    # which kernel runs (dsv4/kernels/sparse_mqa.plan_kernel)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,8 +35,6 @@ class TritonSparseMQA:
     variant: str = "auto"     # auto | two_pass | hopper (the launch fields above are two_pass's)
 
     def __post_init__(self) -> None:
-        from dsv4.kernels.sparse_mqa import VARIANTS
-
         if self.variant not in VARIANTS:
             raise ValueError(f"mqa_kernel=triton_sparse: variant={self.variant!r} is not one of {VARIANTS}")
         for key, allowed in (("block_n", (0, 16, 32, 64, 128, 256)), ("block_h", (0, 16, 32, 64, 128)),
