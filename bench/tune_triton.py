@@ -115,6 +115,7 @@ def prologue() -> None:
 
     rope = Rope.for_layer(tiny_spec(), 4)
     w, o, pos = oproj_case(4096, 8)
+    rope.at(pos)
     c, s = rope.cos_sin(pos)
     moved = o.numel() * 2 + o.numel() + o.numel() // 128 * 4
     dst = torch.empty_like(o)
@@ -141,7 +142,8 @@ def oproj() -> None:
           "DeepGEMM fp8_einsum | torch_fp8 (8 scaled_mm) | bf16 einsum |\n|---|---|---|---|---|---|---|")
     for T in (1, 64, 128, 1024, 4096):
         w, o, pos = oproj_case(T, G)
-        x, xs = fused_inverse_rope_fp8_quant(o, pos, rope, G)
+        rot = rope.at(pos)
+        x, xs = fused_inverse_rope_fp8_quant(o, rot, G)
         wq, ws = quantize_weight_blocks(w.wo_a.cuda().view(G, 1024, -1))
         z = torch.empty(T, G, 1024, dtype=torch.bfloat16, device="cuda")
         t_dg = graph_time_us(lambda: deep_gemm.fp8_einsum("bhr,hdr->bhd", (x, xs), (wq, ws), z, recipe=(1, 128, 128)))
@@ -162,10 +164,11 @@ def oproj() -> None:
           "\n|---|---|---|---|---|")
     for T in (1, 128, 4096):
         w, o, pos = oproj_case(T, G)
+        rot = rope.at(pos)
         row = []
         for s in (ReferenceOProj(), DeepGemmFp8OProj(), TorchFp8OProj(), TritonFp8OProj()):
             prep = s.prepare(w, device=dev, dtype="bfloat16")
-            row.append(graph_time_us(lambda: s(o, pos, rope=rope, prepared=prep)))
+            row.append(graph_time_us(lambda: s(o, rot, prepared=prep)))
         print(f"| {T} | " + " | ".join(f"{t:.1f}" for t in row) + " |", flush=True)
 
 

@@ -24,6 +24,7 @@ from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.memory import memory_table
 from dsv4.errors import USER_ERRORS, ConfigError, IncompatibleCombination, Problem
+from dsv4.graph import GraphConfig
 from dsv4.parallel import ParallelConfig, torchrun_world_size
 from dsv4.report import result_row, table, write_row
 from dsv4.spec import ModelSpec
@@ -43,6 +44,7 @@ class Job:
     choices: dict[str, str]
     out_dir: Path
     parallel: ParallelConfig
+    graphs: GraphConfig
 
 
 def instantiate_group(node: Any, group: str = "strategy"):
@@ -61,11 +63,12 @@ def make_job(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir:
     device = DeviceInfo.from_config(OmegaConf.to_container(cfg.device, resolve=True))
     strategies = {g: instantiate_group(cfg[g], g) for g in GROUPS}
     par = ParallelConfig.from_config(cfg.get("parallel"))
+    graphs = GraphConfig.from_config(OmegaConf.to_container(cfg.graph, resolve=True) if cfg.get("graph") else None)
     combo = Combination(spec=spec, tp_size=int(cfg.tp_size), dtype=str(cfg.dtype), **strategies,
-                        world_size=torchrun_world_size() if par.launcher == "auto" else None)
+                        world_size=torchrun_world_size() if par.launcher == "auto" else None, graphs=graphs.enabled)
     if choices is None:
         choices = {g: getattr(strategies[g], "name", "?") for g in GROUPS} | {"model": spec.name}
-    return Job(cfg=cfg, spec=spec, device=device, combo=combo, choices=dict(choices), parallel=par,
+    return Job(cfg=cfg, spec=spec, device=device, combo=combo, choices=dict(choices), parallel=par, graphs=graphs,
                out_dir=Path(out_dir) if out_dir is not None else Path.cwd())
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dsv4.components.kv_pool import BlockAllocator, PagedCache
+from dsv4.components.kv_pool import PagedCache
 from dsv4.reference import rel_err
 from dsv4.report import table
 from dsv4.strategies import Fp8DsMlaLayout, OProjWeights, SparseKV
@@ -53,7 +53,7 @@ def random_pages(name: str, blocks: int, block_size: int, g, layout=None) -> Pag
     """A PagedCache on g's device (fp8_ds_mla unless `layout` says otherwise) with a random row in every
     slot, written in scrambled order."""
     lay, dev = layout or Fp8DsMlaLayout(), g.device
-    c = PagedCache(name=name, layout=lay, block_size=block_size, head_dim=512, allocator=BlockAllocator(blocks),
+    c = PagedCache(name=name, layout=lay, block_size=block_size, head_dim=512,
                    data=lay.allocate(num_blocks=blocks, block_size=block_size, head_dim=512, device=dev))
     n = blocks * block_size
     c.write(torch.randperm(n, generator=g, device=dev).int(), torch.randn(n, 512, generator=g, device=dev))
@@ -81,7 +81,7 @@ def sparse_case(T: int, H: int, *, extra_block, extra_w: int, seed: int, swa_w: 
         ei, el = lists(extra_w, ext.num_slots)
         kw |= dict(extra=ext, extra_indices=ei, extra_lens=el)
     q = (torch.randn(T, H, 512, generator=g, device=device) * q_std).bfloat16()   # logits ~ N(0, q_std²)
-    return q, SparseKV(scratch={}, **kw), torch.randn(H, generator=g, device=device)
+    return q, SparseKV(**kw), torch.randn(H, generator=g, device=device)
 
 
 def oproj_case(T: int, G: int, seed: int = 0, hpg: int = 8, o_lora: int = 1024, hidden: int = 4096):
@@ -93,20 +93,27 @@ def oproj_case(T: int, G: int, seed: int = 0, hpg: int = 8, o_lora: int = 1024, 
     return w, o, pos
 
 
-def _available(job, group: str) -> list:
+def option(group: str, name: str):
+    """The shipped option `name` of config group `group`, instantiated."""
+    from omegaconf import OmegaConf
+
+    from dsv4.app import CONFIG_DIR, instantiate_group
+
+    return instantiate_group(OmegaConf.load(CONFIG_DIR / group / f"{name}.yaml"), group)
+
+
+def available_options(job, group: str) -> list:
     """Every option of `group` that check() accepts on this machine with the job's other choices,
     except for the cache layout, which is fp8_ds_mla for every kernel (the one all of them read)."""
     from dataclasses import replace
 
-    from omegaconf import OmegaConf
-
-    from dsv4.app import CONFIG_DIR, instantiate_group
+    from dsv4.app import CONFIG_DIR
     from dsv4.compat import check
     from dsv4.device import local_platform
 
     out = []
     for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
-        strat = instantiate_group(OmegaConf.load(path), group)
+        strat = option(group, path.stem)
         combo = replace(job.combo, **{group: strat}, cache_layout=Fp8DsMlaLayout(), dtype="bfloat16")
         probs = [p for p in check(combo, job.device, here=local_platform()) if p.group in (group, "dtype")]
         if not probs:
@@ -117,7 +124,7 @@ def _available(job, group: str) -> list:
 def bench_mqa(job) -> str:
     from dataclasses import replace
 
-    kernels = _available(job, "mqa_kernel")
+    kernels = available_options(job, "mqa_kernel")
     # on sm90, where auto runs the one-pass Hopper kernel, triton_sparse's two-pass kernel beside it
     if job.device.arch == "sm90":
         kernels += [replace(k, variant="two_pass") for k in kernels if getattr(k, "variant", None) == "auto"]
@@ -150,17 +157,18 @@ def bench_mqa(job) -> str:
 def bench_o_proj(job) -> str:
     from dsv4.components.rope import Rope
 
-    strategies = _available(job, "o_proj")
+    strategies = available_options(job, "o_proj")
     rope = Rope.for_layer(job.spec, 4)
     rows = []
     for T in (1, 128, 4096):
         w, o, pos = oproj_case(T, 8)
+        rot = rope.at(pos)
         base = ref = None
         for s in strategies:
             prep = s.prepare(w, device=job.device, dtype="bfloat16")
-            y = s(o, pos, rope=rope, prepared=prep)
+            y = s(o, rot, prepared=prep)
             ref = y if ref is None else ref
-            us = graph_time_us(lambda: s(o, pos, rope=rope, prepared=prep))
+            us = graph_time_us(lambda: s(o, rot, prepared=prep))
             base = base or us
             rows.append([T, s.name, f"{us:.1f}", f"{us / base:.2f}", f"{rel_err(y, ref):.1e}"])
     return table(["T", "o_proj", "µs", "time / first", "rel err vs first"], rows)
@@ -168,7 +176,9 @@ def bench_o_proj(job) -> str:
 
 def _decode_step_times(eng, spec, layers) -> dict[int, tuple[float, float]]:
     """Per layer, the median µs of a decode step (STEP_REQUESTS requests x STEP_TOKENS tokens, after a
-    600-token prefill) and of the all-reduce within it (0 when ranks are simulated)."""
+    600-token prefill; CUDA graphs where the engine has them) and of the all-reduce within it."""
+    from dsv4.components.engine import CudaTimer
+
     g = torch.Generator().manual_seed(1)
     nreq, n, prompt = STEP_REQUESTS, STEP_TOKENS, 600
     for r in range(nreq):
@@ -181,7 +191,8 @@ def _decode_step_times(eng, spec, layers) -> dict[int, tuple[float, float]]:
     for step in range(8):
         x = torch.randn(nreq * n, spec.hidden_size, generator=g)
         p0 = prompt + n * step
-        out = eng.step(x, torch.arange(p0, p0 + n).repeat(nreq), [r for r in range(nreq) for _ in range(n)])
+        out = eng.step(x, torch.arange(p0, p0 + n).repeat(nreq), [r for r in range(nreq) for _ in range(n)],
+                       timer=CudaTimer())
         for l in layers:
             times[l].append((out.seconds[l] * 1e6, out.reduce_seconds.get(l, 0.0) * 1e6))
     for r in range(nreq):
@@ -189,39 +200,14 @@ def _decode_step_times(eng, spec, layers) -> dict[int, tuple[float, float]]:
     return {l: (statistics.median(t for t, _ in v[2:]), statistics.median(a for _, a in v[2:])) for l, v in times.items()}
 
 
-def bench_layer_step(job) -> str:
-    """Decode steps of the whole layer (one of each type, the job's model) per available backend preset."""
-    from dataclasses import replace
-
-    from dsv4.runner import build_engine
-    from dsv4.strategies import BucketHeadPadding
-
-    rows = []
-    kernels = {k.name: k for k in _available(job, "mqa_kernel")}
-    oprojs = {o.name: o for o in _available(job, "o_proj")}
-    combos = [("reference", kernels.get("reference"), oprojs.get("reference")),
-              ("flashmla + deepgemm_fp8", kernels.get("flashmla_sparse"), oprojs.get("deepgemm_fp8")),
-              ("triton_sparse + deepgemm_fp8", kernels.get("triton_sparse"), oprojs.get("deepgemm_fp8"))]
-    layers, weights, pool = _step_setup(job)
-    for label, k, o in combos:
-        if k is None or o is None:
-            continue
-        c = replace(job.combo, mqa_kernel=k, o_proj=o, cache_layout=Fp8DsMlaLayout(), dtype="bfloat16",
-                    head_padding=BucketHeadPadding(name="buckets_64_128", buckets=(64, 128)))
-        eng = build_engine(replace(job, combo=c), weights, pool)
-        for l, (us, _) in _decode_step_times(eng, job.spec, layers).items():
-            rows.append([label, job.spec.layer_type(l), STEP_REQUESTS, STEP_TOKENS, f"{us:.0f}"])
-    return table(["backend", "layer", "requests", "tokens/request", "µs per decode step (eager, median)"], rows)
-
-
 def _step_setup(job):
-    """(one layer of each type, their random weights, the pools) for the layer-step benches."""
+    """(one layer of each type, their random weights, the pools) for the TP layer-step bench."""
     from dsv4.components.builders import PoolConfig
     from dsv4.components.weights import random_layer_weights
 
     layers = job.spec.one_layer_per_type()
     return layers, {l: random_layer_weights(job.spec, l, 0) for l in layers}, \
-        PoolConfig(swa_blocks=1024, compressed_blocks=512)
+        PoolConfig(swa_blocks=1024, compressed_blocks=512, max_requests=STEP_REQUESTS)
 
 
 def bench_tp_step(job, ranks) -> str | None:
@@ -249,6 +235,7 @@ def bench_tp_step(job, ranks) -> str | None:
 
 def run_bench(job, ranks=None) -> None:
     from dsv4.errors import ConfigError
+    from dsv4.layer_bench import bench_layer_step
 
     if job.device.platform != "cuda" or not torch.cuda.is_available():
         raise ConfigError(f"mode=bench times GPU kernels: deployment gives {job.device.describe()} and this "
@@ -264,4 +251,4 @@ def run_bench(job, ranks=None) -> None:
     print(f"dsv4 bench on {job.device.describe()}, torch {torch.__version__}; model={job.spec.name}")
     print("\nsparse MQA decode, fp8_ds_mla pages (153 MB per cache), full index lists:\n" + bench_mqa(job))
     print("\no_proj, G=8 groups of 8 heads, 4096 -> 1024 per group, then wo_b:\n" + bench_o_proj(job))
-    print("\nwhole layer, decode steps after a 600-token prefill:\n" + bench_layer_step(job))
+    print("\nwhole layer, one layer of each type:\n" + bench_layer_step(job))

@@ -28,6 +28,7 @@ class Combination:
     tp_size: int = 1
     dtype: str = "float32"
     world_size: int | None = None      # processes of a torchrun launch (one per rank); None: not launched so
+    graphs: bool = False               # graph.enabled: decode steps replayed as CUDA graphs
 
     @property
     def local_heads(self) -> int | None:
@@ -81,8 +82,24 @@ def _dtype_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
                     supported=ACTIVATION_DTYPES, fix="dtype=float32")]
 
 
+def _graph_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
+    """graph.enabled=true needs a GPU and strategies whose calls a CUDA graph can capture."""
+    if not c.graphs:
+        return []
+    if device.platform == "cpu":
+        return [Problem(group="graph", value="enabled=true", reason="CUDA graphs need a GPU; this device is "
+                        f"{device.describe()}", supported=("false",), fix="graph.enabled=false")]
+    out = []
+    for group in ("mqa_kernel", "o_proj", "cache_layout"):
+        strat = getattr(c, group)
+        if not strat.needs(device).graphs:
+            out.append(Problem(group=group, value=strat.name, reason="cannot be captured in a CUDA graph "
+                               "(graph.enabled=true)", fix="graph.enabled=false"))
+    return out
+
+
 CROSS_RULES: tuple[Callable[[Combination, DeviceInfo], list[Problem]], ...] = (
-    _tp_rule, _world_rule, _padding_rule, _dtype_rule)
+    _tp_rule, _world_rule, _padding_rule, _dtype_rule, _graph_rule)
 
 
 # The shipped option of each group that runs anywhere, offered when a choice cannot run on a device.

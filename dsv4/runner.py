@@ -7,9 +7,11 @@ import torch
 from omegaconf import OmegaConf
 
 from dsv4 import reference as ref
-from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_layer_kv
+from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_pool
 from dsv4.components.checkpoint import load_or_random
 from dsv4.components.engine import Engine
+from dsv4.components.graphs import StepGraphs
+from dsv4.graph import GraphConfig
 from dsv4.dump import write_dump
 from dsv4.memory import GIB, layer_memory, model_memory, summary_lines
 from dsv4.parallel import Ranks
@@ -18,8 +20,9 @@ from dsv4.workload import Workload, run_workload
 
 
 def build_engine(job, weights: dict[int, dict], pool: PoolConfig, wo_a_fp8: dict | None = None,
-                 ranks: Ranks | None = None) -> Engine:
-    """The engine of this process's ranks: all tp_size of them (simulated), or its one rank (distributed)."""
+                 ranks: Ranks | None = None, graphs: GraphConfig | None = None) -> Engine:
+    """The engine of this process's ranks: all tp_size of them (simulated), or its one rank (distributed).
+    `graphs`: CUDA-graph decode (default: the job's `graph` config when it is enabled)."""
     c, spec, dev = job.combo, job.spec, job.device
     ranks = ranks or Ranks(tp_size=c.tp_size)
     strategies = Strategies(mqa_kernel=c.mqa_kernel, o_proj=c.o_proj, head_padding=c.head_padding,
@@ -27,10 +30,12 @@ def build_engine(job, weights: dict[int, dict], pool: PoolConfig, wo_a_fp8: dict
     layers = {l: [build_layer(spec=spec, layer=l, weights=w, rank=r, tp_size=c.tp_size, strategies=strategies,
                               device=dev, dtype=c.dtype, wo_a_fp8=(wo_a_fp8 or {}).get(l))
                   for r in ranks.local] for l, w in weights.items()}
-    kvs = {l: [build_layer_kv(spec=spec, layer=l, layout=c.cache_layout, pool=pool, device=dev)
-               for _ in ranks.local] for l in weights}
-    return Engine(spec=spec, layers=layers, kvs=kvs, device=dev.torch_device,
-                  all_reduce=ranks.all_reduce if ranks.distributed else None)
+    pools = [build_pool(spec=spec, layers=list(weights), layout=c.cache_layout, pool=pool, device=dev)
+             for _ in ranks.local]
+    graphs = graphs if graphs is not None else job.graphs
+    return Engine(spec=spec, layers=layers, pools=pools, device=dev.torch_device,
+                  all_reduce=ranks.all_reduce if ranks.distributed else None,
+                  graphs=StepGraphs(graphs) if graphs.enabled else None)
 
 
 def layer_names(spec, layers) -> dict[int, str]:
@@ -59,7 +64,7 @@ def rank_memory(engine: Engine, ranks: Ranks, device) -> list[dict[str, Any]]:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = []
     for i, r in enumerate(ranks.local):
-        kv = sum(tensor_bytes(c.data) for kvs in engine.kvs.values() for c in kvs[i].caches.values())
+        kv = sum(tensor_bytes(list(c.tensors())) for c in engine.pools[i].layers.values())
         w = sum(tensor_bytes(list(m[i].buffers())) + tensor_bytes(m[i].o_proj_prepared) for m in engine.layers.values())
         out.append({"rank": r, "kv_pool_bytes": kv, "weight_bytes": w, "peak_bytes": peak,
                     "peak_of": "gpu allocator" if device.platform != "cpu" else "process max RSS"})

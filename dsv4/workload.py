@@ -89,6 +89,8 @@ def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, pro
     no outputs or selections (ranks other than the one that grades them): no copies to the host."""
     import torch
 
+    from dsv4.components.engine import timer_for
+
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(workload.total_len(i), hidden_size, generator=g) for i in range(len(workload.prompt_lens))]
     done = [0] * len(xs)
@@ -106,7 +108,7 @@ def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, pro
             def on_layer(layer, _step=n_step + 1, _phase=phase):
                 progress(_step, len(steps), _phase, f"layer {layer} ({engine.spec.layer_type(layer)}) "
                                                     f"{order[layer] + 1}/{len(order)}")
-        out = engine.step(x, pos, rid, on_layer=on_layer)
+        out = engine.step(x, pos, rid, on_layer=on_layer, timer=timer_for(engine.device))
         rec.hidden.append(x)
         rec.positions.append(pos)
         rec.request_index.append(torch.tensor(rid, dtype=torch.int32))
@@ -124,7 +126,7 @@ def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, pro
             done[i] += k
         if progress is not None:
             progress(n_step + 1, len(steps), phase)
-    rec.pool_bytes = {layer: kvs[0].bytes_in_use() for layer, kvs in engine.kvs.items()}
+    rec.pool_bytes = {layer: engine.pools[0].bytes_in_use(layer) for layer in engine.layers}
     for i in range(len(xs)):
         engine.release(i)
     return rec

@@ -88,28 +88,35 @@ def tiny_spec(**changes):
 
 
 def make_engine(spec, *, layers=(0, 1, 2), layout="float32", tp_size=1, dtype="float32", seed=0,
-                swa_block_size=8, compressed_block_tokens=32, swa_blocks=64, compressed_blocks=64,
-                head_padding=None, weights=None, ranks=None, all_reduce=None):
-    """An Engine over the reference strategies; returns (engine, {layer: full weights}). ranks: the tensor-
-    parallel ranks it holds (default all tp_size of them); all_reduce: the engine's (one rank per process)."""
-    from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_layer_kv
+                swa_block_size=8, compressed_block_tokens=32, swa_blocks=64, compressed_blocks=64, max_requests=8,
+                head_padding=None, weights=None, ranks=None, all_reduce=None, mqa_kernel=None, o_proj=None,
+                device=None, graphs=None):
+    """An Engine (the reference strategies unless given); returns (engine, {layer: full weights}). layout: a
+    CacheLayout or a PlainRowLayout dtype name; ranks: the tensor-parallel ranks it holds (default all tp_size
+    of them); all_reduce: the engine's (one rank per process); graphs: a GraphConfig (GPU)."""
+    from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_pool
     from dsv4.components.engine import Engine
     from dsv4.components.weights import random_layer_weights
     from dsv4.device import DeviceInfo
     from dsv4.strategies import NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
 
-    dev = DeviceInfo(platform="cpu")
-    st = Strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=head_padding or NoHeadPadding(),
-                    cache_layout=PlainRowLayout(name=layout, dtype=layout))
+    dev = device or DeviceInfo(platform="cpu")
+    lay = layout if not isinstance(layout, str) else PlainRowLayout(name=layout, dtype=layout)
+    st = Strategies(mqa_kernel=mqa_kernel or ReferenceMQA(), o_proj=o_proj or ReferenceOProj(),
+                    head_padding=head_padding or NoHeadPadding(), cache_layout=lay)
     pool = PoolConfig(swa_block_size=swa_block_size, compressed_block_tokens=compressed_block_tokens,
-                      swa_blocks=swa_blocks, compressed_blocks=compressed_blocks)
+                      swa_blocks=swa_blocks, compressed_blocks=compressed_blocks, max_requests=max_requests)
     W = weights or {l: random_layer_weights(spec, l, seed) for l in layers}
     ranks = range(tp_size) if ranks is None else ranks
     mods = {l: [build_layer(spec=spec, layer=l, weights=W[l], rank=r, tp_size=tp_size, strategies=st, device=dev,
                             dtype=dtype) for r in ranks] for l in layers}
-    kvs = {l: [build_layer_kv(spec=spec, layer=l, layout=st.cache_layout, pool=pool, device=dev)
-               for _ in ranks] for l in layers}
-    return Engine(spec=spec, layers=mods, kvs=kvs, device="cpu", all_reduce=all_reduce), W
+    pools = [build_pool(spec=spec, layers=layers, layout=st.cache_layout, pool=pool, device=dev) for _ in ranks]
+    graph_runner = None
+    if graphs is not None:
+        from dsv4.components.graphs import StepGraphs
+        graph_runner = StepGraphs(graphs)
+    return Engine(spec=spec, layers=mods, pools=pools, device=dev.torch_device, all_reduce=all_reduce,
+                  graphs=graph_runner), W
 
 
 def hidden_for(lengths: dict, hidden_size: int, seed: int = 1) -> dict:

@@ -258,7 +258,7 @@ def layer_case(kind: str, layout, seed: int, *, W: int = 128, K: int = 29) -> Sp
         lc = torch.where(lc < n_c[:, None], lc, -1)
         ctab = torch.stack([torch.randperm(4, generator=g) for _ in range(T)])
         kw |= dict(extra=comp, extra_indices=through(ctab, lc, 2).int(), extra_lens=n_c.int())
-    return SparseKV(scratch={}, **kw)
+    return SparseKV(**kw)
 
 
 def messy_case(layout, seed: int) -> SparseKV:
@@ -279,7 +279,7 @@ def messy_case(layout, seed: int) -> SparseKV:
     el[1] = 0
     el[0] = max(int(el[0]), 3)
     ei[0, :3] = torch.tensor([0, 1, 2], dtype=torch.int32)
-    return SparseKV(swa=swa, swa_indices=si, swa_lens=sl, extra=comp, extra_indices=ei, extra_lens=el, scratch={})
+    return SparseKV(swa=swa, swa_indices=si, swa_lens=sl, extra=comp, extra_indices=ei, extra_lens=el)
 
 
 def make_q(T: int, H: int, Hp: int, seed: int):
@@ -513,18 +513,18 @@ def test_rocm_bf16_oproj_through_the_contract(fake_aiter, G, hpg, r):
     rope = Rope.for_layer(tiny_spec(), 4)
     s = RocmBf16OProj()
     dev = DeviceInfo(platform="cpu", arch="gfx942")       # tensors stay on the CPU
-    y = s(o, pos, rope=rope, prepared=s.prepare(w, device=dev, dtype="bfloat16"))
+    y = s(o, rope.at(pos), prepared=s.prepare(w, device=dev, dtype="bfloat16"))
     ((name, kw),) = calls
     assert name == "batched_gemm_bf16"
     assert tuple(kw["XQ"].shape) == (G, T, hpg * D) and tuple(kw["WQ"].shape) == (G, r, hpg * D)
     assert kw["XQ"].dtype == kw["WQ"].dtype == torch.bfloat16 and kw["XQ"].is_contiguous()
     ref = ReferenceOProj()
-    want = ref(o.float(), pos, rope=rope, prepared=ref.prepare(w, device=CPU, dtype="float32"))
+    want = ref(o.float(), rope.at(pos), prepared=ref.prepare(w, device=CPU, dtype="float32"))
     assert y.dtype == torch.bfloat16 and y.shape == want.shape
     assert rel_err(y, want) <= 1.5e-2
-    same = ref(o, pos, rope=rope, prepared=ref.prepare(w, device=CPU, dtype="bfloat16"))   # the same bf16 math
+    same = ref(o, rope.at(pos), prepared=ref.prepare(w, device=CPU, dtype="bfloat16"))   # the same bf16 math
     assert rel_err(y, same) <= 1e-2
-    assert s(o[:0], pos[:0], rope=rope, prepared=s.prepare(w, device=dev, dtype="bfloat16")).shape == (0, 96)
+    assert s(o[:0], rope.at(pos[:0]), prepared=s.prepare(w, device=dev, dtype="bfloat16")).shape == (0, 96)
 
 
 def test_grouped_input_is_the_inverse_roped_groups():
@@ -532,7 +532,7 @@ def test_grouped_input_is_the_inverse_roped_groups():
     o = torch.randn(5, 8, D, generator=g)
     pos = torch.arange(5) * 37
     rope = Rope.for_layer(tiny_spec(), 128)
-    x = ai.grouped_input(o, pos, rope, 2)
+    x = ai.grouped_input(o, rope.at(pos), 2)
     want = rope.apply(o, pos, inverse=True).bfloat16().view(5, 2, 4 * D).transpose(0, 1)
     assert torch.equal(x, want) and x.is_contiguous()
 
@@ -541,14 +541,11 @@ def test_grouped_input_is_the_inverse_roped_groups():
 # A layer of the engine with both aiter strategies (fake API) against the same layer on the reference
 # =====================================================================================================
 def _engine(spec, W, layout, strategies, device):
-    from dsv4.components.builders import PoolConfig, build_layer, build_layer_kv
-    from dsv4.components.engine import Engine
+    from tests.conftest import make_engine
 
-    pool = PoolConfig(swa_block_size=8, compressed_block_tokens=32, swa_blocks=64, compressed_blocks=64)
-    mods = {l: [build_layer(spec=spec, layer=l, weights=W[l], rank=0, tp_size=1, strategies=strategies,
-                            device=device, dtype="bfloat16")] for l in W}
-    kvs = {l: [build_layer_kv(spec=spec, layer=l, layout=layout, pool=pool, device=device)] for l in W}
-    return Engine(spec=spec, layers=mods, kvs=kvs, device="cpu")
+    return make_engine(spec, layers=tuple(W), weights=W, layout=layout, dtype="bfloat16", device=device,
+                       head_padding=strategies.head_padding, mqa_kernel=strategies.mqa_kernel,
+                       o_proj=strategies.o_proj)[0]
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])

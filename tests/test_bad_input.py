@@ -13,31 +13,38 @@ from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
 
 
 def snapshot(engine):
-    """Every byte of every cache, every block table, compressor state and length."""
-    caches = {(l, r, n): c.data.clone() for l, kvs in engine.kvs.items() for r, kv in enumerate(kvs)
-              for n, c in kv.caches.items()}
-    free = {(l, r, n): c.allocator.num_free for l, kvs in engine.kvs.items() for r, kv in enumerate(kvs)
-            for n, c in kv.caches.items()}
-    tables = {(l, r): copy.deepcopy({rid: (q.seq_len, q.tables) for rid, q in kv.requests.items()})
-              for l, kvs in engine.kvs.items() for r, kv in enumerate(kvs)}
-    states = {(l, r, rid, n): (s.a.clone(), s.s.clone()) for l, kvs in engine.kvs.items()
-              for r, kv in enumerate(kvs) for rid, q in kv.requests.items() for n, s in q.states.items()}
-    return caches, free, tables, states, dict(engine.lengths)
+    """Every byte of every cache and compressor-state page, every block table, free list and length."""
+    data = {(r, l, i): t.clone() for r, pool in enumerate(engine.pools) for l, c in pool.layers.items()
+            for i, t in enumerate(c.tensors())}
+    free = {(r, n): sorted(g.allocator._free) for r, pool in enumerate(engine.pools) for n, g in pool.groups.items()}
+    tables = {(r, n): copy.deepcopy(g.tables) for r, pool in enumerate(engine.pools) for n, g in pool.groups.items()}
+    return data, free, tables, {}, dict(engine.lengths)
 
 
 def live_rows(engine):
-    """What any request can still read: each request's SWA rows in live pages, compressed rows."""
+    """What any request can still read: its SWA rows in the window, its compressed entries and indexer
+    keys, its kept compressor-state rows -- each read through its page table."""
     out = {}
-    for l, kvs in engine.kvs.items():
-        for r, kv in enumerate(kvs):
-            for rid, q in kv.requests.items():
-                for name, cache in kv.caches.items():
-                    n = q.seq_len if name == "swa" else q.seq_len // kv.ratio
-                    first = next((i for i, b in enumerate(q.tables[name]) if b >= 0), 0) * cache.block_size
-                    idx = torch.arange(min(first, n), n)
-                    table = torch.tensor(q.tables[name] or [-1])
-                    slots = (table[idx // cache.block_size] * cache.block_size + idx % cache.block_size).int()
-                    out[(l, r, rid, name)] = cache.read(slots)
+    for r, pool in enumerate(engine.pools):
+        for l, c in pool.layers.items():
+            for rid, n in engine.lengths.items():
+                def rows(group, count, first=0):
+                    g = pool.groups[group]
+                    idx = torch.arange(first, count)
+                    table = torch.tensor(g.tables[rid] + [-1])
+                    page = table[(idx // g.block_size).clamp(max=len(table) - 1)]
+                    return torch.where(page >= 0, page * g.block_size + idx % g.block_size, -1).int()
+                swa = pool.groups["swa"]
+                out[(r, l, rid, "swa")] = c.swa.read(rows("swa", n, swa.rule.first_kept(n)))
+                if c.compressed is not None:
+                    e = rows(f"entries{c.ratio}", n // c.ratio)
+                    out[(r, l, rid, "compressed")] = c.compressed.read(e)
+                    st = pool.groups[f"state{c.ratio}"]
+                    s_rows = rows(f"state{c.ratio}", n, st.rule.first_kept(n)).long()
+                    out[(r, l, rid, "state")] = c.state.data[s_rows]
+                    if c.indexer_keys is not None:
+                        out[(r, l, rid, "indexer")] = c.indexer_keys.read(e)
+                        out[(r, l, rid, "indexer_state")] = c.indexer_state.data[s_rows]
     return out
 
 
@@ -110,6 +117,9 @@ def test_failure_inside_the_forward_is_rolled_back():
     class Boom:
         name: str = "boom"
 
+        def plan(self, **k):
+            return None
+
         def __call__(self, *a, **k):
             raise RuntimeError("kernel exploded")
 
@@ -134,11 +144,11 @@ def test_request_longer_than_the_pool():
     spec, eng, W, X = started_engine(swa_blocks=40, compressed_blocks=4, compressed_block_tokens=32)
     eng.add_request("huge")
     before = snapshot(eng)
-    with pytest.raises(InvalidRequest, match=r"KV pool full: request 'huge' needs 7 pages of the compressed cache, "
+    with pytest.raises(InvalidRequest, match=r"KV pool full: request 'huge' needs 7 pages of the ratio-4 compressed cache, "
                                              r"more than the whole pool .*raise workload.kv_pool.compressed_blocks"):
         step(eng, {"huge": (torch.randn(200, spec.hidden_size), 0)})
     assert_unchanged(before, snapshot(eng))
-    with pytest.raises(InvalidRequest, match=r"KV pool full: the step needs \d+ new pages of the compressed cache"):
+    with pytest.raises(InvalidRequest, match=r"KV pool full: the step needs \d+ new pages of the ratio-4 compressed cache"):
         step(eng, {"a": (X["a"][40:80], 40), "huge": (torch.randn(60, spec.hidden_size), 0)})
     assert_unchanged(before, snapshot(eng))
 
@@ -174,14 +184,14 @@ def test_unknown_and_malformed_requests():
 
 def test_releasing_a_request_returns_its_pages_and_leaves_others():
     spec, eng, W, X = started_engine()
-    free0 = {l: [c.allocator.num_free for c in eng.kvs[l][0].caches.values()] for l in eng.kvs}
-    a_pages = {l: {n: sum(b >= 0 for b in t) for n, t in eng.kvs[l][0].requests["a"].tables.items()} for l in eng.kvs}
-    b_before = {l: copy.deepcopy(eng.kvs[l][0].requests["b"].tables) for l in eng.kvs}
+    free0 = {n: g.allocator.num_free for n, g in eng.pools[0].groups.items()}
+    groups = eng.pools[0].groups
+    a_pages = {n: sum(b >= 0 for b in g.tables["a"]) for n, g in groups.items()}
+    b_before = {n: list(g.tables["b"]) for n, g in groups.items()}
     eng.release("a")
-    for l in eng.kvs:
-        after = [c.allocator.num_free for c in eng.kvs[l][0].caches.values()]
-        assert after == [f + a_pages[l][n] for f, n in zip(free0[l], eng.kvs[l][0].caches)]
-        assert eng.kvs[l][0].requests["b"].tables == b_before[l]
+    for n, g in groups.items():
+        assert g.allocator.num_free == free0[n] + a_pages[n]
+        assert "a" not in g.tables and g.tables["b"] == b_before[n]
 
 
 def test_heads_not_divisible_by_tp_size_is_refused_before_building(compose_cfg, tmp_path):
@@ -196,21 +206,25 @@ def test_heads_not_divisible_by_tp_size_is_refused_before_building(compose_cfg, 
 
 
 def test_non_finite_rows_are_refused_naming_layer_and_token():
-    """A NaN that arises inside the layer (here: an inf weight) is never packed into a page."""
+    """A NaN that arises inside the layer (here: an inf weight) is never packed into a page: the step is
+    refused after the forward (one read of the layers' fault flags), the failing layer's cache bytes are
+    as they were, and every row any request can read is unchanged."""
     spec, eng, W, X = started_engine()
     swa_layer = next(l for l in eng.layers if spec.compress_ratio(l) == 1)
     module = eng.layers[swa_layer][0]
-    saved = module.wkv.clone()
-    module.wkv[:, 3] = float("inf")
-    before = snapshot(eng)
+    kv_rows = module.w_in[spec.q_lora_rank:]             # the wkv rows of the fused input projection
+    saved = kv_rows.clone()
+    kv_rows[:, 3] = float("inf")
+    before, rows0 = snapshot(eng), live_rows(eng)
+    own = [t.clone() for t in eng.pools[0].layers[swa_layer].tensors()]
     with pytest.raises(InvalidRequest, match=rf"non-finite swa row \(layer {swa_layer}, request 'b', position 40\)"):
         step(eng, {"b": (X["b"][40:44], 40)})
-    assert_unchanged(before, snapshot(eng))
-    module.wkv.copy_(saved)
+    assert_rolled_back(before, rows0, eng)
+    assert all(torch.equal(a, b) for a, b in zip(own, eng.pools[0].layers[swa_layer].tensors()))
+    kv_rows.copy_(saved)
 
     c128 = next(l for l in eng.layers if spec.compress_ratio(l) == 128)
-    comp = eng.layers[c128][0].compressor
-    comp.wkv[7] = float("nan")
+    eng.layers[c128][0].w_score[7] = float("nan")        # the compressor's candidate channel 7
     before, rows0 = snapshot(eng), live_rows(eng)
     with pytest.raises(InvalidRequest, match=rf"non-finite compressed row \(layer {c128}, request 'a', compressed entry 0 "
                                              r"closed at position 127\)"):

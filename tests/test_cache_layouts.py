@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import re
 import struct
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsv4.components.kv_pool import BlockAllocator, PagedCache
+from dsv4.components.kv_pool import PagedCache
 from dsv4.errors import InvalidRequest
 from dsv4.strategies import Fp8DsMlaLayout, Fp8PerTensorLayout, PlainRowLayout
 
@@ -189,7 +188,7 @@ KV_SCALE = {"fp8_per_tensor": 0.5}
 
 def make_cache(kind: str, B: int, nb: int) -> PagedCache:
     lay = LAYOUTS[kind]()
-    return PagedCache(name="kv", layout=lay, block_size=B, head_dim=D, allocator=BlockAllocator(nb),
+    return PagedCache(name="kv", layout=lay, block_size=B, head_dim=D,
                       data=lay.allocate(num_blocks=nb, block_size=B, head_dim=D, device="cpu"))
 
 
@@ -500,34 +499,34 @@ def _prefilled(kind: str, B: int = 3, nb: int = 3):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_non_finite_row_is_refused_and_nothing_is_written(kind, bad):
-    cache = _prefilled(kind)
-    before = raw_bytes(cache.data)
-    rows = scaled_rows(4, seed=52)
-    rows[2, 100] = bad
-    slots = torch.tensor([1, 5, 2, 0])
-    with pytest.raises(InvalidRequest, match=r"\(row 2\)"):
-        cache.write(slots, rows)
-    assert torch.equal(raw_bytes(cache.data), before)
-    with pytest.raises(InvalidRequest, match=re.escape("request 'zz', token #2")):
-        cache.write(slots, rows, where=lambda i: f"request 'zz', token #{i}")
-    assert torch.equal(raw_bytes(cache.data), before)
-    rows[2, 100] = 0.0                                               # the same call without the bad value
-    cache.write(slots, rows)
-    assert not torch.equal(raw_bytes(cache.data), before)
+    """A row that is not finite -- or is finite in float32 but overflows bf16 (|x| >= 3.3961e38), which a
+    layout would store as inf (bf16) or as a NaN code with exponent byte 255 poisoning its 64-dim block
+    (fp8_ds_mla) -- is refused by the layer before any layout sees it: through the engine, the step
+    fails naming the row and the layer's pages keep every byte they had."""
+    from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
+
+    spec = tiny_spec()
+    eng, _ = make_engine(spec, layout=LAYOUTS[kind](), layers=(0,), swa_block_size=64)
+    X = hidden_for({"a": 10}, spec.hidden_size)
+    drive(eng, {"a": X["a"][:6]}, chunked({"a": 6}, 6))
+    layer = eng.layers[0][0]
+    layer.kv_norm[100] = bad                                       # the normed row's dim 100 takes it
+    before = [raw_bytes(t) for t in eng.pools[0].layers[0].tensors()]
+    with pytest.raises(InvalidRequest, match=r"non-finite swa row \(layer 0, request 'a', position 6\)"):
+        eng.step(X["a"][6:9], torch.arange(6, 9), ["a"] * 3)
+    assert all(torch.equal(b, raw_bytes(t)) for b, t in zip(before, eng.pools[0].layers[0].tensors()))
+    assert eng.lengths["a"] == 6
 
 
-@pytest.mark.parametrize("kind", list(LAYOUTS))
-def test_out_of_pool_slots_are_refused_and_nothing_is_written(kind):
-    B, nb = 3, 3
-    cache = _prefilled(kind, B, nb)
-    before = raw_bytes(cache.data)
-    rows = scaled_rows(3, seed=53)
-    for bad in (nb * B, nb * B + 7, -2, -100):
-        with pytest.raises(InvalidRequest, match=re.escape(f"slot ids [{bad}]")):
-            cache.write(torch.tensor([1, bad, 2]), rows)
-        assert torch.equal(raw_bytes(cache.data), before), bad
-    cache.write(torch.tensor([1, nb * B - 1, 2]), rows)                   # the last slot is inside the pool
-    assert not torch.equal(raw_bytes(cache.data), before)
+def test_rows_past_bf16_range_are_refused_like_non_finite_ones():
+    from dsv4.components.front import stored_badly
+
+    rows = scaled_rows(4, seed=55, lo=-2, hi=2)
+    rows[1, 5] = 3.4e38                    # finite in float32, inf in bf16
+    rows[2, 7] = 3.3e38                    # still a finite bf16 value
+    rows[3, 0] = float("nan")
+    assert bool(torch.isfinite(rows[:3]).all())
+    assert stored_badly(rows).tolist() == [False, True, False, True]
 
 
 @pytest.mark.parametrize("kind", list(LAYOUTS))
@@ -542,45 +541,16 @@ def test_minus_one_slots_are_skipped(kind):
     assert_bytes_equal(raw_bytes(cache.data), want)
 
 
-@pytest.mark.parametrize("kind", list(LAYOUTS))
-def test_row_that_overflows_bf16_never_stores_a_non_finite_value(kind):
-    """A float32 row that is finite but overflows bf16 (|x| >= 3.3961e38) must not reach a layout that stores
-    its bf16 value as inf (bf16) or as a NaN code with exponent byte 255 poisoning its 64-dim block
-    (fp8_ds_mla, seen before PagedCache.write also checked the bf16 value): refused, or stored finite."""
-    cache = make_cache(kind, 2, 1)
-    rows = scaled_rows(2, seed=55, lo=-2, hi=2)
-    rows[1, 5] = 3.4e38
-    assert bool(torch.isfinite(rows).all())
-    try:
-        cache.write(torch.tensor([0, 1]), rows)
-    except InvalidRequest as exc:
-        assert "(row 1)" in str(exc)
-        assert not bool(raw_bytes(cache.data).any())                     # refused: nothing written
-        return
-    assert bool(torch.isfinite(cache.read(torch.tensor([0, 1]))).all())
-
-
 # ==================================================================================================
 # Through the engine: SWA and compressed caches are fp8_ds_mla pages, indexer keys float32 rows
 # ==================================================================================================
 def _fp8_engine():
-    from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_layer_kv
-    from dsv4.components.engine import Engine
-    from dsv4.components.weights import random_layer_weights
-    from dsv4.device import DeviceInfo
-    from dsv4.strategies import NoHeadPadding, ReferenceMQA, ReferenceOProj
-    from tests.conftest import tiny_spec
+    from tests.conftest import make_engine, tiny_spec
 
     spec = tiny_spec()
-    dev = DeviceInfo(platform="cpu")
-    st_ = Strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=NoHeadPadding(),
-                     cache_layout=Fp8DsMlaLayout())
-    pool = PoolConfig(swa_block_size=64, compressed_block_tokens=256, swa_blocks=8, compressed_blocks=8)
-    W = {l: random_layer_weights(spec, l, 0) for l in (0, 1, 2)}
-    mods = {l: [build_layer(spec=spec, layer=l, weights=W[l], rank=0, tp_size=1, strategies=st_, device=dev,
-                            dtype="float32")] for l in W}
-    kvs = {l: [build_layer_kv(spec=spec, layer=l, layout=st_.cache_layout, pool=pool, device=dev)] for l in W}
-    return spec, Engine(spec=spec, layers=mods, kvs=kvs, device="cpu"), kvs
+    eng, _ = make_engine(spec, layout=Fp8DsMlaLayout(), swa_block_size=64, compressed_block_tokens=256, swa_blocks=8,
+                         compressed_blocks=8)
+    return spec, eng, eng.pools[0]
 
 
 def _check_stored_record(flat: list, data_lo: int, scale_lo: int, read_row: torch.Tensor) -> None:
@@ -613,7 +583,7 @@ def one_thread():
 def test_engine_stores_swa_and_compressed_rows_as_fp8_ds_mla_pages(one_thread):
     from tests.conftest import chunked, drive, hidden_for
 
-    spec, eng, kvs = _fp8_engine()
+    spec, eng, pool = _fp8_engine()
     lengths = {"a": 256, "b": 40}                # a: two C128 entries (one full page), a full C4 page
     X = hidden_for({r: n + 1 for r, n in lengths.items()}, spec.hidden_size)
     outs, _ = drive(eng, X, chunked(lengths, 128) + [{"a": 1, "b": 1}])
@@ -622,16 +592,20 @@ def test_engine_stores_swa_and_compressed_rows_as_fp8_ds_mla_pages(one_thread):
 
     checked = {}
     for layer in (0, 1, 2):
-        kv = kvs[layer][0]
+        c = pool.layers[layer]
         ratio = spec.compress_ratio(layer)
-        assert ratio == {0: 1, 1: 4, 2: 128}[layer]
-        want_caches = {"swa"} | ({"compressed"} if ratio > 1 else set()) | ({"indexer"} if ratio == 4 else set())
-        assert set(kv.caches) == want_caches
-        for name, cache in kv.caches.items():
+        assert ratio == c.ratio == {0: 1, 1: 4, 2: 128}[layer]
+        caches = {"swa": c.swa, "compressed": c.compressed, "indexer": c.indexer_keys}
+        assert {n for n, v in caches.items() if v is not None} == \
+            {"swa"} | ({"compressed"} if ratio > 1 else set()) | ({"indexer"} if ratio == 4 else set())
+        for name, cache in caches.items():
+            if cache is None:
+                continue
+            group = pool.swa if name == "swa" else pool.entries(ratio)
             if name == "indexer":
                 assert cache.data.dtype == torch.float32 and tuple(cache.data.shape) == (8, 64, 128)
                 for rid, n in lengths.items():
-                    tab, cnt = kv.requests[rid].tables[name], n // 4
+                    tab, cnt = group.tables[rid], n // 4
                     slots = [tab[i // 64] * 64 + i % 64 for i in range(cnt)]
                     keys = cache.data.view(-1, 128)[slots]
                     assert torch.equal(cache.read(torch.tensor(slots)), keys)
@@ -644,7 +618,7 @@ def test_engine_stores_swa_and_compressed_rows_as_fp8_ds_mla_pages(one_thread):
             flat = cache.data.view(-1).tolist()
             live = []
             for rid, n in lengths.items():
-                tab = kv.requests[rid].tables[name]
+                tab = group.tables[rid]
                 idx = range(n) if name == "swa" else range(n // ratio)
                 live += [tab[i // B] * B + i % B for i in idx if tab[i // B] >= 0]
             assert live, (layer, name)
@@ -658,4 +632,4 @@ def test_engine_stores_swa_and_compressed_rows_as_fp8_ds_mla_pages(one_thread):
                 assert not bool(cache.data.view(-1)[~mask].any())
     assert checked[(1, "compressed")] == 257 // 4 + 41 // 4 and checked[(2, "compressed")] == 257 // 128
     assert checked[(0, "swa")] == (257 - 192) + 41                         # a's pages 0..2 left the window
-    assert kvs[0][0].requests["a"].tables["swa"][:3] == [-1, -1, -1]
+    assert pool.swa.tables["a"][:3] == [-1, -1, -1]

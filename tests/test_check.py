@@ -64,6 +64,9 @@ class FakeKernel:
     def prepare(self, *args, **kwargs):
         raise AssertionError("check() must not prepare a strategy")
 
+    def plan(self, *args, **kwargs):
+        raise AssertionError("check() must not plan a step")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FakeLayout:

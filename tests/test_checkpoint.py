@@ -294,12 +294,12 @@ def test_fp8_oproj_prepare_returns_the_stored_bytes_and_scales(monkeypatch, chec
         prep = s.prepare(w, device=dev, dtype="bfloat16")
         o = torch.randn(5, G * sp.heads_per_group, 512, generator=torch.Generator().manual_seed(rank)).bfloat16()
         rope = Rope.for_layer(sp, 4)
-        y = s(o, torch.arange(40, 45), rope=rope, prepared=prep)
+        y = s(o, rope.at(torch.arange(40, 45)), prepared=prep)
         (w_seen, s_seen), = calls
         assert torch.equal(w_seen.view(torch.uint8).reshape(G * r, K), q_file[rows].view(torch.uint8))
         assert torch.equal(s_seen.reshape(-1, K // 128), s_file[srows].float())
         ref = ReferenceOProj()
-        y_ref = ref(o.float(), torch.arange(40, 45), rope=rope, prepared=ref.prepare(w, device=dev, dtype="float32"))
+        y_ref = ref(o.float(), rope.at(torch.arange(40, 45)), prepared=ref.prepare(w, device=dev, dtype="float32"))
         assert rel_err(y, y_ref) <= 6e-2          # fp8 activations; the weights are the same values
 
 

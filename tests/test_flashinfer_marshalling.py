@@ -381,7 +381,7 @@ def layer_case(kind: str, layout, T: int, seed: int, *, K: int = 37, positions=N
         local_c = torch.where(local_c < n_c[:, None], local_c, torch.full_like(local_c, -1))
         ctab = torch.stack([torch.randperm(8, generator=g) for _ in range(T)])
         kw |= dict(extra=comp, extra_indices=through(ctab, local_c, 2).to(torch.int32), extra_lens=n_c.to(torch.int32))
-    return SparseKV(scratch={}, **kw)
+    return SparseKV(**kw)
 
 
 def messy_case(layout, T: int, seed: int, *, extra: bool = True):
@@ -404,7 +404,7 @@ def messy_case(layout, T: int, seed: int, *, extra: bool = True):
         ei, el = lists(23, comp.num_slots)
         el[1] = 0
         kw |= dict(extra=comp, extra_indices=ei, extra_lens=el)
-    return SparseKV(scratch={}, **kw)
+    return SparseKV(**kw)
 
 
 def make_q(T: int, H: int, Hp: int, seed: int):
@@ -652,7 +652,7 @@ def test_pool_views_are_views_of_the_live_pages():
     with pytest.raises(ValueError, match="cache_layout=bf16"):
         fi.kv_pool_views(c)
     c = random_pages("swa", 2, 8, g, layout_of("bf16"))
-    c.data = c.data.transpose(0, 1)
+    c = replace(c, data=c.data.transpose(0, 1))
     with pytest.raises(ValueError, match="contiguous"):
         fi.kv_pool_views(c)
 
@@ -695,7 +695,7 @@ def test_prepare_and_the_lazy_workspace(fake_flashinfer):
     for dev, mode in ((SM100, "trtllm_combined"), (SM103, "trtllm_combined"), (SM120, "sm120_two_pool"),
                       (SM121, "sm120_two_pool")):
         prep = k.prepare(device=dev)
-        assert prep["mode"] == mode and prep["buffers"] == {} and prep["workspace_bytes"] == 128 * 1024 * 1024
+        assert prep["mode"] == mode and prep["workspace_bytes"] == 128 * 1024 * 1024
     with pytest.raises(ValueError, match="sm100/sm103"):
         k.prepare(device=SM90)
     with pytest.raises(ValueError, match="prepare"):
@@ -705,14 +705,15 @@ def test_prepare_and_the_lazy_workspace(fake_flashinfer):
     prep = k.prepare(device=SM100)
     kv = layer_case("swa", layout_of("bf16"), 3, seed=0)
     q, sink = make_q(kv.swa_indices.shape[0], 8, 8, seed=0)
-    k(q, kv, sink=sink, scale=SCALE, prepared=prep)
-    (ws,) = kv.scratch.values()
+    plan = k.plan(tokens=q.shape[0], layer_type="swa")
+    k(q, kv, sink=sink, scale=SCALE, prepared=prep, plan=plan)
+    ws = plan.workspace
     assert ws.dtype == torch.int8 and ws.numel() == 128 * 1024 * 1024 and not bool(ws.any())
-    k(q, kv, sink=sink, scale=SCALE, prepared=prep)                  # another layer of the same step
-    assert len(kv.scratch) == 1 and next(iter(kv.scratch.values())) is ws
-    assert prep["buffers"] == {}
-    k(q, replace(kv, scratch=None), sink=sink, scale=SCALE, prepared=prep)
-    assert len(prep["buffers"]) == 1
+    k(q, kv, sink=sink, scale=SCALE, prepared=prep, plan=plan)       # another layer of the same step
+    assert plan.workspace is ws
+    later = k.plan(tokens=q.shape[0], layer_type="swa", previous=plan)    # the next step keeps it
+    k(q, kv, sink=sink, scale=SCALE, prepared=prep, plan=later)
+    assert later.workspace is ws
 
 
 # =====================================================================================================

@@ -24,7 +24,7 @@ def test_inverse_rope_fp8_quant_matches_the_spec():
     T, H, G = 6, 16, 2
     o = (torch.randn(T, H, 512, generator=g) * torch.logspace(-3, 2, H)[None, :, None]).bfloat16()
     pos = torch.tensor([0, 1, 63, 4096, 65535, 1_000_000])
-    x, s = inverse_rope_fp8_quant(o, pos, Rope.for_layer(tiny_spec(), 4), G)
+    x, s = inverse_rope_fp8_quant(o, Rope.for_layer(tiny_spec(), 4).at(pos), G)
     assert x.dtype == torch.float8_e4m3fn and x.shape == (T, G, H // G * 512) and s.shape == (T, G, H // G * 4)
     # independent: inverse GPT-J rotation from the oracle's own RoPE, per-128 power-of-two scales
     want = _rope(o.float(), pos[:, None], torch.tensor(spec_rope_freqs(4), dtype=torch.float64), inverse=True)

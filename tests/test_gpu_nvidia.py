@@ -8,7 +8,7 @@ from dsv4.bench import oproj_case, sparse_case
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
 from dsv4.reference import rel_err
-from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, SparseKV, TorchFp8OProj,
+from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, TorchFp8OProj,
                              TritonFp8OProj)
 from dsv4.strategies.fp8_oproj import inverse_rope_fp8_quant, quantize_weight_blocks
 from tests.conftest import fp8_block_product, tiny_spec
@@ -72,20 +72,18 @@ def test_flashmla_sink_infinities_and_empty_queries():
 
 def test_flashmla_schedule_is_made_once_per_layer_type_and_step_and_reused():
     """Layers of one type in one step share shapes and lengths: the first call fills the tile-scheduler
-    metadata, the second reuses it (no new entry) and gives what a fresh schedule gives."""
+    metadata in the step's plan, the second reuses it and gives what a fresh schedule gives."""
     q, kv, sink = sparse_case(16, 64, extra_block=64, extra_w=512, seed=11)
     k = FlashMLASparse()
     prep = k.prepare(device=DEV)
-    first, _ = k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)
-    assert len(kv.scratch) == 1
-    sched = next(iter(kv.scratch.values()))
+    plan = k.plan(tokens=16, layer_type="c4a")
+    first, _ = k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep, plan=plan)
+    sched = plan.sched
     assert sched.have_initialized and sched.tile_scheduler_metadata is not None
     q2 = torch.randn_like(q.float()).bfloat16()              # another layer: new q, same shapes and lengths
-    again, _ = k(q2, kv, sink=sink, scale=512 ** -0.5, prepared=prep)
-    assert len(kv.scratch) == 1 and next(iter(kv.scratch.values())) is sched
-    fresh_kv = SparseKV(**{f: getattr(kv, f) for f in ("swa", "swa_indices", "swa_lens", "extra", "extra_indices",
-                                                      "extra_lens")}, scratch={})
-    fresh, _ = k(q2, fresh_kv, sink=sink, scale=512 ** -0.5, prepared=prep)
+    again, _ = k(q2, kv, sink=sink, scale=512 ** -0.5, prepared=prep, plan=plan)
+    assert plan.sched is sched
+    fresh, _ = k(q2, kv, sink=sink, scale=512 ** -0.5, prepared=prep, plan=k.plan(tokens=16, layer_type="c4a"))
     assert torch.equal(again, fresh)
     assert not torch.equal(first, again)
 
@@ -96,11 +94,11 @@ def test_fp8_oproj_matches_fp8_simulation_and_reference(strategy, T, G):
     spec = tiny_spec()
     rope = Rope.for_layer(spec, 4)
     w, o, pos = oproj_case(T, G)
-    y = strategy(o, pos, rope=rope, prepared=strategy.prepare(w, device=DEV, dtype="bfloat16"))
+    y = strategy(o, rope.at(pos), prepared=strategy.prepare(w, device=DEV, dtype="bfloat16"))
     ref = ReferenceOProj()
-    y_ref = ref(o.float(), pos, rope=rope, prepared=ref.prepare(w, device=DEV, dtype="float32"))
+    y_ref = ref(o.float(), rope.at(pos), prepared=ref.prepare(w, device=DEV, dtype="float32"))
     # exactly the fp8 numerics, simulated in float32
-    x, xs = inverse_rope_fp8_quant(o, pos, rope, G)
+    x, xs = inverse_rope_fp8_quant(o, rope.at(pos), G)
     wq, ws = quantize_weight_blocks(w.wo_a.cuda().view(G, 1024, -1))
     z = fp8_block_product(x, xs, wq, ws).bfloat16()
     y_sim = z.flatten(1).float() @ w.wo_b.cuda().bfloat16().float().T
@@ -116,8 +114,8 @@ def test_fused_inverse_rope_fp8_kernel_matches_torch(T, H, G):
     o = (torch.randn(T, H, 512, generator=g, device="cuda") * 4).bfloat16()
     pos = torch.randint(0, 1_000_000, (T,), generator=g, device="cuda")
     rope = Rope.for_layer(tiny_spec(), 4)
-    x, s = fused_inverse_rope_fp8_quant(o, pos, rope, G)
-    xr, sr = inverse_rope_fp8_quant(o, pos, rope, G)
+    x, s = fused_inverse_rope_fp8_quant(o, rope.at(pos), G)
+    xr, sr = inverse_rope_fp8_quant(o, rope.at(pos), G)
     assert x.shape == xr.shape and s.shape == sr.shape
     assert torch.equal(s, sr)
     same = (x.view(torch.uint8) == xr.view(torch.uint8)).float().mean()

@@ -1,8 +1,9 @@
-"""The paged KV pool (DSV4_SPEC §3.1 slot ids, §5.8 index construction, §2.6 SWA set).
+"""The paged pool and the step plan's addressing (DSV4_SPEC §3.1 slot ids, §5.8 index construction, §2.6 SWA).
 
-Expected slots and windows are derived here from the block tables and the spec formulas; the
-SWA tests also write a row per position (its value encodes the position) and read it back through
-the slots the pool hands out, so they check addressing end to end, across page reuse.
+Expected slots and windows are derived here from the block tables and the spec formulas, never from
+the plan's own code; the SWA tests also write a row per position (its value encodes the position) and
+read it back through the slots the plan hands out, so they check addressing end to end, across page
+reuse.
 """
 from __future__ import annotations
 
@@ -14,51 +15,76 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import tiny_spec
-from dsv4.components.builders import PoolConfig, build_layer_kv
-from dsv4.components.kv_pool import BlockAllocator, LayerKV, PagedCache, Segment, StepMeta
+from dsv4.components.builders import PoolConfig, build_pool
+from dsv4.components.engine import Engine, Segment
+from dsv4.components.kv_pool import BlockAllocator, KVPool, PagedCache, PageGroup, RowRule
+from dsv4.components.plan import COMPRESSOR_REACH
 from dsv4.device import DeviceInfo
 from dsv4.errors import InvalidRequest
 from dsv4.strategies import PlainRowLayout
+from tests.conftest import tiny_spec
 
 F32 = PlainRowLayout(name="float32", dtype="float32")
 DIM = 4
 
 
-def make_cache(name: str, block_size: int, blocks: int, *, shuffle_seed: int | None = None) -> PagedCache:
-    alloc = BlockAllocator(blocks)
-    if shuffle_seed is not None:               # hand pages out in a scrambled order
-        pages = alloc.take(blocks)
-        random.Random(shuffle_seed).shuffle(pages)
-        alloc.give(pages)
-    return PagedCache(name=name, layout=F32, block_size=block_size, head_dim=DIM, allocator=alloc,
-                      data=F32.allocate(num_blocks=blocks, block_size=block_size, head_dim=DIM, device="cpu"))
+def group(name: str, block_size: int, blocks: int, rule: RowRule, seed: int | None = None) -> PageGroup:
+    g = PageGroup(name=name, block_size=block_size, num_blocks=blocks, rule=rule, knob=f"{name}_blocks")
+    if seed is not None:                      # hand pages out in a scrambled order
+        pages = g.allocator.take(blocks)
+        random.Random(seed).shuffle(pages)
+        g.allocator.give(pages)
+    return g
 
 
-def make_kv(*, W: int, swa_bs: int, swa_blocks: int, ratio: int = 1, comp_bs: int = 4, comp_blocks: int = 16,
-            idx_blocks: int | None = None, seed: int | None = None) -> LayerKV:
-    swa = make_cache("swa", swa_bs, swa_blocks, shuffle_seed=seed)
-    comp = make_cache("compressed", comp_bs, comp_blocks, shuffle_seed=seed) if ratio > 1 else None
-    idx = make_cache("indexer", comp_bs, comp_blocks if idx_blocks is None else idx_blocks,
-                     shuffle_seed=seed) if ratio == 4 else None
-    return LayerKV(ratio=ratio, window=W, swa=swa, compressed=comp, indexer=idx)
+def make_pool(*, W: int, swa_bs: int, swa_blocks: int, ratio: int = 1, comp_bs: int = 4, comp_blocks: int = 16,
+              state_blocks: int = 16, seed: int | None = None) -> KVPool:
+    groups = {"swa": group("swa", swa_bs, swa_blocks, RowRule(keep=W), seed)}
+    if ratio > 1:
+        reach = COMPRESSOR_REACH[ratio]
+        groups[f"entries{ratio}"] = group("compressed", comp_bs, comp_blocks, RowRule(per=ratio), seed)
+        groups[f"state{ratio}"] = group("state", reach, state_blocks, RowRule(keep=reach, tail_only=True), seed)
+    return KVPool(groups=groups, layers={}, window=W)
 
 
-def meta_for(kv: LayerKV, step: dict) -> StepMeta:
-    """Every request of `step` (rid -> new tokens) continues at its current length."""
-    segs, pos, off = [], [], 0
-    for rid, n in step.items():
-        start = kv.requests[rid].seq_len
-        segs.append(Segment(rid=rid, start=start, offset=off, count=n))
-        pos.append(torch.arange(start, start + n))
-        off += n
-    seg_of = torch.repeat_interleave(torch.arange(len(segs)), torch.tensor([s.count for s in segs]))
-    return StepMeta(segments=tuple(segs), positions=torch.cat(pos), segment_of_token=seg_of)
+class Driver:
+    """Steps through a pool as the Engine does (lengths, reserve, plan, commit), without layers."""
+
+    def __init__(self, pool: KVPool, W: int) -> None:
+        self.pool = pool
+        self.engine = Engine(spec=tiny_spec(sliding_window=W), layers={}, pools=[pool], device="cpu")
+        self.lengths: dict = {}
+
+    def add(self, rid) -> None:
+        self.pool.add(rid)
+        self.lengths[rid] = 0
+
+    def segments(self, step: dict) -> tuple[Segment, ...]:
+        segs, off = [], 0
+        for rid, n in step.items():
+            segs.append(Segment(rid=rid, start=self.lengths[rid], offset=off, count=n))
+            off += n
+        return tuple(segs)
+
+    def reserve(self, step: dict):
+        return self.pool.reserve({rid: (self.lengths[rid], self.lengths[rid] + n) for rid, n in step.items()})
+
+    def plan(self, step: dict):
+        segs = self.segments(step)
+        return self.engine.build_plan(self.pool, self.engine.plan_inputs(self.pool, segs),
+                                      num_tokens=sum(step.values())), segs
+
+    def commit(self, step: dict) -> None:
+        new = {rid: self.lengths[rid] + n for rid, n in step.items()}
+        self.pool.commit(new)
+        self.lengths.update(new)
 
 
 def own_slot(table: list[int], idx: int, B: int) -> int:
-    """§3.1: slot = table[idx // B] * B + idx % B; -1 for -1."""
-    return -1 if idx < 0 else table[idx // B] * B + idx % B
+    """§3.1: slot = table[idx // B] * B + idx % B; -1 for -1 or a row without a page."""
+    if idx < 0 or idx // B >= len(table) or table[idx // B] < 0:
+        return -1
+    return table[idx // B] * B + idx % B
 
 
 def position_of_slot(table: list[int], slot: int, B: int) -> int:
@@ -72,16 +98,12 @@ def row_for(rid_no: int, p: int):
     return torch.tensor([float(p), float(rid_no), 1.0 + p % 7, -2.0 * rid_no])
 
 
-def free_set(kv: LayerKV) -> dict:
-    return {n: sorted(c.allocator._free) for n, c in kv.caches.items()}
+def free_sets(pool: KVPool) -> dict:
+    return {n: sorted(g.allocator._free) for n, g in pool.groups.items()}
 
 
-def free_counts(kv: LayerKV) -> dict:
-    return {n: c.allocator.num_free for n, c in kv.caches.items()}
-
-
-def tables(kv: LayerKV) -> dict:
-    return {rid: {n: list(t) for n, t in r.tables.items()} for rid, r in kv.requests.items()}
+def tables(pool: KVPool) -> dict:
+    return {n: {rid: list(t) for rid, t in g.tables.items()} for n, g in pool.groups.items()}
 
 
 # ---- the allocator ----------------------------------------------------------------------------
@@ -118,90 +140,93 @@ def test_block_allocator_take_give(nb, ops, seed):
 
 # ---- slot ids ---------------------------------------------------------------------------------
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 10_000), swa_bs=st.integers(1, 6), comp_bs=st.integers(1, 5),
+@given(seed=st.integers(0, 10_000), swa_bs=st.integers(1, 6), comp_bs=st.integers(1, 5), ratio=st.sampled_from([4, 128]),
        steps=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), min_size=1, max_size=6))
-def test_slot_ids_follow_the_block_table(seed, swa_bs, comp_bs, steps):
+def test_plan_slots_follow_the_block_tables(seed, swa_bs, comp_bs, ratio, steps):
     W = 1000                                             # nothing freed: every row stays addressable
-    # big enough for the longest schedule (2 x 6 x 9 tokens, one row per page) with nothing freed
-    kv = make_kv(W=W, swa_bs=swa_bs, swa_blocks=120, ratio=4, comp_bs=comp_bs, comp_blocks=64, seed=seed)
+    pool = make_pool(W=W, swa_bs=swa_bs, swa_blocks=120, ratio=ratio, comp_bs=comp_bs, comp_blocks=64,
+                     state_blocks=16, seed=seed)
+    d = Driver(pool, W)
     for rid in "ab":
-        kv.add(rid)
-    g = torch.Generator().manual_seed(seed)
+        d.add(rid)
+    reach = COMPRESSOR_REACH[ratio]
     for na, nb in steps:
         step = {r: n for r, n in (("a", na), ("b", nb)) if n}
         if not step:
             continue
-        kv.reserve(step)
-        meta = meta_for(kv, step)
-        T = meta.positions.shape[0]
-        # write slots of the step's own tokens
-        ws = kv.swa_write_slots(meta)
-        assert ws.dtype == torch.int32
-        for t in range(T):
-            seg = meta.segments[int(meta.segment_of_token[t])]
-            assert int(ws[t]) == own_slot(kv.requests[seg.rid].tables["swa"], int(meta.positions[t]), swa_bs)
-        # arbitrary per-token rows (compressed entries so far, with -1 padding)
-        for name in ("compressed", "indexer", "swa"):
-            B = kv.caches[name].block_size
-            hi = torch.tensor([(kv.requests[meta.segments[int(s)].rid].seq_len + meta.segments[int(s)].count)
-                               // (4 if name != "swa" else 1) for s in meta.segment_of_token])
-            local = (torch.rand(T, 7, generator=g) * hi[:, None]).long()
-            local = torch.where(torch.rand(T, 7, generator=g) < 0.3, torch.full_like(local, -1), local)
-            local = torch.where(hi[:, None] > 0, local, torch.full_like(local, -1))
-            slots = kv.global_slots(name, meta, local)
-            assert slots.dtype == torch.int32 and slots.shape == local.shape
-            for t in range(T):
-                tab = kv.requests[meta.segments[int(meta.segment_of_token[t])].rid].tables[name]
-                assert slots[t].tolist() == [own_slot(tab, int(i), B) for i in local[t]]
-        for rid, n in step.items():
-            kv.commit(rid, kv.requests[rid].seq_len + n, {})
-        for rid in "ab":                                 # request_rows: rows 0..n-1 of one request
-            n = kv.requests[rid].seq_len // 4
-            if n:
-                tab = kv.requests[rid].tables["compressed"]
-                assert kv.request_rows("compressed", rid, n).tolist() == [own_slot(tab, i, comp_bs) for i in range(n)]
+        d.reserve(step)
+        plan, segs = d.plan(step)
+        for seg in segs:
+            swa_t, ent_t = pool.swa.tables[seg.rid], pool.entries(ratio).tables[seg.rid]
+            st_t = pool.state(ratio).tables[seg.rid]
+            new_len = seg.start + seg.count
+            for i in range(seg.count):
+                t, p = seg.offset + i, seg.start + i
+                assert int(plan.positions[t]) == p and int(plan.step_start[t]) == seg.start
+                assert int(plan.swa.write_slots[t]) == own_slot(swa_t, p, swa_bs)
+                e = plan.entries[ratio]
+                assert int(e.counts[t]) == (p + 1) // ratio
+                closes = (p + 1) % ratio == 0
+                assert int(e.close_slots[t]) == (own_slot(ent_t, (p + 1) // ratio - 1, comp_bs) if closes else -1)
+                kept = p >= new_len - reach + 1           # the rows a later step's compressor reaches
+                s = int(plan.state[ratio].write_slots[t])
+                assert s == (own_slot(st_t, p, reach) if kept else -1) and (s >= 0) == kept
+                if ratio == 128:                         # every visible entry, in order, then -1
+                    vis = plan.entries[ratio].visible[t].tolist()
+                    n = (p + 1) // ratio
+                    assert vis[:n] == [own_slot(ent_t, j, comp_bs) for j in range(n)] and set(vis[n:]) <= {-1}
+        for name, g in pool.groups.items():          # the tables in the plan are the pool's
+            tab = plan.swa.table if name == "swa" else (plan.state if name.startswith("state") else plan.entries)
+            pages = tab.pages if name == "swa" else tab[ratio].table.pages
+            for i, seg in enumerate(segs):
+                row = g.tables[seg.rid]
+                assert pages[i, :len(row)].tolist() == row and set(pages[i, len(row):].tolist()) <= {-1}
+        d.commit(step)
 
 
-def _run_and_check_swa(kv: LayerKV, schedule: list[dict], rid_no: dict) -> int:
-    """Drive `schedule` through reserve / write / swa_indices / commit, checking every step.
+def _run_and_check_swa(d: Driver, schedule: list[dict], rid_no: dict) -> int:
+    """Drive `schedule` through reserve / plan / write / read / commit, checking every step.
     Returns the number of distinct (request, logical page) pairs ever used."""
-    W, B = kv.window, kv.caches["swa"].block_size
-    swa = kv.caches["swa"]
+    pool = d.pool
+    g = pool.swa
+    W, B = pool.window, g.block_size
+    swa = PagedCache(name="swa", layout=F32, block_size=B, head_dim=DIM,
+                     data=F32.allocate(num_blocks=g.num_blocks, block_size=B, head_dim=DIM, device="cpu"))
     logical_pages = set()
     for step in schedule:
-        kv.reserve(step)
-        meta = meta_for(kv, step)
-        rows = torch.stack([row_for(rid_no[s.rid], s.start + i) for s in meta.segments for i in range(s.count)])
-        swa.write(kv.swa_write_slots(meta), rows)
-        idx, lens = kv.swa_indices(meta)
+        d.reserve(step)
+        plan, segs = d.plan(step)
+        rows = torch.stack([row_for(rid_no[s.rid], s.start + i) for s in segs for i in range(s.count)])
+        swa.write(plan.swa.write_slots, rows)
+        idx, lens = plan.swa.indices, plan.swa.lens
         assert idx.dtype == torch.int32 and lens.dtype == torch.int32 and idx.shape[1] == W
         read = swa.read(idx)
-        for t in range(meta.positions.shape[0]):
-            p = int(meta.positions[t])
-            seg = meta.segments[int(meta.segment_of_token[t])]
-            table = kv.requests[seg.rid].tables["swa"]
-            L = min(p + 1, W)
-            window = list(range(max(0, p - W + 1), p + 1))
-            assert int(lens[t]) == L
-            assert (idx[t, L:] == -1).all()
-            got = [position_of_slot(table, int(s), B) for s in idx[t, :L]]
-            assert got == window                                     # exactly the window, via the table
-            assert read[t, :L, 0].tolist() == [float(q) for q in window]   # ... and the rows there are ours
-            assert (read[t, :L, 1] == rid_no[seg.rid]).all()
-        for rid, n in step.items():
-            new_len = kv.requests[rid].seq_len + n
-            kv.commit(rid, new_len, {})
-            table = kv.requests[rid].tables["swa"]
+        for seg in segs:
+            table = g.tables[seg.rid]
+            for i in range(seg.count):
+                t, p = seg.offset + i, seg.start + i
+                L = min(p + 1, W)
+                window = list(range(max(0, p - W + 1), p + 1))
+                assert int(lens[t]) == L
+                assert (idx[t, L:] == -1).all()
+                got = [position_of_slot(table, int(s), B) for s in idx[t, :L]]
+                assert got == window                                     # exactly the window, via the table
+                assert read[t, :L, 0].tolist() == [float(q) for q in window]   # ... and the rows there are ours
+                assert (read[t, :L, 1] == rid_no[seg.rid]).all()
+        d.commit(step)
+        for rid in step:
+            new_len = d.lengths[rid]
+            table = g.tables[rid]
             first = max(0, new_len - W + 1)                           # lowest position still readable
             assert len(table) == math.ceil(new_len / B)
             for b, page in enumerate(table):
                 behind = (b + 1) * B <= first                          # page wholly behind the window
                 assert (page == -1) == behind, (b, page, first, table)
                 logical_pages.add((rid, b))
-        live = [p for r in kv.requests.values() for p in r.tables["swa"] if p >= 0]
+        live = [p for t in g.tables.values() for p in t if p >= 0]
         assert len(live) == len(set(live))                            # no page shared between requests
-        assert swa.allocator.num_free == swa.allocator.num_blocks - len(live)
-        assert not set(live) & set(swa.allocator._free)
+        assert g.allocator.num_free == g.num_blocks - len(live)
+        assert not set(live) & set(g.allocator._free)
     return len(logical_pages)
 
 
@@ -211,144 +236,172 @@ def _run_and_check_swa(kv: LayerKV, schedule: list[dict], rid_no: dict) -> int:
 def test_swa_indices_window_freeing_and_reuse(W, B, seed, chunks):
     cmax = max(max(a, b) for a, b in chunks)
     per_req = math.ceil((W - 1 + cmax) / B) + 1                      # the most pages one request holds
-    kv = make_kv(W=W, swa_bs=B, swa_blocks=2 * per_req, seed=seed)
-    kv.add("a")
-    kv.add("b")
+    d = Driver(make_pool(W=W, swa_bs=B, swa_blocks=2 * per_req, seed=seed), W)
+    d.add("a")
+    d.add("b")
     schedule = [{r: n for r, n in (("a", a), ("b", b)) if n} for a, b in chunks]
-    schedule = [s for s in schedule if s]
-    _run_and_check_swa(kv, schedule, {"a": 1, "b": 2})
+    _run_and_check_swa(d, [s for s in schedule if s], {"a": 1, "b": 2})
 
 
 def test_swa_pages_are_reused_long_decode():
     """40 single-token decode steps through a 3-page pool: pages behind the window come back and are reused."""
-    kv = make_kv(W=4, swa_bs=2, swa_blocks=3, seed=1)
-    kv.add("r")
-    used = _run_and_check_swa(kv, [{"r": 3}] + [{"r": 1}] * 37, {"r": 5})
-    assert used == 20 > kv.caches["swa"].allocator.num_blocks        # 20 logical pages lived in 3 physical ones
-    assert kv.requests["r"].tables["swa"][:18] == [-1] * 18
-    kv.release("r")
-    assert kv.caches["swa"].allocator.num_free == 3
+    d = Driver(make_pool(W=4, swa_bs=2, swa_blocks=3, seed=1), 4)
+    d.add("r")
+    used = _run_and_check_swa(d, [{"r": 3}] + [{"r": 1}] * 37, {"r": 5})
+    assert used == 20 > d.pool.swa.num_blocks                        # 20 logical pages lived in 3 physical ones
+    assert d.pool.swa.tables["r"][:18] == [-1] * 18
+    d.pool.release("r")
+    assert d.pool.swa.allocator.num_free == 3
 
 
 def test_swa_pages_freed_on_commit_return_to_allocator():
-    kv = make_kv(W=5, swa_bs=4, swa_blocks=8)
-    kv.add("r")
-    kv.reserve({"r": 12})                                            # pages for positions 0..11
-    assert kv.caches["swa"].allocator.num_free == 5
-    pages = list(kv.requests["r"].tables["swa"])
-    kv.commit("r", 12, {})                                           # future queries read >= 12-5+1 = 8
-    assert kv.requests["r"].tables["swa"] == [-1, -1, pages[2]]
-    assert kv.caches["swa"].allocator.num_free == 7
-    assert set(pages[:2]) <= set(kv.caches["swa"].allocator._free)
-    kv.commit("r", 12, {})                                           # idempotent
-    assert kv.caches["swa"].allocator.num_free == 7
+    d = Driver(make_pool(W=5, swa_bs=4, swa_blocks=8), 5)
+    d.add("r")
+    d.reserve({"r": 12})                                             # pages for positions 0..11
+    assert d.pool.swa.allocator.num_free == 5
+    pages = list(d.pool.swa.tables["r"])
+    d.commit({"r": 12})                                              # future queries read >= 12-5+1 = 8
+    assert d.pool.swa.tables["r"] == [-1, -1, pages[2]]
+    assert d.pool.swa.allocator.num_free == 7
+    assert set(pages[:2]) <= set(d.pool.swa.allocator._free)
+    d.pool.commit({"r": 12})                                         # idempotent
+    assert d.pool.swa.allocator.num_free == 7
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("chunk", [1, 3, 37, 300])
+def test_compressor_state_pages_stay_bounded(ratio, chunk):
+    """Whatever the step size, a request holds at most two state pages after a commit (its last coff·R
+    positions), takes at most two more within a step, and the rows kept are exactly the last reach."""
+    reach = COMPRESSOR_REACH[ratio]
+    d = Driver(make_pool(W=8, swa_bs=64, swa_blocks=64, ratio=ratio, comp_bs=4, comp_blocks=64, state_blocks=4), 8)
+    d.add("r")
+    while d.lengths["r"] < 900:
+        step = {"r": chunk}
+        d.reserve(step)
+        assert d.pool.state(ratio).live_pages("r") <= 4
+        plan, _ = d.plan(step)
+        kept = sorted(int(p) for p, s in zip(plan.positions, plan.state[ratio].write_slots) if s >= 0)
+        n = d.lengths["r"] + chunk
+        assert kept == list(range(max(d.lengths["r"], n - reach + 1), n))
+        d.commit(step)
+        assert d.pool.state(ratio).live_pages("r") <= 2
 
 
 # ---- reserve / rollback / release -------------------------------------------------------------
-@pytest.mark.parametrize("small,knob", [("swa", "swa_blocks"), ("compressed", "compressed_blocks"),
-                                        ("indexer", "compressed_blocks")])
-def test_reserve_refuses_when_pool_too_small_taking_nothing(small, knob):
-    sizes = {"swa": 20, "compressed": 20, "indexer": 20}
-    sizes[small] = 2                                                 # only this cache is too small
-    kv = make_kv(W=4, swa_bs=4, swa_blocks=sizes["swa"], ratio=4, comp_bs=2, comp_blocks=sizes["compressed"],
-                 idx_blocks=sizes["indexer"], seed=3)
-    kv.add("a")
-    kv.add("b")
-    kv.reserve({"a": 4})                                             # fits: 1 swa page, 1 entry -> 1 page
-    kv.commit("a", 4, {})
-    before_free, before_sets, before_tables = free_counts(kv), free_set(kv), tables(kv)
+@pytest.mark.parametrize("small", ["swa", "entries4", "state4"])
+def test_reserve_refuses_when_pool_too_small_taking_nothing(small):
+    sizes = {"swa": 20, "entries4": 20, "state4": 20}
+    sizes[small] = 2 if small != "state4" else 3                     # only this group is too small
+    pool = make_pool(W=4, swa_bs=4, swa_blocks=sizes["swa"], ratio=4, comp_bs=2, comp_blocks=sizes["entries4"],
+                     state_blocks=sizes["state4"], seed=3)
+    d = Driver(pool, 4)
+    for r in "abc":
+        d.add(r)
+    d.reserve({"a": 4})                                              # fits: 1 swa page, 1 entry, 1 state page
+    d.commit({"a": 4})
+    before = free_sets(pool), tables(pool)
     with pytest.raises(InvalidRequest) as e:
-        kv.reserve({"a": 20, "b": 4})                                # 6 swa pages, 3 + 1 compressed pages
+        d.reserve({"a": 20, "b": 4, "c": 4})                         # 6 swa pages, 3 + 1 + 1 entry pages, 6 state
     msg = str(e.value)
-    assert f"{small} cache" in msg
-    assert f"workload.kv_pool.{knob}" in msg
-    assert free_counts(kv) == before_free                            # no page taken from ANY cache
-    assert free_set(kv) == before_sets
-    assert tables(kv) == before_tables
-    kv.reserve({"a": 4})                                             # the pool still works afterwards
+    assert f"of the {pool.groups[small].name} cache" in msg and f"workload.kv_pool.{pool.groups[small].knob}" in msg
+    assert (free_sets(pool), tables(pool)) == before                 # no page taken from ANY group
+    d.reserve({"a": 4})                                              # the pool still works afterwards
 
 
 def test_reserve_is_atomic_across_requests():
-    kv = make_kv(W=8, swa_bs=4, swa_blocks=4)
+    d = Driver(make_pool(W=8, swa_bs=4, swa_blocks=4), 8)
     for r in "abc":
-        kv.add(r)
-    before = (free_counts(kv), tables(kv))
+        d.add(r)
+    before = (free_sets(d.pool), tables(d.pool))
     with pytest.raises(InvalidRequest) as e:                         # each fits alone, not together
-        kv.reserve({"a": 8, "b": 8, "c": 4})
+        d.reserve({"a": 8, "b": 8, "c": 4})
     assert "swa" in str(e.value) and "workload.kv_pool.swa_blocks" in str(e.value)
-    assert (free_counts(kv), tables(kv)) == before
-    kv.reserve({"a": 8, "b": 8})
-    assert kv.caches["swa"].allocator.num_free == 0
+    assert (free_sets(d.pool), tables(d.pool)) == before
+    d.reserve({"a": 8, "b": 8})
+    assert d.pool.swa.allocator.num_free == 0
 
 
 def test_reserve_refusal_with_the_builder_pool():
-    """build_layer_kv with the tiny spec (layer 1: ratio 4, with an indexer cache)."""
+    """build_pool with the tiny spec's three layer types: every group, and a refusal naming its knob."""
     spec = tiny_spec()
-    dev = DeviceInfo(platform="cpu")
-    kv = build_layer_kv(spec=spec, layer=1, layout=F32, device=dev,
-                        pool=PoolConfig(swa_block_size=8, compressed_block_tokens=32, swa_blocks=3,
-                                        compressed_blocks=8))
-    assert set(kv.caches) == {"swa", "compressed", "indexer"}
-    assert kv.window == spec.sliding_window and kv.ratio == 4
-    kv.add(0)
-    before = free_counts(kv)
+    pool = build_pool(spec=spec, layers=[0, 1, 2], layout=F32, device=DeviceInfo(platform="cpu"),
+                      pool=PoolConfig(swa_block_size=8, compressed_block_tokens=32, swa_blocks=3,
+                                      compressed_blocks=8, max_requests=2))
+    assert set(pool.groups) == {"swa", "entries4", "state4", "entries128", "state128"}
+    assert pool.window == spec.sliding_window and pool.ratios() == (4, 128)
+    assert pool.groups["state4"].num_blocks == 8                     # 4 pages per request
+    c = pool.layers[1]
+    assert c.ratio == 4 and c.compressed is not None and c.indexer_keys is not None and c.indexer_state is not None
+    assert c.state.width == 2 * spec.head_dim and c.indexer_state.width == 2 * spec.index_head_dim
+    pool.add(0)
+    before = free_sets(pool)
     with pytest.raises(InvalidRequest) as e:
-        kv.reserve({0: 40})                                          # 5 SWA pages of 8 > 3
+        pool.reserve({0: (0, 40)})                                   # 5 SWA pages of 8 > 3
     assert "swa cache" in str(e.value) and "workload.kv_pool.swa_blocks" in str(e.value)
-    assert free_counts(kv) == before
-    taken = kv.reserve({0: 24})
-    assert taken == {0: {"swa": 3, "compressed": 1, "indexer": 1}}
+    assert free_sets(pool) == before
+    res = pool.reserve({0: (0, 24)})
+    assert {n: len(t[0][1]) for n, t in res.taken.items()} == {"swa": 3, "entries4": 1, "state4": 1,
+                                                                "entries128": 0, "state128": 1}
 
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), prior=st.lists(st.integers(0, 12), min_size=1, max_size=3),
        new=st.lists(st.integers(0, 12), min_size=1, max_size=3), ratio=st.sampled_from([1, 4, 128]))
 def test_rollback_returns_exactly_the_pages_taken(seed, prior, new, ratio):
-    kv = make_kv(W=6, swa_bs=3, swa_blocks=40, ratio=ratio, comp_bs=2, comp_blocks=40, seed=seed)
+    pool = make_pool(W=6, swa_bs=3, swa_blocks=40, ratio=ratio, comp_bs=2, comp_blocks=40, state_blocks=40, seed=seed)
+    d = Driver(pool, 6)
     rids = list(range(max(len(prior), len(new))))
     for r in rids:
-        kv.add(r)
+        d.add(r)
     step = {r: n for r, n in zip(rids, prior) if n}
     if step:
-        kv.reserve(step)
-        for r, n in step.items():
-            kv.commit(r, n, {})
-    before_sets, before_tables = free_set(kv), tables(kv)
-    taken = kv.reserve({r: n for r, n in zip(rids, new)})
-    after_tables = tables(kv)
-    for r, per in taken.items():                                     # taken = what the tables grew by
-        for name, k in per.items():
-            assert len(after_tables[r][name]) - len(before_tables[r][name]) == k
-            assert after_tables[r][name][: len(before_tables[r][name])] == before_tables[r][name]
-    got = {n: set(before_sets[n]) - set(s) for n, s in free_set(kv).items()}
-    for name in kv.caches:
-        assert got[name] == {p for r in taken for p in after_tables[r][name][len(before_tables[r][name]):]}
-    kv.rollback(taken)
-    assert free_set(kv) == before_sets
-    assert tables(kv) == before_tables
+        d.reserve(step)
+        d.commit(step)
+    before_sets, before_tables = free_sets(pool), tables(pool)
+    res = d.reserve({r: n for r, n in zip(rids, new)})
+    for name, g in pool.groups.items():                              # taken = what the tables gained
+        gained = {p for rid in rids for p in g.tables[rid]} - {p for t in before_tables[name].values() for p in t}
+        got = set(before_sets[name]) - set(free_sets(pool)[name])
+        assert got == gained - {-1}
+        assert sum(len(t[1]) for t in res.taken[name].values()) == len(got)
+    pool.rollback(res)
+    assert free_sets(pool) == before_sets
+    assert tables(pool) == before_tables
 
 
 def test_release_returns_every_page():
-    kv = make_kv(W=5, swa_bs=2, swa_blocks=30, ratio=4, comp_bs=2, comp_blocks=30, seed=9)
+    d = Driver(make_pool(W=5, swa_bs=2, swa_blocks=30, ratio=4, comp_bs=2, comp_blocks=30, state_blocks=30, seed=9), 5)
     for r in "ab":
-        kv.add(r)
-    _run_and_check_swa(kv, [{"a": 7, "b": 3}, {"a": 5}, {"b": 9}, {"a": 1, "b": 1}], {"a": 1, "b": 2})
-    assert all(c.allocator.num_free < c.allocator.num_blocks for c in kv.caches.values())
-    kv.release("a")
-    assert "a" not in kv.requests
-    live_b = {n: sum(p >= 0 for p in t) for n, t in kv.requests["b"].tables.items()}
-    for n, c in kv.caches.items():
-        assert c.allocator.num_free == c.allocator.num_blocks - live_b[n]
-    kv.release("b")
-    for c in kv.caches.values():
-        assert sorted(c.allocator._free) == list(range(c.allocator.num_blocks))
-    assert kv.bytes_in_use() == 0
+        d.add(r)
+    _run_and_check_swa(d, [{"a": 7, "b": 3}, {"a": 5}, {"b": 9}, {"a": 1, "b": 1}], {"a": 1, "b": 2})
+    assert all(g.allocator.num_free < g.num_blocks for g in d.pool.groups.values())
+    d.pool.release("a")
+    for g in d.pool.groups.values():
+        assert "a" not in g.tables
+        assert g.allocator.num_free == g.num_blocks - sum(p >= 0 for p in g.tables["b"])
+    d.pool.release("b")
+    for g in d.pool.groups.values():
+        assert sorted(g.allocator._free) == list(range(g.num_blocks))
 
 
-def test_global_slots_refuses_rows_never_reserved():
-    kv = make_kv(W=100, swa_bs=2, swa_blocks=8)
-    kv.add("a")
-    kv.reserve({"a": 3})                                             # pages for positions 0..3
-    meta = meta_for(kv, {"a": 3})
-    with pytest.raises(RuntimeError, match="without a page"):
-        kv.global_slots("swa", meta, torch.tensor([[0, 1, 2, 9]] * 3))   # position 9: no page reserved
+def test_plan_validate_refuses_what_an_engine_got_wrong():
+    """A plan an engine filled itself: pages outside the pool and rows without a page are named."""
+    from dataclasses import replace
+
+    from dsv4.components.plan import PageTable, StepPlan
+
+    d = Driver(make_pool(W=4, swa_bs=2, swa_blocks=8, ratio=4, comp_bs=2, comp_blocks=8, state_blocks=8), 4)
+    d.add("a")
+    d.reserve({"a": 6})
+    plan, _ = d.plan({"a": 6})
+    plan.validate(swa_blocks=8, state_blocks={4: 8}, entry_blocks={4: 8})    # our own: fine
+    bad = plan.swa.table.pages.clone()
+    bad[0, 0] = 8
+    wrong = replace(plan, swa=replace(plan.swa, table=replace(plan.swa.table, pages=bad)))
+    with pytest.raises(ValueError, match=r"swa table names pages \[8\] outside the pool \[0, 8\)"):
+        wrong.validate(swa_blocks=8)
+    holes = StepPlan.build(query_start=plan.query_start, seq_lens=plan.seq_lens, window=4,
+                           swa=PageTable(block_size=2, pages=torch.full((1, 3), -1, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="an SWA row of the step has no page"):
+        holes.validate(swa_blocks=8)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import spec_rope_freqs, tiny_spec
-from dsv4.components.kv_pool import BlockAllocator, PagedCache
+from dsv4.components.kv_pool import PagedCache
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
 from dsv4.strategies import (BucketHeadPadding, NoHeadPadding, OProjWeights, PlainRowLayout, ReferenceMQA,
@@ -24,7 +24,7 @@ SCALE = D ** -0.5
 def make_pool(name: str, blocks: int, B: int, g, dtype: str = "float32"):
     """A PagedCache whose every slot holds a random row; returns it and the rows as stored (float64)."""
     lay = PlainRowLayout(name=dtype, dtype=dtype)
-    cache = PagedCache(name=name, layout=lay, block_size=B, head_dim=D, allocator=BlockAllocator(blocks),
+    cache = PagedCache(name=name, layout=lay, block_size=B, head_dim=D,
                        data=lay.allocate(num_blocks=blocks, block_size=B, head_dim=D, device="cpu"))
     rows = torch.randn(blocks * B, D, generator=g)
     perm = torch.randperm(blocks * B, generator=g)                   # write in a scrambled slot order
@@ -342,7 +342,7 @@ def test_reference_o_proj_matches_own(G, hpg, ratio):
     proj = ReferenceOProj()
     prepared = proj.prepare(OProjWeights(wo_a=wo_a, wo_b=wo_b, groups=G), device=DeviceInfo(platform="cpu"),
                             dtype="float32")
-    y = proj(o, pos, rope=Rope.for_layer(tiny_spec(), ratio), prepared=prepared)
+    y = proj(o, Rope.for_layer(tiny_spec(), ratio).at(pos), prepared=prepared)
     assert y.shape == (T, hid)
     ref = own_o_proj(o, pos, ratio, wo_a, wo_b, G)
     assert rel(y, ref) <= 1e-5

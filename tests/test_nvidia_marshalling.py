@@ -99,23 +99,26 @@ def test_flashmla_adapter_through_the_contract_equals_reference(monkeypatch, arc
         e = torch.randint(0, ext.num_slots, (T, extra_w), generator=g)
         kw |= dict(extra=ext, extra_indices=torch.where(torch.arange(extra_w)[None] < el[:, None], e, -1).int(),
                    extra_lens=el)
-    kv = SparseKV(scratch={}, layer_type="c4a", **kw)
+    kv = SparseKV(layer_type="c4a", **kw)
     q = (torch.randn(T, H, 512, generator=g) * 2).bfloat16()
     sink = torch.randn(H, generator=g)
     sink[:3] = math.inf
     k = FlashMLASparse()
     prep = k.prepare(device=DeviceInfo(platform="cuda", arch=arch))
-    out, lse = k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)
+    plan = k.plan(tokens=T, layer_type="c4a")
+    out, lse = k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep, plan=plan)
     ref, ref_lse = ReferenceMQA()(q.float(), kv, sink=sink, scale=512 ** -0.5)
     assert rel_err(out, ref) <= 1e-2 and out.dtype == q.dtype and out.shape == q.shape
     assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
     assert bool((out[:, :3] == 0).all())
     assert calls[0]["use_legacy"] is (arch == "sm90")
-    # a second layer of the same type in the same step reuses the schedule; a new step makes a new one
-    k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)
-    assert len(kv.scratch) == 1 and calls[1]["sched"] is calls[0]["sched"]
-    k(q, SparseKV(scratch={}, layer_type="c4a", **kw), sink=sink, scale=512 ** -0.5, prepared=prep)
+    # a second layer of the same type in the same step reuses the schedule; a new step's plan makes a new one
+    k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep, plan=plan)
+    assert calls[1]["sched"] is calls[0]["sched"] is plan.sched
+    k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep, plan=k.plan(tokens=T, layer_type="c4a", previous=plan))
     assert calls[2]["sched"] is not calls[0]["sched"]
+    k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)           # no plan: a schedule of its own
+    assert calls[3]["sched"] not in (calls[0]["sched"], calls[2]["sched"])
 
 
 def fake_deep_gemm(calls: list):
@@ -151,8 +154,8 @@ def test_deepgemm_adapter_through_the_contract(monkeypatch, arch, recipe):
     rope = Rope.for_layer(tiny_spec(), 4)
     dev = DeviceInfo(platform="cpu", arch=arch)          # the recipe follows the arch; tensors stay on the CPU
     s = DeepGemmFp8OProj()
-    y = s(o, pos, rope=rope, prepared=s.prepare(w, device=dev, dtype="bfloat16"))
+    y = s(o, rope.at(pos), prepared=s.prepare(w, device=dev, dtype="bfloat16"))
     assert calls == [recipe]
     ref = ReferenceOProj()
-    y_ref = ref(o.float(), pos, rope=rope, prepared=ref.prepare(w, device=dev, dtype="float32"))
+    y_ref = ref(o.float(), rope.at(pos), prepared=ref.prepare(w, device=dev, dtype="float32"))
     assert rel_err(y, y_ref) <= 6e-2

@@ -200,10 +200,10 @@ def test_lengths_outside_the_list_are_clamped(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rows_past_2gib_of_pages(variant):
     """Rows whose byte offsets in the pool pass 2^31 (60,000 pages of 37,440 B) are found: offsets are 64-bit."""
-    from dsv4.components.kv_pool import BlockAllocator, PagedCache
+    from dsv4.components.kv_pool import PagedCache
 
     lay, blocks = LAYOUTS["fp8_ds_mla"], 60_000
-    pool = PagedCache(name="swa", layout=lay, block_size=64, head_dim=512, allocator=BlockAllocator(blocks),
+    pool = PagedCache(name="swa", layout=lay, block_size=64, head_dim=512,
                       data=lay.allocate(num_blocks=blocks, block_size=64, head_dim=512, device=DEVICE))
     g = torch.Generator(device=DEVICE).manual_seed(14)
     used = torch.cat([torch.arange(256, device=DEVICE), pool.num_slots - 1 - torch.arange(2048, device=DEVICE)])
@@ -211,7 +211,7 @@ def test_rows_past_2gib_of_pages(variant):
     T = 8
     idx = used[torch.randint(0, used.numel(), (T, 128), generator=g, device=DEVICE)].int()
     q, kv, sink = case(T, 64, LAYER_TYPES["swa"], seed=15)
-    kv = type(kv)(scratch={}, swa=pool, swa_indices=idx, swa_lens=torch.full((T,), 128, device=DEVICE).int())
+    kv = type(kv)(swa=pool, swa_indices=idx, swa_lens=torch.full((T,), 128, device=DEVICE).int())
     assert pool.data.numel() > 2 ** 31
     out, lse = kernel(variant)(q, kv, sink=sink, scale=SCALE)
     check_against_reference(out, lse, q, kv, sink)

@@ -1,8 +1,11 @@
 """DSV4Attention: the one concrete attention module, for one tensor-parallel rank.
 
-It is assembled from injected pieces (keyword-only) and contains no platform branches: the sparse
-MQA kernel, the output projection, the head padding and the cache layout are strategies; the device
-only decides where tensors live. Forward follows DSV4_SPEC §2.2.
+It is assembled from injected pieces (keyword-only) and contains no platform branches: the sparse MQA
+kernel, the output projection, the head padding and the cache layout are strategies; the compressor
+and indexer are components. It holds the math only: where rows go and which rows a token reads come
+from the step plan (dsv4/components/plan.py), and what it stores lives in its LayerCaches. Forward
+follows DSV4_SPEC §2.2 and, on a GPU, runs without a host sync, so a decode step can be captured in a
+CUDA graph.
 """
 from __future__ import annotations
 
@@ -11,99 +14,115 @@ from typing import Any
 
 import torch
 
-from dsv4.components.kv_pool import LayerKV, StepMeta
+from dsv4.components.compressor import Compressor
+from dsv4.components.front import kv_rows, mm_f32, q_rows
+from dsv4.components.indexer import Indexer
+from dsv4.components.kv_pool import LayerCaches
 from dsv4.components.norms import rms_norm
-from dsv4.spec import LAYER_TYPES
-from dsv4.strategies.protocols import SparseKV
+from dsv4.components.plan import StepPlan
+from dsv4.components.rope import Rope
+from dsv4.spec import LAYER_TYPES, ModelSpec
+from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, MQAKernelStrategy, OProjStrategy,
+                                       OProjWeights, SparseKV)
+
+# rows of LayerStepResult.faults: which stored row of a token was not finite
+FAULT_SWA, FAULT_COMPRESSED, FAULT_INDEXER = 0, 1, 2
 
 
 @dataclass(slots=True)
 class LayerStepResult:
     out: Any                    # [T, hidden]: this rank's partial sum of the layer output
     topk: Any | None            # [T, index_topk] int32 local compressed indices (ratio-4 layers)
-    states: dict                # (rid, compressor name) -> new state, committed by the engine
+    faults: Any                 # [3, T] bool: a non-finite SWA row / closed entry / indexer key, not stored
 
 
 class DSV4Attention(torch.nn.Module):
-    def __init__(self, *, spec, layer: int, ratio: int, heads: int, padded_heads: int, weights: dict, rope,
-                 compressor=None, indexer=None, mqa_kernel, mqa_prepared=None, o_proj, o_proj_prepared,
-                 dtype, device: str) -> None:
+    def __init__(self, *, spec: ModelSpec, layer: int, heads: int, weights: dict, o_weights: OProjWeights,
+                 mqa_kernel: MQAKernelStrategy, o_proj: OProjStrategy, head_padding: HeadPaddingPolicy,
+                 cache_layout: CacheLayout, compressor: Compressor | None = None, indexer: Indexer | None = None,
+                 dtype: str, device) -> None:
         super().__init__()
-        if padded_heads < heads:
-            raise ValueError(f"padded_heads ({padded_heads}) < heads ({heads})")
+        from dsv4.dtypes import torch_dtype
+
+        ratio = spec.compress_ratio(layer)
+        padded = head_padding.padded_heads(heads)
+        if padded is None or padded < heads:       # check() reports this with a fix; the module only refuses
+            raise ValueError(f"head_padding={head_padding.name} cannot hold {heads} heads")
         if (compressor is None) != (ratio == 1) or (indexer is None) != (ratio != 4):
             raise ValueError(f"ratio {ratio}: a compressor iff ratio > 1, an indexer iff ratio == 4")
-        self.spec, self.layer, self.ratio, self.heads, self.padded_heads = spec, layer, ratio, heads, padded_heads
-        self.rope, self.compressor, self.indexer = rope, compressor, indexer
-        self.mqa_kernel, self.o_proj, self.o_proj_prepared = mqa_kernel, o_proj, o_proj_prepared
-        self.mqa_prepared = mqa_prepared
-        self.dtype, self.eps = dtype, spec.rms_norm_eps
-        for name in ("wq_a.weight", "wkv.weight", "wq_b.weight"):
-            self.register_buffer(name.split(".")[0], weights[name].to(device=device, dtype=dtype))
+        self.spec, self.layer, self.ratio, self.heads, self.padded_heads = spec, layer, ratio, heads, padded
+        self.layer_type = LAYER_TYPES[ratio]
+        self.rope = Rope.for_layer(spec, ratio)
+        self.mqa_kernel, self.o_proj, self.head_padding, self.cache_layout = mqa_kernel, o_proj, head_padding, cache_layout
+        self.compressor, self.indexer = compressor, indexer
+        self.dtype, self.eps = torch_dtype(dtype), spec.rms_norm_eps
+        dev = device.torch_device
+        self.mqa_prepared = mqa_kernel.prepare(device=device)
+        self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype)
+        # x -> [qr | kv] in the activation dtype; x -> [compressor a | s | indexer compressor a | s | head weights]
+        # accumulated in float32 (the compressor pools in float32)
+        self.register_buffer("w_in", torch.cat((weights["wq_a.weight"], weights["wkv.weight"])).to(dev, self.dtype))
+        self.register_buffer("wq_b", weights["wq_b.weight"].to(dev, self.dtype))
         for name in ("q_norm.weight", "kv_norm.weight"):
-            self.register_buffer(name.split(".")[0], weights[name].to(device=device, dtype=torch.float32))
-        sink = torch.full((padded_heads,), float("-inf"), device=device)    # padded heads: no effect
-        sink[:heads] = weights["attn_sink"].to(device)
+            self.register_buffer(name.split(".")[0], weights[name].to(device=dev, dtype=torch.float32))
+        sink = torch.full((padded,), float("-inf"), device=dev)    # padded heads: no effect
+        sink[:heads] = weights["attn_sink"].to(dev)
         self.register_buffer("attn_sink", sink)
+        parts = [] if compressor is None else [compressor.weights()]
+        if indexer is not None:
+            parts += [indexer.compressor.weights(), indexer.weights_proj]
+            self.register_buffer("idx_wq_b", indexer.wq_b.to(dev, self.dtype))
+        if parts:
+            self.register_buffer("w_score", torch.cat(parts).to(dev, self.dtype))
 
-    def forward(self, x, meta: StepMeta, kv: LayerKV) -> LayerStepResult:
+    def forward(self, x, plan: StepPlan, caches: LayerCaches) -> LayerStepResult:
         T, D, H = x.shape[0], self.spec.head_dim, self.heads
-        pos = meta.positions
+        q_lora = self.spec.q_lora_rank
         xa = x.to(self.dtype)
-        qr = rms_norm(xa @ self.wq_a.T, self.q_norm, self.eps).to(self.dtype)
-        latent = rms_norm(xa @ self.wkv.T, self.kv_norm, self.eps).to(self.dtype)
-        q = (qr @ self.wq_b.T).view(T, H, D)
-        q = self.rope.apply(rms_norm(q, None, self.eps).to(self.dtype), pos).to(self.dtype)
+        rot = plan.rope_rows(self.rope)
+        qr_raw, kv_raw = (xa @ self.w_in.T).split((q_lora, D), 1)
+        qr = rms_norm(qr_raw, self.q_norm, self.eps).to(self.dtype)
+        q = q_rows((qr @ self.wq_b.T).view(T, H, D), rot, padded_heads=self.padded_heads, eps=self.eps,
+                   dtype=self.dtype)
+        rows, bad = kv_rows(kv_raw, self.kv_norm, rot, eps=self.eps, dtype=self.dtype)
+        faults = torch.zeros(3, T, dtype=torch.bool, device=x.device)
+        faults[FAULT_SWA] = bad & plan.real
+        caches.swa.write(torch.where(bad, -1, plan.swa.write_slots), rows)
 
-        def token(i: int) -> str:          # names row i in an error (only built when one is raised)
-            seg = meta.segments[int(meta.segment_of_token[i])]
-            return f"layer {self.layer}, request {seg.rid!r}, position {int(pos[i])}"
-        kv.caches["swa"].write(kv.swa_write_slots(meta), self.rope.apply(latent, pos), where=token)
-
-        states: dict = {}
-        topk = extra = None
+        extra = {}
+        topk = None
         if self.compressor is not None:
-            self._compress(x, meta, kv, self.compressor, "compressed", states)
+            scores = mm_f32(xa, self.w_score)
+            comp, ents = self.compressor, plan.entries[self.ratio]
+            entry_rot = plan.rope_rows(self.rope, shift=self.ratio)
+            main = scores[:, :2 * comp.width]
+            comp.write_state(main, plan, caches.state)
+            rows, bad = comp.close(main, plan, caches.state, entry_rot)
+            faults[FAULT_COMPRESSED] = bad
+            caches.compressed.write(torch.where(bad, -1, ents.close_slots), rows)
             if self.indexer is not None:
-                self._compress(x, meta, kv, self.indexer.compressor, "indexer", states)
-                topk = self._select(x, qr, meta, kv)
-                local = topk.long()
+                topk = self._select(scores[:, 2 * comp.width:], qr, plan, caches, rot, entry_rot, faults)
+                lists = ents.table.slots(plan.token_request, topk)
+                lens = (topk >= 0).sum(1, dtype=torch.int32)
             else:
-                n_c = (pos + 1) // self.ratio
-                width = max(1, int(n_c.max()))
-                local = torch.arange(width, device=pos.device)[None, :].expand(T, width)
-                local = torch.where(local < n_c[:, None], local, torch.full_like(local, -1))
-            extra = (kv.caches["compressed"], kv.global_slots("compressed", meta, local),
-                     (local >= 0).sum(1).to(torch.int32))
+                lists, lens = ents.visible, ents.counts
+            extra = dict(extra=caches.compressed, extra_indices=lists, extra_lens=lens)
+        kv = SparseKV(swa=caches.swa, swa_indices=plan.swa.indices, swa_lens=plan.swa.lens,
+                      layer_type=self.layer_type, **extra)
+        out, _lse = self.mqa_kernel(q, kv, sink=self.attn_sink, scale=self.spec.softmax_scale,
+                                    prepared=self.mqa_prepared, plan=plan.kernel_plans.get(self.layer_type))
+        y = self.o_proj(out[:, :H], rot, prepared=self.o_proj_prepared)
+        return LayerStepResult(out=y, topk=topk, faults=faults)
 
-        swa_idx, swa_lens = kv.swa_indices(meta)
-        sparse = SparseKV(swa=kv.caches["swa"], swa_indices=swa_idx, swa_lens=swa_lens,
-                          extra=extra[0] if extra else None, extra_indices=extra[1] if extra else None,
-                          extra_lens=extra[2] if extra else None, layer_type=LAYER_TYPES[self.ratio],
-                          scratch=meta.scratch)
-        qp = q if self.padded_heads == H else torch.cat((q, q.new_zeros(T, self.padded_heads - H, D)), 1)
-        out, _lse = self.mqa_kernel(qp, sparse, sink=self.attn_sink, scale=self.spec.softmax_scale,
-                                    prepared=self.mqa_prepared)
-        y = self.o_proj(out[:, :H], pos, rope=self.rope, prepared=self.o_proj_prepared)
-        return LayerStepResult(out=y, topk=topk, states=states)
-
-    def _compress(self, x, meta: StepMeta, kv: LayerKV, comp, cache: str, states: dict) -> None:
-        """Run a compressor over each request's tokens; write closed entries to `cache`."""
-        for seg in meta.segments:
-            state = kv.requests[seg.rid].states.get(cache) or comp.new_state(x.device)
-            ids, vals, states[(seg.rid, cache)] = comp.step(x[seg.rows], seg.start, state)
-            if len(ids):
-                slots = kv.request_rows(cache, seg.rid, int(ids[-1]) + 1)[ids]
-                kv.caches[cache].write(slots, vals, where=lambda i, seg=seg, ids=ids: (
-                    f"layer {self.layer}, request {seg.rid!r}, {cache} entry {int(ids[i])} closed at position "
-                    f"{(int(ids[i]) + 1) * self.ratio - 1}"))
-
-    def _select(self, x, qr, meta: StepMeta, kv: LayerKV):
-        q, w = self.indexer.queries(x, qr, meta.positions)
-        topk = torch.full((x.shape[0], self.indexer.topk), -1, dtype=torch.int32, device=x.device)
-        for seg in meta.segments:
-            n = (seg.start + seg.count) // 4
-            keys = kv.caches["indexer"].read(kv.request_rows("indexer", seg.rid, n))
-            r = seg.rows
-            topk[r] = self.indexer.select(self.indexer.scores(q[r], w[r], keys, meta.positions[r]))
-        return topk
+    def _select(self, scores, qr, plan: StepPlan, caches: LayerCaches, rot, entry_rot, faults):
+        """The indexer: its compressor's keys for the entries closed in this step, then every token's
+        top-k over its request's keys."""
+        idx = self.indexer
+        comp = idx.compressor
+        main, w = scores[:, :2 * comp.width], scores[:, 2 * comp.width:]
+        comp.write_state(main, plan, caches.indexer_state)
+        keys, bad = comp.close(main, plan, caches.indexer_state, entry_rot)
+        faults[FAULT_INDEXER] = bad
+        caches.indexer_keys.write(torch.where(bad, -1, plan.entries[4].close_slots), keys)
+        q = idx.queries(mm_f32(qr, self.idx_wq_b), rot)
+        return idx.select(idx.scores(q, w * idx.weight_scale, caches.indexer_keys, plan))

@@ -11,11 +11,10 @@ from typing import Any
 from dsv4.components.attention import DSV4Attention
 from dsv4.components.compressor import Compressor
 from dsv4.components.indexer import Indexer
-from dsv4.components.kv_pool import BlockAllocator, LayerKV, PagedCache
-from dsv4.components.rope import Rope
+from dsv4.components.kv_pool import KVPool, LayerCaches, PagedCache, PageGroup, RowRule, StateRows
+from dsv4.components.plan import COMPRESSOR_REACH
 from dsv4.components.weights import shard
 from dsv4.device import DeviceInfo
-from dsv4.dtypes import torch_dtype
 from dsv4.spec import ModelSpec
 from dsv4.strategies.cache_layout import PlainRowLayout
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, MQAKernelStrategy, OProjStrategy,
@@ -41,6 +40,7 @@ class PoolConfig:
                                            # (at least one entry per page)
     swa_blocks: int = 64
     compressed_blocks: int = 64
+    max_requests: int = 64                 # requests held at once: sizes the compressor-state pages
 
     @classmethod
     def from_config(cls, cfg: Any) -> "PoolConfig":
@@ -50,59 +50,77 @@ class PoolConfig:
         """Entries per compressed page: the page's positions / ratio, at least one."""
         return max(1, self.compressed_block_tokens // ratio)
 
+    def state_blocks(self) -> int:
+        """Compressor-state pages per ratio: a request keeps at most two (its last coff·R positions,
+        one page each way of a page boundary) and a step may take two more before it commits."""
+        return 4 * self.max_requests
+
 
 def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_size: int,
                 strategies: Strategies, device: DeviceInfo, dtype: str, wo_a_fp8: Any = None) -> DSV4Attention:
     """`wo_a_fp8`: a checkpoint's stored fp8 wo_a (`checkpoint.StoredFp8`), for fp8 o_proj strategies."""
     ratio = spec.compress_ratio(layer)
     w = shard(weights, spec, rank, tp_size)
-    heads = spec.num_attention_heads // tp_size
-    padded = strategies.head_padding.padded_heads(heads)
-    if padded is None:        # check() reports this with a fix; the builder only refuses
-        raise ValueError(f"head_padding={strategies.head_padding.name} cannot hold {heads} heads")
     dev = device.torch_device
-    rope = Rope.for_layer(spec, ratio)
 
     def compressor(prefix: str, dim: int, r: int) -> Compressor:
         return Compressor(wkv=w[f"{prefix}wkv.weight"].to(dev), wgate=w[f"{prefix}wgate.weight"].to(dev),
                           ape=w[f"{prefix}ape"].to(dev), norm=w[f"{prefix}norm.weight"].to(dev), ratio=r,
-                          head_dim=dim, rope=rope, eps=spec.rms_norm_eps)
+                          head_dim=dim, eps=spec.rms_norm_eps)
 
     comp = compressor("compressor.", spec.head_dim, ratio) if ratio > 1 else None
     idx = None
     if ratio == 4:
         idx = Indexer(wq_b=w["indexer.wq_b.weight"].to(dev), weights_proj=w["indexer.weights_proj.weight"].to(dev),
                       compressor=compressor("indexer.compressor.", spec.index_head_dim, 4),
-                      n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk, rope=rope)
+                      n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk)
     fp8_a = fp8_s = None
     if wo_a_fp8 is not None:
         from dsv4.components.checkpoint import shard_wo_a_fp8
         fp8_a, fp8_s = shard_wo_a_fp8(wo_a_fp8, spec, rank, tp_size)
     o_weights = OProjWeights(wo_a=w["wo_a.weight"], wo_b=w["wo_b.weight"], groups=spec.o_groups // tp_size,
                              wo_a_fp8=fp8_a, wo_a_scale=fp8_s)
-    return DSV4Attention(spec=spec, layer=layer, ratio=ratio, heads=heads, padded_heads=padded, weights=w, rope=rope,
-                         compressor=comp, indexer=idx, mqa_kernel=strategies.mqa_kernel,
-                         mqa_prepared=strategies.mqa_kernel.prepare(device=device),
-                         o_proj=strategies.o_proj,
-                         o_proj_prepared=strategies.o_proj.prepare(o_weights, device=device, dtype=dtype),
-                         dtype=torch_dtype(dtype), device=dev)
+    return DSV4Attention(spec=spec, layer=layer, heads=spec.num_attention_heads // tp_size, weights=w,
+                         o_weights=o_weights, mqa_kernel=strategies.mqa_kernel, o_proj=strategies.o_proj,
+                         head_padding=strategies.head_padding, cache_layout=strategies.cache_layout,
+                         compressor=comp, indexer=idx, dtype=dtype, device=device)
 
 
-def build_layer_kv(*, spec: ModelSpec, layer: int, layout: CacheLayout, pool: PoolConfig,
-                   device: DeviceInfo) -> LayerKV:
-    ratio = spec.compress_ratio(layer)
+def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig, device: DeviceInfo) -> KVPool:
+    """One rank's pool for `layers`: the page groups their ratios need, and each layer's caches on them.
+    The SWA group keeps the sliding window; compressor state its coff·R positions; entries everything."""
     dev = device.torch_device
+    ratios = sorted({spec.compress_ratio(l) for l in layers} - {1})
+    groups = {"swa": PageGroup(name="swa", block_size=pool.swa_block_size, num_blocks=pool.swa_blocks,
+                               rule=RowRule(keep=spec.sliding_window), knob="swa_blocks")}
+    for r in ratios:
+        groups[f"entries{r}"] = PageGroup(name=f"ratio-{r} compressed", block_size=pool.compressed_block_size(r),
+                                          num_blocks=pool.compressed_blocks, rule=RowRule(per=r), knob="compressed_blocks")
+        reach = COMPRESSOR_REACH[r]
+        groups[f"state{r}"] = PageGroup(name=f"ratio-{r} compressor state", block_size=reach,
+                                        num_blocks=pool.state_blocks(), rule=RowRule(keep=reach, tail_only=True),
+                                        knob="max_requests")
 
-    def cache(name: str, lay: CacheLayout, blocks: int, block_size: int, dim: int) -> PagedCache:
-        return PagedCache(name=name, layout=lay, block_size=block_size, head_dim=dim,
-                          data=lay.allocate(num_blocks=blocks, block_size=block_size, head_dim=dim, device=dev),
-                          allocator=BlockAllocator(blocks))
+    def cache(name: str, lay: CacheLayout, group: PageGroup, dim: int) -> PagedCache:
+        return PagedCache(name=name, layout=lay, block_size=group.block_size, head_dim=dim,
+                          data=lay.allocate(num_blocks=group.num_blocks, block_size=group.block_size, head_dim=dim,
+                                            device=dev))
 
-    swa = cache("swa", layout, pool.swa_blocks, pool.swa_block_size, spec.head_dim)
-    comp = idx = None
-    if ratio > 1:
-        comp = cache("compressed", layout, pool.compressed_blocks, pool.compressed_block_size(ratio), spec.head_dim)
-    if ratio == 4:
-        idx = cache("indexer", INDEXER_LAYOUT, pool.compressed_blocks, pool.compressed_block_size(4),
-                    spec.index_head_dim)
-    return LayerKV(ratio=ratio, window=spec.sliding_window, swa=swa, compressed=comp, indexer=idx)
+    def state(group: PageGroup, width: int) -> StateRows:
+        import torch
+        return StateRows(data=torch.zeros(group.num_slots, 2 * width, dtype=torch.float32, device=dev),
+                         block_size=group.block_size, width=width)
+
+    caches = {}
+    for l in layers:
+        r = spec.compress_ratio(l)
+        kw: dict[str, Any] = {}
+        if r > 1:
+            coff = 2 if r == 4 else 1
+            kw |= dict(compressed=cache("compressed", layout, groups[f"entries{r}"], spec.head_dim),
+                       state=state(groups[f"state{r}"], coff * spec.head_dim))
+        if r == 4:
+            kw |= dict(indexer_keys=cache("indexer", INDEXER_LAYOUT, groups["entries4"], spec.index_head_dim),
+                       indexer_state=state(groups["state4"], 2 * spec.index_head_dim))
+        caches[l] = LayerCaches(ratio=r, swa=cache("swa", layout, groups["swa"], spec.head_dim), **kw)
+    return KVPool(groups=groups, layers=caches, window=spec.sliding_window)

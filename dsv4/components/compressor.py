@@ -1,79 +1,106 @@
-"""The KV compressor (DSV4_SPEC §2.4): ratio 4 with overlapping windows (CSA), ratio 128 plain (HCA).
+"""The KV compressor (DSV4_SPEC §2.4): ratio 4 with overlapping windows (CSA), ratio 128 plain (HCA),
+batched over every request of a step.
 
-Every token contributes a candidate `a` and gate logits `s + ape[p mod R]` (float32). The entry j
-that closes at position jR+R-1 pools, per channel, a softmax over its rows: for R=128 the block's
-128 tokens; for R=4 the previous block's first halves and the current block's second halves. Then
-RMSNorm and RoPE at the block start jR.
+Every token contributes a candidate `a` and gate logits `s + ape[p mod R]` (float32, coff·D wide each,
+coff = 2 at ratio 4). The entry j that closes at position jR+R-1 pools, per channel, a softmax over its
+rows: for R=128 the block's 128 tokens; for R=4 the previous block's first halves and the current
+block's second halves (absent before position 0: value 0, logit -inf). Then RMSNorm and RoPE at jR.
 
-State carried between steps: the last coff·R tokens' (a, s) rows in a ring indexed by position, which
-is all a later closing token can reach back to. `step` returns the new ring instead of mutating the
-old one, so a refused or failed step leaves the request as it was.
+Two batched operations per step, both over all tokens of all requests:
+- `write_state`: the (a, s + ape) rows a later step will read (a request's last coff·R positions) go
+  to the state pages at the plan's `state[R].write_slots`;
+- `close`: each token that closes an entry pools its rows -- this step's from the step's own
+  projection, earlier ones from the state pages -- and returns the entry (written through the cache
+  layout by the layer).
+The state pages are written only at slots of this step's new positions, so a refused or failed step
+leaves every row an earlier step wrote untouched. On a GPU both run as Triton kernels
+(dsv4/kernels/compress.py); the torch code here is the CPU path and their reference.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
+from dsv4.components.front import stored_badly
 from dsv4.components.norms import rms_norm
 
 
-@dataclass(frozen=True, slots=True)
-class CompressorState:
-    a: Any      # [coff*R, coff*D] float32, row = position % (coff*R)
-    s: Any
-
-
 class Compressor:
-    def __init__(self, *, wkv, wgate, ape, norm, ratio: int, head_dim: int, rope, eps: float) -> None:
-        self.ratio, self.dim, self.rope, self.eps = ratio, head_dim, rope, eps
+    def __init__(self, *, wkv, wgate, ape, norm, ratio: int, head_dim: int, eps: float) -> None:
+        self.ratio, self.dim, self.eps = ratio, head_dim, eps
         self.coff = 2 if ratio == 4 else 1
         self.wkv, self.wgate, self.ape, self.norm = wkv.float(), wgate.float(), ape.float(), norm.float()
 
     @property
-    def ring(self) -> int:
-        return self.coff * self.ratio
+    def width(self) -> int:
+        """Width of a token's candidate (and of its gate logits): coff·D."""
+        return self.coff * self.dim
 
-    def new_state(self, device) -> CompressorState:
+    def weights(self):
+        """[2·width, hidden]: wkv then wgate, the rows of the layer's score projection for this compressor."""
         import torch
 
-        z = torch.zeros(self.ring, self.coff * self.dim, dtype=torch.float32, device=device)
-        return CompressorState(a=z, s=z.clone())
+        return torch.cat((self.wkv, self.wgate))
 
-    def step(self, x, start: int, state: CompressorState):
-        """One request's contiguous tokens at positions start..start+n-1.
-
-        Returns (entry ids [m] int64, entries [m, D] float32, new state).
-        """
+    def write_state(self, scores, plan, state) -> None:
+        """scores [T, 2·width] float32 ([a | s], no APE yet) -> the kept rows into `state` (StateRows)."""
+        rows = plan.state[self.ratio]
+        if scores.is_cuda:
+            from dsv4.kernels.compress import write_state_kernel
+            write_state_kernel(scores, self.ape, plan.positions, rows.write_slots, state.data, ratio=self.ratio)
+            return
         import torch
 
-        R, D, ring, n = self.ratio, self.dim, self.ring, x.shape[0]
-        dev = x.device
-        pos = torch.arange(start, start + n, device=dev)
-        a = x.float() @ self.wkv.T
-        s = x.float() @ self.wgate.T + self.ape[pos % R]
-        base = max(0, start - ring)
-        hist = torch.arange(base, start, device=dev) % ring
-        A = torch.cat((state.a[hist], a))          # rows for positions base..start+n-1
-        S = torch.cat((state.s[hist], s))
-        end = start + n
-        ids = torch.arange(start // R, end // R, device=dev)
-        if len(ids):
-            cur = ids[:, None] * R + torch.arange(R, device=dev)[None, :] - base     # [m, R]
-            if R == 4:
-                prev = cur - R
-                ok = (prev + base >= 0)[..., None]
-                pa = torch.where(ok, A[prev.clamp(min=0), :D], 0.0)
-                ps = torch.where(ok, S[prev.clamp(min=0), :D], float("-inf"))
-                rows_a = torch.cat((pa, A[cur, D:]), 1)
-                rows_s = torch.cat((ps, S[cur, D:]), 1)
-            else:
-                rows_a, rows_s = A[cur], S[cur]
-            v = (rows_a * torch.softmax(rows_s, dim=1)).sum(1)
-            v = self.rope.apply(rms_norm(v, self.norm, self.eps), ids * R)
-        else:
-            v = torch.zeros(0, D, device=dev)
-        keep = torch.arange(max(base, end - ring), end, device=dev)
-        new_a, new_s = state.a.clone(), state.s.clone()
-        new_a[keep % ring] = A[keep - base]
-        new_s[keep % ring] = S[keep - base]
-        return ids, v, CompressorState(a=new_a, s=new_s)
+        keep = rows.write_slots >= 0
+        a, s = scores[keep].split(self.width, 1)
+        vals = torch.cat((a, s + self.ape[plan.positions[keep].long() % self.ratio]), 1)
+        state.data[rows.write_slots[keep].long()] = vals
+
+    def close(self, scores, plan, state, rot):
+        """The entries closed in this step: (rows [T, D] float32 -- the entry closed by each token, zero
+        where it closes none --, bad [T] bool: a closed entry not stored, `front.stored_badly`). `rot` is the
+        layer's RoPE at each entry's first position (plan.rope_rows(rope, shift=ratio))."""
+        ents = plan.entries[self.ratio]
+        if scores.is_cuda:
+            from dsv4.kernels.compress import close_kernel
+            return close_kernel(scores, self.ape, self.norm, rot.cos, rot.sin, plan.positions, plan.step_start,
+                                plan.token_request, ents.close_slots, plan.state[self.ratio].table.pages, state.data,
+                                ratio=self.ratio, head_dim=self.dim, state_block=state.block_size, eps=self.eps)
+        import torch
+
+        R, D, T = self.ratio, self.dim, scores.shape[0]
+        out = torch.zeros(T, D, dtype=torch.float32, device=scores.device)
+        bad = torch.zeros(T, dtype=torch.bool, device=scores.device)
+        tok = (ents.close_slots >= 0).nonzero().squeeze(-1)          # the CPU path may look at the data
+        if not len(tok):
+            return out, bad
+        pos = plan.positions[tok].long()
+        first = pos + 1 - R                                           # jR: the entry's first position
+        span = torch.arange(-(self.coff - 1) * R, R, device=scores.device)
+        q = first[:, None] + span[None, :]                            # [m, coff·R] positions pooled
+        a, s = self._rows(scores, plan, state, tok, q)
+        if R == 4:                                                    # previous block: first halves
+            a = torch.cat((a[:, :R, :D], a[:, R:, D:]), 1)
+            s = torch.cat((s[:, :R, :D], s[:, R:, D:]), 1)
+        v = (a * torch.softmax(s, dim=1)).sum(1)
+        sub = type(rot)(cos=rot.cos[tok], sin=rot.sin[tok])
+        out[tok] = sub.rotate(rms_norm(v, self.norm, self.eps))
+        bad[tok] = stored_badly(out[tok])
+        return out, bad
+
+    def _rows(self, scores, plan, state, tok, q):
+        """(a, s) [m, n, width] at positions q [m, n] of each closing token's request: this step's rows
+        from `scores` (+ APE), earlier ones from the state pages; positions before 0: a = 0, s = -inf."""
+        import torch
+
+        step0 = plan.step_start[tok].long()[:, None]
+        pos = plan.positions[tok].long()[:, None]
+        here = q >= step0
+        t_q = (tok[:, None] + (q - pos)).clamp(min=0)                 # the token at position q, if in the step
+        a_s, s_s = scores[t_q.clamp(max=scores.shape[0] - 1)].split(self.width, -1)
+        s_s = s_s + self.ape[q.clamp(min=0) % self.ratio]
+        table = plan.state[self.ratio].table
+        slots = table.slots(plan.token_request[tok], torch.where(q >= 0, q, torch.full_like(q, -1)).int())
+        st = state.data[slots.clamp(min=0).long()]
+        a_h, s_h = st.split(self.width, -1)
+        a = torch.where(here[..., None], a_s, a_h)
+        s = torch.where(here[..., None], s_s, s_h)
+        absent = (q < 0)[..., None]
+        return a.masked_fill(absent, 0.0), s.masked_fill(absent, float("-inf"))

@@ -7,58 +7,139 @@ simulated in one process, one under torch.distributed); their partial outputs ar
 `all_reduce` (wo_b's all-reduce across processes; none when simulated) sums them over processes.
 
 A step is validated whole before anything is written. A refused step raises InvalidRequest naming
-every bad request and changes nothing; a step that fails later is rolled back (its new pages
-returned, no length or compressor state committed), so other requests never see its effects.
+every bad request and changes nothing. Then, per rank: the pool reserves the step's pages, one step
+plan is made from the block tables (one host-to-device copy) and shared by every layer, each layer runs
+without a host sync, and once the step's last layer is queued one read of the layers' fault flags
+(non-finite rows that were refused, not stored) decides: commit, or roll back (pages returned, no
+length changed; the rows the step wrote were at its own new slots, which nothing else reads).
+
+With `graphs` (dsv4/components/graphs.py), a step of at most the largest capture size replays CUDA
+graphs captured at the next capture size (the plan and each layer), padded with inert rows.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Protocol, Sequence
 
+import numpy as np
 import torch
 
-from dsv4.components.kv_pool import LayerKV, Segment, StepMeta
+from dsv4.components.attention import FAULT_COMPRESSED, FAULT_INDEXER, FAULT_SWA
+from dsv4.components.kv_pool import KVPool
+from dsv4.components.plan import PageTable, StepPlan
 from dsv4.errors import InvalidRequest
 from dsv4.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Segment:
+    """The tokens of one request in a step: batch rows [offset, offset+count), positions from start."""
+    rid: Hashable
+    start: int
+    offset: int
+    count: int
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.offset, self.offset + self.count)
 
 
 @dataclass(slots=True)
 class StepOutput:
     outputs: dict[int, Any] = field(default_factory=dict)     # layer -> [T, hidden] float32
     topk: dict[int, Any] = field(default_factory=dict)        # ratio-4 layer -> [T, K] int32 local
-    seconds: dict[int, float] = field(default_factory=dict)   # layer -> wall time of its forward
+    seconds: dict[int, float] = field(default_factory=dict)   # layer -> its time in the step (with a timer)
     reduce_seconds: dict[int, float] = field(default_factory=dict)   # layer -> of which the all-reduce
+    graph_size: int | None = None                             # the capture size replayed, None: eager
+
+
+class LayerTimer(Protocol):
+    """What `Engine.step` calls around each layer (and its all-reduce) when `run`/`bench` install one."""
+
+    def start(self, key: tuple[str, int]) -> None: ...
+    def stop(self, key: tuple[str, int]) -> None: ...
+    def seconds(self) -> dict[tuple[str, int], float]: ...     # read after the step (may synchronize)
+
+
+class WallTimer:
+    """Host wall time per key: for the CPU, where every op finishes before the next starts."""
+
+    def __init__(self) -> None:
+        self._t0: dict = {}
+        self._s: dict = {}
+
+    def start(self, key) -> None:
+        self._t0[key] = time.perf_counter()
+
+    def stop(self, key) -> None:
+        self._s[key] = self._s.get(key, 0.0) + time.perf_counter() - self._t0.pop(key)
+
+    def seconds(self) -> dict:
+        out, self._s = self._s, {}
+        return out
+
+
+class CudaTimer:
+    """CUDA events per key, read once after the step: GPU time between them, no sync inside the step."""
+
+    def __init__(self) -> None:
+        self._ev: dict = {}
+
+    def start(self, key) -> None:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self._ev[key] = [e, None]
+
+    def stop(self, key) -> None:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self._ev[key][1] = e
+
+    def seconds(self) -> dict:
+        torch.cuda.synchronize()
+        out = {k: a.elapsed_time(b) / 1e3 for k, (a, b) in self._ev.items()}
+        self._ev = {}
+        return out
+
+
+def timer_for(device: str) -> LayerTimer:
+    return CudaTimer() if device != "cpu" else WallTimer()
+
+
+FAULT_WHAT = {FAULT_SWA: "swa row", FAULT_COMPRESSED: "compressed row", FAULT_INDEXER: "indexer key"}
 
 
 class Engine:
-    def __init__(self, *, spec: ModelSpec, layers: dict[int, list], kvs: dict[int, list[LayerKV]],
-                 device: str, all_reduce: Callable[[Any], Any] | None = None) -> None:
-        self.spec, self.layers, self.kvs, self.device = spec, layers, kvs, device
+    def __init__(self, *, spec: ModelSpec, layers: dict[int, list], pools: list[KVPool], device: str,
+                 all_reduce: Callable[[Any], Any] | None = None, graphs=None) -> None:
+        self.spec, self.layers, self.pools, self.device = spec, layers, pools, device
         self.all_reduce = all_reduce
         self.lengths: dict[Hashable, int] = {}
+        self.graphs = graphs            # a graphs.StepGraphs, or None (eager only)
+        self._kernel_plans: dict[tuple[int, str], Any] = {}     # (rank, layer type) -> the last step's
 
     def add_request(self, rid: Hashable) -> None:
         if rid in self.lengths:
             raise InvalidRequest(f"request {rid!r} already exists")
         self.lengths[rid] = 0
-        for kvs in self.kvs.values():
-            for kv in kvs:
-                kv.add(rid)
+        for pool in self.pools:
+            pool.add(rid)
 
     def release(self, rid: Hashable) -> None:
         self._known(rid)
         del self.lengths[rid]
-        for kvs in self.kvs.values():
-            for kv in kvs:
-                kv.release(rid)
+        for pool in self.pools:
+            pool.release(rid)
 
     def _known(self, rid: Hashable) -> None:
         if rid not in self.lengths:
             raise InvalidRequest(f"unknown request {rid!r}; known: {sorted(map(repr, self.lengths))}")
 
     # ---- validation --------------------------------------------------------------------------
-    def _plan(self, hidden, positions, request_ids: Sequence[Hashable]) -> StepMeta:
+    def validate(self, hidden, positions, request_ids: Sequence[Hashable]) -> tuple[Segment, ...]:
+        """Every problem of the step, or its segments. Reads the inputs on the host (the only syncs of a step
+        besides the final fault check)."""
         hid = self.spec.hidden_size
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != hid \
                 or not hidden.is_floating_point():
@@ -75,6 +156,7 @@ class Engine:
         segs: list[Segment] = []
         errors: list[str] = []
         pos_list = positions.tolist()
+        finite = torch.isfinite(hidden).all(-1).tolist()
         i = 0
         while i < T:
             rid, j = request_ids[i], i
@@ -92,64 +174,152 @@ class Engine:
                 elif start + (j - i) > self.spec.max_position_embeddings:
                     errors.append(f"request {rid!r}: position {start + j - i - 1} is beyond the model's range "
                                   f"(max_position_embeddings={self.spec.max_position_embeddings})")
-                if not bool(torch.isfinite(hidden[i:j]).all()):
+                if not all(finite[i:j]):
                     errors.append(f"request {rid!r}: hidden_states contain NaN or Inf")
                 segs.append(Segment(rid=rid, start=start, offset=i, count=j - i))
             i = j
         if errors:
             raise InvalidRequest("step refused, nothing was written:\n  " + "\n  ".join(errors))
-        dev = self.device
-        seg_of = torch.repeat_interleave(torch.arange(len(segs)), torch.tensor([s.count for s in segs]))
-        return StepMeta(segments=tuple(segs), positions=positions.to(device=dev, dtype=torch.int64),
-                        segment_of_token=seg_of.to(dev))
+        return tuple(segs)
 
     # ---- the step ----------------------------------------------------------------------------
-    def step(self, hidden, positions, request_ids: Sequence[Hashable], *,
-             on_layer: Callable[[int], None] | None = None) -> StepOutput:
-        """One step; `on_layer(layer)` is called as each layer starts (progress reporting)."""
-        meta = self._plan(hidden, positions, request_ids)
-        counts = {s.rid: s.count for s in meta.segments}
-        reserved: list[tuple[LayerKV, dict]] = []
+    def step(self, hidden, positions, request_ids: Sequence[Hashable], *, timer: LayerTimer | None = None,
+             on_layer: Callable[[int], None] | None = None, eager: bool = False) -> StepOutput:
+        """One step. `timer` times each layer; `on_layer(layer)` is called as each layer is queued
+        (progress); `eager` skips the CUDA graphs."""
+        segs = self.validate(hidden, positions, request_ids)
+        spans = {s.rid: (s.start, s.start + s.count) for s in segs}
+        reserved = []
         try:
-            for kvs in self.kvs.values():
-                for kv in kvs:
-                    reserved.append((kv, kv.reserve(counts)))
-            result, states = self._forward(hidden.to(self.device), meta, on_layer)
+            for pool in self.pools:
+                reserved.append((pool, pool.reserve(spans)))
+            T = hidden.shape[0]
+            size = None if eager or self.graphs is None else self.graphs.size_for(T, self, segs)
+            if size is None:
+                result, faults = self._forward(hidden.to(self.device), segs, timer, on_layer)
+            else:
+                result, faults = self.graphs.replay(self, size, hidden, segs, timer, on_layer)
+                result.graph_size = size
+            self._raise_on_faults(faults, segs, T)
         except BaseException:
-            for kv, taken in reserved:
-                kv.rollback(taken)
+            for pool, res in reserved:
+                pool.rollback(res)
             raise
-        for layer, kvs in self.kvs.items():
-            for kv, st in zip(kvs, states[layer]):
-                for s in meta.segments:
-                    kv.commit(s.rid, s.start + s.count, {name: v for (rid, name), v in st.items() if rid == s.rid})
-        for s in meta.segments:
-            self.lengths[s.rid] = s.start + s.count
+        new = {s.rid: s.start + s.count for s in segs}
+        for pool in self.pools:
+            pool.commit(new)
+        self.lengths.update(new)
+        if timer is not None:
+            secs = timer.seconds()
+            result.seconds = {l: v for (kind, l), v in secs.items() if kind == "layer"}
+            result.reduce_seconds = {l: v for (kind, l), v in secs.items() if kind == "reduce"}
         return result
 
-    def _forward(self, x, meta: StepMeta, on_layer: Callable[[int], None] | None = None):
-        result, states = StepOutput(), {}
+    def plan_inputs(self, pool: KVPool, segs: Sequence[Segment], *, requests: int | None = None,
+                    widths: dict[str, int] | None = None) -> dict[str, Any]:
+        """The host side of a plan: query_start, seq_lens and every group's block tables as int32 numpy
+        arrays, padded to `requests` rows and `widths` pages (the capture shapes of a graph)."""
+        B = len(segs) if requests is None else requests
+        qs = np.zeros(B + 1, dtype=np.int32)
+        lens = np.zeros(B, dtype=np.int32)
+        counts = np.array([s.count for s in segs], dtype=np.int32)
+        qs[1:len(segs) + 1] = np.cumsum(counts)
+        qs[len(segs) + 1:] = qs[len(segs)]
+        lens[:len(segs)] = [s.start + s.count for s in segs]
+        out = {"query_start": qs, "seq_lens": lens}
+        for name, g in pool.groups.items():
+            rows = [g.tables[s.rid] for s in segs]
+            w = max([len(r) for r in rows] + [1]) if widths is None else widths[name]
+            tab = np.full((B, w), -1, dtype=np.int32)
+            for i, r in enumerate(rows):
+                tab[i, :len(r)] = r[:w]
+            out[name] = tab
+        return out
+
+    def build_plan(self, pool: KVPool, host: dict[str, Any], *, num_tokens: int, device: str | None = None) -> StepPlan:
+        """Copy the host arrays in one transfer and derive the plan on the device."""
+        names = list(host)
+        flat = np.concatenate([host[n].ravel() for n in names])
+        dev = torch.from_numpy(flat).to(device or self.device, non_blocking=True)
+        parts, off = {}, 0
+        for n in names:
+            size = host[n].size
+            parts[n] = dev[off:off + size].view(host[n].shape)
+            off += size
+        return plan_from_parts(pool, parts, num_tokens=num_tokens, window=self.spec.sliding_window)
+
+    def kernel_plans(self, plan: StepPlan, rank: int, *, fresh: bool = False) -> None:
+        """Each layer type's MQA kernel plan, made once per step and shared by that type's layers; the
+        previous step's is handed to the strategy (buffers it keeps), unless `fresh` (a graph capture)."""
+        for ranks in self.layers.values():
+            m = ranks[rank]
+            if m.layer_type not in plan.kernel_plans:
+                key = (rank, m.layer_type)
+                plan.kernel_plans[m.layer_type] = self._kernel_plans[key] = m.mqa_kernel.plan(
+                    tokens=plan.num_tokens, layer_type=m.layer_type,
+                    previous=None if fresh else self._kernel_plans.get(key))
+
+    def _forward(self, x, segs, timer, on_layer):
+        plans = []
+        for r, pool in enumerate(self.pools):
+            plan = self.build_plan(pool, self.plan_inputs(pool, segs), num_tokens=x.shape[0])
+            self.kernel_plans(plan, r)
+            plans.append(plan)
+        return self.run_layers(lambda layer, r: self.layers[layer][r](x, plans[r], self.pools[r].layers[layer]),
+                               timer, on_layer)
+
+    def run_layers(self, run: Callable[[int, int], Any], timer, on_layer):
+        """Every layer on every local rank (`run(layer, rank)` -> LayerStepResult), ranks summed, then the
+        all-reduce; returns (StepOutput, the layers' fault flags)."""
+        result, faults = StepOutput(), []
         for layer, ranks in self.layers.items():
             if on_layer is not None:
                 on_layer(layer)
-            t0 = time.perf_counter()
-            total, states[layer] = None, []
-            for module, kv in zip(ranks, self.kvs[layer]):
-                r = module(x, meta, kv)
-                total = r.out.float() if total is None else total + r.out.float()
-                states[layer].append(r.states)
-                if r.topk is not None:
-                    result.topk[layer] = r.topk
+            if timer is not None:
+                timer.start(("layer", layer))
+            total = None
+            for r in range(len(ranks)):
+                res = run(layer, r)
+                total = res.out.float() if total is None else total + res.out.float()
+                faults.append((layer, res.faults))
+                if res.topk is not None:
+                    result.topk[layer] = res.topk
             if self.all_reduce is not None:
-                if x.is_cuda:
-                    torch.cuda.synchronize()
-                t1 = time.perf_counter()
+                if timer is not None:
+                    timer.start(("reduce", layer))
                 total = self.all_reduce(total)
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            if self.all_reduce is not None:
-                result.reduce_seconds[layer] = now - t1
-            result.seconds[layer] = now - t0
+                if timer is not None:
+                    timer.stop(("reduce", layer))
+            if timer is not None:
+                timer.stop(("layer", layer))
             result.outputs[layer] = total
-        return result, states
+        return result, faults
+
+    def _raise_on_faults(self, faults, segs, T: int) -> None:
+        """One host read of every layer's fault flags; a non-finite row names its layer, request and position."""
+        if not faults:
+            return
+        flags = torch.stack([f[:, :T] for _, f in faults])              # [layers·ranks, 3, T]
+        if not bool(flags.any()):
+            return
+        n, kind, t = (int(v) for v in flags.nonzero()[0])
+        layer = faults[n][0]
+        seg = next(s for s in segs if s.offset <= t < s.offset + s.count)
+        pos = seg.start + t - seg.offset
+        ratio = self.spec.compress_ratio(layer)
+        where = (f"layer {layer}, request {seg.rid!r}, position {pos}" if kind == FAULT_SWA else
+                 f"layer {layer}, request {seg.rid!r}, {'indexer' if kind == FAULT_INDEXER else 'compressed'} entry "
+                 f"{(pos + 1) // ratio - 1} closed at position {pos}")
+        raise InvalidRequest(f"non-finite {FAULT_WHAT[kind]} ({where}): refused before packing it into the "
+                             f"cache; nothing of this step was kept")
+
+
+def plan_from_parts(pool: KVPool, parts: dict[str, Any], *, num_tokens: int, window: int) -> StepPlan:
+    """A StepPlan from device tensors named as `Engine.plan_inputs` names them."""
+    def table(name: str) -> PageTable:
+        return PageTable(block_size=pool.groups[name].block_size, pages=parts[name])
+
+    ratios = pool.ratios()
+    return StepPlan.build(query_start=parts["query_start"], seq_lens=parts["seq_lens"], swa=table("swa"),
+                          state={r: table(f"state{r}") for r in ratios},
+                          entries={r: table(f"entries{r}") for r in ratios}, window=window, num_tokens=num_tokens)

@@ -1,36 +1,56 @@
-"""The lightning indexer of ratio-4 layers (DSV4_SPEC §2.5): exact float32 scores, causal top-k.
+"""The lightning indexer of ratio-4 layers (DSV4_SPEC §2.5): exact float32 scores, causal top-k, batched
+over every token of a step.
 
-score[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · k_j), w = weights_proj(x) · Di^-½ · Hi^-½, over the
-compressed entries j < (p+1)//4 visible to the token at position p. The result is the local entry
-indices of the top min(K, n_visible) scores, -1 padded to K; their order does not matter.
+score[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · k_j), w = weights_proj(x) · Di^-½ · Hi^-½, over the compressed
+entries j < (p+1)//4 of the token's request (its keys on the ratio-4 entry pages). The selection is the
+local entry indices of the top min(K, visible) scores, -1 padded to K, best first (so the valid ones
+come first and their count is the list's length); its order carries no meaning beyond that.
 (Quantized fp8/fp4 scoring and the Hadamard rotation only change rounding; they are not done here.)
+
+Scores are one call over the step (our Triton kernel on a GPU, dsv4/kernels/indexer_logits.py; torch
+here, which is the CPU path and the kernel's reference) and the top-k one `torch.topk`.
 """
 from __future__ import annotations
 
+TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens at a time
+
 
 class Indexer:
-    def __init__(self, *, wq_b, weights_proj, compressor, n_heads: int, head_dim: int, topk: int,
-                 rope) -> None:
+    def __init__(self, *, wq_b, weights_proj, compressor, n_heads: int, head_dim: int, topk: int) -> None:
         self.wq_b, self.weights_proj, self.compressor = wq_b.float(), weights_proj.float(), compressor
-        self.n_heads, self.head_dim, self.topk, self.rope = n_heads, head_dim, topk, rope
+        self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
 
-    def queries(self, x, qr, positions):
-        """q [T, Hi, Di] (RoPE'd) and head weights w [T, Hi], float32."""
-        q = (qr.float() @ self.wq_b.T).view(-1, self.n_heads, self.head_dim)
-        q = self.rope.apply(q, positions)
-        w = (x.float() @ self.weights_proj.T) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
-        return q, w
+    @property
+    def weight_scale(self) -> float:
+        return self.head_dim ** -0.5 * self.n_heads ** -0.5
 
-    def scores(self, q, w, keys, positions):
-        """[T, n] float32; entries not yet visible to a token are -inf."""
+    def queries(self, q_raw, rot):
+        """q_raw [T, Hi·Di] float32 (qr @ wq_bᵀ) -> q [T, Hi, Di] float32, RoPE on the last 64 dims."""
+        return rot.rotate(q_raw.view(-1, self.n_heads, self.head_dim))
+
+    def scores(self, q, w, keys, plan):
+        """[T, width] float32 scores of every entry slot of each token's request; -inf where not visible
+        (j >= count). q [T, Hi, Di], w [T, Hi] (already scaled), keys: the PagedCache of indexer keys."""
+        ents = plan.entries[4]
+        if q.is_cuda:
+            from dsv4.kernels.indexer_logits import indexer_logits
+            return indexer_logits(q, w, keys, ents.table.pages, plan.token_request, ents.counts, width=ents.width)
         import torch
 
-        logits = (torch.einsum("thd,nd->thn", q, keys.float()).relu() * w[..., None]).sum(1)
-        visible = torch.arange(keys.shape[0], device=q.device)[None, :] < ((positions + 1) // 4)[:, None]
-        return logits.masked_fill(~visible, float("-inf"))
+        T, width = q.shape[0], ents.width
+        cols = torch.arange(width, device=q.device, dtype=torch.int32)[None, :]
+        out = torch.full((T, width), float("-inf"), dtype=torch.float32, device=q.device)
+        for t0 in range(0, T, TOKENS_PER_READ):
+            sl = slice(t0, t0 + TOKENS_PER_READ)
+            visible = cols < ents.counts[sl, None]
+            slots = ents.table.slots(plan.token_request[sl], torch.where(visible, cols, torch.full_like(cols, -1)))
+            k = keys.read(slots)                                                     # [t, width, Di]
+            logits = (torch.einsum("thd,tnd->thn", q[sl], k).relu() * w[sl, :, None]).sum(1)
+            out[sl] = logits.masked_fill(~visible, float("-inf"))
+        return out
 
     def select(self, scores):
-        """Local indices [T, K] int32 of the top min(K, visible) entries, -1 padded."""
+        """Local indices [T, K] int32 of the top min(K, visible) entries, best first, -1 padded."""
         import torch
 
         T, n = scores.shape

@@ -1,18 +1,26 @@
-"""The paged KV pool of one layer on one rank: SWA cache, compressed cache, indexer key cache.
+"""The paged caches of one tensor-parallel rank: page groups shared by every layer, each layer's storage.
 
-Each cache is pages of `block_size` rows in a `CacheLayout`, handed out by its own allocator; a
-request owns a block table per cache (logical page -> physical page, -1 once freed). Slot ids follow
-vLLM: `slot = table[idx // block_size] * block_size + idx % block_size`, idx being the raw position
-(SWA) or the compressed entry index (compressed caches). SWA pages wholly behind the window are
-freed when a step commits, so SWA memory per request is bounded by the window.
+A page group hands out pages of `block_size` rows and keeps one block table per request (logical
+page -> physical page, -1 where none). Every layer of the rank addresses its rows through the same
+tables, as serving engines share one block table per KV-cache group:
 
-Steps are two-phase: `reserve` takes pages for the new tokens (or raises before taking any),
-`commit` makes the new length and compressor states current, `rollback` undoes a reservation.
+- `swa`: one row per token position; a layer's SWA KV row. Pages wholly behind the sliding window are
+  freed when a step commits, so SWA memory per request is bounded by the window.
+- `state[R]`: one row per token position, the compressor's (candidate, gate) rows of ratio-R layers.
+  Only the rows a later step can reach are written (the last coff·R positions of a request): the rows
+  of the step's own tokens are read from the step's projection, so these pages stay at most two per
+  request whatever the step's size.
+- `entries[R]`: one row per compressed entry (every R positions); the compressed KV rows of ratio-R
+  layers and, at ratio 4, the indexer keys. Never freed while the request lives.
+
+Steps are two-phase: `reserve` takes the pages the new tokens need (or raises before taking any),
+`commit` frees what fell behind, `rollback` returns a reservation. Slot ids follow vLLM:
+`slot = table[row // block_size] * block_size + row % block_size`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Hashable
 
 from dsv4.errors import InvalidRequest
 
@@ -31,41 +39,106 @@ class BlockAllocator:
     def take(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"internal: took {n} pages with {len(self._free)} free")
-        out = [self._free.pop() for _ in range(n)]
-        return out
+        return [self._free.pop() for _ in range(n)]
 
     def give(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RowRule:
+    """Which rows of a request a page group holds, as a function of the request's length.
+
+    per: positions per row (1: one row per token; R: one per compressed entry, closed at position jR+R-1).
+    keep: positions a later step still reads behind the length (None: every row, for the request's life).
+    tail_only: a step writes only the rows still kept after it (the step's other rows are read from the
+    step itself); otherwise it writes every new row.
+    """
+    per: int = 1
+    keep: int | None = None
+    tail_only: bool = False
+
+    def rows(self, length: int) -> int:
+        return length // self.per
+
+    def first_kept(self, length: int) -> int:
+        """The first row any later step reads, for a request of `length` tokens."""
+        return 0 if self.keep is None else max(0, length - self.keep + 1)
+
+    def first_written(self, start: int, new_len: int) -> int:
+        """The first row a step from `start` to `new_len` writes."""
+        return max(self.rows(start), self.first_kept(new_len)) if self.tail_only else self.rows(start)
+
+
+class PageGroup:
+    """Pages of `block_size` rows and each request's block table in them."""
+
+    def __init__(self, *, name: str, block_size: int, num_blocks: int, rule: RowRule, knob: str) -> None:
+        if block_size < 1 or num_blocks < 1:
+            raise ValueError(f"{name} pages: block_size and num_blocks must be >= 1, got {block_size}, {num_blocks}")
+        self.name, self.block_size, self.rule, self.knob = name, block_size, rule, knob
+        self.allocator = BlockAllocator(num_blocks)
+        self.tables: dict[Hashable, list[int]] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def live_pages(self, rid: Hashable) -> int:
+        return sum(1 for b in self.tables[rid] if b >= 0)
+
+    def _missing(self, rid: Hashable, start: int, new_len: int) -> list[int]:
+        """Logical pages that rows the step writes fall in and that have no physical page yet."""
+        bs, table = self.block_size, self.tables[rid]
+        lo = self.rule.first_written(start, new_len) // bs
+        hi = -(-self.rule.rows(new_len) // bs)
+        return [p for p in range(lo, hi) if p >= len(table) or table[p] < 0]
+
+    def pages_needed(self, rid: Hashable, start: int, new_len: int) -> int:
+        return len(self._missing(rid, start, new_len))
+
+    def take(self, rid: Hashable, start: int, new_len: int) -> tuple[int, list[int]]:
+        """Give `rid` the pages its rows of the step need; returns (old table length, logical pages given)."""
+        table, old = self.tables[rid], len(self.tables[rid])
+        want = self._missing(rid, start, new_len)
+        if want and want[-1] >= len(table):
+            table.extend([-1] * (want[-1] + 1 - len(table)))
+        for p, b in zip(want, self.allocator.take(len(want))):
+            table[p] = b
+        return old, want
+
+    def untake(self, rid: Hashable, taken: tuple[int, list[int]]) -> None:
+        old, pages = taken
+        table = self.tables[rid]
+        self.allocator.give([table[p] for p in pages])
+        for p in pages:
+            table[p] = -1
+        del table[old:]
+
+    def free_behind(self, rid: Hashable, length: int) -> None:
+        """Free pages wholly before the first row a later step reads."""
+        table = self.tables[rid]
+        for p in range(min(len(table), self.rule.first_kept(length) // self.block_size)):
+            if table[p] >= 0:
+                self.allocator.give([table[p]])
+                table[p] = -1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PagedCache:
-    """One cache: storage in a layout, its page size and allocator."""
+    """One cache of one layer: storage in a layout, on a page group's pages (slot = page·B + offset)."""
     name: str
     layout: Any                 # CacheLayout
-    data: Any                   # layout.allocate(...)
+    data: Any                   # layout.allocate(...): one leading page dimension
     block_size: int
     head_dim: int
-    allocator: BlockAllocator
 
-    def write(self, slots, rows, *, where: Callable[[int], str] | None = None) -> None:
-        """Store rows at global slots (-1: skip). Refuses slot ids outside the pool and non-finite
-        rows before writing anything: a NaN must never be packed into a shared page (with fp8
-        layouts it would also poison the scale of its whole 64-dim block). `where(i)` names row i."""
-        import torch
-
-        outside = (slots < -1) | (slots >= self.num_slots)
-        # layouts that store the bf16 value: no overflow to inf either (a non-finite row stays so in bf16)
-        stored = rows if self.layout.kv_row_dtype == "float32" else rows.bfloat16()
-        bad = (slots >= 0) & ~torch.isfinite(stored).all(-1)
-        any_outside, any_bad = torch.stack((outside.any(), bad.any())).tolist()     # one device sync
-        if any_outside:
-            raise InvalidRequest(f"{self.name} cache: slot ids {slots[outside][:5].tolist()} are outside the pool "
-                                 f"[0, {self.num_slots}) (-1 = skip); nothing was written")
-        if any_bad:
-            i = int(torch.nonzero(bad)[0])
-            raise InvalidRequest(f"non-finite {self.name} row ({where(i) if where else f'row {i}'}): refused "
-                                 f"before packing it into the cache; nothing of this step was kept")
+    def write(self, slots, rows) -> None:
+        """Store rows at global slots (-1: skip), through the layout."""
         self.layout.write(self.data, slots, rows, block_size=self.block_size)
 
     def read(self, slots):
@@ -73,173 +146,120 @@ class PagedCache:
 
     @property
     def num_slots(self) -> int:
-        return self.allocator.num_blocks * self.block_size
+        return self.data.shape[0] * self.block_size
 
     @property
     def page_bytes(self) -> int:
         return self.layout.page_bytes(self.block_size, self.head_dim)
 
 
-@dataclass(slots=True)
-class RequestKV:
-    seq_len: int = 0
-    tables: dict[str, list[int]] = field(default_factory=dict)    # cache name -> physical pages
-    states: dict[str, Any] = field(default_factory=dict)          # compressor name -> state
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateRows:
+    """One compressor's rows on state pages: [slots, 2·width] float32, the candidate then the gate
+    logits (+ APE) of a token position, width = coff·head_dim."""
+    data: Any
+    block_size: int
+    width: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Segment:
-    """The tokens of one request in a step: batch rows [offset, offset+count), positions from start."""
-    rid: Hashable
-    start: int
-    offset: int
-    count: int
+class LayerCaches:
+    """Everything one layer stores between steps, by role (rows addressed through the step plan)."""
+    ratio: int                                    # the layer's compress ratio (1: SWA-only)
+    swa: PagedCache                               # SWA KV rows, on `swa` pages
+    compressed: PagedCache | None = None          # compressed KV rows, on `entries[ratio]` pages
+    indexer_keys: PagedCache | None = None        # ratio 4: indexer keys, on `entries[4]` pages
+    state: StateRows | None = None                # the compressor's rows, on `state[ratio]` pages
+    indexer_state: StateRows | None = None        # ratio 4: the indexer compressor's rows, on `state[4]`
+
+    def caches(self) -> tuple[PagedCache, ...]:
+        return tuple(c for c in (self.swa, self.compressed, self.indexer_keys) if c is not None)
+
+    def tensors(self) -> tuple:
+        states = tuple(s.data for s in (self.state, self.indexer_state) if s is not None)
+        return tuple(c.data for c in self.caches()) + states
+
+
+@dataclass(slots=True)
+class Reservation:
+    """What `reserve` took, to return it on rollback: per group and request, what `PageGroup.take` gave."""
+    taken: dict[str, dict[Hashable, tuple[int, list[int]]]] = field(default_factory=dict)
+
+
+class KVPool:
+    """One rank's page groups and its layers' caches on them.
+
+    `groups` holds `swa` and, for the compress ratios present, `state{R}` and `entries{R}`."""
+
+    def __init__(self, *, groups: dict[str, PageGroup], layers: dict[int, LayerCaches], window: int) -> None:
+        self.groups, self.layers, self.window = groups, layers, window
 
     @property
-    def rows(self) -> slice:
-        return slice(self.offset, self.offset + self.count)
+    def swa(self) -> PageGroup:
+        return self.groups["swa"]
 
+    def state(self, ratio: int) -> PageGroup | None:
+        return self.groups.get(f"state{ratio}")
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StepMeta:
-    segments: tuple[Segment, ...]
-    positions: Any              # [T] int64
-    segment_of_token: Any       # [T] int64, index into segments
-    scratch: dict = field(default_factory=dict)    # per-step plans of kernels (see SparseKV.scratch)
+    def entries(self, ratio: int) -> PageGroup | None:
+        return self.groups.get(f"entries{ratio}")
 
-
-class LayerKV:
-    """The caches of one layer (one rank) and every request's tables in them."""
-
-    def __init__(self, *, ratio: int, window: int, swa: PagedCache, compressed: PagedCache | None = None,
-                 indexer: PagedCache | None = None) -> None:
-        self.ratio, self.window = ratio, window
-        self.caches = {c.name: c for c in (swa, compressed, indexer) if c is not None}
-        self.requests: dict[Hashable, RequestKV] = {}
+    def ratios(self) -> tuple[int, ...]:
+        return tuple(sorted(int(n[len("entries"):]) for n in self.groups if n.startswith("entries")))
 
     # ---- requests ------------------------------------------------------------------------
     def add(self, rid: Hashable) -> None:
-        self.requests[rid] = RequestKV(tables={n: [] for n in self.caches})
+        for g in self.groups.values():
+            g.tables[rid] = []
 
     def release(self, rid: Hashable) -> None:
-        req = self.requests.pop(rid)
-        for name, table in req.tables.items():
-            self.caches[name].allocator.give([b for b in table if b >= 0])
+        for g in self.groups.values():
+            g.allocator.give([b for b in g.tables.pop(rid) if b >= 0])
 
     # ---- two-phase step ------------------------------------------------------------------
-    def _entries_after(self, name: str, new_len: int) -> int:
-        """How many rows of cache `name` a request of `new_len` tokens has written."""
-        return new_len if name == "swa" else new_len // self.ratio
-
-    def pages_needed(self, rid: Hashable, new_tokens: int) -> dict[str, int]:
-        req = self.requests[rid]
-        out = {}
-        for name, cache in self.caches.items():
-            rows = self._entries_after(name, req.seq_len + new_tokens)
-            out[name] = max(0, -(-rows // cache.block_size) - len(req.tables[name]))
-        return out
-
-    def reserve(self, counts: dict[Hashable, int]) -> dict[Hashable, dict[str, int]]:
-        """Take the pages `counts` (rid -> new tokens) need, or raise InvalidRequest taking none."""
-        need = {rid: self.pages_needed(rid, n) for rid, n in counts.items()}
-        for name, cache in self.caches.items():
-            total = sum(n[name] for n in need.values())
-            if total > cache.allocator.num_free:
-                big = {rid: n[name] + self._live_pages(rid, name) for rid, n in need.items()
-                       if n[name] + self._live_pages(rid, name) > cache.allocator.num_blocks}
+    def reserve(self, spans: dict[Hashable, tuple[int, int]]) -> Reservation:
+        """Take the pages `spans` (rid -> (start, new_len)) need, or raise InvalidRequest taking none."""
+        for g in self.groups.values():
+            need = {rid: g.pages_needed(rid, s, n) for rid, (s, n) in spans.items()}
+            total = sum(need.values())
+            if total > g.allocator.num_free:
+                big = {rid: k + g.live_pages(rid) for rid, k in need.items()
+                       if k + g.live_pages(rid) > g.num_blocks}
                 who = ("; ".join(f"request {rid!r} needs {k} pages" for rid, k in big.items())
-                       + " of the " + name + " cache, more than the whole pool" if big
-                       else f"the step needs {total} new pages of the {name} cache")
-                knob = "swa_blocks" if name == "swa" else "compressed_blocks"
+                       + f" of the {g.name} cache, more than the whole pool" if big
+                       else f"the step needs {total} new pages of the {g.name} cache")
                 raise InvalidRequest(
-                    f"KV pool full: {who} ({cache.allocator.num_free} of {cache.allocator.num_blocks} pages of "
-                    f"{cache.block_size} rows free); raise workload.kv_pool.{knob} or shorten the request "
-                    f"(a prefill chunk's SWA pages are held until the step ends). Nothing was written.")
-        for rid, n in need.items():
-            for name, k in n.items():
-                self.requests[rid].tables[name].extend(self.caches[name].allocator.take(k))
-        return need
+                    f"KV pool full: {who} ({g.allocator.num_free} of {g.num_blocks} pages of {g.block_size} rows "
+                    f"free); raise workload.kv_pool.{g.knob} or shorten the request (a prefill chunk's SWA pages "
+                    f"are held until the step ends). Nothing was written.")
+        res = Reservation()
+        for name, g in self.groups.items():
+            res.taken[name] = {rid: g.take(rid, s, n) for rid, (s, n) in spans.items()}
+        return res
 
-    def rollback(self, taken: dict[Hashable, dict[str, int]]) -> None:
-        for rid, n in taken.items():
-            for name, k in n.items():
-                if k:
-                    table = self.requests[rid].tables[name]
-                    self.caches[name].allocator.give(table[-k:])
-                    del table[-k:]
+    def rollback(self, res: Reservation) -> None:
+        for name, per in res.taken.items():
+            g = self.groups[name]
+            for rid, taken in per.items():
+                g.untake(rid, taken)
 
-    def commit(self, rid: Hashable, new_len: int, states: dict[str, Any]) -> None:
-        req = self.requests[rid]
-        req.seq_len = new_len
-        req.states.update(states)
-        swa = self.caches["swa"]
-        first_needed = max(0, new_len - self.window + 1)      # lowest position a future query reads
-        table = req.tables["swa"]
-        for b in range(min(len(table), first_needed // swa.block_size)):
-            if table[b] >= 0:
-                swa.allocator.give([table[b]])
-                table[b] = -1
-
-    def _live_pages(self, rid: Hashable, name: str) -> int:
-        return sum(1 for b in self.requests[rid].tables[name] if b >= 0)
-
-    # ---- addressing ----------------------------------------------------------------------
-    def _token_tables(self, name: str, meta: StepMeta):
-        """Each token's block table [T, width] (-1 padded), built once per step and cache: the tables
-        do not change between reserve and commit, and a layer addresses its SWA cache twice."""
-        import torch
-
-        key = ("block_tables", id(self), name)
-        if key not in meta.scratch:
-            tables = [self.requests[s.rid].tables[name] for s in meta.segments]
-            width = max(1, max(len(t) for t in tables))
-            padded = [t + [-1] * (width - len(t)) for t in tables]      # one host-to-device copy
-            tab = torch.tensor(padded, dtype=torch.int64, device=meta.positions.device)
-            meta.scratch[key] = tab[meta.segment_of_token]
-        return meta.scratch[key]
-
-    def global_slots(self, name: str, meta: StepMeta, local):
-        """Global slot ids for per-token local row indices `local` [T, N] (-1 stays -1)."""
-        import torch
-
-        bs = self.caches[name].block_size
-        tab = self._token_tables(name, meta)
-        logical = local.clamp(min=0) // bs
-        page = tab.gather(1, logical.clamp(max=tab.shape[1] - 1))
-        page = torch.where(logical < tab.shape[1], page, torch.full_like(page, -1))   # past the table: no page
-        slots = page * bs + local.clamp(min=0) % bs
-        ok = (local >= 0) & (page >= 0)
-        if bool(((local >= 0) & (page < 0)).any()):
-            raise RuntimeError(f"internal: {name} row without a page (freed or never reserved)")
-        return torch.where(ok, slots, torch.full_like(slots, -1)).to(torch.int32)
-
-    def swa_write_slots(self, meta: StepMeta):
-        return self.global_slots("swa", meta, meta.positions[:, None])[:, 0]
-
-    def swa_indices(self, meta: StepMeta):
-        """Per token the window's positions max(0, p-W+1)..p as global SWA slots, and the count."""
-        import torch
-
-        p = meta.positions
-        lo = (p - self.window + 1).clamp(min=0)
-        local = lo[:, None] + torch.arange(self.window, device=p.device)[None, :]
-        local = torch.where(local <= p[:, None], local, torch.full_like(local, -1))
-        lens = torch.minimum(p + 1, torch.full_like(p, self.window)).to(torch.int32)
-        return self.global_slots("swa", meta, local), lens
-
-    def request_rows(self, name: str, rid: Hashable, count: int):
-        """Global slots of rows 0..count-1 of one request's cache `name` (for reading them back)."""
-        import torch
-
-        cache = self.caches[name]
-        bs, dev = cache.block_size, cache.data.device
-        table = self.requests[rid].tables[name]
-        pages = -(-count // bs)
-        if pages > len(table) or any(b < 0 for b in table[:pages]):
-            raise RuntimeError(f"internal: rows 0..{count - 1} of {name} are not all in live pages")
-        idx = torch.arange(count, device=dev)
-        return (torch.tensor(table[:pages] or [0], dtype=torch.int64, device=dev)[idx // bs] * bs + idx % bs).to(torch.int32)
+    def commit(self, lengths: dict[Hashable, int]) -> None:
+        """The step's requests now have `lengths`: free every page no later step reads."""
+        for g in self.groups.values():
+            if g.rule.keep is not None:
+                for rid, n in lengths.items():
+                    g.free_behind(rid, n)
 
     # ---- accounting ----------------------------------------------------------------------
-    def bytes_in_use(self) -> int:
-        return sum(c.page_bytes * (c.allocator.num_blocks - c.allocator.num_free) for c in self.caches.values())
+    def bytes_in_use(self, layer: int) -> int:
+        """Bytes of `layer`'s storage in pages some request holds."""
+        c = self.layers[layer]
+        used = {name: g.num_blocks - g.allocator.num_free for name, g in self.groups.items()}
+        total = c.swa.page_bytes * used["swa"]
+        for cache in (c.compressed, c.indexer_keys):
+            if cache is not None:
+                total += cache.page_bytes * used[f"entries{c.ratio}"]
+        for st in (c.state, c.indexer_state):
+            if st is not None:
+                total += st.block_size * 2 * st.width * 4 * used[f"state{c.ratio}"]
+        return total

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from dsv4.spec import ModelSpec
 
@@ -54,6 +55,29 @@ def _freq_tensor(freqs: tuple[float, ...], device):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RopeRows:
+    """cos, sin [T, 32] float32 of one RoPE table at T positions: what rotating T rows needs. A step
+    plan makes them once per table and step (`StepPlan.rope_rows`); kernels take them as they are."""
+    cos: Any
+    sin: Any
+
+    def rotate(self, x, *, inverse: bool = False):
+        """Rotate x[..., -64:] (x is [T, ..., D]). Returns float32."""
+        import torch
+
+        c, s = self.cos, self.sin
+        while c.dim() < x.dim():                     # broadcast over head dims
+            c, s = c.unsqueeze(-2), s.unsqueeze(-2)
+        if inverse:
+            s = -s
+        xf = x.float()
+        pairs = xf[..., -ROPE_DIM:].unflatten(-1, (ROPE_DIM // 2, 2))
+        ev, od = pairs[..., 0], pairs[..., 1]
+        rot = torch.stack((ev * c - od * s, od * c + ev * s), -1).flatten(-2)
+        return torch.cat((xf[..., :-ROPE_DIM], rot), -1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Rope:
     freqs: tuple[float, ...]     # 32 pair frequencies
 
@@ -68,6 +92,10 @@ class Rope:
         ang = positions.to(torch.float64)[..., None] * _freq_tensor(self.freqs, positions.device)
         return ang.cos().float(), ang.sin().float()
 
+    def at(self, positions) -> RopeRows:
+        c, s = self.cos_sin(positions)
+        return RopeRows(cos=c, sin=s)
+
     def cos_sin_cache(self, num_positions: int, device: str = "cpu"):
         """[num_positions, 64] float32 = [cos ‖ sin], the table vendor kernels take."""
         import torch
@@ -77,15 +105,4 @@ class Rope:
 
     def apply(self, x, positions, *, inverse: bool = False):
         """Rotate x[..., -64:] at `positions` ([T]; x is [T, ..., D]). Returns float32."""
-        import torch
-
-        c, s = self.cos_sin(positions)
-        while c.dim() < x.dim():                     # broadcast over head dims
-            c, s = c.unsqueeze(-2), s.unsqueeze(-2)
-        if inverse:
-            s = -s
-        xf = x.float()
-        pairs = xf[..., -ROPE_DIM:].unflatten(-1, (ROPE_DIM // 2, 2))
-        ev, od = pairs[..., 0], pairs[..., 1]
-        rot = torch.stack((ev * c - od * s, od * c + ev * s), -1).flatten(-2)
-        return torch.cat((xf[..., :-ROPE_DIM], rot), -1)
+        return self.at(positions).rotate(x, inverse=inverse)

@@ -207,7 +207,8 @@ class AiterSparseMQA:
         fmts = frozenset({fmt}) if fmt else frozenset(FP8_FORMAT.values())
         return Needs(platforms=frozenset({"rocm"}), archs=frozenset(FP8_FORMAT),
                      cache_layouts=frozenset(RECORD[f] for f in fmts), padded_heads=PADDED_HEADS,
-                     dtypes=frozenset({"bfloat16"}), modules=(("aiter", "amd-aiter"),), fp8_formats=fmts)
+                     dtypes=frozenset({"bfloat16"}), modules=(("aiter", "amd-aiter"),), fp8_formats=fmts,
+                     graphs=False)      # the attended rows are gathered by torch.unique, which reads sizes
 
     def prepare(self, *, device) -> dict[str, Any]:
         fmt = FP8_FORMAT.get(device.arch)
@@ -216,7 +217,10 @@ class AiterSparseMQA:
                              "fix: mqa_kernel=reference")
         return {"fp8_format": fmt}
 
-    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None):
+    def plan(self, *, tokens: int, layer_type: str, previous=None) -> None:
+        return None
+
+    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None, plan=None):
         import importlib
 
         if prepared is None:
@@ -236,12 +240,12 @@ class AiterSparseMQA:
 
 
 # ---- o_proj=rocm_bf16 -------------------------------------------------------------------------------
-def grouped_input(o, positions, rope, groups: int):
+def grouped_input(o, rot, groups: int):
     """Inverse RoPE on o [T, H, 512] (float32 math), bf16, per output group: -> [G, T, hpg·512] bf16
     contiguous, batch = group (the XQ of batched_gemm_bf16)."""
     import torch
 
-    x = rope.apply(o, positions, inverse=True).to(torch.bfloat16)
+    x = rot.rotate(o, inverse=True).to(torch.bfloat16)
     return x.reshape(x.shape[0], groups, -1).transpose(0, 1).contiguous()
 
 
@@ -262,7 +266,7 @@ class RocmBf16OProj:
         return {"wo_a": wa.view(g, wa.shape[0] // g, wa.shape[1]).contiguous(),       # WQ [G, o_lora, hpg·D]
                 "wo_b": weights.wo_b.to(device=device.torch_device, dtype=torch.bfloat16)}
 
-    def __call__(self, o, positions, *, rope, prepared):
+    def __call__(self, o, rot, *, prepared):
         import importlib
 
         import torch
@@ -271,5 +275,5 @@ class RocmBf16OProj:
         if o.shape[0] == 0:
             return o.new_zeros(0, wb.shape[0], dtype=torch.bfloat16)
         bgemm = importlib.import_module("aiter.ops.triton.batched_gemm_bf16").batched_gemm_bf16
-        z = bgemm(grouped_input(o, positions, rope, wa.shape[0]), wa, dtype=torch.bfloat16)   # [G, T, o_lora]
+        z = bgemm(grouped_input(o, rot, wa.shape[0]), wa, dtype=torch.bfloat16)   # [G, T, o_lora]
         return z.transpose(0, 1).reshape(o.shape[0], -1) @ wb.T

@@ -1,8 +1,10 @@
 """CacheLayout options: how one 512-dim latent KV row is stored in a paged cache.
 
 Storage is always a tensor with one leading page dimension; `write`/`read` address rows by global
-slot id (`page * block_size + offset`), so a byte-packed layout (fp8_ds_mla, 584 B/token with
-page-level regions) fits the same Protocol as these plain rows.
+slot id (`page * block_size + offset`, -1 = skip), so a byte-packed layout (fp8_ds_mla, 584 B/token
+with page-level regions) fits the same Protocol as these plain rows. On a GPU, writes never read a
+value on the host (a layer's step is captured in CUDA graphs): our Triton writers where a layout has
+one (dsv4/kernels/cache_write.py), else the sync-free scatter of `kept_rows`.
 """
 from __future__ import annotations
 
@@ -11,6 +13,19 @@ from dataclasses import dataclass
 from dsv4.strategies.protocols import Needs
 
 _ROW_DTYPES = {"float32": 4, "bfloat16": 2}
+
+
+def kept_rows(slots):
+    """For a scatter that must not read how many rows are kept (a GPU step): the row each of `slots`
+    takes its slot and values from -- itself if kept (slot >= 0), else the first kept row, so a
+    skipped row writes that row's bytes again --, and whether any row is kept (if none, a caller writes
+    back what its target already holds). -> (src [N] int64, any_kept 0-d bool)."""
+    import torch
+
+    keep = slots >= 0
+    first = keep.to(torch.int8).argmax()
+    src = torch.where(keep, torch.arange(slots.shape[0], device=slots.device), first)
+    return src, keep.any()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +58,10 @@ class PlainRowLayout:
         return torch.zeros(num_blocks, block_size, head_dim, dtype=torch_dtype(self.dtype), device=device)
 
     def write(self, cache, slots, rows, *, block_size: int) -> None:
+        if cache.is_cuda:
+            from dsv4.kernels.cache_write import write_rows_kernel
+            write_rows_kernel(cache, slots, rows)
+            return
         flat = cache.view(-1, cache.shape[-1])
         keep = slots >= 0
         flat[slots[keep].long()] = rows[keep].to(flat.dtype)

@@ -28,8 +28,10 @@ pool and column below the length, as ReferenceMQA reads them -- in their order, 
 exact counts.
 
 The API returns no log-sum-exp, so this strategy returns None in its place (the layer does not use it).
-The 128 MiB workspace is allocated zeroed on the first call and kept in the step's scratch (shared by the
-layers of a step), or in the prepared state when a call has no scratch.
+The 128 MiB workspace is the strategy's per-step plan: allocated zeroed for the first step and handed on
+to every later one (`plan(previous=...)`), shared by all layers; a call without a plan makes its own.
+Not run on hardware: that FlashInfer's call can be captured in a CUDA graph is vLLM's use of it, not
+something tested here.
 
 Everything but `__call__` is pure marshalling, importable and testable without flashinfer
 (tests/test_flashinfer_marshalling.py runs `__call__` end to end against a torch model of the API's
@@ -37,7 +39,7 @@ documented contract).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4.strategies.flashmla import fp8_ds_mla_pages
@@ -225,6 +227,12 @@ def call_args(q, kv: SparseKV, *, sink, scale: float, mode: str, workspace, out=
     return args
 
 
+@dataclass(slots=True)
+class FlashInferPlan:
+    """The kernel's zeroed workspace, made once and handed from step to step."""
+    workspace: Any = field(default=None)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FlashInferSparse:
     name: str = "flashinfer_sparse"
@@ -243,21 +251,22 @@ class FlashInferSparse:
         if mode is None:
             raise ValueError(f"mqa_kernel=flashinfer_sparse runs on sm100/sm103 (TRTLLM-gen) or sm120/sm121, "
                              f"not {device.describe()}; fix: mqa_kernel=reference")
-        return {"mode": mode, "workspace_bytes": WORKSPACE_BYTES, "buffers": {}}
+        return {"mode": mode, "workspace_bytes": WORKSPACE_BYTES}
 
-    def workspace(self, kv: SparseKV, prepared: dict[str, Any], device):
-        """The zeroed workspace, made on first use: in the step's scratch (one for every layer of the
-        step), else in this layer's prepared state."""
+    def plan(self, *, tokens: int, layer_type: str, previous: "FlashInferPlan | None" = None) -> "FlashInferPlan":
+        return previous if previous is not None else FlashInferPlan()
+
+    @staticmethod
+    def workspace(plan: "FlashInferPlan | None", prepared: dict[str, Any], device):
+        """The zeroed workspace, made on first use and kept in the plan (every layer of every step)."""
         import torch
 
-        store = kv.scratch if kv.scratch is not None else prepared["buffers"]
-        key = ("flashinfer_workspace", str(device))
-        ws = store.get(key)
-        if ws is None:
-            ws = store[key] = torch.zeros(prepared["workspace_bytes"], dtype=torch.int8, device=device)
-        return ws
+        plan = plan if plan is not None else FlashInferPlan()
+        if plan.workspace is None:
+            plan.workspace = torch.zeros(prepared["workspace_bytes"], dtype=torch.int8, device=device)
+        return plan.workspace
 
-    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None):
+    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None, plan: "FlashInferPlan | None" = None):
         import importlib
 
         if prepared is None:
@@ -266,7 +275,7 @@ class FlashInferSparse:
             return q.new_zeros(q.shape), None
         decode = importlib.import_module("flashinfer.mla").trtllm_batch_decode_sparse_mla_dsv4
         args = call_args(q, kv, sink=sink, scale=scale, mode=prepared["mode"],
-                         workspace=self.workspace(kv, prepared, q.device))
+                         workspace=self.workspace(plan, prepared, q.device))
         out = decode(**args)
         if prepared["mode"] == "trtllm_combined":         # queries with no row read a placeholder: 0 instead
             out.masked_fill_(no_rows(kv)[:, None, None], 0)

@@ -3,9 +3,11 @@
 Every query token is one batch row (s_q = 1) of `flash_mla_with_kvcache` reading the fp8_ds_mla pages
 directly: the SWA cache through `indices`/`topk_length`, the compressed cache as the "extra" cache
 through `extra_indices_in_kvcache`/`extra_topk_length`, with the attention sink (DSV4_SPEC §4.2). The
-tile-scheduler metadata is made empty once per layer type per step, filled by the first call and
-reused by the other layers of that type in the step (the API requires identical shapes and lengths,
-which layers of one type in one step have). On sm90 the kernels are the package's legacy ones.
+tile-scheduler metadata is the strategy's per-step plan: made empty once per layer type per step
+(`plan`), filled by the first call and reused by the other layers of that type in the step (the API
+requires identical shapes and lengths, which layers of one type in one step have). In a CUDA graph the
+first layer's captured call recomputes it on every replay. On sm90 the kernels are the package's
+legacy ones.
 
 Prefill tokens go through the same decode kernel by default: it reads the fp8 pages in place, while
 `flash_mla_sparse_fwd` first needs the referenced rows dequantized into a bf16 workspace
@@ -14,7 +16,7 @@ benchmark decides which is faster on a machine).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4.strategies.protocols import Needs, SparseKV
@@ -39,6 +41,12 @@ def fp8_ds_mla_pages(cache):
     return cache.data[:, : B * 584].view(cache.data.shape[0], B, 1, 584)
 
 
+@dataclass(slots=True)
+class FlashMLAPlan:
+    """One step's tile-scheduler metadata for one layer type (flash_mla.FlashMLASchedMeta)."""
+    sched: Any = field(default=None)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FlashMLASparse:
     name: str = "flashmla_sparse"
@@ -47,12 +55,18 @@ class FlashMLASparse:
     def needs(self, device) -> Needs:
         return Needs(platforms=frozenset({"cuda"}), archs=frozenset({"sm90", "sm100"}),
                      cache_layouts=frozenset({"fp8_ds_mla"}), padded_heads=frozenset({64, 128}),
-                     dtypes=frozenset({"bfloat16"}), modules=(("flash_mla", "sgl-flash-mla"),))
+                     dtypes=frozenset({"bfloat16"}), modules=(("flash_mla", "sgl-flash-mla"),),
+                     graphs=not self.prefill_gather_min_tokens)    # the gather path sizes its rows by torch.unique
 
     def prepare(self, *, device) -> dict[str, Any]:
         return {"use_legacy": device.arch == "sm90"}       # sm90 runs the package's legacy kernels
 
-    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None):
+    def plan(self, *, tokens: int, layer_type: str, previous=None) -> FlashMLAPlan:
+        import flash_mla
+
+        return FlashMLAPlan(sched=flash_mla.get_mla_metadata()[0])
+
+    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None, plan: FlashMLAPlan | None = None):
         if self.prefill_gather_min_tokens and q.shape[0] >= self.prefill_gather_min_tokens:
             return self._gather_prefill(q, kv, sink=sink, scale=scale, prepared=prepared)
         import flash_mla
@@ -65,12 +79,7 @@ class FlashMLASparse:
             extra = dict(extra_k_cache=fp8_ds_mla_pages(kv.extra),
                          extra_indices_in_kvcache=_pad_width(kv.extra_indices).unsqueeze(1),
                          extra_topk_length=kv.extra_lens.contiguous())
-        key = ("flashmla_sched", kv.layer_type, tuple(q.shape), idx.shape[1],
-               None if kv.extra is None else extra["extra_indices_in_kvcache"].shape[-1])
-        scratch = kv.scratch if kv.scratch is not None else {}
-        sched = scratch.get(key)
-        if sched is None:
-            sched = scratch[key] = flash_mla.get_mla_metadata()[0]
+        sched = plan.sched if plan is not None else flash_mla.get_mla_metadata()[0]    # no plan: this call alone
         out, lse = flash_mla.flash_mla_with_kvcache(
             q.to(torch.bfloat16).unsqueeze(1).contiguous(), fp8_ds_mla_pages(kv.swa), None, None, 512, sched,
             softmax_scale=scale, is_fp8_kvcache=True, indices=idx.unsqueeze(1), attn_sink=sink.float().contiguous(),

@@ -73,6 +73,10 @@ class Fp8DsMlaFnuzLayout:
         return decode_records(data, scales, torch.float8_e4m3fnuz)
 
     def write(self, cache, slots, rows, *, block_size: int) -> None:
+        if cache.is_cuda:
+            from dsv4.kernels.cache_write import write_fp8_ds_mla_kernel
+            write_fp8_ds_mla_kernel(cache, slots, rows, block_size=block_size, fnuz=True)
+            return
         write_records(self, cache, slots, rows, block_size=block_size)
 
     def read(self, cache, slots, *, block_size: int):

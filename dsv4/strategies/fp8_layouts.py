@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsv4.strategies.cache_layout import kept_rows
 from dsv4.strategies.protocols import Needs
 
 E4M3_MAX = 448.0
@@ -47,13 +48,24 @@ def decode_records(data, scales, fp8, *, nope_dim: int = NOPE_BYTES, tile: int =
 
 
 def write_records(layout, cache, slots, rows, *, block_size: int) -> None:
-    """Pack rows with `layout.pack` into their slots (-1: skip) of fp8_ds_mla-geometry pages."""
-    keep = (slots >= 0).nonzero().squeeze(-1)          # one device sync; zero rows pack and write nothing
-    data, scales = layout.pack(rows.index_select(0, keep))
-    di, si = record_offsets(cache, slots.index_select(0, keep), block_size, data.shape[-1], scales.shape[-1])
+    """Pack rows with `layout.pack` into their slots (-1: skip) of fp8_ds_mla-geometry pages: on the CPU
+    the kept rows only, on a GPU every row sync-free (`kept_rows`)."""
+    import torch
+
     flat = cache.view(-1)
-    flat[di] = data
-    flat[si] = scales
+    if not cache.is_cuda:
+        keep = (slots >= 0).nonzero().squeeze(-1)      # zero rows pack and write nothing
+        data, scales = layout.pack(rows.index_select(0, keep))
+        di, si = record_offsets(cache, slots.index_select(0, keep), block_size, data.shape[-1], scales.shape[-1])
+        flat[di] = data
+        flat[si] = scales
+        return
+    src, any_kept = kept_rows(slots)
+    data, scales = layout.pack(rows.index_select(0, src))
+    di, si = record_offsets(cache, slots.index_select(0, src).clamp(min=0), block_size, data.shape[-1],
+                            scales.shape[-1])
+    flat[di] = torch.where(any_kept, data, flat[di])
+    flat[si] = torch.where(any_kept, scales, flat[si])
 
 
 def read_records(layout, cache, slots, *, block_size: int, data_bytes: int = DATA_BYTES,
@@ -127,6 +139,10 @@ class Fp8DsMlaLayout:
         return decode_records(data, scales, _e4m3(), nope_dim=self.nope_dim, tile=self.tile)
 
     def write(self, cache, slots, rows, *, block_size: int) -> None:
+        if cache.is_cuda and (self.nope_dim, self.rope_dim, self.tile) == (NOPE_BYTES, 64, 64):
+            from dsv4.kernels.cache_write import write_fp8_ds_mla_kernel
+            write_fp8_ds_mla_kernel(cache, slots, rows, block_size=block_size)
+            return
         write_records(self, cache, slots, rows, block_size=block_size)
 
     def read(self, cache, slots, *, block_size: int):
@@ -173,8 +189,17 @@ class Fp8PerTensorLayout:
         return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(_e4m3())
 
     def write(self, cache, slots, rows, *, block_size: int) -> None:
-        keep = slots >= 0      # rows are quantized from their bf16 value, as vLLM's insert op does
-        cache.view(-1, cache.shape[-1])[slots[keep].long()] = self.quantize(rows[keep].bfloat16(), self.kv_scale)
+        import torch
+
+        flat = cache.view(-1, cache.shape[-1])     # rows are quantized from their bf16 value, as vLLM's insert op does
+        if not cache.is_cuda:
+            keep = slots >= 0
+            flat[slots[keep].long()] = self.quantize(rows[keep].bfloat16(), self.kv_scale)
+            return
+        src, any_kept = kept_rows(slots)
+        tgt = slots.index_select(0, src).clamp(min=0).long()
+        vals = self.quantize(rows.index_select(0, src).bfloat16(), self.kv_scale)
+        flat[tgt] = torch.where(any_kept, vals.view(torch.uint8), flat[tgt].view(torch.uint8)).view(flat.dtype)
 
     def read(self, cache, slots, *, block_size: int):
         import torch

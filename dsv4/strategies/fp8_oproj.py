@@ -28,7 +28,7 @@ def pow2_scale(amax, floor: float):
     return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(floor) / E4M3_MAX)))
 
 
-def inverse_rope_fp8_quant(o, positions, rope, groups: int):
+def inverse_rope_fp8_quant(o, rot, groups: int):
     """o [T, H, D] -> (x [T, G, hpg·D] e4m3, scales [T, G, hpg·D/128] float32 powers of two).
 
     The torch-op reference of the fused kernel (dsv4/kernels/inv_rope_fp8.py): o rotated back by -p·f
@@ -36,22 +36,21 @@ def inverse_rope_fp8_quant(o, positions, rope, groups: int):
     import torch
 
     T = o.shape[0]
-    x = rope.apply(o, positions, inverse=True)        # float32; o itself is not modified
+    x = rot.rotate(o, inverse=True)                   # float32; o itself is not modified
     blocks = x.view(T, groups, -1, BLOCK)
     scale = pow2_scale(blocks.abs().amax(-1, keepdim=True), 1e-10)   # vLLM clamps amax at 1e-10 here
     q = (blocks / scale).to(torch.float8_e4m3fn)      # |blocks / scale| <= 448 by the choice of scale
     return q.view(T, groups, -1), scale.squeeze(-1)
 
 
-def fused_inverse_rope_fp8_quant(o, positions, rope, groups: int):
+def fused_inverse_rope_fp8_quant(o, rot, groups: int):
     """The same bytes as `inverse_rope_fp8_quant`, from our fused Triton kernel (one read of o, one
     write of the fp8 bytes); on a CPU tensor, the torch-op version."""
     if not o.is_cuda:
-        return inverse_rope_fp8_quant(o, positions, rope, groups)
+        return inverse_rope_fp8_quant(o, rot, groups)
     from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
 
-    c, s = rope.cos_sin(positions)
-    return inv_rope_fp8_quant(o.bfloat16(), c, s, groups)
+    return inv_rope_fp8_quant(o.bfloat16(), rot.cos, rot.sin, groups)
 
 
 def quantize_weight_blocks(w):
@@ -129,11 +128,11 @@ class DeepGemmFp8OProj:
             ws = ws.repeat_interleave(BLOCK, dim=1).contiguous()
         return {"w": (wq, ws), "wo_b": wo_b, "groups": weights.groups, "recipe": recipe}
 
-    def __call__(self, o, positions, *, rope, prepared):
+    def __call__(self, o, rot, *, prepared):
         import deep_gemm
         import torch
 
-        x, xs = fused_inverse_rope_fp8_quant(o, positions, rope, prepared["groups"])
+        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared["groups"])
         wq, _ = prepared["w"]
         z = torch.empty(o.shape[0], prepared["groups"], wq.shape[1], dtype=torch.bfloat16, device=o.device)
         if o.shape[0]:
@@ -154,10 +153,10 @@ class TorchFp8OProj:
     def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
         return _block_scaled_weights(weights, device)
 
-    def __call__(self, o, positions, *, rope, prepared):
+    def __call__(self, o, rot, *, prepared):
         import torch
 
-        x, xs = fused_inverse_rope_fp8_quant(o, positions, rope, prepared["groups"])
+        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared["groups"])
         w, ws = prepared["w"], prepared["ws"]
         outs = [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], w[g], ws[g]) for g in range(prepared["groups"])]
         return torch.stack(outs, 1).flatten(1) @ prepared["wo_b"].T
@@ -206,10 +205,10 @@ class TritonFp8OProj:
     def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
         return _block_scaled_weights(weights, device)
 
-    def __call__(self, o, positions, *, rope, prepared):
+    def __call__(self, o, rot, *, prepared):
         from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
 
-        x, xs = fused_inverse_rope_fp8_quant(o, positions, rope, prepared["groups"])
+        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared["groups"])
         z = grouped_fp8_gemm(x, xs, prepared["w"], prepared["ws"], block_m=self.block_m, num_warps=self.num_warps,
                              num_stages=self.num_stages)
         return z.flatten(1) @ prepared["wo_b"].T

@@ -60,7 +60,10 @@ class ReferenceMQA:
     def prepare(self, *, device) -> None:
         return None
 
-    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None):
+    def plan(self, *, tokens: int, layer_type: str, previous=None) -> None:
+        return None
+
+    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None, plan=None):
         import torch
 
         outs, lses = [], []

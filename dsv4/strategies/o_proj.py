@@ -24,11 +24,11 @@ class ReferenceOProj:
         return {"wo_a": wa.view(g, wa.shape[0] // g, wa.shape[1]),
                 "wo_b": weights.wo_b.to(device=device.torch_device, dtype=dt)}
 
-    def __call__(self, o, positions, *, rope, prepared):
+    def __call__(self, o, rot, *, prepared):
         import torch
 
         wa, wb = prepared["wo_a"], prepared["wo_b"]
-        o = rope.apply(o, positions, inverse=True).to(wa.dtype)        # [T, H, D]
+        o = rot.rotate(o, inverse=True).to(wa.dtype)                  # [T, H, D]
         og = o.reshape(o.shape[0], wa.shape[0], -1)                   # [T, G, hpg*D]
         z = torch.einsum("tgd,grd->tgr", og, wa)                      # [T, G, o_lora]
         return z.flatten(1) @ wb.T

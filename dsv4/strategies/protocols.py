@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from dsv4.components.kv_pool import PagedCache
-    from dsv4.components.rope import Rope
+    from dsv4.components.rope import RopeRows
     from dsv4.device import DeviceInfo
 
 
@@ -36,6 +36,9 @@ class Needs:
     # the override that lifts the platform/arch requirement when the strategy has a wider setting
     # (e.g. "mqa_kernel.variant=auto"); empty = the group's safe choice (the reference)
     fix: str = ""
+    # whether its calls can be captured in a CUDA graph (no host sync, no allocation that depends on
+    # values); check() refuses graph.enabled=true with one that cannot
+    graphs: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,8 +56,6 @@ class SparseKV:
     extra_indices: Tensor | None = None   # [T, K] int32 global slots into `extra`
     extra_lens: Tensor | None = None      # [T] int32
     layer_type: str = "swa"               # swa | c4a | c128a: calls of one type in one step share shapes
-    scratch: dict | None = None           # lives one step: kernels keep per-step plans here (FlashMLA's
-                                          # tile-scheduler metadata is made once per layer type per step)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,13 +99,20 @@ class HeadPaddingPolicy(Protocol):
 
 @runtime_checkable
 class MQAKernelStrategy(Protocol):
-    """Sparse MQA with attention sink: q [T, Hp, D] over the rows `kv` names, V = K."""
+    """Sparse MQA with attention sink: q [T, Hp, D] over the rows `kv` names, V = K.
+
+    `plan` is called once per step and layer type (FlashInfer's plan/run split): what it returns -- a
+    kernel's per-step state, e.g. FlashMLA's tile-scheduler metadata, which the first call fills and the
+    other layers of that type reuse -- travels in the step plan and is passed to every call of that
+    step's layers of that type. `previous` is what it returned for the step before (buffers to keep),
+    None for the first step or a graph capture."""
     name: str
 
     def needs(self, device: DeviceInfo) -> Needs: ...
     def prepare(self, *, device: DeviceInfo) -> Any: ...     # once per layer: device-dependent choices
-    def __call__(self, q: Tensor, kv: SparseKV, *, sink: Tensor, scale: float, prepared: Any = None
-                 ) -> tuple[Tensor, Tensor | None]: ...
+    def plan(self, *, tokens: int, layer_type: str, previous: Any = None) -> Any: ...
+    def __call__(self, q: Tensor, kv: SparseKV, *, sink: Tensor, scale: float, prepared: Any = None,
+                 plan: Any = None) -> tuple[Tensor, Tensor | None]: ...
     # returns out [T, Hp, D] in q's dtype and lse [T, Hp] float32 (natural log, sink not included), or
     # None for a kernel whose API returns no lse (FlashInfer's DSV4 decode, aiter's)
 
@@ -116,4 +124,5 @@ class OProjStrategy(Protocol):
 
     def needs(self, device: DeviceInfo) -> Needs: ...
     def prepare(self, weights: OProjWeights, *, device: DeviceInfo, dtype: str) -> Any: ...   # once, at build
-    def __call__(self, o: Tensor, positions: Tensor, *, rope: Rope, prepared: Any) -> Tensor: ...
+    def __call__(self, o: Tensor, rot: RopeRows, *, prepared: Any) -> Tensor: ...
+    # rot: the layer's RoPE at the tokens' positions (the rotation to undo)

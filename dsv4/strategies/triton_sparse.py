@@ -64,7 +64,10 @@ class TritonSparseMQA:
     def prepare(self, *, device) -> None:
         return None
 
-    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None):
+    def plan(self, *, tokens: int, layer_type: str, previous=None) -> None:
+        return None
+
+    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None, plan=None):
         from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
 
         extra = {}

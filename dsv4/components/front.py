@@ -1,0 +1,61 @@
+"""The front of the layer (DSV4_SPEC §2.2 steps 2-4): normalised, rotated query and KV rows.
+
+Each function is written once in torch (the CPU path, and the reference the kernels are tested
+against) and runs our fused Triton kernel on a GPU tensor (dsv4/kernels/layer_front.py): one launch
+instead of a dozen small ones, which is what makes the step cost what its GEMMs cost.
+
+Rounding follows the layer's activation dtype `dtype` exactly as the unfused math does: RMSNorm in
+float32, rounded to `dtype`, RoPE in float32 (then rounded to `dtype` for queries; KV rows stay float32
+for the cache layout to round as it stores them).
+"""
+from __future__ import annotations
+
+from dsv4.components.norms import rms_norm
+from dsv4.components.rope import RopeRows
+
+
+def q_rows(q, rot: RopeRows, *, padded_heads: int, eps: float, dtype):
+    """q [T, H, D] -> [T, padded_heads, D] in `dtype`: per-head RMSNorm without weight, RoPE on the last
+    64 dims, heads past H zero (the padded buffer the MQA kernel reads, written once)."""
+    if q.is_cuda:
+        from dsv4.kernels.layer_front import q_rows_kernel
+        return q_rows_kernel(q, rot.cos, rot.sin, padded_heads=padded_heads, eps=eps, dtype=dtype)
+    import torch
+
+    T, H, D = q.shape
+    y = rot.rotate(rms_norm(q, None, eps).to(dtype)).to(dtype)
+    if padded_heads == H:
+        return y
+    return torch.cat((y, y.new_zeros(T, padded_heads - H, D)), 1)
+
+
+def kv_rows(kv, weight, rot: RopeRows, *, eps: float, dtype):
+    """kv [T, D] -> (rows [T, D] float32: RMSNorm with `weight`, rounded to `dtype`, RoPE; bad [T] bool:
+    rows the layer refuses to store, `stored_badly`)."""
+    if kv.is_cuda:
+        from dsv4.kernels.layer_front import kv_rows_kernel
+        return kv_rows_kernel(kv, weight, rot.cos, rot.sin, eps=eps, dtype=dtype)
+
+    rows = rot.rotate(rms_norm(kv, weight, eps).to(dtype))
+    return rows, stored_badly(rows)
+
+
+def stored_badly(rows):
+    """[N] bool: rows not finite once rounded to bf16 -- a float32 row past bf16's range (|x| >= 3.3961e38)
+    would be stored as inf, or in fp8_ds_mla as an exponent byte of 255 that poisons its 64-dim block."""
+    import torch
+
+    return ~torch.isfinite(rows.bfloat16()).all(-1)
+
+
+def mm_f32(x, w):
+    """x @ w.T with a float32 result: a float32 product for float32 inputs; for bf16 inputs the bf16
+    product accumulated and returned in float32 (what the published code gets from x.float() @ w.float()
+    with bf16-valued x and w)."""
+    import torch
+
+    if x.dtype == torch.float32:
+        return x @ w.float().T
+    if x.is_cuda:
+        return torch.mm(x, w.to(x.dtype).T, out_dtype=torch.float32)
+    return x.float() @ w.to(x.dtype).float().T

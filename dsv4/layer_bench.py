@@ -1,0 +1,276 @@
+"""`mode=bench`'s whole-layer table: one layer's decode step as a serving engine runs it, beside what its
+parts cost alone and what the card's bandwidth allows.
+
+Per layer type and backend, an engine holds that one layer; its requests are filled to the context
+directly (pages reserved through the pool, random rows written through the layouts, random compressor
+state), so a 64k-token context needs no 64k prefill. The decode step is captured as the engine
+captures it (dsv4/components/graphs.py) and timed by replaying the layer's graph (median of repeats).
+Beside it, in the same process:
+- eager: the same layer forward on the same step plan without the graph (launch overhead included);
+- components: the step's GEMMs, its MQA kernel, its o_proj and (ratio 4) the indexer's scores and
+  top-k, each timed alone in a CUDA graph on the step's own inputs -- the step minus these is what the
+  layer's glue (norms, RoPE, compressors, cache writes, index lists) and the gaps between kernels cost;
+- floor: the bytes the step must move (its weights as stored, the KV rows and indexer keys it reads)
+  at the card's measured copy bandwidth.
+Replay and eager outputs are compared bit for bit. A prefill of one 8192-token request is timed eagerly.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from dsv4.components.engine import CudaTimer, Segment
+from dsv4.report import table
+
+DECODE_CASES = [(64, 2, 8192), (64, 2, 65536), (1, 1, 8192), (16, 1, 8192), (64, 1, 8192), (128, 1, 8192)]
+PREFILL_TOKENS = 8192
+
+
+def replay_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
+    """Median over `repeats` of `calls` calls of fn (a graph replay or an eager call), µs per call."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+# ---- filling a context directly ------------------------------------------------------------------
+def fill(engine, rids, context: int, seed: int) -> None:
+    """Requests `rids` at length `context`: their pages reserved and committed as a prefill would leave
+    them, every row a later step reads written with random values through the layouts."""
+    g = torch.Generator(device=engine.device).manual_seed(seed)
+    dev = engine.device
+    for rid in rids:
+        engine.add_request(rid)
+        for pool in engine.pools:
+            pool.reserve({rid: (0, context)})
+            pool.commit({rid: context})
+        engine.lengths[rid] = context
+    for pool in engine.pools:
+        for caches in pool.layers.values():
+            def rows_of(group, count, first=0):
+                """Global slots of rows first..count-1 of every request, through its table."""
+                out = []
+                for rid in rids:
+                    t = torch.tensor(group.tables[rid], dtype=torch.int64, device=dev)
+                    i = torch.arange(first, count, device=dev)
+                    out.append((t[i // group.block_size] * group.block_size + i % group.block_size).int())
+                return torch.cat(out)
+
+            def write(cache, slots, dim, scale=1.0):
+                for s in slots.split(1 << 16):
+                    cache.write(s, torch.randn(s.shape[0], dim, generator=g, device=dev) * scale)
+
+            swa = pool.swa
+            write(caches.swa, rows_of(swa, context, swa.rule.first_kept(context)), caches.swa.head_dim)
+            if caches.compressed is not None:
+                ents = pool.entries(caches.ratio)
+                slots = rows_of(ents, context // caches.ratio)
+                write(caches.compressed, slots, caches.compressed.head_dim)
+                if caches.indexer_keys is not None:
+                    write(caches.indexer_keys, slots, caches.indexer_keys.head_dim)
+                st = pool.state(caches.ratio)
+                kept = rows_of(st, context, st.rule.first_kept(context)).long()
+                for s in (caches.state, caches.indexer_state):
+                    if s is not None:
+                        s.data[kept] = torch.randn(kept.shape[0], s.data.shape[1], generator=g, device=dev)
+
+
+def decode_step(rids, tokens: int, context: int) -> tuple[Segment, ...]:
+    return tuple(Segment(rid=r, start=context, offset=i * tokens, count=tokens) for i, r in enumerate(rids))
+
+
+# ---- the step's parts alone ---------------------------------------------------------------------
+class _Record:
+    """Calls through to `inner`, keeping the arguments of the last call."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.args, self.kwargs = inner, None, None
+
+    def __call__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+        return self.inner(*args, **kwargs)
+
+
+def component_us(layer, x, plan, caches) -> dict[str, float]:
+    """The step's GEMMs, MQA kernel, o_proj and (ratio 4) indexer scores and top-k, each timed alone in a
+    CUDA graph on the inputs the layer gives them."""
+    from dsv4.bench import graph_time_us
+    from dsv4.components.front import mm_f32
+
+    mqa, oproj = _Record(layer.mqa_kernel), _Record(layer.o_proj)
+    idx = layer.indexer
+    scores = select = None
+    layer.mqa_kernel, layer.o_proj = mqa, oproj
+    if idx is not None:
+        scores, select = _Record(idx.scores), _Record(idx.select)
+        idx.scores, idx.select = scores, select
+    try:
+        layer(x, plan, caches)
+    finally:
+        layer.mqa_kernel, layer.o_proj = mqa.inner, oproj.inner
+        if idx is not None:
+            del idx.scores, idx.select
+    T = x.shape[0]
+    qr = torch.randn(T, layer.spec.q_lora_rank, device=x.device).to(layer.dtype)
+    out = {"x @ [wq_a|wkv]": graph_time_us(lambda: x @ layer.w_in.T),
+           "qr @ wq_b": graph_time_us(lambda: qr @ layer.wq_b.T)}
+    if layer.compressor is not None:
+        out["x @ compressor/indexer weights (f32 out)"] = graph_time_us(lambda: mm_f32(x, layer.w_score))
+    if idx is not None:
+        out["qr @ indexer wq_b (f32 out)"] = graph_time_us(lambda: mm_f32(qr, layer.idx_wq_b))
+        a, k = scores.args, scores.kwargs
+        out["indexer scores"] = graph_time_us(lambda: idx.scores(*a, **k))
+        s = scores.inner(*a, **k)
+        out["top-k"] = graph_time_us(lambda: idx.select(s))
+    q, kv = mqa.args
+    kw = dict(mqa.kwargs, plan=None)           # a call alone makes its own per-step state (in the graph)
+    out[f"{layer.mqa_kernel.name}"] = graph_time_us(lambda: layer.mqa_kernel(q, kv, **kw))
+    o, rot = oproj.args
+    out[f"o_proj={layer.o_proj.name}"] = graph_time_us(lambda: layer.o_proj(o, rot, **oproj.kwargs))
+    return out
+
+
+def floor_bytes(layer, caches, nreq: int, context: int) -> int:
+    """What one decode step must move at least: the layer's weights as stored, each request's KV rows
+    (window + compressed entries it attends to) and, at ratio 4, its visible indexer keys."""
+    def tensor_bytes(obj) -> int:
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, dict):
+            return sum(tensor_bytes(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(tensor_bytes(v) for v in obj)
+        return 0
+
+    weights = tensor_bytes(list(layer.buffers())) + tensor_bytes(layer.o_proj_prepared)
+    row = caches.swa.layout.bytes_per_token(layer.spec.head_dim)
+    entries = context // layer.ratio if layer.ratio > 1 else 0
+    attended = min(entries, layer.spec.index_topk) if layer.ratio == 4 else entries
+    kv = nreq * (min(context, layer.spec.sliding_window) + attended) * row
+    keys = nreq * entries * caches.indexer_keys.head_dim * 4 if caches.indexer_keys is not None else 0
+    return weights + kv + keys
+
+
+# ---- the table -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Backend:
+    label: str
+    combo: Any
+
+
+def backends(job) -> list[Backend]:
+    """The backend presets this machine runs, as (label, combination), fp8_ds_mla pages throughout."""
+    from dsv4.bench import available_options, option
+
+    kernels = {k.name: k for k in available_options(job, "mqa_kernel")}
+    oprojs = {o.name: o for o in available_options(job, "o_proj")}
+    want = [("flashmla + deepgemm_fp8", "flashmla_sparse", "deepgemm_fp8", "buckets_64_128"),
+            ("triton_sparse + triton_fp8", "triton_sparse", "triton_fp8", "none"),
+            ("triton_sparse + reference", "triton_sparse", "reference", "none")]
+    out = []
+    for label, k, o, pad in want:
+        if k in kernels and o in oprojs:
+            c = replace(job.combo, mqa_kernel=kernels[k], o_proj=oprojs[o], head_padding=option("head_padding", pad),
+                        cache_layout=option("cache_layout", "fp8_ds_mla"), dtype="bfloat16", tp_size=1,
+                        world_size=None)
+            out.append(Backend(label=label, combo=c))
+    return out
+
+
+def _engine(job, backend: Backend, layer: int, *, nreq: int, tokens: int, context: int, graphs: bool):
+    from dsv4.components.builders import PoolConfig
+    from dsv4.components.weights import random_layer_weights
+    from dsv4.graph import GraphConfig
+    from dsv4.runner import build_engine
+
+    pool = PoolConfig(swa_block_size=64, compressed_block_tokens=256,
+                      swa_blocks=nreq * (-(-(job.spec.sliding_window + tokens) // 64) + 2) + -(-context // 64) + 8,
+                      compressed_blocks=nreq * -(-(context + tokens) // 256) + 8, max_requests=nreq + 1)
+    gc = GraphConfig(enabled=graphs, capture_sizes=(nreq * tokens,), max_context=context + tokens)
+    return build_engine(replace(job, combo=backend.combo), {layer: random_layer_weights(job.spec, layer, 0)}, pool,
+                        graphs=gc)
+
+
+def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int) -> list:
+    from dsv4.bench import CEILINGS
+
+    eng = _engine(job, backend, layer, nreq=nreq, tokens=tokens, context=context, graphs=True)
+    rids = list(range(nreq))
+    fill(eng, rids, context, seed=layer + nreq)
+    T = nreq * tokens
+    segs = decode_step(rids, tokens, context)
+    hidden = torch.randn(T, job.spec.hidden_size, generator=torch.Generator().manual_seed(T))
+    for pool in eng.pools:
+        pool.reserve({s.rid: (s.start, s.start + s.count) for s in segs})
+    eng.graphs.capture(eng, [T])
+    res, _ = eng.graphs.replay(eng, T, hidden, segs, None, None)
+    cap = eng.graphs.captured[T]
+    module, plan, caches = eng.layers[layer][0], cap.plans[0], eng.pools[0].layers[layer]
+    graph = cap.layer_graphs[(layer, 0)]
+    replayed = res.outputs[layer].clone()
+    step_us = replay_us(graph.replay)
+    plan_us = replay_us(cap.plan_graph.replay)
+    x = cap.x
+    eager_out = module(x, plan, caches).out[:T].float()
+    same = torch.equal(eager_out, replayed)
+    eager_us = replay_us(lambda: module(x, plan, caches))
+    parts = component_us(module, x, plan, caches)
+    comp = sum(parts.values())
+    floor = floor_bytes(module, caches, nreq, context) / (CEILINGS["sm90"]["gbps"] * 1e3)
+    del eng
+    torch.cuda.empty_cache()
+    return [job.spec.layer_type(layer), backend.label, nreq, tokens, context, step_us, eager_us, eager_us / step_us,
+            plan_us, comp, step_us / comp, floor, floor / step_us, same], parts
+
+
+def prefill_row(job, backend: Backend, layer: int) -> list:
+    """One PREFILL_TOKENS-token request through the layer, eagerly (after one warm-up request)."""
+    eng = _engine(job, backend, layer, nreq=1, tokens=PREFILL_TOKENS, context=0, graphs=False)
+    hidden = torch.randn(PREFILL_TOKENS, job.spec.hidden_size, generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(PREFILL_TOKENS)
+    times = []
+    for rid in range(3):
+        eng.add_request(rid)
+        timer = CudaTimer()
+        eng.step(hidden, pos, [rid] * PREFILL_TOKENS, timer=timer)
+        times.append(timer.seconds()[("layer", layer)])
+        eng.release(rid)
+    us = statistics.median(times[1:]) * 1e6
+    del eng
+    torch.cuda.empty_cache()
+    return [job.spec.layer_type(layer), backend.label, PREFILL_TOKENS, us / 1e3, PREFILL_TOKENS / us * 1e6]
+
+
+def bench_layer_step(job, cases=DECODE_CASES) -> str:
+    rows, parts_rows, pre = [], [], []
+    for backend in backends(job):
+        for layer in job.spec.one_layer_per_type():
+            for nreq, tokens, context in cases:
+                row, parts = decode_row(job, backend, layer, nreq, tokens, context)
+                rows.append(row)
+                if (nreq, tokens, context) == cases[0]:
+                    parts_rows += [[row[0], backend.label, name, us] for name, us in parts.items()]
+            pre.append(prefill_row(job, backend, layer))
+    return "\n\n".join([
+        "decode step, CUDA-graph replay of the layer (median µs), with what it costs eagerly and what its parts "
+        "cost alone:\n" + table(
+            ["layer", "backend", "requests", "tokens/req", "context", "replay µs", "eager µs", "eager/replay",
+             "plan µs", "components µs", "replay/components", "floor µs", "floor/replay", "replay == eager"],
+            rows, left=(0, 1)),
+        f"components of the first case ({cases[0][0]} requests x {cases[0][1]} tokens, {cases[0][2]} context), "
+        "each alone in a CUDA graph:\n" + table(["layer", "backend", "component", "µs"], parts_rows, left=(0, 1, 2)),
+        f"prefill of one {PREFILL_TOKENS}-token request, eager (median of 2 after a warm-up):\n"
+        + table(["layer", "backend", "tokens", "ms", "tokens/s"], pre, left=(0, 1))])

@@ -1,0 +1,116 @@
+"""The step plan is a public value: an engine with its own pages and block tables fills one and calls the
+layer without our Engine, and gets the oracle's outputs.
+
+The "engine" here is written the way a serving engine's scheduler is: every request owns a fixed
+range of pages in each page group (no allocator, nothing freed), tables are plain int32 tensors, and
+each step it hands the layer `query_start`, `seq_lens` and the tables. Storage comes straight from the
+cache layout's `allocate`.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4 import reference as ref
+from dsv4.components.builders import INDEXER_LAYOUT, Strategies, build_layer
+from dsv4.components.kv_pool import LayerCaches, PagedCache, StateRows
+from dsv4.components.plan import COMPRESSOR_REACH, PageTable, StepPlan
+from dsv4.components.weights import random_layer_weights
+from dsv4.device import DeviceInfo
+from dsv4.strategies import NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
+from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
+
+CPU = DeviceInfo(platform="cpu")
+LAYOUT = PlainRowLayout(name="float32", dtype="float32")
+
+
+class OwnEngine:
+    """Fixed page ranges per request: request i owns pages [i·P, (i+1)·P) of every group."""
+
+    def __init__(self, spec, layer: int, requests: int, max_len: int) -> None:
+        self.spec, self.ratio = spec, spec.compress_ratio(layer)
+        st = Strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=NoHeadPadding(),
+                        cache_layout=LAYOUT)
+        self.W = random_layer_weights(spec, layer, 3)
+        self.layer = build_layer(spec=spec, layer=layer, weights=self.W, rank=0, tp_size=1, strategies=st,
+                                 device=CPU, dtype="float32")
+        self.blocks = {"swa": 8}
+        self.pages = {"swa": -(-max_len // 8)}
+        R = self.ratio
+        if R > 1:
+            self.blocks |= {"state": COMPRESSOR_REACH[R], "entries": 4}
+            self.pages |= {"state": -(-max_len // COMPRESSOR_REACH[R]), "entries": -(-(max_len // R) // 4)}
+
+        def paged(name, lay, group, dim):
+            n = requests * self.pages[group]
+            return PagedCache(name=name, layout=lay, block_size=self.blocks[group], head_dim=dim,
+                              data=lay.allocate(num_blocks=n, block_size=self.blocks[group], head_dim=dim, device="cpu"))
+
+        def state(width):
+            n = requests * self.pages["state"] * self.blocks["state"]
+            return StateRows(data=torch.zeros(n, 2 * width), block_size=self.blocks["state"], width=width)
+
+        kw = {}
+        D, Di = spec.head_dim, spec.index_head_dim
+        if R > 1:
+            coff = 2 if R == 4 else 1
+            kw |= dict(compressed=paged("compressed", LAYOUT, "entries", D), state=state(coff * D))
+        if R == 4:
+            kw |= dict(indexer_keys=paged("indexer", INDEXER_LAYOUT, "entries", Di), indexer_state=state(2 * Di))
+        self.caches = LayerCaches(ratio=R, swa=paged("swa", LAYOUT, "swa", D), **kw)
+        self.lengths = [0] * requests
+
+    def table(self, group: str, rids) -> PageTable:
+        P = self.pages[group]
+        pages = torch.stack([torch.arange(r * P, (r + 1) * P, dtype=torch.int32) for r in rids])
+        return PageTable(block_size=self.blocks[group], pages=pages)
+
+    def step(self, chunks: dict[int, torch.Tensor]):
+        rids = list(chunks)
+        counts = [chunks[r].shape[0] for r in rids]
+        qs = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        lens = torch.tensor([self.lengths[r] + c for r, c in zip(rids, counts)], dtype=torch.int32)
+        kw = {}
+        if self.ratio > 1:
+            kw = dict(state={self.ratio: self.table("state", rids)}, entries={self.ratio: self.table("entries", rids)})
+        plan = StepPlan.build(query_start=qs, seq_lens=lens, swa=self.table("swa", rids), window=self.spec.sliding_window,
+                              **kw)
+        plan.validate(swa_blocks=self.caches.swa.data.shape[0])
+        out = self.layer(torch.cat([chunks[r] for r in rids]), plan, self.caches)
+        assert not bool(out.faults.any())
+        for r, c in zip(rids, counts):
+            self.lengths[r] += c
+        return out
+
+
+@pytest.mark.parametrize("layer", [0, 1, 2], ids=["swa", "c4a", "c128a"])
+def test_an_engine_of_its_own_fills_the_plan_and_matches_the_oracle(layer):
+    spec = tiny_spec()
+    lengths = {0: 270, 1: 41}
+    X = hidden_for({r: n + 4 for r, n in lengths.items()}, spec.hidden_size, seed=5)
+    own = OwnEngine(spec, layer, requests=2, max_len=280)
+    outs = {r: [] for r in lengths}
+    topk = {r: [] for r in lengths}
+    done = {r: 0 for r in lengths}
+    schedule = chunked(lengths, 50) + [{0: 2, 1: 2}, {0: 2, 1: 2}]
+    for step in schedule:
+        chunk = {r: X[r][done[r]:done[r] + n] for r, n in step.items()}
+        res = own.step(chunk)
+        off = 0
+        for r, n in step.items():
+            outs[r].append(res.out[off:off + n])
+            if res.topk is not None:
+                topk[r].append(res.topk[off:off + n])
+            off += n
+            done[r] += n
+    # our Engine, same weights, same schedule
+    eng, _ = make_engine(spec, layers=(layer,), weights={layer: own.W})
+    ours, our_topk = drive(eng, {r: X[r] for r in lengths}, schedule)
+    for r in lengths:
+        y = torch.cat(outs[r])
+        sel = torch.cat(topk[r]).long() if topk[r] else None
+        o = ref.oracle_layer(spec.to_dump(), spec.compress_ratio(layer), own.W, X[r], kv_row_dtype="float32", topk=sel)
+        assert ref.rel_err(y, o["out"]) <= 1e-5
+        assert ref.rel_err(y, ours[layer][r]) <= 1e-6
+        if sel is not None:
+            assert torch.equal(torch.cat(topk[r]), our_topk[layer][r])
