@@ -26,6 +26,24 @@ DECODE_CASES = [("h64 128+512", 64, 64, 512, b, sq) for b, sq in ((1, 1), (64, 2
     ("h128 128+1024", 128, 64, 1024, 128, 2), ("h64 128 SWA only", 64, None, 0, 128, 1)]
 
 
+def replay_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
+    """Median over `repeats` of `calls` calls of fn (a graph's replay, or an eager call), µs per call,
+    between CUDA events, after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def graph_time_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
     """Median over `repeats` CUDA-graph replays of `calls` calls of fn, per call, in µs."""
     for _ in range(3):
@@ -38,15 +56,7 @@ def graph_time_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
             for _ in range(calls):
                 fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    return replay_us(graph.replay, calls=1, repeats=repeats) / calls
 
 
 def random_pages(name: str, blocks: int, block_size: int, g, layout=None) -> PagedCache:

@@ -22,28 +22,13 @@ from typing import Any
 
 import torch
 
+from dsv4.bench import CEILINGS, available_options, graph_time_us, option, replay_us
 from dsv4.components.engine import CudaTimer, Segment
 from dsv4.report import table
+from dsv4.runner import tensor_bytes
 
 DECODE_CASES = [(64, 2, 8192), (64, 2, 65536), (1, 1, 8192), (16, 1, 8192), (64, 1, 8192), (128, 1, 8192)]
 PREFILL_TOKENS = 8192
-
-
-def replay_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
-    """Median over `repeats` of `calls` calls of fn (a graph replay or an eager call), µs per call."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
 
 
 # ---- filling a context directly ------------------------------------------------------------------
@@ -103,26 +88,28 @@ class _Record:
         self.args, self.kwargs = args, kwargs
         return self.inner(*args, **kwargs)
 
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
 
 def component_us(layer, x, plan, caches) -> dict[str, float]:
     """The step's GEMMs, MQA kernel, o_proj and (ratio 4) indexer scores and top-k, each timed alone in a
     CUDA graph on the inputs the layer gives them."""
-    from dsv4.bench import graph_time_us
     from dsv4.components.front import mm_f32
 
     mqa, oproj = _Record(layer.mqa_kernel), _Record(layer.o_proj)
     idx = layer.indexer
-    scores = select = None
+    scores = None
     layer.mqa_kernel, layer.o_proj = mqa, oproj
     if idx is not None:
-        scores, select = _Record(idx.scores), _Record(idx.select)
-        idx.scores, idx.select = scores, select
+        scores = _Record(idx.scores)
+        idx.scores = scores
     try:
         layer(x, plan, caches)
     finally:
         layer.mqa_kernel, layer.o_proj = mqa.inner, oproj.inner
         if idx is not None:
-            del idx.scores, idx.select
+            del idx.scores
     T = x.shape[0]
     qr = torch.randn(T, layer.spec.q_lora_rank, device=x.device).to(layer.dtype)
     out = {"x @ [wq_a|wkv]": graph_time_us(lambda: x @ layer.w_in.T),
@@ -134,9 +121,12 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
         a, k = scores.args, scores.kwargs
         out["indexer scores"] = graph_time_us(lambda: idx.scores(*a, **k))
         s = scores.inner(*a, **k)
-        out["top-k"] = graph_time_us(lambda: idx.select(s))
+        out["top-k (torch.topk + lists)"] = graph_time_us(lambda: idx.lists(s, plan))
     q, kv = mqa.args
-    kw = dict(mqa.kwargs, plan=None)           # a call alone makes its own per-step state (in the graph)
+    # the kernel's per-step state (FlashMLA's scheduler metadata) made once, outside the timed calls, as
+    # every layer of a type but the first finds it
+    kw = dict(mqa.kwargs, plan=layer.mqa_kernel.plan(tokens=T, layer_type=layer.layer_type))
+    layer.mqa_kernel(q, kv, **kw)
     out[f"{layer.mqa_kernel.name}"] = graph_time_us(lambda: layer.mqa_kernel(q, kv, **kw))
     o, rot = oproj.args
     out[f"o_proj={layer.o_proj.name}"] = graph_time_us(lambda: layer.o_proj(o, rot, **oproj.kwargs))
@@ -146,15 +136,6 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
 def floor_bytes(layer, caches, nreq: int, context: int) -> int:
     """What one decode step must move at least: the layer's weights as stored, each request's KV rows
     (window + compressed entries it attends to) and, at ratio 4, its visible indexer keys."""
-    def tensor_bytes(obj) -> int:
-        if isinstance(obj, torch.Tensor):
-            return obj.numel() * obj.element_size()
-        if isinstance(obj, dict):
-            return sum(tensor_bytes(v) for v in obj.values())
-        if isinstance(obj, (list, tuple)):
-            return sum(tensor_bytes(v) for v in obj)
-        return 0
-
     weights = tensor_bytes(list(layer.buffers())) + tensor_bytes(layer.o_proj_prepared)
     row = caches.swa.layout.bytes_per_token(layer.spec.head_dim)
     entries = context // layer.ratio if layer.ratio > 1 else 0
@@ -173,8 +154,6 @@ class Backend:
 
 def backends(job) -> list[Backend]:
     """The backend presets this machine runs, as (label, combination), fp8_ds_mla pages throughout."""
-    from dsv4.bench import available_options, option
-
     kernels = {k.name: k for k in available_options(job, "mqa_kernel")}
     oprojs = {o.name: o for o in available_options(job, "o_proj")}
     want = [("flashmla + deepgemm_fp8", "flashmla_sparse", "deepgemm_fp8", "buckets_64_128"),
@@ -190,7 +169,14 @@ def backends(job) -> list[Backend]:
     return out
 
 
-def _engine(job, backend: Backend, layer: int, *, nreq: int, tokens: int, context: int, graphs: bool):
+def two_of_type(spec, layer: int) -> list[int]:
+    """`layer` and the next layer of its type (the second reuses the first's per-step kernel plan, as all
+    but one layer of each type do in a model)."""
+    same = [l for l in range(spec.num_hidden_layers) if spec.compress_ratio(l) == spec.compress_ratio(layer)]
+    return same[same.index(layer):same.index(layer) + 2]
+
+
+def _engine(job, backend: Backend, layers, *, nreq: int, tokens: int, context: int, graphs: bool):
     from dsv4.components.builders import PoolConfig
     from dsv4.components.weights import random_layer_weights
     from dsv4.graph import GraphConfig
@@ -200,14 +186,13 @@ def _engine(job, backend: Backend, layer: int, *, nreq: int, tokens: int, contex
                       swa_blocks=nreq * (-(-(job.spec.sliding_window + tokens) // 64) + 2) + -(-context // 64) + 8,
                       compressed_blocks=nreq * -(-(context + tokens) // 256) + 8, max_requests=nreq + 1)
     gc = GraphConfig(enabled=graphs, capture_sizes=(nreq * tokens,), max_context=context + tokens)
-    return build_engine(replace(job, combo=backend.combo), {layer: random_layer_weights(job.spec, layer, 0)}, pool,
-                        graphs=gc)
+    weights = {l: random_layer_weights(job.spec, l, 0) for l in layers}
+    return build_engine(replace(job, combo=backend.combo), weights, pool, graphs=gc)
 
 
 def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int) -> list:
-    from dsv4.bench import CEILINGS
-
-    eng = _engine(job, backend, layer, nreq=nreq, tokens=tokens, context=context, graphs=True)
+    first, second = two_of_type(job.spec, layer)
+    eng = _engine(job, backend, (first, second), nreq=nreq, tokens=tokens, context=context, graphs=True)
     rids = list(range(nreq))
     fill(eng, rids, context, seed=layer + nreq)
     T = nreq * tokens
@@ -218,35 +203,37 @@ def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, contex
     eng.graphs.capture(eng, [T])
     res, _ = eng.graphs.replay(eng, T, hidden, segs, None, None)
     cap = eng.graphs.captured[T]
-    module, plan, caches = eng.layers[layer][0], cap.plans[0], eng.pools[0].layers[layer]
-    graph = cap.layer_graphs[(layer, 0)]
-    replayed = res.outputs[layer].clone()
-    step_us = replay_us(graph.replay)
+    module, plan, caches = eng.layers[second][0], cap.plans[0], eng.pools[0].layers[second]
+    replayed = res.outputs[second].clone()
+    step_us = replay_us(cap.layer_graphs[(second, 0)].replay)
+    first_us = replay_us(cap.layer_graphs[(first, 0)].replay)     # + the type's per-step kernel plan
     plan_us = replay_us(cap.plan_graph.replay)
     x = cap.x
-    eager_out = module(x, plan, caches).out[:T].float()
+    eager_plan = replace(plan, kernel_plans={})                   # its own kernel plan, made eagerly
+    eng.kernel_plans(eager_plan, 0, fresh=True)
+    eng.layers[first][0](x, eager_plan, eng.pools[0].layers[first])
+    eager_out = module(x, eager_plan, caches).out[:T].float()
     same = torch.equal(eager_out, replayed)
-    eager_us = replay_us(lambda: module(x, plan, caches))
-    parts = component_us(module, x, plan, caches)
+    eager_us = replay_us(lambda: module(x, eager_plan, caches))
+    parts = component_us(module, x, eager_plan, caches)
     comp = sum(parts.values())
     floor = floor_bytes(module, caches, nreq, context) / (CEILINGS["sm90"]["gbps"] * 1e3)
     del eng
     torch.cuda.empty_cache()
-    return [job.spec.layer_type(layer), backend.label, nreq, tokens, context, step_us, eager_us, eager_us / step_us,
-            plan_us, comp, step_us / comp, floor, floor / step_us, same], parts
+    return [job.spec.layer_type(layer), backend.label, nreq, tokens, context, step_us, first_us - step_us, eager_us,
+            eager_us / step_us, plan_us, comp, step_us / comp, floor, floor / step_us, same], parts
 
 
 def prefill_row(job, backend: Backend, layer: int) -> list:
     """One PREFILL_TOKENS-token request through the layer, eagerly (after one warm-up request)."""
-    eng = _engine(job, backend, layer, nreq=1, tokens=PREFILL_TOKENS, context=0, graphs=False)
+    eng = _engine(job, backend, (layer,), nreq=1, tokens=PREFILL_TOKENS, context=0, graphs=False)
     hidden = torch.randn(PREFILL_TOKENS, job.spec.hidden_size, generator=torch.Generator().manual_seed(5))
     pos = torch.arange(PREFILL_TOKENS)
     times = []
     for rid in range(3):
         eng.add_request(rid)
-        timer = CudaTimer()
-        eng.step(hidden, pos, [rid] * PREFILL_TOKENS, timer=timer)
-        times.append(timer.seconds()[("layer", layer)])
+        out = eng.step(hidden, pos, [rid] * PREFILL_TOKENS, timer=CudaTimer())
+        times.append(out.seconds[layer])
         eng.release(rid)
     us = statistics.median(times[1:]) * 1e6
     del eng
@@ -254,23 +241,46 @@ def prefill_row(job, backend: Backend, layer: int) -> list:
     return [job.spec.layer_type(layer), backend.label, PREFILL_TOKENS, us / 1e3, PREFILL_TOKENS / us * 1e6]
 
 
-def bench_layer_step(job, cases=DECODE_CASES) -> str:
+def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, prefill: bool = True, echo=None) -> str:
+    """The decode table over `cases` ((requests, tokens per request, context)), the components of the
+    first case, and the prefill; for the backends whose labels are in `labels` (default: all). A row that
+    fails says so and the others still run. `echo(line)` is called with each row as it is measured."""
+    import traceback
+
     rows, parts_rows, pre = [], [], []
     for backend in backends(job):
+        if labels is not None and backend.label not in labels:
+            continue
         for layer in job.spec.one_layer_per_type():
             for nreq, tokens, context in cases:
-                row, parts = decode_row(job, backend, layer, nreq, tokens, context)
+                try:
+                    row, parts = decode_row(job, backend, layer, nreq, tokens, context)
+                except Exception as e:                  # one failing case is a row, not the end of the table
+                    traceback.print_exc()
+                    row, parts = [job.spec.layer_type(layer), backend.label, nreq, tokens, context,
+                                  f"error: {type(e).__name__}: {str(e)[:80]}"] + [None] * 9, {}
+                    torch.cuda.empty_cache()
                 rows.append(row)
+                if echo is not None:
+                    echo(" | ".join(map(str, row)))
                 if (nreq, tokens, context) == cases[0]:
                     parts_rows += [[row[0], backend.label, name, us] for name, us in parts.items()]
-            pre.append(prefill_row(job, backend, layer))
+            if prefill:
+                try:
+                    pre.append(prefill_row(job, backend, layer))
+                except Exception as e:
+                    traceback.print_exc()
+                    pre.append([job.spec.layer_type(layer), backend.label, PREFILL_TOKENS, None,
+                                f"error: {type(e).__name__}: {str(e)[:80]}"])
+                torch.cuda.empty_cache()
     return "\n\n".join([
-        "decode step, CUDA-graph replay of the layer (median µs), with what it costs eagerly and what its parts "
-        "cost alone:\n" + table(
-            ["layer", "backend", "requests", "tokens/req", "context", "replay µs", "eager µs", "eager/replay",
-             "plan µs", "components µs", "replay/components", "floor µs", "floor/replay", "replay == eager"],
+        "decode step, CUDA-graph replay of the second layer of its type (median µs; the first also makes the "
+        "type's per-step kernel plan: + first of type), with what it costs eagerly and its parts alone:\n" + table(
+            ["layer", "backend", "requests", "tokens/req", "context", "replay µs", "+ first of type", "eager µs",
+             "eager/replay", "plan µs", "components µs", "replay/components", "floor µs", "floor/replay",
+             "replay == eager"],
             rows, left=(0, 1)),
         f"components of the first case ({cases[0][0]} requests x {cases[0][1]} tokens, {cases[0][2]} context), "
         "each alone in a CUDA graph:\n" + table(["layer", "backend", "component", "µs"], parts_rows, left=(0, 1, 2)),
         f"prefill of one {PREFILL_TOKENS}-token request, eager (median of 2 after a warm-up):\n"
-        + table(["layer", "backend", "tokens", "ms", "tokens/s"], pre, left=(0, 1))])
+        + table(["layer", "backend", "tokens", "ms", "tokens/s"], pre, left=(0, 1)) if pre else ""])

@@ -2,7 +2,7 @@
 
 Per rank and per request: the SWA cache is bounded by the window; a ratio-R layer's compressed cache
 grows by one row per R tokens; a ratio-4 layer's indexer keys by one entry per 4 tokens; compressor
-state is a ring of the last coff·R tokens' (candidate, gate) float32 rows.
+state is the last coff·R tokens' (candidate, gate) float32 rows, on at most two pages of coff·R rows.
 """
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ PUBLISHED = ("vLLM blog (2026-04-24): DSV4-Pro, 61 layers, bf16 rows and bf16 in
 
 
 def compressor_state_bytes(ratio: int, dim: int) -> int:
-    """(candidate, gate) float32 rows of the last coff·R tokens, each coff·dim wide."""
+    """What one request's compressor state holds at most: (candidate, gate) float32 rows, each coff·dim
+    wide, of the last coff·R positions, on pages of coff·R rows -- two of them where the window spans a
+    page boundary (kv_pool's `state{R}` groups)."""
     coff = 2 if ratio == 4 else 1
-    return 2 * (coff * ratio) * (coff * dim) * 4
+    return 2 * (coff * ratio) * 2 * (coff * dim) * 4
 
 
 def indexer_entry_bytes(kind: str, index_head_dim: int) -> int:
@@ -35,7 +37,7 @@ class LayerMemory:
     swa_bytes_per_request: int           # the window's rows (bounded)
     kv_bytes_per_token: float            # compressed rows per context token
     indexer_bytes_per_token: float       # indexer keys per context token
-    state_bytes_per_request: int         # compressor rings (bounded)
+    state_bytes_per_request: int         # compressor state pages (bounded)
 
     def bytes_for(self, tokens: int) -> float:
         return (self.kv_bytes_per_token + self.indexer_bytes_per_token) * tokens \

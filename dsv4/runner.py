@@ -43,20 +43,22 @@ def layer_names(spec, layers) -> dict[int, str]:
     return {l: t if types.count(t) == 1 else f"{t}@{l}" for l, t in zip(layers, types)}
 
 
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor in obj (a tensor, or dicts / lists / tuples of them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
 def rank_memory(engine: Engine, ranks: Ranks, device) -> list[dict[str, Any]]:
     """Bytes held by each of this process's ranks: its KV pools, its weights (module buffers and the
     o_proj's prepared tensors), and the process's peak (GPU allocator peak, or the CPU process's max RSS;
     shared by all ranks when they are simulated in one process)."""
     import resource
-
-    def tensor_bytes(obj) -> int:
-        if isinstance(obj, torch.Tensor):
-            return obj.numel() * obj.element_size()
-        if isinstance(obj, dict):
-            return sum(tensor_bytes(v) for v in obj.values())
-        if isinstance(obj, (list, tuple)):
-            return sum(tensor_bytes(v) for v in obj)
-        return 0
 
     if device.platform != "cpu":
         peak = torch.cuda.max_memory_allocated()

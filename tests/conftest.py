@@ -79,6 +79,16 @@ def fp8_block_product(x, xs, w, ws):
     return torch.einsum("tgk,gnk->tgn", xd, wd)
 
 
+def gpu_device():
+    """The first CUDA GPU as a DeviceInfo (sm<major><minor>), or None without one."""
+    from dsv4.device import DeviceInfo
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return DeviceInfo(platform="cuda", arch=f"sm{major}{minor}", name=torch.cuda.get_device_name())
+
+
 def tiny_spec(**changes):
     from dsv4.spec import ModelSpec
 

@@ -28,10 +28,10 @@ def live_rows(engine):
     for r, pool in enumerate(engine.pools):
         for l, c in pool.layers.items():
             for rid, n in engine.lengths.items():
-                def rows(group, count, first=0):
+                def rows(group, count, first=0, dev=c.swa.data.device):
                     g = pool.groups[group]
-                    idx = torch.arange(first, count)
-                    table = torch.tensor(g.tables[rid] + [-1])
+                    idx = torch.arange(first, count, device=dev)
+                    table = torch.tensor(g.tables[rid] + [-1], device=dev)
                     page = table[(idx // g.block_size).clamp(max=len(table) - 1)]
                     return torch.where(page >= 0, page * g.block_size + idx % g.block_size, -1).int()
                 swa = pool.groups["swa"]

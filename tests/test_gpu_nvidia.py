@@ -6,22 +6,14 @@ import torch
 
 from dsv4.bench import oproj_case, sparse_case
 from dsv4.components.rope import Rope
-from dsv4.device import DeviceInfo
 from dsv4.reference import rel_err
 from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, TorchFp8OProj,
                              TritonFp8OProj)
 from dsv4.strategies.fp8_oproj import inverse_rope_fp8_quant, quantize_weight_blocks
-from tests.conftest import fp8_block_product, tiny_spec
+from tests.conftest import gpu_device, fp8_block_product, tiny_spec
 
 
-def _device():
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return DeviceInfo(platform="cuda", arch=f"sm{major}{minor}", name=torch.cuda.get_device_name())
-
-
-DEV = _device()
+DEV = gpu_device()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEV is None or DEV.arch not in ("sm90", "sm100"),
                                                   reason="needs an sm90/sm100 CUDA GPU (FlashMLA, DeepGEMM)")]
 

@@ -24,9 +24,10 @@ def test_per_layer_type_bytes_match_the_spec():
     swa = layer_memory(s, 1, Fp8DsMlaLayout())
     assert swa.swa_bytes_per_request == 128 * 584 and swa.kv_bytes_per_token == 0 == swa.state_bytes_per_request
     assert layer_memory(s, 4, Fp8PerTensorLayout()).row_bytes == 512
-    # compressor state rings: fp32 (a, s+ape) rows of the last coff*R tokens (§3.1: 8 KiB / 4 KiB per token row)
-    assert compressor_state_bytes(4, 512) == 8 * 2 * 1024 * 4
-    assert compressor_state_bytes(128, 512) == 128 * 2 * 512 * 4
+    # compressor state: fp32 (a, s+ape) rows of the last coff*R tokens (§3.1: 8 KiB / 4 KiB per token row), on
+    # at most two pages of coff*R rows
+    assert compressor_state_bytes(4, 512) == 2 * 8 * 2 * 1024 * 4
+    assert compressor_state_bytes(128, 512) == 2 * 128 * 2 * 512 * 4
     assert layer_memory(s, 4, BF16).state_bytes_per_request == compressor_state_bytes(4, 512) + compressor_state_bytes(4, 128)
 
 

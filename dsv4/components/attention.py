@@ -15,10 +15,9 @@ from typing import Any
 import torch
 
 from dsv4.components.compressor import Compressor
-from dsv4.components.front import kv_rows, mm_f32, q_rows
+from dsv4.components.front import kv_rows, mm_f32, norm_rows, q_rows
 from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
-from dsv4.components.norms import rms_norm
 from dsv4.components.plan import StepPlan
 from dsv4.components.rope import Rope
 from dsv4.spec import LAYER_TYPES, ModelSpec
@@ -81,7 +80,7 @@ class DSV4Attention(torch.nn.Module):
         xa = x.to(self.dtype)
         rot = plan.rope_rows(self.rope)
         qr_raw, kv_raw = (xa @ self.w_in.T).split((q_lora, D), 1)
-        qr = rms_norm(qr_raw, self.q_norm, self.eps).to(self.dtype)
+        qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype)
         q = q_rows((qr @ self.wq_b.T).view(T, H, D), rot, padded_heads=self.padded_heads, eps=self.eps,
                    dtype=self.dtype)
         rows, bad = kv_rows(kv_raw, self.kv_norm, rot, eps=self.eps, dtype=self.dtype)
@@ -101,9 +100,7 @@ class DSV4Attention(torch.nn.Module):
             faults[FAULT_COMPRESSED] = bad
             caches.compressed.write(torch.where(bad, -1, ents.close_slots), rows)
             if self.indexer is not None:
-                topk = self._select(scores[:, 2 * comp.width:], qr, plan, caches, rot, entry_rot, faults)
-                lists = ents.table.slots(plan.token_request, topk)
-                lens = (topk >= 0).sum(1, dtype=torch.int32)
+                topk, lists, lens = self._select(scores[:, 2 * comp.width:], qr, plan, caches, entry_rot, faults, rot)
             else:
                 lists, lens = ents.visible, ents.counts
             extra = dict(extra=caches.compressed, extra_indices=lists, extra_lens=lens)
@@ -114,9 +111,9 @@ class DSV4Attention(torch.nn.Module):
         y = self.o_proj(out[:, :H], rot, prepared=self.o_proj_prepared)
         return LayerStepResult(out=y, topk=topk, faults=faults)
 
-    def _select(self, scores, qr, plan: StepPlan, caches: LayerCaches, rot, entry_rot, faults):
+    def _select(self, scores, qr, plan: StepPlan, caches: LayerCaches, entry_rot, faults, rot):
         """The indexer: its compressor's keys for the entries closed in this step, then every token's
-        top-k over its request's keys."""
+        top-k over its request's keys -> (local indices, their slots, valid counts)."""
         idx = self.indexer
         comp = idx.compressor
         main, w = scores[:, :2 * comp.width], scores[:, 2 * comp.width:]
@@ -125,4 +122,4 @@ class DSV4Attention(torch.nn.Module):
         faults[FAULT_INDEXER] = bad
         caches.indexer_keys.write(torch.where(bad, -1, plan.entries[4].close_slots), keys)
         q = idx.queries(mm_f32(qr, self.idx_wq_b), rot)
-        return idx.select(idx.scores(q, w * idx.weight_scale, caches.indexer_keys, plan))
+        return idx.lists(idx.scores(q, w * idx.weight_scale, caches.indexer_keys, plan), plan)

@@ -73,7 +73,8 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
     if ratio == 4:
         idx = Indexer(wq_b=w["indexer.wq_b.weight"].to(dev), weights_proj=w["indexer.weights_proj.weight"].to(dev),
                       compressor=compressor("indexer.compressor.", spec.index_head_dim, 4),
-                      n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk)
+                      n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk,
+                      exact_scores=dtype == "float32")
     fp8_a = fp8_s = None
     if wo_a_fp8 is not None:
         from dsv4.components.checkpoint import shard_wo_a_fp8

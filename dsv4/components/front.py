@@ -48,6 +48,22 @@ def stored_badly(rows):
     return ~torch.isfinite(rows.bfloat16()).all(-1)
 
 
+def norm_rows(x, weight, *, eps: float, dtype):
+    """RMSNorm of x [T, N] with `weight`, in float32, rounded to `dtype` (the q_lora rows)."""
+    if x.is_cuda:
+        from dsv4.kernels.layer_front import norm_rows_kernel
+        return norm_rows_kernel(x, weight, eps=eps, dtype=dtype)
+    return rms_norm(x, weight, eps).to(dtype)
+
+
+def rotate_rows(x, rot: RopeRows):
+    """x [T, H, D] -> float32 with RoPE on each head's last 64 dims (the indexer's queries)."""
+    if x.is_cuda:
+        from dsv4.kernels.layer_front import rotate_rows_kernel
+        return rotate_rows_kernel(x, rot.cos, rot.sin)
+    return rot.rotate(x)
+
+
 def mm_f32(x, w):
     """x @ w.T with a float32 result: a float32 product for float32 inputs; for bf16 inputs the bf16
     product accumulated and returned in float32 (what the published code gets from x.float() @ w.float()
@@ -57,5 +73,8 @@ def mm_f32(x, w):
     if x.dtype == torch.float32:
         return x @ w.float().T
     if x.is_cuda:
-        return torch.mm(x, w.to(x.dtype).T, out_dtype=torch.float32)
+        try:
+            return torch.mm(x, w.to(x.dtype).T, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):      # a torch without mm's out_dtype: the same product in float32
+            pass
     return x.float() @ w.to(x.dtype).float().T

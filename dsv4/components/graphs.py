@@ -26,7 +26,6 @@ from dsv4.graph import GraphConfig
 class _Captured:
     size: int
     x: Any                                  # [size, hidden] static input
-    host: list[dict[str, np.ndarray]]       # per rank: the plan inputs' shapes
     inputs: list[Any]                       # per rank: the static int32 device buffer
     plans: list[StepPlan]
     plan_graph: Any
@@ -111,7 +110,7 @@ class StepGraphs:
                     plans.append(self._static_plan(engine, r, size, inputs[r]))
             for r in range(nranks):
                 engine.kernel_plans(plans[r], r, fresh=True)
-            cap = _Captured(size=size, x=x, host=host, inputs=inputs, plans=plans, plan_graph=plan_graph)
+            cap = _Captured(size=size, x=x, inputs=inputs, plans=plans, plan_graph=plan_graph)
             for layer, ranks in engine.layers.items():
                 for r in range(nranks):
                     g = torch.cuda.CUDAGraph()

@@ -16,9 +16,13 @@ TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens a
 
 
 class Indexer:
-    def __init__(self, *, wq_b, weights_proj, compressor, n_heads: int, head_dim: int, topk: int) -> None:
+    def __init__(self, *, wq_b, weights_proj, compressor, n_heads: int, head_dim: int, topk: int,
+                 exact_scores: bool = True) -> None:
         self.wq_b, self.weights_proj, self.compressor = wq_b.float(), weights_proj.float(), compressor
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
+        # False with bf16 activations: the queries already carry bf16 rounding (2^-9), so the GPU kernel's
+        # scores take one tf32 product (2^-11) instead of float32-exact tf32x3 (three)
+        self.exact_scores = exact_scores
 
     @property
     def weight_scale(self) -> float:
@@ -26,7 +30,9 @@ class Indexer:
 
     def queries(self, q_raw, rot):
         """q_raw [T, Hi·Di] float32 (qr @ wq_bᵀ) -> q [T, Hi, Di] float32, RoPE on the last 64 dims."""
-        return rot.rotate(q_raw.view(-1, self.n_heads, self.head_dim))
+        from dsv4.components.front import rotate_rows
+
+        return rotate_rows(q_raw.view(-1, self.n_heads, self.head_dim), rot)
 
     def scores(self, q, w, keys, plan):
         """[T, width] float32 scores of every entry slot of each token's request; -inf where not visible
@@ -34,7 +40,8 @@ class Indexer:
         ents = plan.entries[4]
         if q.is_cuda:
             from dsv4.kernels.indexer_logits import indexer_logits
-            return indexer_logits(q, w, keys, ents.table.pages, plan.token_request, ents.counts, width=ents.width)
+            return indexer_logits(q, w, keys, ents.table.pages, plan.token_request, ents.counts, width=ents.width,
+                                  exact=self.exact_scores)
         import torch
 
         T, width = q.shape[0], ents.width
@@ -48,6 +55,21 @@ class Indexer:
             logits = (torch.einsum("thd,tnd->thn", q[sl], k).relu() * w[sl, :, None]).sum(1)
             out[sl] = logits.masked_fill(~visible, float("-inf"))
         return out
+
+    def lists(self, scores, plan):
+        """The selection as the MQA kernel reads it: (local indices [T, K] int32 as `select` gives them,
+        their global slots [T, K] int32 through each token's table, -1 padded, and how many are valid
+        [T] int32). On a GPU: torch.topk, then one kernel (dsv4/kernels/topk_lists.py)."""
+        import torch
+
+        ents = plan.entries[4]
+        if scores.is_cuda:
+            from dsv4.kernels.topk_lists import topk_lists_kernel
+            val, idx = scores.topk(min(self.topk, scores.shape[1]), dim=-1)
+            return topk_lists_kernel(val, idx, ents.table.pages, plan.token_request, topk=self.topk,
+                                     block_size=ents.table.block_size)
+        local = self.select(scores)
+        return local, ents.table.slots(plan.token_request, local), (local >= 0).sum(1, dtype=torch.int32)
 
     def select(self, scores):
         """Local indices [T, K] int32 of the top min(K, visible) entries, best first, -1 padded."""

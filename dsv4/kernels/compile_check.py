@@ -9,8 +9,9 @@
 Each argument is TARGET/WHAT; TARGET is cuda:<sm> or hip:<gfx arch>; WHAT is a key of LAYOUT_CODES
 (mqa_kernel=triton_sparse's two-pass kernels reading such pages; OCP e4m3 bytes take the hardware
 conversion where sparse_mqa would use it, NVIDIA sm89+), `o_proj` (o_proj=triton_fp8's grouped e4m3
-product, NVIDIA sm89+ only) or `hopper` (triton_sparse's one-pass Gluon kernel, sm90 only). Exits
-non-zero if any kernel fails to compile.
+product, NVIDIA sm89+ only), `hopper` (triton_sparse's one-pass Gluon kernel, sm90 only) or `layer` (the
+layer's front, compressor, cache-writer and indexer kernels: layer_front, compress, cache_write,
+indexer_logits). Exits non-zero if any kernel fails to compile.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import time
 TARGETS = ("cuda:80", "cuda:89", "cuda:90", "cuda:100", "cuda:120", "hip:gfx942")
 FP8_TARGETS = ("cuda:89", "cuda:90", "cuda:100", "cuda:120")                # e4m3 tensor-core dots
 HOPPER_TARGETS = ("cuda:90",)                                                # warpgroup MMAs
+LAYER_TARGETS = ("cuda:80", "cuda:90", "hip:gfx942")                        # the layer's own kernels
 
 
 def _arg_type(name: str, layout: int) -> str:
@@ -86,6 +88,9 @@ def compile_for(target: str, what: str) -> float:
                  lambda a: _arg_type(a, 1), {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"},
                  gpu, 4, maxnreg=hop.MAXNREG)
         return time.perf_counter() - t0
+    if what == "layer":
+        _compile_layer(gpu)
+        return time.perf_counter() - t0
     if what == "o_proj":
         from dsv4.kernels.fp8_grouped_gemm import _grouped_fp8_kernel
         from dsv4.kernels.inv_rope_fp8 import _inv_rope_fp8_kernel
@@ -112,12 +117,54 @@ def compile_for(target: str, what: str) -> float:
     return time.perf_counter() - t0
 
 
+def _compile_layer(gpu) -> None:
+    """The layer's kernels as their launchers specialize them: bf16 and float32 activations, ratios 4
+    (head_dim 512 and the indexer's 128) and 128, fp8_ds_mla records (OCP and FNUZ bytes) on pages of 64
+    and 3 rows, plain float32 and bf16 rows, the indexer with 64 heads of 128 dims on pages of 64 entries at
+    its planned launches."""
+    import triton.language as tl
+
+    from dsv4.kernels import cache_write, compress, indexer_logits, layer_front
+
+    def types(table):
+        return lambda a: table.get(a, "fp32" if a == "eps" else "i32")
+
+    f32 = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "w_ptr": "*fp32", "norm_ptr": "*fp32", "ape_ptr": "*fp32",
+           "sc_ptr": "*fp32", "st_ptr": "*fp32", "pos_ptr": "*i32", "slot_ptr": "*i32", "start_ptr": "*i32",
+           "req_ptr": "*i64", "close_ptr": "*i32", "pages_ptr": "*i32", "bad_ptr": "*i1", "cnt_ptr": "*i32"}
+    for dt, name in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
+        _compile(layer_front._q_rows_kernel, dict(D=512, BH=4, SOFT=False),
+                 types({**f32, "q_ptr": name, "out_ptr": name}), {"H", "PH"}, gpu, 4)
+        _compile(layer_front._kv_rows_kernel, dict(D=512, DTYPE=dt, SOFT=False),
+                 types({**f32, "kv_ptr": name, "out_ptr": "*fp32"}), {"kv_stride"}, gpu, 4)
+    for ratio, dim in ((4, 512), (4, 128), (128, 512)):
+        coff = compress.RATIOS[ratio]
+        _compile(compress._write_state_kernel, dict(R=ratio, BLOCK=min(1024, 2 * coff * dim)), types(f32),
+                 {"sc_stride", "W"}, gpu, 4)
+        _compile(compress._close_kernel, dict(R=ratio, D=dim, COFF=coff, SB=64, RB=compress.ROWS_PER_CHUNK),
+                 types({**f32, "out_ptr": "*fp32"}), {"sc_stride"}, gpu, 4)
+    pages = {"rows_ptr": "*bf16", "slot_ptr": "*i32", "u8_ptr": "*u8", "bf_ptr": "*bf16", "w64_ptr": "*i64"}
+    for bs, fnuz in ((64, False), (3, True)):
+        _compile(cache_write._fp8_ds_mla_kernel, dict(BS=bs, FNUZ=fnuz, SOFT=False), types(pages),
+                 {"row_stride", "page_stride"}, gpu, 2)
+    for name in ("*fp32", "*bf16"):
+        _compile(cache_write._write_rows_kernel, dict(BLOCK=512, SOFT=False),
+                 types({"rows_ptr": "*fp32", "slot_ptr": "*i32", "cache_ptr": name}), {"row_stride", "D"}, gpu, 4)
+    il = indexer_logits
+    for nblk in sorted(set(il.BLOCKS_PER_PROGRAM.values())):             # the planned decode and prefill shapes
+        _compile(il._indexer_kernel, dict(BS=64, TG=il.TOKENS_PER_PROGRAM, HP=64, DP=128, BN=il.BLOCK_N, NBLK=nblk,
+                                          PREC=il.INPUT_PRECISION[gpu.backend]),
+                 types({**f32, "q_ptr": "*fp32", "k_ptr": "*fp32", "out_ptr": "*fp32"}), {"H", "DI", "width"}, gpu,
+                 il.NUM_WARPS)
+
+
 def main(argv: list[str]) -> int:
     from dsv4.kernels.sparse_mqa import LAYOUT_CODES
 
     jobs = [a.split("/") for a in argv] or ([(t, lay) for t in TARGETS for lay in LAYOUT_CODES]
                                             + [(t, "o_proj") for t in FP8_TARGETS]
-                                            + [(t, "hopper") for t in HOPPER_TARGETS])
+                                            + [(t, "hopper") for t in HOPPER_TARGETS]
+                                            + [(t, "layer") for t in LAYER_TARGETS])
     failed = 0
     for target, what in jobs:
         try:

@@ -1,0 +1,37 @@
+"""Chosen rows of `mode=bench`'s whole-layer table (dsv4/layer_bench.py), for a run with little time.
+
+  python bench/layer_table.py --cases 64x2@8192 64x2@65536 --backends "flashmla + deepgemm_fp8"
+  python bench/layer_table.py --no-prefill deployment=h200 model=dsv4_pro
+"""
+from __future__ import annotations
+
+import argparse
+
+from hydra import compose, initialize_config_dir
+
+from dsv4.app import CONFIG_DIR, make_job
+from dsv4.layer_bench import DECODE_CASES, bench_layer_step
+
+
+def case(text: str) -> tuple[int, int, int]:
+    """"64x2@8192" -> (64 requests, 2 tokens each, 8192 context)."""
+    reqs, rest = text.split("x")
+    tokens, context = rest.split("@")
+    return int(reqs), int(tokens), int(context)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", nargs="*", type=case, default=DECODE_CASES)
+    ap.add_argument("--backends", nargs="*", default=None, help="labels, e.g. 'flashmla + deepgemm_fp8'")
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
+    a = ap.parse_args()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
+        job = make_job(compose(config_name="config", overrides=a.overrides or ["deployment=h200"]))
+    print(bench_layer_step(job, a.cases, labels=a.backends, prefill=not a.no_prefill,
+                           echo=lambda line: print("  row:", line, flush=True)))
+
+
+if __name__ == "__main__":
+    main()

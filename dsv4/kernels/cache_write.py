@@ -1,0 +1,131 @@
+"""Cache writers as Triton kernels: the bytes `Fp8DsMlaLayout.write` / `Fp8DsMlaFnuzLayout.write` and
+`PlainRowLayout.write` store, without the host sync of their torch path (slots of -1 are skipped in the
+kernel, not selected on the host).
+
+fp8_ds_mla record (dsv4.strategies.fp8_layouts): the row rounded to bf16; per 64 NoPE dims the scale
+2^e, e = ceil(log2(max(amax, 1e-4) / 448)), and the e4m3 bytes of x / 2^e; the 64 RoPE dims as bf16; 7
+exponent bytes e + 127 and a zero byte. Exactness against torch:
+- e comes from the IEEE bits of amax / 448 (division rounded to nearest, `div_rn`): the biased exponent,
+  plus one unless the mantissa is 0. That is torch's ceil(log2(·)) wherever float32 log2 is not within
+  half an ulp of an integer without being one; amax is a bf16 value (or the 1e-4 floor), for which
+  amax / 448 = m/7 · 2^k is either a power of two or far from one.
+- x / 2^e is x times the exact power of two 2^-e.
+- the e4m3 byte is computed in integer arithmetic as torch's `fp8e4m3fn_from_fp32_value` does (round to
+  nearest even, subnormals through the float adder), so no fp8 hardware is needed (A100, the CPU
+  interpreter) and the bytes are torch's bit for bit.
+FNUZ (dsv4.strategies.fp8_fnuz): range ±224 instead of ±448 doubles the scale (e + 1) and halves x / 2^e,
+and FNUZ's grid is OCP's halved, so its bytes are OCP's with negative zero (0x80, FNUZ's NaN) as 0x00.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dsv4.kernels.layer_front import SOFT_ROUND, round_to, widen
+
+NOPE_DIMS, ROPE_DIMS = 448, 64
+NOPE, TILE = tl.constexpr(NOPE_DIMS), tl.constexpr(64)                        # e4m3 dims, dims per scale
+DATA_BYTES, SCALE_BYTES = tl.constexpr(576), tl.constexpr(8)                 # a record's two regions
+
+
+@triton.jit
+def e4m3_bits(y):
+    """The OCP e4m3fn byte (uint8) of float32 y: torch's conversion (round to nearest even, finite
+    overflow saturated to ±448, NaN to 0x7f with its sign)."""
+    b = y.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    mag = b & 0x7FFFFFFF
+    # below 2^-6 (e4m3 subnormals): |y| + 2^14 rounds, in the float adder, to a multiple of 2^-9
+    sub = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+    nrm = (mag + ((7 - 127) << 23) + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+    nrm = tl.where(nrm == 0x7F, 0x7E, nrm)
+    r = tl.where(mag < (121 << 23), sub, nrm)
+    r = tl.where(mag >= (1087 << 20), tl.where(mag > 0x7F800000, 0x7F, 0x7E), r)
+    return (r | sign).to(tl.uint8)
+
+
+@triton.jit
+def _fp8_ds_mla_kernel(rows_ptr, row_stride, slot_ptr, u8_ptr, bf_ptr, w64_ptr, page_stride, n_slots,
+                       BS: tl.constexpr, FNUZ: tl.constexpr, SOFT: tl.constexpr):
+    n = tl.program_id(0)
+    slot = tl.load(slot_ptr + n)
+    if (slot >= 0) & (slot < n_slots):
+        tile = tl.arange(0, 8)                      # 7 NoPE tiles of 64 dims, then the 64 RoPE dims
+        col = tl.arange(0, TILE)
+        dims = tile[:, None] * TILE + col[None, :]
+        x = tl.load(rows_ptr + n.to(tl.int64) * row_stride + dims)
+        xb = x if x.dtype == tl.bfloat16 else round_to(x, tl.bfloat16, SOFT)   # the record stores the bf16 row
+        x = widen(xb, SOFT)
+        amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-4)
+        bits = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)).to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)   # ceil(log2(amax / 448))
+        # 2^-e, exact (e in [-22, 120] for finite rows); an infinite amax scales by 0 as x / inf does
+        inv = tl.where(e < 127, ((127 - e) << 23).to(tl.float32, bitcast=True), 0.0)
+        y = x * inv[:, None]
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
+        q = e4m3_bits(y)
+        if FNUZ:
+            q = tl.where(q == 0x80, 0, q).to(tl.uint8)
+            e = e + 1
+        page = (slot // BS).to(tl.int64)
+        t = slot % BS
+        data = page * page_stride + t * DATA_BYTES
+        nope = tile[:, None] < NOPE // TILE
+        tl.store(u8_ptr + data + dims, q, mask=nope)
+        tl.store(bf_ptr + (data + NOPE) // 2 + (dims - NOPE), xb, mask=~nope)
+        exps = tl.minimum(tl.maximum(e + 127, 0), 255).to(tl.int64)
+        word = tl.sum(tl.where(tile < NOPE // TILE, exps << (8 * tile).to(tl.int64), 0), 0)
+        tl.store(w64_ptr + (page * page_stride + BS * DATA_BYTES + t * SCALE_BYTES) // 8, word)
+
+
+def write_fp8_ds_mla_kernel(pages, slots, rows, *, block_size: int, fnuz: bool = False, num_warps: int = 2) -> None:
+    """Store rows [N, 512] (float32 or bf16) as fp8_ds_mla records (FNUZ e4m3 bytes if `fnuz`) at `slots`
+    [N] int32 (-1: skip) of pages [num_blocks, page_bytes] uint8: the bytes Fp8DsMlaLayout().write (or
+    Fp8DsMlaFnuzLayout().write) writes. Sync-free; one program per row."""
+    import torch
+
+    N = slots.shape[0]
+    if rows.shape[-1] != NOPE_DIMS + ROPE_DIMS or pages.dtype != torch.uint8 or pages.dim() != 2:
+        raise ValueError(f"write_fp8_ds_mla_kernel: rows {tuple(rows.shape)} / pages {tuple(pages.shape)} "
+                         f"{pages.dtype} are not 512-dim rows and uint8 pages")
+    if pages.shape[1] % 576 or pages.shape[1] < block_size * 584:
+        raise ValueError(f"pages of {pages.shape[1]} bytes cannot hold {block_size} fp8_ds_mla records")
+    if not N:
+        return
+    pages = pages if pages.is_contiguous() else pages.contiguous()
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    _fp8_ds_mla_kernel[(N,)](rows, rows.stride(0), slots.int().contiguous(), pages, pages.view(torch.bfloat16),
+                             pages.view(torch.int64), pages.shape[1], pages.shape[0] * block_size, BS=block_size,
+                             FNUZ=fnuz, SOFT=SOFT_ROUND, num_warps=num_warps)
+
+
+@triton.jit
+def _write_rows_kernel(rows_ptr, row_stride, slot_ptr, cache_ptr, n_slots, D, BLOCK: tl.constexpr, SOFT: tl.constexpr):
+    n = tl.program_id(0)
+    slot = tl.load(slot_ptr + n)
+    if (slot >= 0) & (slot < n_slots):
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < D
+        x = tl.load(rows_ptr + n.to(tl.int64) * row_stride + cols, mask=m)
+        dt = cache_ptr.dtype.element_ty
+        if x.dtype != dt:
+            x = round_to(widen(x, SOFT), dt, SOFT)
+        tl.store(cache_ptr + slot.to(tl.int64) * D + cols, x, mask=m)
+
+
+def write_rows_kernel(cache, slots, rows, *, num_warps: int = 4) -> None:
+    """cache [num_blocks, B, D] float32 or bf16 (PlainRowLayout): row n, rounded to the cache's dtype, at
+    flat slot slots[n] (-1: skip). Sync-free."""
+    N = slots.shape[0]
+    D = cache.shape[-1]
+    if rows.shape[-1] != D:
+        raise ValueError(f"write_rows_kernel: rows of {rows.shape[-1]} dims for a cache of {D}")
+    if not N:
+        return
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    block = min(1024, triton.next_power_of_2(D))
+    _write_rows_kernel[(N, triton.cdiv(D, block))](rows, rows.stride(0), slots.int().contiguous(), cache,
+                                                   cache.numel() // D, D, BLOCK=block, SOFT=SOFT_ROUND,
+                                                   num_warps=num_warps)

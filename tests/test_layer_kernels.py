@@ -1,0 +1,481 @@
+"""The layer's Triton kernels against their torch specifications, on fresh random inputs built through the
+real components (StepPlan.build on small page tables, Compressor, Indexer, the cache layouts):
+
+- layer_front: q rows (bf16 and float32, heads padded or not), KV rows (strided input, non-finite rows);
+- compress: the state rows written (exactly) and the closed entries (ratios 4 and 128, head_dim 512 and
+  128; rows from the step, from earlier steps' state pages and absent before position 0; NaN rows);
+- cache_write: fp8_ds_mla records (OCP and FNUZ) byte for byte on pages of 1, 2, 3 and 64 rows, with
+  zero rows, huge values, e4m3 ties and subnormals, skipped slots (untouched bytes stay); plain rows;
+- indexer_logits: decode- and prefill-like groups, groups spanning two requests, padding, a visible
+  entry without a page, several launch shapes;
+- every launcher with T = 0.
+
+Without a GPU the kernels run under TRITON_INTERPRET=1 (tiny shapes); on a GPU they are compiled (tests
+marked gpu) and a decode-sized indexer case runs as well. The torch paths always run on CPU copies.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")     # read by triton.jit when the kernel module is imported
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton>=3.7)")
+
+from dsv4.components.compressor import Compressor  # noqa: E402
+from dsv4.components.front import kv_rows, q_rows  # noqa: E402
+from dsv4.components.indexer import Indexer  # noqa: E402
+from dsv4.components.kv_pool import PagedCache, StateRows  # noqa: E402
+from dsv4.components.plan import PageTable, StepPlan  # noqa: E402
+from dsv4.components.rope import Rope, RopeRows  # noqa: E402
+from dsv4.kernels.cache_write import write_fp8_ds_mla_kernel, write_rows_kernel  # noqa: E402
+from dsv4.kernels.compress import close_kernel, write_state_kernel  # noqa: E402
+from dsv4.kernels.indexer_logits import indexer_logits  # noqa: E402
+from dsv4.kernels.layer_front import kv_rows_kernel, q_rows_kernel  # noqa: E402
+from dsv4.reference import rel_err  # noqa: E402
+from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
+if INTERPRET:
+    pytestmark = pytest.mark.skipif(VERSION < (3, 7), reason="Triton's interpreter before 3.7 cannot take loaded "
+                                    "loop bounds with NumPy 2 (int() of a 1-element array)")
+    DEVICE, BIG = "cpu", False
+else:
+    pytestmark = pytest.mark.gpu
+    DEVICE, BIG = "cuda", True
+
+EPS = 1e-6
+HID = 16
+ROPE = Rope(freqs=tuple(10000.0 ** (-2 * i / 64) for i in range(32)))
+
+
+def gen(seed: int):
+    return torch.Generator().manual_seed(seed)
+
+
+def dev(x):
+    """A copy on DEVICE (a copy on the CPU too: kernels write into some of their inputs)."""
+    return x.to(DEVICE, copy=True)
+
+
+def rope_rows(T: int, g) -> RopeRows:
+    ang = torch.rand(T, 32, generator=g, dtype=torch.float64) * 1000
+    return RopeRows(cos=ang.cos().float(), sin=ang.sin().float())
+
+
+def assert_bf16_close(out, ref):
+    """Elementwise within one bf16 ulp of the reference and at least 99% equal."""
+    o, r = out.cpu().float(), ref.float()
+    ulp = torch.ldexp(torch.ones_like(r), torch.frexp(r).exponent - 8)          # 2^(e-8) for |r| in [2^(e-1), 2^e)
+    assert bool(((o - r).abs() <= torch.where(r == 0, 0.0, ulp)).all())
+    assert float((o == r).float().mean()) >= 0.99
+
+
+def step_plan(spans, *, ratios=(4, 128), state_block=8, entry_block=2, pad=3, holes=(), seed=0):
+    """A StepPlan (on the CPU) of requests `spans` = [(first position, new tokens)], `pad` padding rows,
+    each page group's table of distinct random pages; `holes` = [(ratio, request, logical page)] of state
+    tables set to -1. Returns (plan, state pages per ratio as {ratio: num_blocks})."""
+    g = gen(seed)
+    B = len(spans)
+    lens = torch.tensor([s + n for s, n in spans], dtype=torch.int32)
+    qs = torch.tensor([0] + [n for _, n in spans], dtype=torch.int32).cumsum(0).int()
+    longest = int(lens.max())
+
+    def table(bs: int, rows: int) -> PageTable:
+        P = max(1, -(-rows // bs))
+        return PageTable(block_size=bs, pages=torch.randperm(B * P, generator=g).view(B, P).int())
+
+    state = {r: table(state_block, longest) for r in ratios}
+    for r, b, p in holes:
+        state[r].pages[b, p] = -1
+    entries = {r: table(entry_block, longest // r) for r in ratios}
+    plan = StepPlan.build(query_start=qs, seq_lens=lens, swa=table(8, longest), window=16, state=state,
+                          entries=entries, num_tokens=int(qs[-1]) + pad)
+    return plan, {r: t.pages.numel() for r, t in state.items()}
+
+
+def compressor(R: int, D: int, seed: int) -> Compressor:
+    coff = 2 if R == 4 else 1
+    g = gen(seed)
+    return Compressor(wkv=torch.randn(coff * D, HID, generator=g) * HID ** -0.5,
+                      wgate=torch.randn(coff * D, HID, generator=g) * 2 * HID ** -0.5,
+                      ape=torch.randn(R, coff * D, generator=g) * 0.5, norm=1 + 0.1 * torch.randn(D, generator=g),
+                      ratio=R, head_dim=D, eps=EPS)
+
+
+def step_scores(comp: Compressor, T: int, g):
+    """[T, 2·width] scores as the layer slices them: the compressor's columns of a wider projection."""
+    x = torch.randn(T, HID, generator=g)
+    return torch.cat((x @ comp.weights().T, torch.randn(T, 7, generator=g)), 1)[:, :2 * comp.width]
+
+
+# ---- layer front ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,padded", [(5, 8), (4, 4)])
+def test_q_rows(dtype, heads, padded):
+    g = gen(heads * 10 + padded)
+    T, D = 6, 512
+    q = (torch.randn(T, heads, D, generator=g) * torch.rand(T, heads, 1, generator=g) * 5).to(dtype)
+    rot = rope_rows(T, g)
+    ref = q_rows(q, rot, padded_heads=padded, eps=EPS, dtype=dtype)
+    out = q_rows_kernel(dev(q), dev(rot.cos), dev(rot.sin), padded_heads=padded, eps=EPS, dtype=dtype).cpu()
+    assert out.dtype == dtype and out.shape == (T, padded, D)
+    assert bool((out[:, heads:] == 0).all())
+    if dtype == torch.float32:
+        assert rel_err(out, ref) <= 1e-6
+    else:
+        assert_bf16_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_rows(dtype):
+    """Rows strided as the input projection's column slice; rows with NaN or inf are flagged."""
+    g = gen(3)
+    T, D = 7, 512
+    kv = (torch.randn(T, D + 40, generator=g) * 3).to(dtype)[:, 40:]
+    kv[2, 17] = float("nan")
+    kv[5, 500] = float("inf")
+    weight = 1 + 0.2 * torch.randn(D, generator=g)
+    rot = rope_rows(T, g)
+    ref, ref_bad = kv_rows(kv, weight, rot, eps=EPS, dtype=dtype)
+    out, bad = kv_rows_kernel(dev(kv), dev(weight), dev(rot.cos), dev(rot.sin), eps=EPS, dtype=dtype)
+    out, bad = out.cpu(), bad.cpu()
+    assert out.dtype == torch.float32 and bad.dtype == torch.bool
+    assert torch.equal(bad, ref_bad) and bad.tolist() == [i in (2, 5) for i in range(T)]
+    ok = ~ref_bad
+    if dtype == torch.float32:
+        assert rel_err(out[ok], ref[ok]) <= 1e-6
+    else:
+        # the NoPE dims are bf16 values; the RoPE dims float32 rotations of bf16 values (one bf16 ulp
+        # where the rounding before the rotation differs)
+        assert_bf16_close(out[ok, :448].bfloat16(), ref[ok, :448])
+        assert rel_err(out[ok], ref[ok]) <= 1e-3
+
+
+# ---- compressor -------------------------------------------------------------------------------------
+# requests (first position, new tokens): entries closing with rows from this step, from earlier steps'
+# state pages and (ratio 4, entry 0) absent rows before position 0
+SPANS = {4: [(0, 9), (5, 3), (126, 4), (13, 12), (3, 1)], 128: [(0, 130), (126, 4), (100, 29)]}
+CASES = [(4, 512), (4, 128), (128, 512)]
+
+
+def close_both(comp, scores, plan, state, R):
+    rot = plan.rope_rows(ROPE, shift=R)
+    ref, ref_bad = comp.close(scores, plan, state, rot)
+    out, bad = close_kernel(dev(scores), dev(comp.ape), dev(comp.norm), dev(rot.cos), dev(rot.sin),
+                            dev(plan.positions), dev(plan.step_start), dev(plan.token_request),
+                            dev(plan.entries[R].close_slots), dev(plan.state[R].table.pages), dev(state.data),
+                            ratio=R, head_dim=comp.dim, state_block=state.block_size, eps=EPS)
+    return out.cpu(), bad.cpu(), ref, ref_bad
+
+
+@pytest.mark.parametrize("R,D", CASES)
+def test_write_state(R, D):
+    plan, blocks = step_plan(SPANS[R], seed=R + D)
+    comp = compressor(R, D, seed=D)
+    scores = step_scores(comp, plan.num_tokens, gen(1))
+    g = gen(2)
+    state = StateRows(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=g), block_size=8, width=comp.width)
+    before = state.data.clone()
+    comp.write_state(scores, plan, state)
+    out = dev(before)
+    write_state_kernel(dev(scores), dev(comp.ape), dev(plan.positions), dev(plan.state[R].write_slots), out, ratio=R)
+    assert torch.equal(out.cpu(), state.data)
+    assert not torch.equal(before, state.data)
+
+
+@pytest.mark.parametrize("R,D", CASES)
+def test_close(R, D):
+    plan, blocks = step_plan(SPANS[R], seed=R * D)
+    comp = compressor(R, D, seed=D + 1)
+    scores = step_scores(comp, plan.num_tokens, gen(4))
+    state = StateRows(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(5)) * 2, block_size=8,
+                      width=comp.width)
+    comp.write_state(scores, plan, state)
+    out, bad, ref, ref_bad = close_both(comp, scores, plan, state, R)
+    closes = plan.entries[R].close_slots >= 0
+    assert int(closes.sum()) >= 3 and not bool(ref_bad.any())
+    assert torch.equal(bad, ref_bad)
+    assert bool((out[~closes] == 0).all())
+    assert rel_err(out[closes], ref[closes]) <= 1e-6
+
+
+@pytest.mark.parametrize("R,D", [(4, 128), (128, 512)])
+def test_close_flags_entries_that_are_not_finite(R, D):
+    """A NaN in one pooled row (of this step at ratio 4, of an earlier step's state at ratio 128) makes
+    exactly the entries that pool it bad; the others are unchanged."""
+    plan, blocks = step_plan(SPANS[R], seed=7)
+    comp = compressor(R, D, seed=8)
+    scores = step_scores(comp, plan.num_tokens, gen(9))
+    state = StateRows(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(10)), block_size=8,
+                      width=comp.width)
+    comp.write_state(scores, plan, state)
+    if R == 4:      # request 3's position 17: its first half is pooled by the entry closing at 23 only
+        t = int(plan.query_start[3]) + 17 - 13
+        scores = scores.clone()
+        scores[t, 3] = float("nan")
+    else:           # request 1's position 50, read from the state pages by its entry closing at 127
+        slot = int(plan.state[R].table.slots(torch.tensor([1]), torch.tensor([50], dtype=torch.int32)))
+        state.data[slot, D + 9] = float("nan")
+    out, bad, ref, ref_bad = close_both(comp, scores, plan, state, R)
+    assert int(ref_bad.sum()) == 1 and torch.equal(bad, ref_bad)
+    assert not bool(torch.isfinite(out[bad]).all())
+    good = (plan.entries[R].close_slots >= 0) & ~bad
+    assert rel_err(out[good], ref[good]) <= 1e-6
+
+
+def test_close_reads_state_row_0_for_a_missing_state_page():
+    """A pooled position before the step whose state page is -1 reads state row 0, as the torch path's
+    clamp(min=0) does (a plan never asks for it: the engine keeps the pages a later step reads)."""
+    R, D = 4, 128
+    plan, blocks = step_plan([(5, 3), (126, 4)], holes=[(4, 1, 15)], seed=11)       # positions 120..127
+    comp = compressor(R, D, seed=12)
+    scores = step_scores(comp, plan.num_tokens, gen(13))
+    state = StateRows(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(14)), block_size=8,
+                      width=comp.width)
+    out, bad, ref, ref_bad = close_both(comp, scores, plan, state, R)
+    closes = plan.entries[R].close_slots >= 0
+    assert int(closes.sum()) == 2 and torch.equal(bad, ref_bad)
+    assert rel_err(out[closes], ref[closes]) <= 1e-6
+
+
+# ---- cache writers ----------------------------------------------------------------------------------
+def fp8_rows(N: int, g, dtype):
+    """Rows whose 8 tiles of 64 dims span 2^-20..2^20, plus special rows: zeros, negative zeros, one huge
+    value, e4m3 ties and subnormals at amax 448 (scale 1), amax 224 (amax/448 a power of two), amax below
+    the 1e-4 floor, and values that are not bf16 (rounded to bf16 first)."""
+    rows = torch.randn(N, 8, 64, generator=g) * 2.0 ** torch.randint(-20, 21, (N, 8, 1), generator=g)
+    rows = rows.flatten(1)
+    grid = torch.tensor([448.0, -448.0, 1.0, 1.0625, 1.1875, -1.1875, 240.0, 2.0 ** -9, 1.5 * 2.0 ** -9,
+                         2.0 ** -10, -(2.0 ** -10), 0.75 * 2.0 ** -9, 2.0 ** -6, 15 / 16 * 2.0 ** -6, 3.0, 0.0,
+                         -0.0, 416.0, 432.0, 2.5 * 2.0 ** -9, 3.5 * 2.0 ** -9, 1e-30, -1e-30])
+    special = torch.zeros(8, 512)
+    special[1] = -0.0
+    special[2] = torch.randn(512, generator=g)
+    special[2, 5] = 3e38
+    special[3, :grid.numel()] = grid                                     # tile 0: amax 448, scale 1
+    special[3, 64:64 + grid.numel()] = grid / 2                          # tile 1: amax 224
+    special[3, 128:192] = torch.linspace(-5e-5, 5e-5, 64)                # tile 2: under the 1e-4 floor
+    special[4] = torch.randn(512, generator=g) * 1e-3 + 1 / 3            # not bf16 values
+    special[5] = 3.3e38 * torch.rand(512, generator=g).sign()
+    special[6] = torch.randn(512, generator=g) * 2.0 ** torch.randint(-126, 127, (512,), generator=g)
+    special[7] = torch.randn(512, generator=g).clamp(-4, 4) * 2.0 ** -100
+    rows = torch.cat((special, rows))[:N]
+    return rows.to(dtype)
+
+
+FP8_LAYOUTS = {False: Fp8DsMlaLayout(), True: Fp8DsMlaFnuzLayout()}
+
+
+@pytest.mark.parametrize("fnuz", [False, True], ids=["ocp", "fnuz"])
+@pytest.mark.parametrize("bs,extra", [(1, 0), (2, 1), (3, 0), (64, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_ds_mla_writer_bytes(fnuz, bs, extra, dtype):
+    """The bytes Fp8DsMlaLayout / Fp8DsMlaFnuzLayout write, on random pages; slots of -1 (rows with NaN
+    and inf among them) write nothing; `extra` 576-byte blocks of page padding stay untouched."""
+    lay = FP8_LAYOUTS[fnuz]
+    g = gen(bs * 2 + fnuz)
+    N = 24
+    nb = -(-N // bs) + 1
+    page_bytes = lay.page_bytes(bs, 512) + 576 * extra
+    pages = torch.randint(0, 256, (nb, page_bytes), generator=g, dtype=torch.uint8)
+    slots = torch.randperm(nb * bs, generator=g)[:N].int()
+    slots[[9, 11, 15, 19, 23]] = -1
+    rows = fp8_rows(N, g, dtype)
+    rows[11] = float("nan")
+    rows[15, 3] = float("inf")
+    ref = pages.clone()
+    lay.write(ref, slots, rows, block_size=bs)
+    out = dev(pages)
+    write_fp8_ds_mla_kernel(out, dev(slots), dev(rows), block_size=bs, fnuz=fnuz)
+    out = out.cpu()
+    assert torch.equal(out, ref), f"{int((out != ref).sum())} bytes differ"
+
+
+@pytest.mark.parametrize("fnuz", [False, True], ids=["ocp", "fnuz"])
+def test_fp8_ds_mla_writer_many_random_rows(fnuz):
+    lay = FP8_LAYOUTS[fnuz]
+    g = gen(20 + fnuz)
+    bs, nb, N = 16, 8, 100
+    pages = torch.randint(0, 256, (nb, lay.page_bytes(bs, 512)), generator=g, dtype=torch.uint8)
+    slots = torch.randperm(nb * bs, generator=g)[:N].int()
+    slots[::7] = -1
+    rows = torch.randn(N, 512, generator=g) * torch.exp(torch.randn(N, 1, generator=g) * 3)
+    ref = pages.clone()
+    lay.write(ref, slots, rows, block_size=bs)
+    out = dev(pages)
+    write_fp8_ds_mla_kernel(out, dev(slots), dev(rows), block_size=bs, fnuz=fnuz)
+    assert torch.equal(out.cpu(), ref)
+    assert torch.equal(lay.read(ref, slots, block_size=bs), lay.read(out.cpu(), slots, block_size=bs))
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("row_dtype", [torch.float32, torch.bfloat16])
+def test_plain_row_writer(cache_dtype, row_dtype):
+    lay = PlainRowLayout(name=cache_dtype, dtype=cache_dtype)
+    g = gen(30)
+    cache = lay.allocate(num_blocks=3, block_size=4, head_dim=96, device="cpu")
+    cache.copy_(torch.randn(cache.shape, generator=g))
+    slots = torch.tensor([3, -1, 0, 11, 5, -1], dtype=torch.int32)
+    rows = torch.randn(6, 96, generator=g).to(row_dtype)
+    rows[1] = float("nan")
+    ref = cache.clone()
+    lay.write(ref, slots, rows, block_size=4)
+    out = dev(cache)
+    write_rows_kernel(out, dev(slots), dev(rows))
+    assert torch.equal(out.cpu(), ref)
+
+
+# ---- indexer ----------------------------------------------------------------------------------------
+def indexer_case(spans, heads: int, dim: int, *, bs: int = 4, holes=(), pad: int = 3, seed: int = 0):
+    """q, w, the keys' PagedCache, the plan and the Indexer for requests `spans`; `holes` = [(request,
+    logical page)] of the entries table set to -1."""
+    g = gen(seed)
+    plan, _ = step_plan(spans, ratios=(4,), entry_block=bs, pad=pad, seed=seed)
+    table = plan.entries[4].table
+    for b, p in holes:
+        table.pages[b, p] = -1
+    lay = PlainRowLayout(name="float32", dtype="float32")
+    nb = table.pages.numel()
+    keys = PagedCache(name="indexer_keys", layout=lay, data=torch.randn(nb, bs, dim, generator=g) / 4, block_size=bs,
+                      head_dim=dim)
+    T = plan.num_tokens
+    q = torch.randn(T, heads, dim, generator=g)
+    w = torch.randn(T, heads, generator=g) * (dim * heads) ** -0.5
+    idx = Indexer(wq_b=torch.zeros(1), weights_proj=torch.zeros(1), compressor=None, n_heads=heads, head_dim=dim,
+                  topk=16)
+    return q, w, keys, plan, idx
+
+
+def run_indexer(q, w, keys, plan, **launch):
+    dkeys = PagedCache(name=keys.name, layout=keys.layout, data=dev(keys.data), block_size=keys.block_size,
+                       head_dim=keys.head_dim)
+    ents = plan.entries[4]
+    return indexer_logits(dev(q), dev(w), dkeys, dev(ents.table.pages), dev(plan.token_request), dev(ents.counts),
+                          width=ents.width, **launch).cpu()
+
+
+def assert_scores(out, ref, tol=1e-6):
+    fin = torch.isfinite(ref)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert torch.equal(fin, torch.isfinite(out)) and bool((out[~fin] == float("-inf")).all())
+    assert rel_err(out[fin], ref[fin]) <= tol
+
+
+# decode pairs, a one-token request (groups that span two requests), a prefill chunk, padding
+INDEXER_SPANS = [(40, 2), (77, 1), (13, 12), (200, 2), (3, 1), (90, 2)]
+LAUNCHES = [dict(block_n=16, blocks_per_program=2), dict(), dict(block_n=32, blocks_per_program=1, num_warps=4)]
+
+
+@pytest.mark.parametrize("heads,dim", [(8, 128), (5, 64)])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=["bn16x2", "planned", "bn32x1"])
+def test_indexer_logits(heads, dim, launch):
+    q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, heads, dim, holes=[(2, 1)], seed=heads + dim)
+    ref = idx.scores(q, w, keys, plan)
+    out = run_indexer(q, w, keys, plan, **launch)
+    assert_scores(out, ref)
+    assert bool((ref[int(plan.query_start[2]) + 11, 4:6] == 0).all())    # visible entries without a page: 0
+    assert bool(torch.isinf(out[plan.num_tokens - 3:]).all())             # padding rows see nothing
+
+
+@pytest.mark.skipif(not BIG, reason="decode-sized: GPU only")
+def test_indexer_logits_decode_sized():
+    """64 requests x 2 tokens, 64 heads of 128 dims, ~1000-2000 visible entries of 4096: the same scores as
+    the float32 torch path (tf32x3 products)."""
+    g = gen(40)
+    starts = torch.randint(4000, 8000, (64,), generator=g).tolist()
+    q, w, keys, plan, idx = indexer_case([(s, 2) for s in starts], 64, 128, bs=64, pad=0, seed=41)
+    ref = idx.scores(q, w, keys, plan)
+    assert_scores(run_indexer(q, w, keys, plan), ref, tol=2e-6)
+
+
+# ---- empty steps ------------------------------------------------------------------------------------
+def test_empty_steps():
+    z = torch.zeros
+    cs = dev(z(0, 32))
+    assert q_rows_kernel(dev(z(0, 3, 512)), cs, cs, padded_heads=4, eps=EPS, dtype=torch.bfloat16).shape == (0, 4, 512)
+    rows, bad = kv_rows_kernel(dev(z(0, 512)), dev(z(512)), cs, cs, eps=EPS, dtype=torch.float32)
+    assert rows.shape == (0, 512) and bad.shape == (0,)
+    i32, i64 = dev(z(0, dtype=torch.int32)), dev(z(0, dtype=torch.int64))
+    state = dev(z(8, 2048))
+    write_state_kernel(dev(z(0, 2048)), dev(z(4, 1024)), i32, i32, state, ratio=4)
+    rows, bad = close_kernel(dev(z(0, 2048)), dev(z(4, 1024)), dev(z(512)), cs, cs, i32, i32, i64, i32,
+                             dev(z(1, 2, dtype=torch.int32)), state, ratio=4, head_dim=512, state_block=8, eps=EPS)
+    assert rows.shape == (0, 512) and bad.shape == (0,)
+    write_fp8_ds_mla_kernel(dev(z(2, 576 * 2, dtype=torch.uint8)), i32, dev(z(0, 512)), block_size=1)
+    write_rows_kernel(dev(z(2, 4, 96)), i32, dev(z(0, 96)))
+    keys = PagedCache(name="k", layout=PlainRowLayout(name="float32", dtype="float32"), data=dev(z(2, 4, 128)),
+                      block_size=4, head_dim=128)
+    out = indexer_logits(dev(z(0, 8, 128)), dev(z(0, 8)), keys, dev(z(1, 2, dtype=torch.int32)), i64, i32, width=8)
+    assert out.shape == (0, 8)
+    assert bool((state == 0).all())
+
+
+# ---- compiled for GPUs this machine may not have ----------------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_layer_kernels_compile_for_sm90():
+    """dsv4.kernels.compile_check's `layer` job, in a fresh process (Triton reads TRITON_INTERPRET once)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "dsv4.kernels.compile_check", "cuda:90/layer"], env=env,
+                       capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "compiled in" in r.stdout
+
+
+@pytest.mark.parametrize("N,dtype", [(128, torch.float32), (192, torch.bfloat16), (1536, torch.bfloat16)])
+def test_norm_rows(N, dtype):
+    """The q_lora RMSNorm, any width (Pro's 1536 is not a power of two), strided input."""
+    from dsv4.components.norms import rms_norm
+    from dsv4.kernels.layer_front import norm_rows_kernel
+
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(7, N + 64, generator=g)[:, :N].to(dtype)
+    w = 1 + 0.1 * torch.randn(N, generator=g)
+    got = norm_rows_kernel(x.to(DEVICE), w.to(DEVICE), eps=1e-6, dtype=dtype).cpu()
+    want = rms_norm(x, w, 1e-6).to(dtype)
+    assert got.dtype == dtype and got.shape == (7, N)
+    assert float((got.float() - want.float()).norm() / want.float().norm()) <= (1e-6 if dtype == torch.float32 else 4e-3)
+
+
+def test_rotate_rows():
+    """The indexer queries' RoPE: every head's last 64 dims, float32."""
+    from dsv4.components.rope import Rope
+    from dsv4.kernels.layer_front import rotate_rows_kernel
+    from tests.conftest import tiny_spec
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 8, 128, generator=g)
+    rot = Rope.for_layer(tiny_spec(), 4).at(torch.tensor([0, 3, 17, 4096, 70001]))
+    got = rotate_rows_kernel(x.to(DEVICE), rot.cos.to(DEVICE), rot.sin.to(DEVICE)).cpu()
+    want = rot.rotate(x)
+    assert float((got - want).norm() / want.norm()) <= 1e-6
+    assert torch.equal(got[..., :64], x[..., :64])
+
+
+def test_topk_lists():
+    """torch.topk's values and indices as the MQA kernel's lists: -inf -> -1, slots through the table."""
+    from dsv4.components.plan import PageTable
+    from dsv4.kernels.topk_lists import topk_lists_kernel
+
+    g = torch.Generator().manual_seed(4)
+    T, width, K, bs = 6, 40, 16, 4
+    scores = torch.randn(T, width, generator=g)
+    counts = torch.tensor([0, 3, 16, 40, 22, 9])
+    scores = scores.masked_fill(torch.arange(width)[None] >= counts[:, None], float("-inf"))
+    pages = torch.randperm(64, generator=g)[:2 * 10].view(2, 10).int()
+    req = torch.tensor([0, 0, 1, 1, 1, 0])
+    val, idx = scores.topk(K, dim=-1)
+    local, slots, lens = topk_lists_kernel(val.to(DEVICE), idx.to(DEVICE), pages.to(DEVICE), req.to(DEVICE),
+                                           topk=K, block_size=bs)
+    want_local = torch.where(torch.isinf(val), -1, idx).int()
+    assert torch.equal(local.cpu(), want_local)
+    assert torch.equal(slots.cpu(), PageTable(block_size=bs, pages=pages).slots(req, want_local))
+    assert lens.cpu().tolist() == [min(K, int(c)) for c in counts]
