@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dsv4.components.compressor import Compressor
 from dsv4.components.engine import Engine, Segment
 from dsv4.components.indexer import Indexer
-from dsv4.components.kv_pool import KVPool, PagedCache, PageGroup, RowRule, StateRows
+from dsv4.components.kv_pool import KVPool, PagedCache, PageGroup, RowRule, CompressorState
 from dsv4.components.plan import COMPRESSOR_REACH, PageTable, StepPlan
 from dsv4.components.rope import Rope
 from dsv4.strategies import PlainRowLayout
@@ -101,7 +101,7 @@ class Run:
                                    rule=RowRule(keep=reach, tail_only=True), knob="max_requests"),
             f"entries{R}": PageGroup(name="entries", block_size=4, num_blocks=64, rule=RowRule(per=R),
                                      knob="compressed_blocks")}, layers={}, window=16)
-        self.state = StateRows(data=torch.zeros(self.pool.state(R).num_slots, 2 * self.comp.width), block_size=reach,
+        self.state = CompressorState(data=torch.zeros(self.pool.state(R).num_slots, 2 * self.comp.width), block_size=reach,
                                width=self.comp.width)
         self.engine = Engine(spec=tiny_spec(sliding_window=16), layers={}, pools=[self.pool], device="cpu")
         self.rope = Rope.for_layer(tiny_spec(), R)

@@ -32,7 +32,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 from dsv4.components.compressor import Compressor  # noqa: E402
 from dsv4.components.front import kv_rows, q_rows  # noqa: E402
 from dsv4.components.indexer import Indexer  # noqa: E402
-from dsv4.components.kv_pool import PagedCache, StateRows  # noqa: E402
+from dsv4.components.kv_pool import PagedCache, CompressorState  # noqa: E402
 from dsv4.components.plan import PageTable, StepPlan  # noqa: E402
 from dsv4.components.rope import Rope, RopeRows  # noqa: E402
 from dsv4.kernels.cache_write import write_fp8_ds_mla_kernel, write_rows_kernel  # noqa: E402
@@ -183,7 +183,7 @@ def test_write_state(R, D):
     comp = compressor(R, D, seed=D)
     scores = step_scores(comp, plan.num_tokens, gen(1))
     g = gen(2)
-    state = StateRows(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=g), block_size=8, width=comp.width)
+    state = CompressorState(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=g), block_size=8, width=comp.width)
     before = state.data.clone()
     comp.write_state(scores, plan, state)
     out = dev(before)
@@ -197,7 +197,7 @@ def test_close(R, D):
     plan, blocks = step_plan(SPANS[R], seed=R * D)
     comp = compressor(R, D, seed=D + 1)
     scores = step_scores(comp, plan.num_tokens, gen(4))
-    state = StateRows(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(5)) * 2, block_size=8,
+    state = CompressorState(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(5)) * 2, block_size=8,
                       width=comp.width)
     comp.write_state(scores, plan, state)
     out, bad, ref, ref_bad = close_both(comp, scores, plan, state, R)
@@ -215,7 +215,7 @@ def test_close_flags_entries_that_are_not_finite(R, D):
     plan, blocks = step_plan(SPANS[R], seed=7)
     comp = compressor(R, D, seed=8)
     scores = step_scores(comp, plan.num_tokens, gen(9))
-    state = StateRows(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(10)), block_size=8,
+    state = CompressorState(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(10)), block_size=8,
                       width=comp.width)
     comp.write_state(scores, plan, state)
     if R == 4:      # request 3's position 17: its first half is pooled by the entry closing at 23 only
@@ -239,7 +239,7 @@ def test_close_reads_state_row_0_for_a_missing_state_page():
     plan, blocks = step_plan([(5, 3), (126, 4)], holes=[(4, 1, 15)], seed=11)       # positions 120..127
     comp = compressor(R, D, seed=12)
     scores = step_scores(comp, plan.num_tokens, gen(13))
-    state = StateRows(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(14)), block_size=8,
+    state = CompressorState(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(14)), block_size=8,
                       width=comp.width)
     out, bad, ref, ref_bad = close_both(comp, scores, plan, state, R)
     closes = plan.entries[R].close_slots >= 0

@@ -13,7 +13,7 @@ import torch
 
 from dsv4 import reference as ref
 from dsv4.components.builders import INDEXER_LAYOUT, Strategies, build_layer
-from dsv4.components.kv_pool import LayerCaches, PagedCache, StateRows
+from dsv4.components.kv_pool import LayerCaches, PagedCache, CompressorState
 from dsv4.components.plan import COMPRESSOR_REACH, PageTable, StepPlan
 from dsv4.components.weights import random_layer_weights
 from dsv4.device import DeviceInfo
@@ -48,7 +48,7 @@ class OwnEngine:
 
         def state(width):
             n = requests * self.pages["state"] * self.blocks["state"]
-            return StateRows(data=torch.zeros(n, 2 * width), block_size=self.blocks["state"], width=width)
+            return CompressorState(data=torch.zeros(n, 2 * width), block_size=self.blocks["state"], width=width)
 
         kw = {}
         D, Di = spec.head_dim, spec.index_head_dim

@@ -77,6 +77,9 @@ class DSV4Attention(torch.nn.Module):
     def forward(self, x, plan: StepPlan, caches: LayerCaches) -> LayerStepResult:
         T, D, H = x.shape[0], self.spec.head_dim, self.heads
         q_lora = self.spec.q_lora_rank
+        if caches.swa.layout != self.cache_layout or caches.ratio != self.ratio:
+            raise ValueError(f"layer {self.layer}: caches of a ratio-{caches.ratio} layer in cache_layout="
+                             f"{caches.swa.layout.name}, built for ratio {self.ratio} and {self.cache_layout.name}")
         xa = x.to(self.dtype)
         rot = plan.rope_rows(self.rope)
         qr_raw, kv_raw = (xa @ self.w_in.T).split((q_lora, D), 1)
@@ -100,7 +103,7 @@ class DSV4Attention(torch.nn.Module):
             faults[FAULT_COMPRESSED] = bad
             caches.compressed.write(torch.where(bad, -1, ents.close_slots), rows)
             if self.indexer is not None:
-                topk, lists, lens = self._select(scores[:, 2 * comp.width:], qr, plan, caches, entry_rot, faults, rot)
+                topk, lists, lens = self._select(scores[:, 2 * comp.width:], qr, plan, caches, rot, entry_rot, faults)
             else:
                 lists, lens = ents.visible, ents.counts
             extra = dict(extra=caches.compressed, extra_indices=lists, extra_lens=lens)
@@ -111,7 +114,7 @@ class DSV4Attention(torch.nn.Module):
         y = self.o_proj(out[:, :H], rot, prepared=self.o_proj_prepared)
         return LayerStepResult(out=y, topk=topk, faults=faults)
 
-    def _select(self, scores, qr, plan: StepPlan, caches: LayerCaches, entry_rot, faults, rot):
+    def _select(self, scores, qr, plan: StepPlan, caches: LayerCaches, rot, entry_rot, faults):
         """The indexer: its compressor's keys for the entries closed in this step, then every token's
         top-k over its request's keys -> (local indices, their slots, valid counts)."""
         idx = self.indexer

@@ -11,7 +11,7 @@ from typing import Any
 from dsv4.components.attention import DSV4Attention
 from dsv4.components.compressor import Compressor
 from dsv4.components.indexer import Indexer
-from dsv4.components.kv_pool import KVPool, LayerCaches, PagedCache, PageGroup, RowRule, StateRows
+from dsv4.components.kv_pool import KVPool, LayerCaches, PagedCache, PageGroup, RowRule, CompressorState
 from dsv4.components.plan import COMPRESSOR_REACH
 from dsv4.components.weights import shard
 from dsv4.device import DeviceInfo
@@ -107,9 +107,9 @@ def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig
                           data=lay.allocate(num_blocks=group.num_blocks, block_size=group.block_size, head_dim=dim,
                                             device=dev))
 
-    def state(group: PageGroup, width: int) -> StateRows:
+    def state(group: PageGroup, width: int) -> CompressorState:
         import torch
-        return StateRows(data=torch.zeros(group.num_slots, 2 * width, dtype=torch.float32, device=dev),
+        return CompressorState(data=torch.zeros(group.num_slots, 2 * width, dtype=torch.float32, device=dev),
                          block_size=group.block_size, width=width)
 
     caches = {}

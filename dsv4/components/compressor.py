@@ -40,7 +40,7 @@ class Compressor:
         return torch.cat((self.wkv, self.wgate))
 
     def write_state(self, scores, plan, state) -> None:
-        """scores [T, 2·width] float32 ([a | s], no APE yet) -> the kept rows into `state` (StateRows)."""
+        """scores [T, 2·width] float32 ([a | s], no APE yet) -> the kept rows into `state` (CompressorState)."""
         rows = plan.state[self.ratio]
         if scores.is_cuda:
             from dsv4.kernels.compress import write_state_kernel

@@ -194,7 +194,7 @@ class Engine:
             for pool in self.pools:
                 reserved.append((pool, pool.reserve(spans)))
             T = hidden.shape[0]
-            size = None if eager or self.graphs is None else self.graphs.size_for(T, self, segs)
+            size = None if eager or self.graphs is None else self.graphs.size_for(T, segs)
             if size is None:
                 result, faults = self._forward(hidden.to(self.device), segs, timer, on_layer)
             else:

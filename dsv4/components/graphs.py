@@ -22,6 +22,7 @@ import torch
 from dsv4.components.plan import StepPlan
 from dsv4.graph import GraphConfig
 
+
 @dataclass(slots=True)
 class _Captured:
     size: int
@@ -48,7 +49,9 @@ class StepGraphs:
             out[name] = max(1, -(-g.rule.rows(self.config.max_context) // g.block_size))
         return out
 
-    def size_for(self, T: int, engine, segs: Sequence) -> int | None:
+    def size_for(self, T: int, segs: Sequence) -> int | None:
+        """The capture size a step of T tokens replays at, or None (eager): too many tokens, or a request
+        longer than max_context."""
         if T > self.config.capture_sizes[-1]:
             return None
         if max(s.start + s.count for s in segs) > self.config.max_context:

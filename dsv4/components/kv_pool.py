@@ -154,7 +154,7 @@ class PagedCache:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StateRows:
+class CompressorState:
     """One compressor's rows on state pages: [slots, 2·width] float32, the candidate then the gate
     logits (+ APE) of a token position, width = coff·head_dim."""
     data: Any
@@ -169,8 +169,8 @@ class LayerCaches:
     swa: PagedCache                               # SWA KV rows, on `swa` pages
     compressed: PagedCache | None = None          # compressed KV rows, on `entries[ratio]` pages
     indexer_keys: PagedCache | None = None        # ratio 4: indexer keys, on `entries[4]` pages
-    state: StateRows | None = None                # the compressor's rows, on `state[ratio]` pages
-    indexer_state: StateRows | None = None        # ratio 4: the indexer compressor's rows, on `state[4]`
+    state: CompressorState | None = None                # the compressor's rows, on `state[ratio]` pages
+    indexer_state: CompressorState | None = None        # ratio 4: the indexer compressor's rows, on `state[4]`
 
     def caches(self) -> tuple[PagedCache, ...]:
         return tuple(c for c in (self.swa, self.compressed, self.indexer_keys) if c is not None)
