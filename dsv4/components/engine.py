@@ -236,17 +236,10 @@ class Engine:
             out[name] = tab
         return out
 
-    def build_plan(self, pool: KVPool, host: dict[str, Any], *, num_tokens: int, device: str | None = None) -> StepPlan:
+    def build_plan(self, pool: KVPool, host: dict[str, Any], *, num_tokens: int) -> StepPlan:
         """Copy the host arrays in one transfer and derive the plan on the device."""
-        names = list(host)
-        flat = np.concatenate([host[n].ravel() for n in names])
-        dev = torch.from_numpy(flat).to(device or self.device, non_blocking=True)
-        parts, off = {}, 0
-        for n in names:
-            size = host[n].size
-            parts[n] = dev[off:off + size].view(host[n].shape)
-            off += size
-        return plan_from_parts(pool, parts, num_tokens=num_tokens, window=self.spec.sliding_window)
+        buf = torch.from_numpy(pack_inputs(host)).to(self.device, non_blocking=True)
+        return plan_from_parts(pool, unpack_inputs(buf, host), num_tokens=num_tokens, window=self.spec.sliding_window)
 
     def kernel_plans(self, plan: StepPlan, rank: int, *, fresh: bool = False) -> None:
         """Each layer type's MQA kernel plan, made once per step and shared by that type's layers; the
@@ -312,6 +305,20 @@ class Engine:
                  f"{(pos + 1) // ratio - 1} closed at position {pos}")
         raise InvalidRequest(f"non-finite {FAULT_WHAT[kind]} ({where}): refused before packing it into the "
                              f"cache; nothing of this step was kept")
+
+
+def pack_inputs(host: dict[str, Any]):
+    """`Engine.plan_inputs`' arrays as one int32 array: what one host-to-device copy moves."""
+    return np.concatenate([a.ravel() for a in host.values()])
+
+
+def unpack_inputs(buf, host: dict[str, Any]) -> dict[str, Any]:
+    """Views of `buf` (a copy of `pack_inputs(host)`) shaped and named as `host`."""
+    parts, off = {}, 0
+    for name, a in host.items():
+        parts[name] = buf[off:off + a.size].view(a.shape)
+        off += a.size
+    return parts
 
 
 def plan_from_parts(pool: KVPool, parts: dict[str, Any], *, num_tokens: int, window: int) -> StepPlan:

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
+from dsv4.components.engine import pack_inputs
 from dsv4.components.plan import StepPlan
 from dsv4.graph import GraphConfig
 
@@ -69,14 +69,11 @@ class StepGraphs:
         torch.cuda.synchronize()
 
     def _static_plan(self, engine, rank: int, size: int, buf) -> StepPlan:
-        from dsv4.components.engine import plan_from_parts
+        from dsv4.components.engine import plan_from_parts, unpack_inputs
 
         host = engine.plan_inputs(engine.pools[rank], (), requests=size, widths=self.widths(engine, rank))
-        parts, off = {}, 0
-        for n, a in host.items():
-            parts[n] = buf[off:off + a.size].view(a.shape)
-            off += a.size
-        plan = plan_from_parts(engine.pools[rank], parts, num_tokens=size, window=engine.spec.sliding_window)
+        plan = plan_from_parts(engine.pools[rank], unpack_inputs(buf, host), num_tokens=size,
+                               window=engine.spec.sliding_window)
         for ranks in engine.layers.values():          # RoPE rows inside the plan's graph, not a layer's
             m = ranks[rank]
             plan.rope_rows(m.rope)
@@ -91,7 +88,7 @@ class StepGraphs:
                 for r in range(nranks)]
         inputs = []
         for h in host:      # an empty step: no requests with tokens, every row padding
-            inputs.append(torch.from_numpy(np.concatenate([a.ravel() for a in h.values()])).to(dev))
+            inputs.append(torch.from_numpy(pack_inputs(h)).to(dev))
         some = next(iter(engine.layers.values()))[0]
         x = torch.zeros(size, engine.spec.hidden_size, dtype=some.dtype, device=dev)
 
@@ -131,8 +128,7 @@ class StepGraphs:
         T = hidden.shape[0]
         for r in range(len(engine.pools)):
             h = engine.plan_inputs(engine.pools[r], segs, requests=size, widths=self.widths(engine, r))
-            flat = torch.from_numpy(np.concatenate([a.ravel() for a in h.values()]))
-            cap.inputs[r].copy_(flat, non_blocking=True)
+            cap.inputs[r].copy_(torch.from_numpy(pack_inputs(h)), non_blocking=True)
         cap.x[:T].copy_(hidden, non_blocking=True)
         cap.plan_graph.replay()
 

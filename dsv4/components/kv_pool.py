@@ -91,20 +91,17 @@ class PageGroup:
     def live_pages(self, rid: Hashable) -> int:
         return sum(1 for b in self.tables[rid] if b >= 0)
 
-    def _missing(self, rid: Hashable, start: int, new_len: int) -> list[int]:
+    def missing(self, rid: Hashable, start: int, new_len: int) -> list[int]:
         """Logical pages that rows the step writes fall in and that have no physical page yet."""
         bs, table = self.block_size, self.tables[rid]
         lo = self.rule.first_written(start, new_len) // bs
         hi = -(-self.rule.rows(new_len) // bs)
         return [p for p in range(lo, hi) if p >= len(table) or table[p] < 0]
 
-    def pages_needed(self, rid: Hashable, start: int, new_len: int) -> int:
-        return len(self._missing(rid, start, new_len))
-
-    def take(self, rid: Hashable, start: int, new_len: int) -> tuple[int, list[int]]:
-        """Give `rid` the pages its rows of the step need; returns (old table length, logical pages given)."""
+    def take(self, rid: Hashable, want: list[int]) -> tuple[int, list[int]]:
+        """Give `rid` physical pages for the logical pages `want` (`missing`); returns (old table length,
+        `want`)."""
         table, old = self.tables[rid], len(self.tables[rid])
-        want = self._missing(rid, start, new_len)
         if want and want[-1] >= len(table):
             table.extend([-1] * (want[-1] + 1 - len(table)))
         for p, b in zip(want, self.allocator.take(len(want))):
@@ -219,8 +216,9 @@ class KVPool:
     # ---- two-phase step ------------------------------------------------------------------
     def reserve(self, spans: dict[Hashable, tuple[int, int]]) -> Reservation:
         """Take the pages `spans` (rid -> (start, new_len)) need, or raise InvalidRequest taking none."""
-        for g in self.groups.values():
-            need = {rid: g.pages_needed(rid, s, n) for rid, (s, n) in spans.items()}
+        missing = {name: {rid: g.missing(rid, s, n) for rid, (s, n) in spans.items()} for name, g in self.groups.items()}
+        for name, g in self.groups.items():
+            need = {rid: len(m) for rid, m in missing[name].items()}
             total = sum(need.values())
             if total > g.allocator.num_free:
                 big = {rid: k + g.live_pages(rid) for rid, k in need.items()
@@ -234,7 +232,7 @@ class KVPool:
                     f"are held until the step ends). Nothing was written.")
         res = Reservation()
         for name, g in self.groups.items():
-            res.taken[name] = {rid: g.take(rid, s, n) for rid, (s, n) in spans.items()}
+            res.taken[name] = {rid: g.take(rid, want) for rid, want in missing[name].items()}
         return res
 
     def rollback(self, res: Reservation) -> None:

@@ -41,9 +41,9 @@ class PageTable:
         flat = rows.dim() == 1
         r = rows[:, None] if flat else rows
         bs, width = self.block_size, self.pages.shape[1]
-        tab = self.pages.index_select(0, request)                         # [T, P]
         logical = r.clamp(min=0) // bs
-        page = tab.gather(1, logical.clamp(max=max(width - 1, 0))) if width else torch.full_like(r, -1)
+        page = self.pages[request[:, None], logical.clamp(max=max(width - 1, 0)).long()] if width \
+            else torch.full_like(r, -1)
         ok = (r >= 0) & (logical < width) & (page >= 0)
         out = torch.where(ok, page * bs + r.clamp(min=0) % bs, torch.full_like(r, -1)).to(torch.int32)
         return out[:, 0] if flat else out
