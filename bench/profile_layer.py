@@ -1,8 +1,10 @@
 """Where a layer's decode step spends its time: the replayed CUDA graph under torch.profiler, kernels by
-total time (the table behind the layer-step optimisations in docs/benchmarks.md).
+total time (the table behind the layer-step optimisations in docs/benchmarks.md); with --eager, the
+host's time in the same forward run without the graph (cProfile, functions by their own time).
 
   python bench/profile_layer.py                       # flashmla + deepgemm_fp8, every layer type, 64 x 2, 8k
   python bench/profile_layer.py --backend triton_sparse + triton_fp8 --requests 64 --tokens 2 --context 65536
+  python bench/profile_layer.py --eager --layer c4a   # the eager forward's host time by function
 """
 from __future__ import annotations
 
@@ -17,7 +19,40 @@ from dsv4.bench import replay_us
 from dsv4.layer_bench import _engine, backends, decode_step, fill
 
 
-def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top: int) -> None:
+def host_profile(eng, layer: int, T: int, top: int) -> None:
+    """The eager forward of `layer` on the captured step's plan, 50 calls under cProfile."""
+    import cProfile
+    import pstats
+    import time
+    from dataclasses import replace
+
+    cap = eng.graphs.captured[T]
+    plan = replace(cap.plans[0], kernel_plans={})
+    eng.kernel_plans(plan, 0, fresh=True)
+    module, caches = eng.layers[layer][0], eng.pools[0].layers[layer]
+    for _ in range(5):
+        module(cap.x, plan, caches)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        module(cap.x, plan, caches)
+    host = (time.perf_counter() - t0) / 50 * 1e6
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        module(cap.x, plan, caches)
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"  eager forward: {host:.0f} µs of host time per call (no profiler); under cProfile, per call:")
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    for (file, line, name), (_cc, nc, tt, ct, _callers) in rows:
+        print(f"  {tt / 50 * 1e6:8.1f} µs own {ct / 50 * 1e6:8.1f} µs cum  x{nc // 50:<3d} {name} "
+              f"({file.split('site-packages/')[-1].split('/work/')[-1]}:{line})")
+
+
+def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top: int, eager: bool = False) -> None:
     eng = _engine(job, backend, (layer,), nreq=nreq, tokens=tokens, context=context, graphs=True)
     rids = list(range(nreq))
     fill(eng, rids, context, seed=1)
@@ -43,6 +78,8 @@ def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top:
           f"kernels {total:.1f} µs in {sum(r[1] for r in rows)} launches (gaps {us - total:.1f} µs)")
     for t, n, name in rows[:top]:
         print(f"  {t:8.1f} µs  x{n:<3d} {name[:110]}")
+    if eager:
+        host_profile(eng, layer, T, top)
     del eng
     torch.cuda.empty_cache()
 
@@ -55,6 +92,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--layer", default="all", help="swa | c4a | c128a | all")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--eager", action="store_true", help="also the eager forward's host time by function")
     ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
     a = ap.parse_args()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
@@ -62,7 +100,7 @@ def main() -> None:
     chosen = next(b for b in backends(job) if b.label == a.backend)
     for layer in job.spec.one_layer_per_type():
         if a.layer in ("all", job.spec.layer_type(layer)):
-            profile(job, chosen, layer, a.requests, a.tokens, a.context, a.top)
+            profile(job, chosen, layer, a.requests, a.tokens, a.context, a.top, a.eager)
 
 
 if __name__ == "__main__":

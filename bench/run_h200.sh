@@ -14,4 +14,6 @@ stage gpu_tests 300 python3 -m pytest -q -m gpu --maxfail=12 --tb=short -p no:ca
   tests/test_layer_kernels.py tests/test_gpu_nvidia.py
 stage run_flashmla 60 python3 run.py deployment=h200 hydra.run.dir=/tmp/r_flashmla
 stage run_triton 60 python3 run.py deployment=h200 backend=triton o_proj=triton_fp8 hydra.run.dir=/tmp/r_triton
-stage profile 90 python3 bench/profile_layer.py --layer c4a --top 30
+stage profile 120 python3 bench/profile_layer.py --layer c4a --top 30 --eager
+stage tune_indexer 150 python3 bench/tune_indexer.py
+stage host_overhead 60 python3 bench/host_overhead.py

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo, local_platform
-from dsv4.memory import memory_table
+from dsv4.memory import indexer_kind, memory_table
 from dsv4.errors import USER_ERRORS, ConfigError, IncompatibleCombination, Problem
 from dsv4.graph import GraphConfig
 from dsv4.parallel import ParallelConfig, torchrun_world_size
@@ -287,4 +287,4 @@ def info(job: Job) -> str:
                for p in sorted((CONFIG_DIR / "cache_layout").glob("*.yaml"))]
     return (head + table(["option", "verdict", "packages", "why not"], rows, left=(0, 2, 3))
             + f"\n\nKV bytes per rank, model={job.spec.name} (B/tok: per context token, compressed rows + "
-              f"float32 indexer keys):\n" + memory_table(job.spec, layouts))
+              f"{indexer_kind(job.combo.dtype)} indexer keys):\n" + memory_table(job.spec, layouts, job.combo.dtype))

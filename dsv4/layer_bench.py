@@ -121,7 +121,7 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
         a, k = scores.args, scores.kwargs
         out["indexer scores"] = graph_time_us(lambda: idx.scores(*a, **k))
         s = scores.inner(*a, **k)
-        out["top-k (torch.topk + lists)"] = graph_time_us(lambda: idx.lists(s, plan))
+        out["top-k lists"] = graph_time_us(lambda: idx.lists(s, plan))
     q, kv = mqa.args
     # the kernel's per-step state (FlashMLA's scheduler metadata) made once, outside the timed calls, as
     # every layer of a type but the first finds it
@@ -141,7 +141,8 @@ def floor_bytes(layer, caches, nreq: int, context: int) -> int:
     entries = context // layer.ratio if layer.ratio > 1 else 0
     attended = min(entries, layer.spec.index_topk) if layer.ratio == 4 else entries
     kv = nreq * (min(context, layer.spec.sliding_window) + attended) * row
-    keys = nreq * entries * caches.indexer_keys.head_dim * 4 if caches.indexer_keys is not None else 0
+    keys = caches.indexer_keys
+    keys = nreq * entries * keys.head_dim * keys.data.element_size() if keys is not None else 0
     return weights + kv + keys
 
 

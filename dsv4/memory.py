@@ -75,11 +75,17 @@ def model_memory(spec: ModelSpec, layout, *, tokens: int = MILLION_TOKENS, index
             "per_type": per_type, "total_bytes": total}
 
 
-def summary_lines(spec: ModelSpec, layout) -> list[str]:
+def indexer_kind(dtype: str) -> str:
+    """Our indexer keys' record for activations of `dtype` (builders.indexer_layout: rows in that dtype)."""
+    return "float32" if dtype == "float32" else "bf16"
+
+
+def summary_lines(spec: ModelSpec, layout, dtype: str) -> list[str]:
     """What `run` prints: this run's caches, vLLM's equivalent, and the published accounting."""
     from dsv4.strategies.cache_layout import PlainRowLayout
 
-    ours = model_memory(spec, layout)
+    mine = indexer_kind(dtype)
+    ours = model_memory(spec, layout, indexer=mine)
     kind = vllm_indexer_kind(layout)
     theirs = model_memory(spec, layout, indexer=kind)
     bf16 = model_memory(spec, PlainRowLayout(name="bf16", dtype="bfloat16"), indexer="bf16")
@@ -87,21 +93,21 @@ def summary_lines(spec: ModelSpec, layout) -> list[str]:
     desc, published = PUBLISHED
     return [f"KV memory of one {MILLION_TOKENS:,}-token sequence, model={spec.name} ({mix}), "
             f"cache_layout={layout.name}, per tensor-parallel rank:",
-            f"  {ours['total_bytes'] / GIB:.2f} GiB with this run's caches (indexer keys float32, "
-            f"{indexer_entry_bytes('float32', spec.index_head_dim)} B/entry, for exact scores)",
+            f"  {ours['total_bytes'] / GIB:.2f} GiB with this run's caches (indexer keys {mine}, "
+            f"{indexer_entry_bytes(mine, spec.index_head_dim)} B/entry: the activations' dtype)",
             f"  {theirs['total_bytes'] / GIB:.2f} GiB with vLLM's {kind} indexer keys "
             f"({indexer_entry_bytes(kind, spec.index_head_dim)} B/entry) instead",
             f"  {bf16['total_bytes'] / GIB:.2f} GiB in the published accounting (bf16 rows, bf16 indexer keys); "
             f"published: {published / GIB:.2f} GiB ({desc})"]
 
 
-def memory_table(spec: ModelSpec, layouts) -> str:
+def memory_table(spec: ModelSpec, layouts, dtype: str) -> str:
     """Bytes per layer type for each layout, and the 1M-token total (what `info` prints)."""
     from dsv4.report import table
 
     rows = []
     for layout in layouts:
-        m = model_memory(spec, layout)
+        m = model_memory(spec, layout, indexer=indexer_kind(dtype))
         pt = m["per_type"]
         row = [layout.name, layout.bytes_per_token(spec.head_dim), pt[next(iter(pt))].swa_bytes_per_request / 1024]
         for t in LAYER_TYPES.values():

@@ -13,7 +13,7 @@ from dsv4.components.engine import Engine
 from dsv4.components.graphs import StepGraphs
 from dsv4.graph import GraphConfig
 from dsv4.dump import write_dump
-from dsv4.memory import GIB, layer_memory, model_memory, summary_lines
+from dsv4.memory import GIB, indexer_kind, layer_memory, model_memory, summary_lines
 from dsv4.parallel import Ranks
 from dsv4.report import result_row, table, tty_progress, write_row
 from dsv4.workload import Workload, run_workload
@@ -30,7 +30,8 @@ def build_engine(job, weights: dict[int, dict], pool: PoolConfig, wo_a_fp8: dict
     layers = {l: [build_layer(spec=spec, layer=l, weights=w, rank=r, tp_size=c.tp_size, strategies=strategies,
                               device=dev, dtype=c.dtype, wo_a_fp8=(wo_a_fp8 or {}).get(l))
                   for r in ranks.local] for l, w in weights.items()}
-    pools = [build_pool(spec=spec, layers=list(weights), layout=c.cache_layout, pool=pool, device=dev)
+    pools = [build_pool(spec=spec, layers=list(weights), layout=c.cache_layout, pool=pool, device=dev,
+                         dtype=c.dtype)
              for _ in ranks.local]
     graphs = graphs if graphs is not None else job.graphs
     return Engine(spec=spec, layers=layers, pools=pools, device=dev.torch_device,
@@ -122,7 +123,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         if ranks.distributed:
             red = rec_raw.reduce_seconds.get(("decode", l), 0.0)
             m["decode_allreduce_ms_step"] = 1e3 * red / rec_raw.steps["decode"] if rec_raw.steps.get("decode") else None
-        m |= layer_memory(spec, R, c.cache_layout).as_dict()
+        m |= layer_memory(spec, R, c.cache_layout, indexer=indexer_kind(c.dtype)).as_dict()
         m["pool_bytes_at_end"] = rec_raw.pool_bytes[l]
         metrics[names[l]] = m
         rows.append([names[l], l, m["rel_err"], f"{m['cosine']:.7f}", m.get("rel_err_vs_f32_kv"), m.get("topk_exact"),
@@ -130,7 +131,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
                     + ([m["decode_allreduce_ms_step"]] if ranks.distributed else [])
                     + [m["kv_bytes_per_token"] + m["indexer_bytes_per_token"], m["swa_bytes_per_request"] / 1024])
     metrics["max_rel_err"] = max(m["rel_err"] for m in metrics.values())
-    metrics["kv_gib_per_1m_tokens"] = model_memory(spec, c.cache_layout)["total_bytes"] / GIB
+    metrics["kv_gib_per_1m_tokens"] = model_memory(spec, c.cache_layout, indexer=indexer_kind(c.dtype))["total_bytes"] / GIB
     metrics["ranks"] = per_rank
 
     wdict = {"prompt_lens": list(wl.prompt_lens), "prefill_chunk": wl.prefill_chunk, "decode_steps": wl.decode_steps,
@@ -146,7 +147,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     print(table(["layer", "idx", "rel_err", "cosine", "rel_err f32 KV", "topk exact", "prefill tok/s",
                  "decode ms/step"] + (["of which all-reduce"] if ranks.distributed else [])
                 + ["KV B/token", "SWA KiB/req"], rows))
-    print("\n".join(summary_lines(spec, c.cache_layout)))
+    print("\n".join(summary_lines(spec, c.cache_layout, c.dtype)))
     print(f"  per rank ({per_rank[0]['peak_of']} peak): " + "; ".join(
         f"rank {m['rank']}: KV pools {m['kv_pool_bytes'] / 2**20:.1f} MiB, weights {m['weight_bytes'] / 2**20:.1f} MiB, "
         f"peak {m['peak_bytes'] / 2**20:.0f} MiB" for m in per_rank))

@@ -325,7 +325,7 @@ def test_reserve_is_atomic_across_requests():
 def test_reserve_refusal_with_the_builder_pool():
     """build_pool with the tiny spec's three layer types: every group, and a refusal naming its knob."""
     spec = tiny_spec()
-    pool = build_pool(spec=spec, layers=[0, 1, 2], layout=F32, device=DeviceInfo(platform="cpu"),
+    pool = build_pool(spec=spec, layers=[0, 1, 2], layout=F32, device=DeviceInfo(platform="cpu"), dtype="float32",
                       pool=PoolConfig(swa_block_size=8, compressed_block_tokens=32, swa_blocks=3,
                                       compressed_blocks=8, max_requests=2))
     assert set(pool.groups) == {"swa", "entries4", "state4", "entries128", "state128"}

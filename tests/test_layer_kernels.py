@@ -335,18 +335,19 @@ def test_plain_row_writer(cache_dtype, row_dtype):
 
 
 # ---- indexer ----------------------------------------------------------------------------------------
-def indexer_case(spans, heads: int, dim: int, *, bs: int = 4, holes=(), pad: int = 3, seed: int = 0):
-    """q, w, the keys' PagedCache, the plan and the Indexer for requests `spans`; `holes` = [(request,
-    logical page)] of the entries table set to -1."""
+def indexer_case(spans, heads: int, dim: int, *, bs: int = 4, holes=(), pad: int = 3, seed: int = 0,
+                 dtype: str = "float32"):
+    """q, w, the keys' PagedCache (rows in `dtype`), the plan and the Indexer for requests `spans`; `holes` =
+    [(request, logical page)] of the entries table set to -1."""
     g = gen(seed)
     plan, _ = step_plan(spans, ratios=(4,), entry_block=bs, pad=pad, seed=seed)
     table = plan.entries[4].table
     for b, p in holes:
         table.pages[b, p] = -1
-    lay = PlainRowLayout(name="float32", dtype="float32")
+    lay = PlainRowLayout(name=dtype, dtype=dtype)
     nb = table.pages.numel()
-    keys = PagedCache(name="indexer_keys", layout=lay, data=torch.randn(nb, bs, dim, generator=g) / 4, block_size=bs,
-                      head_dim=dim)
+    keys = PagedCache(name="indexer_keys", layout=lay, data=(torch.randn(nb, bs, dim, generator=g) / 4).to(
+        getattr(torch, dtype)), block_size=bs, head_dim=dim)
     T = plan.num_tokens
     q = torch.randn(T, heads, dim, generator=g)
     w = torch.randn(T, heads, generator=g) * (dim * heads) ** -0.5
@@ -372,13 +373,16 @@ def assert_scores(out, ref, tol=1e-6):
 
 # decode pairs, a one-token request (groups that span two requests), a prefill chunk, padding
 INDEXER_SPANS = [(40, 2), (77, 1), (13, 12), (200, 2), (3, 1), (90, 2)]
-LAUNCHES = [dict(block_n=16, blocks_per_program=2), dict(), dict(block_n=32, blocks_per_program=1, num_warps=4)]
+LAUNCHES = [dict(block_n=16, blocks_per_program=2), dict(), dict(block_n=32, blocks_per_program=3, num_warps=4, stages=2)]
 
 
 @pytest.mark.parametrize("heads,dim", [(8, 128), (5, 64)])
-@pytest.mark.parametrize("launch", LAUNCHES, ids=["bn16x2", "planned", "bn32x1"])
-def test_indexer_logits(heads, dim, launch):
-    q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, heads, dim, holes=[(2, 1)], seed=heads + dim)
+@pytest.mark.parametrize("launch", LAUNCHES, ids=["bn16x2", "planned", "bn32x3s2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_indexer_logits(heads, dim, launch, dtype):
+    """float32 keys: float32-exact scores; bf16 keys: the queries rounded to bf16 in both paths, so only
+    the order of the float32 sums differs."""
+    q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, heads, dim, holes=[(2, 1)], seed=heads + dim, dtype=dtype)
     ref = idx.scores(q, w, keys, plan)
     out = run_indexer(q, w, keys, plan, **launch)
     assert_scores(out, ref)
@@ -389,12 +393,13 @@ def test_indexer_logits(heads, dim, launch):
 @pytest.mark.skipif(not BIG, reason="decode-sized: GPU only")
 def test_indexer_logits_decode_sized():
     """64 requests x 2 tokens, 64 heads of 128 dims, ~1000-2000 visible entries of 4096: the same scores as
-    the float32 torch path (tf32x3 products)."""
+    the torch path (tf32x3 products for float32 keys, bf16 products for bf16 ones)."""
     g = gen(40)
     starts = torch.randint(4000, 8000, (64,), generator=g).tolist()
-    q, w, keys, plan, idx = indexer_case([(s, 2) for s in starts], 64, 128, bs=64, pad=0, seed=41)
-    ref = idx.scores(q, w, keys, plan)
-    assert_scores(run_indexer(q, w, keys, plan), ref, tol=2e-6)
+    for dtype in ("float32", "bfloat16"):
+        q, w, keys, plan, idx = indexer_case([(s, 2) for s in starts], 64, 128, bs=64, pad=0, seed=41, dtype=dtype)
+        ref = idx.scores(q, w, keys, plan)
+        assert_scores(run_indexer(q, w, keys, plan), ref, tol=2e-6)
 
 
 # ---- empty steps ------------------------------------------------------------------------------------
@@ -460,22 +465,39 @@ def test_rotate_rows():
     assert torch.equal(got[..., :64], x[..., :64])
 
 
-def test_topk_lists():
-    """torch.topk's values and indices as the MQA kernel's lists: -inf -> -1, slots through the table."""
+TOPK_LAUNCHES = [dict(), dict(block=16, radix=4, num_warps=4), dict(block=64, radix=2, num_warps=4)]
+
+
+@pytest.mark.parametrize("launch", TOPK_LAUNCHES, ids=["planned", "b16r4", "b64r2"])
+def test_topk_lists(launch):
+    """The radix select against torch.topk: the same set of the best min(K, visible) entries (scores drawn
+    without ties; one row of ties at the K-th score takes the lowest indices), slots through the table
+    (-1 where a visible entry has no page), -1 padding, counts; rows wider than a block."""
     from dsv4.components.plan import PageTable
-    from dsv4.kernels.topk_lists import topk_lists_kernel
+    from dsv4.kernels.topk_lists import topk_lists
 
     g = torch.Generator().manual_seed(4)
-    T, width, K, bs = 6, 40, 16, 4
-    scores = torch.randn(T, width, generator=g)
-    counts = torch.tensor([0, 3, 16, 40, 22, 9])
+    T, width, K, bs = 8, 200, 16, 4
+    scores = torch.randn(T, width, generator=g) * 10.0 ** torch.randint(-3, 4, (T, 1), generator=g)
+    counts = torch.tensor([0, 3, 16, 17, 200, 122, 9, 150], dtype=torch.int32)
+    scores[5] = -scores[5].abs()                     # every score negative
+    scores[7, :150] = torch.where(torch.arange(150) % 3 == 0, 2.0, torch.rand(150, generator=g))  # 50 tied at 2
     scores = scores.masked_fill(torch.arange(width)[None] >= counts[:, None], float("-inf"))
-    pages = torch.randperm(64, generator=g)[:2 * 10].view(2, 10).int()
-    req = torch.tensor([0, 0, 1, 1, 1, 0])
-    val, idx = scores.topk(K, dim=-1)
-    local, slots, lens = topk_lists_kernel(val.to(DEVICE), idx.to(DEVICE), pages.to(DEVICE), req.to(DEVICE),
-                                           topk=K, block_size=bs)
-    want_local = torch.where(torch.isinf(val), -1, idx).int()
-    assert torch.equal(local.cpu(), want_local)
-    assert torch.equal(slots.cpu(), PageTable(block_size=bs, pages=pages).slots(req, want_local))
-    assert lens.cpu().tolist() == [min(K, int(c)) for c in counts]
+    pages = torch.randperm(200, generator=g)[:2 * 50].view(2, 50).int()
+    pages[1, 0] = -1                                 # row 3 takes 16 of its 17: some of entries 0-3
+    req = torch.tensor([0, 0, 1, 1, 1, 0, 1, 0])
+    local, slots, lens = topk_lists(scores.to(DEVICE), counts.to(DEVICE), pages.to(DEVICE), req.to(DEVICE),
+                                    topk=K, block_size=bs, **launch)
+    local, slots, lens = local.cpu(), slots.cpu(), lens.cpu()
+    assert lens.tolist() == [min(K, int(c)) for c in counts]
+    for t in range(T):
+        k = int(lens[t])
+        got = local[t, :k]
+        if t == 7:
+            want = torch.arange(0, 48, 3)            # the first 16 of the tied best
+        else:
+            want = scores[t].topk(k).indices if k else got
+        assert torch.equal(got, want.sort().values.int()), t
+        assert bool((local[t, k:] == -1).all()) and bool((slots[t, k:] == -1).all())
+    assert torch.equal(slots, PageTable(block_size=bs, pages=pages).slots(req, local))
+    assert bool((slots == -1).sum() > (local == -1).sum())      # the entry without a page

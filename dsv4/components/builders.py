@@ -20,9 +20,14 @@ from dsv4.strategies.cache_layout import PlainRowLayout
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, MQAKernelStrategy, OProjStrategy,
                                        OProjWeights)
 
-# Indexer keys are kept exact (float32 rows) whatever the main cache layout: the reference indexer
-# scores in float32 (DSV4_SPEC §3.4 describes the fp8/fp4 records a quantized indexer would use).
-INDEXER_LAYOUT = PlainRowLayout(name="float32", dtype="float32")
+
+
+def indexer_layout(dtype: str) -> PlainRowLayout:
+    """Indexer keys are plain rows in the activation dtype, whatever the main cache layout: float32
+    activations keep exact keys; bf16 activations store bf16 keys, as the published inference code does
+    (its indexer cache is a bf16 tensor scored by a bf16 product). DSV4_SPEC §3.4 has the fp8/fp4 records
+    of a quantized indexer."""
+    return PlainRowLayout(name=dtype, dtype=dtype)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,8 +78,7 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
     if ratio == 4:
         idx = Indexer(wq_b=w["indexer.wq_b.weight"].to(dev), weights_proj=w["indexer.weights_proj.weight"].to(dev),
                       compressor=compressor("indexer.compressor.", spec.index_head_dim, 4),
-                      n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk,
-                      exact_scores=dtype == "float32")
+                      n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk)
     fp8_a = fp8_s = None
     if wo_a_fp8 is not None:
         from dsv4.components.checkpoint import shard_wo_a_fp8
@@ -87,9 +91,11 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
                          compressor=comp, indexer=idx, dtype=dtype, device=device)
 
 
-def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig, device: DeviceInfo) -> KVPool:
+def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig, device: DeviceInfo,
+               dtype: str) -> KVPool:
     """One rank's pool for `layers`: the page groups their ratios need, and each layer's caches on them.
-    The SWA group keeps the sliding window; compressor state its coff·R positions; entries everything."""
+    The SWA group keeps the sliding window; compressor state its coff·R positions; entries everything.
+    `dtype`: the activations', which the indexer keys are stored in (`indexer_layout`)."""
     dev = device.torch_device
     ratios = sorted({spec.compress_ratio(l) for l in layers} - {1})
     groups = {"swa": PageGroup(name="swa", block_size=pool.swa_block_size, num_blocks=pool.swa_blocks,
@@ -121,7 +127,7 @@ def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig
             kw |= dict(compressed=cache("compressed", layout, groups[f"entries{r}"], spec.head_dim),
                        state=state(groups[f"state{r}"], coff * spec.head_dim))
         if r == 4:
-            kw |= dict(indexer_keys=cache("indexer", INDEXER_LAYOUT, groups["entries4"], spec.index_head_dim),
+            kw |= dict(indexer_keys=cache("indexer", indexer_layout(dtype), groups["entries4"], spec.index_head_dim),
                        indexer_state=state(groups["state4"], 2 * spec.index_head_dim))
         caches[l] = LayerCaches(ratio=r, swa=cache("swa", layout, groups["swa"], spec.head_dim), **kw)
     return KVPool(groups=groups, layers=caches, window=spec.sliding_window)

@@ -11,7 +11,7 @@ Each argument is TARGET/WHAT; TARGET is cuda:<sm> or hip:<gfx arch>; WHAT is a k
 conversion where sparse_mqa would use it, NVIDIA sm89+), `o_proj` (o_proj=triton_fp8's grouped e4m3
 product, NVIDIA sm89+ only), `hopper` (triton_sparse's one-pass Gluon kernel, sm90 only) or `layer` (the
 layer's front, compressor, cache-writer and indexer kernels: layer_front, compress, cache_write,
-indexer_logits). Exits non-zero if any kernel fails to compile.
+indexer_logits, topk_lists). Exits non-zero if any kernel fails to compile.
 """
 from __future__ import annotations
 
@@ -121,10 +121,10 @@ def _compile_layer(gpu) -> None:
     """The layer's kernels as their launchers specialize them: bf16 and float32 activations, ratios 4
     (head_dim 512 and the indexer's 128) and 128, fp8_ds_mla records (OCP and FNUZ bytes) on pages of 64
     and 3 rows, plain float32 and bf16 rows, the indexer with 64 heads of 128 dims on pages of 64 entries at
-    its planned launches."""
+    its planned launches (float32 and bf16 keys), its top-k lists."""
     import triton.language as tl
 
-    from dsv4.kernels import cache_write, compress, indexer_logits, layer_front
+    from dsv4.kernels import cache_write, compress, indexer_logits, layer_front, topk_lists
 
     def types(table):
         return lambda a: table.get(a, "fp32" if a == "eps" else "i32")
@@ -151,11 +151,18 @@ def _compile_layer(gpu) -> None:
         _compile(cache_write._write_rows_kernel, dict(BLOCK=512, SOFT=False),
                  types({"rows_ptr": "*fp32", "slot_ptr": "*i32", "cache_ptr": name}), {"row_stride", "D"}, gpu, 4)
     il = indexer_logits
-    for nblk in sorted(set(il.BLOCKS_PER_PROGRAM.values())):             # the planned decode and prefill shapes
-        _compile(il._indexer_kernel, dict(BS=64, TG=il.TOKENS_PER_PROGRAM, HP=64, DP=128, BN=il.BLOCK_N, NBLK=nblk,
-                                          PREC=il.INPUT_PRECISION[gpu.backend]),
-                 types({**f32, "q_ptr": "*fp32", "k_ptr": "*fp32", "out_ptr": "*fp32"}), {"H", "DI", "width"}, gpu,
-                 il.NUM_WARPS)
+    for (dtype, _size), plan in il.LAUNCH.items():                     # the planned decode and prefill shapes
+        name, prec = ("*fp32", il.INPUT_PRECISION[gpu.backend]) if dtype == "float32" else ("*bf16", "bf16")
+        _compile(il._indexer_kernel, dict(BS=64, TG=il.TOKENS_PER_PROGRAM, HP=64, DP=128, BN=plan.block_n,
+                                          NBLK=plan.blocks, PREC=prec,
+                                          STAGES=plan.stages if gpu.backend == "cuda" and gpu.arch >= 90 else 1),
+                 types({**f32, "q_ptr": name, "k_ptr": name, "out_ptr": "*fp32"}), {"H", "DI", "width"}, gpu,
+                 plan.num_warps)
+    tk = topk_lists
+    _compile(tk._topk_lists_kernel, dict(BLOCK=tk.BLOCK, RADIX=tk.RADIX),
+             types({"scores_ptr": "*fp32", "cnt_ptr": "*i32", "pages_ptr": "*i32", "req_ptr": "*i64",
+                    "local_ptr": "*i32", "slots_ptr": "*i32", "lens_ptr": "*i32"}), {"width", "pages_stride"}, gpu,
+             tk.NUM_WARPS)
 
 
 def main(argv: list[str]) -> int:

@@ -11,9 +11,11 @@ within warps). A group whose tokens span two requests (rare: a request with an o
 makes one product per token, each with its own request's keys. Blocks at or past the group's largest
 count load nothing and compute nothing; they only write −inf.
 
-Precision: the scores feed a top-k that is compared with a float32 oracle, so the products must be
-float32-accurate. INPUT_PRECISION["cuda"] = "tf32x3" splits each float32 operand into a tf32 head and a
-tf32 tail and sums three tensor-core products (error ~2^-21 relative, about float32's); plain "tf32"
+Precision follows the keys' dtype (the activations', dsv4.components.builders.indexer_layout). bf16
+keys: the queries are rounded to bf16 and scored by one bf16 product accumulated in float32, as the
+published code scores its bf16 cache. float32 keys: the scores feed a top-k that is compared with a
+float32 oracle, so the products must be float32-accurate. INPUT_PRECISION["cuda"] = "tf32x3" splits each
+float32 operand into a tf32 head and a tf32 tail and sums three tensor-core products (error ~2^-21 relative, about float32's); plain "tf32"
 (10-bit mantissas: 7.7e-4 from a float64 oracle on the H200) would reorder near-ties of the top-k, and
 "ieee" runs on the CUDA cores (30x slower there). The split is done here rather than by tl.dot's
 "tf32x3" so that the queries are split once per program, not once per block (H200, the shapes below:
@@ -21,20 +23,41 @@ decode 144 -> 139 us, 8k prefill 2.9 -> 2.5 ms; both 3.5e-7 from the float64 ora
 products accumulated before the large one, as Triton orders them (the tensor cores' float32
 accumulation drops low bits of small addends to a large sum: 1.4e-6 the other way round). AMD's Triton
 has no tf32x3; "bf16x6" (three bf16 pieces per operand, six products) is its float32-accurate
-tensor-core product. Under TRITON_INTERPRET=1 the products are NumPy's float32 matmuls.
+tensor-core product. Under TRITON_INTERPRET=1 the products are NumPy's float32 matmuls; its dot of bf16
+operands multiplies their uint16 bits, so there bf16 operands are widened to float32 first (the products of
+bf16 values are exact in float32: the same scores).
 """
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import triton
 import triton.language as tl
 
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
 TOKENS_PER_PROGRAM = 2          # TG: a decode request's two tokens (MTP) share each key block
-# H200, 64 heads of 128 dims (decode: 64 requests x 2 tokens, ~2k of 16k entries visible; prefill: 8k tokens of
-# one request, 2k entries): 128 entries x 8 blocks, 8 warps was the fastest decode shape, 16 blocks for prefill
-BLOCK_N, NUM_WARPS = 128, 8
-BLOCKS_PER_PROGRAM = {"decode": 8, "prefill": 16}
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    block_n: int                # BN: entries per block
+    blocks: int                 # NBLK: blocks per program
+    num_warps: int
+    stages: int                 # software-pipelining depth of the one-request loop
+
+
+# H200, 64 heads of 128 dims, by the keys' dtype and the step's size (bench/tune_indexer.py; decode: 64
+# requests x 2 tokens at 8k and 64k contexts; prefill: 8k tokens of one request, 2k entries, float32 keys)
+LAUNCH = {("float32", "decode"): Launch(128, 8, 8, 3), ("bfloat16", "decode"): Launch(128, 4, 4, 2),
+          ("float32", "prefill"): Launch(128, 16, 8, 1), ("bfloat16", "prefill"): Launch(128, 16, 8, 1)}
 PREFILL_TOKENS = 1024           # steps of at least this many tokens take the prefill shape
+
+
+def pipelined(device) -> bool:
+    """Whether the planned pipelined shapes fit: sm90+ (their shared memory); not below, nor on AMD."""
+    import torch
+
+    return device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit
@@ -67,6 +90,10 @@ def _head_sum(q_hi, q_lo, k, wv, TG: tl.constexpr, HP: tl.constexpr, BN: tl.cons
         s = tl.dot(k_lo, tl.trans(q_hi), input_precision="tf32")
         s = tl.dot(k_hi, tl.trans(q_lo), s, input_precision="tf32")
         s = tl.dot(k_hi, tl.trans(q_hi), s, input_precision="tf32")
+    elif PREC == "bf16":
+        s = tl.dot(k, tl.trans(q_hi))
+    elif PREC == "bf16_widened":
+        s = tl.dot(k.to(tl.float32), tl.trans(q_hi.to(tl.float32)))
     else:
         s = tl.dot(k, tl.trans(q_hi), input_precision=PREC)
     s = tl.where(s < 0, 0.0, s) * wv[None, :]
@@ -74,9 +101,28 @@ def _head_sum(q_hi, q_lo, k, wv, TG: tl.constexpr, HP: tl.constexpr, BN: tl.cons
 
 
 @triton.jit
+def _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo, cmax, DI, BS: tl.constexpr,
+           TG: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
+           SAME: tl.constexpr):
+    """Scores [BN, TG] of entries `cols` for the group's tokens (−inf where not visible); SAME: they are
+    all of request r_lo."""
+    if SAME:
+        logits = _head_sum(q_hi, q_lo, _keys(k_ptr, pages_ptr, r_lo, P, n_slots, cols, cmax, DI, BS, DP), wv,
+                           TG, HP, BN, PREC)
+    else:
+        logits = tl.zeros([BN, TG], tl.float32)
+        for u in tl.static_range(TG):
+            r_u = tl.sum(tl.where(i == u, req, 0), 0)
+            c_u = tl.sum(tl.where(i == u, cnt, 0), 0)
+            k = _keys(k_ptr, pages_ptr, r_u, P, n_slots, cols, c_u, DI, BS, DP)
+            logits = tl.where((i == u)[None, :], _head_sum(q_hi, q_lo, k, wv, TG, HP, BN, PREC), logits)
+    return tl.where(cols[:, None] < cnt[None, :], logits, float("-inf"))
+
+
+@triton.jit
 def _indexer_kernel(q_ptr, w_ptr, k_ptr, pages_ptr, req_ptr, cnt_ptr, out_ptr, T, H, DI, P, width, n_slots,
                     BS: tl.constexpr, TG: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr,
-                    NBLK: tl.constexpr, PREC: tl.constexpr):
+                    NBLK: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr):
     g = tl.program_id(0)
     j0 = tl.program_id(1) * (NBLK * BN)
     i = tl.arange(0, TG)
@@ -101,54 +147,75 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, pages_ptr, req_ptr, cnt_ptr, out_ptr, T
         q_hi, q_lo = q, q
     wv = tl.load(w_ptr + mt.to(tl.int64) * H + mh, mask=mok, other=0.0)
     out_cols = out_ptr + tok.to(tl.int64)[None, :] * width
-    for b in range(NBLK):
-        cols = j0 + b * BN + tl.arange(0, BN)
-        if j0 + b * BN < cmax:
-            if same:
-                logits = _head_sum(q_hi, q_lo, _keys(k_ptr, pages_ptr, r_lo, P, n_slots, cols, cmax, DI, BS, DP), wv,
-                                   TG, HP, BN, PREC)
-            else:
-                logits = tl.zeros([BN, TG], tl.float32)
-                for u in tl.static_range(TG):
-                    r_u = tl.sum(tl.where(i == u, req, 0), 0)
-                    c_u = tl.sum(tl.where(i == u, cnt, 0), 0)
-                    k = _keys(k_ptr, pages_ptr, r_u, P, n_slots, cols, c_u, DI, BS, DP)
-                    logits = tl.where((i == u)[None, :], _head_sum(q_hi, q_lo, k, wv, TG, HP, BN, PREC), logits)
-            vals = tl.where(cols[:, None] < cnt[None, :], logits, float("-inf"))
+    keep = (tok < T)[None, :]
+    if STAGES > 1:
+        # a branch-free loop over the blocks holding a visible entry, software-pipelined (sm90+: the
+        # buffers need its shared memory); then −inf for the rest
+        nb = tl.minimum(tl.cdiv(cmax - j0, BN), NBLK)
+        if same:
+            for b in tl.range(0, nb, num_stages=STAGES):
+                cols = j0 + b * BN + tl.arange(0, BN)
+                vals = _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo, cmax, DI, BS, TG,
+                              HP, DP, BN, PREC, True)
+                tl.store(out_cols + cols[:, None], vals, mask=keep & (cols < width)[:, None])
         else:
-            vals = tl.full([BN, TG], float("-inf"), tl.float32)
-        tl.store(out_cols + cols[:, None], vals, mask=(tok < T)[None, :] & (cols < width)[:, None])
+            for b in range(0, nb):
+                cols = j0 + b * BN + tl.arange(0, BN)
+                vals = _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo, cmax, DI, BS, TG,
+                              HP, DP, BN, PREC, False)
+                tl.store(out_cols + cols[:, None], vals, mask=keep & (cols < width)[:, None])
+        for b in range(tl.maximum(nb, 0), NBLK):
+            cols = j0 + b * BN + tl.arange(0, BN)
+            tl.store(out_cols + cols[:, None], tl.full([BN, TG], float("-inf"), tl.float32),
+                     mask=keep & (cols < width)[:, None])
+    else:
+        for b in range(NBLK):
+            cols = j0 + b * BN + tl.arange(0, BN)
+            if j0 + b * BN < cmax:
+                if same:
+                    vals = _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo, cmax, DI, BS,
+                                  TG, HP, DP, BN, PREC, True)
+                else:
+                    vals = _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo, cmax, DI, BS,
+                                  TG, HP, DP, BN, PREC, False)
+            else:
+                vals = tl.full([BN, TG], float("-inf"), tl.float32)
+            tl.store(out_cols + cols[:, None], vals, mask=keep & (cols < width)[:, None])
 
 
-def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, exact: bool = True, block_n: int = 0,
-                   blocks_per_program: int = 0, num_warps: int = 0, num_stages: int = 1):
+def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, block_n: int = 0,
+                   blocks_per_program: int = 0, num_warps: int = 0, stages: int = 0):
     """[T, width] float32 indexer scores: q [T, Hi, Di] float32, w [T, Hi] float32 (already scaled), `keys`
-    a PagedCache of float32 rows ([num_blocks, bs, Di] data, `.block_size`), pages [B, P] int32 (the
-    entries table), token_request [T] int64, counts [T] int32. Entries j < counts[t] score
+    a PagedCache of float32 or bf16 rows ([num_blocks, bs, Di] data, `.block_size`), pages [B, P] int32
+    (the entries table), token_request [T] int64, counts [T] int32. Entries j < counts[t] score
     Σ_h w·ReLU(q·k_j) (0 where the entry has no page: the torch path reads a zero key), the rest −inf.
     Sync-free; grid (T / TOKENS_PER_PROGRAM, width / (block_n · blocks_per_program)); launch shapes left
-    at 0 are the H200's best for the step's size (module constants). exact=False: one tf32 product on NVIDIA
-    (relative error ~1e-3, a third of tf32x3's work), for queries that carry bf16 activations' rounding anyway."""
+    at 0 are the H200's best for the keys' dtype and the step's size (LAUNCH)."""
     import torch
 
     T, H, DI = q.shape
     data = keys.data
-    if data.dtype != torch.float32 or data.shape[-1] != DI:
-        raise ValueError(f"indexer_logits reads float32 keys of {DI} dims, not {data.dtype} [{data.shape[-1]}]")
+    if data.dtype not in (torch.float32, torch.bfloat16) or data.shape[-1] != DI:
+        raise ValueError(f"indexer_logits reads float32 or bf16 keys of {DI} dims, not {data.dtype} [{data.shape[-1]}]")
     out = torch.empty(T, width, dtype=torch.float32, device=q.device)
     if not T or not width:
         return out
     tg = TOKENS_PER_PROGRAM
-    block_n = block_n or BLOCK_N
-    blocks_per_program = blocks_per_program or BLOCKS_PER_PROGRAM["prefill" if T >= PREFILL_TOKENS else "decode"]
-    num_warps = num_warps or NUM_WARPS
+    plan = LAUNCH[str(data.dtype).removeprefix("torch."), "prefill" if T >= PREFILL_TOKENS else "decode"]
+    block_n, blocks_per_program = block_n or plan.block_n, blocks_per_program or plan.blocks
+    num_warps = num_warps or plan.num_warps
+    stages = stages or (plan.stages if pipelined(q.device) else 1)
     hp = max(triton.next_power_of_2(H), 16 // tg)         # a dot needs >= 16 rows
     dp = max(triton.next_power_of_2(DI), 16)
     pages = pages.int().contiguous()
-    precision = INPUT_PRECISION["hip" if torch.version.hip else "cuda"] if exact or torch.version.hip else "tf32"
+    if data.dtype == torch.bfloat16:
+        precision = "bf16_widened" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
+    else:
+        precision = INPUT_PRECISION["hip" if torch.version.hip else "cuda"]
     grid = (triton.cdiv(T, tg), triton.cdiv(width, block_n * blocks_per_program))
-    _indexer_kernel[grid](q.float().contiguous(), w.float().contiguous(), data, pages, token_request.contiguous(),
-                          counts.int().contiguous(), out, T, H, DI, pages.shape[1], width,
+    _indexer_kernel[grid](q.to(data.dtype).contiguous(), w.float().contiguous(), data, pages,
+                          token_request.contiguous(), counts.int().contiguous(), out, T, H, DI, pages.shape[1], width,
                           data.numel() // DI, BS=keys.block_size, TG=tg, HP=hp, DP=dp, BN=block_n,
-                          NBLK=blocks_per_program, PREC=precision, num_warps=num_warps, num_stages=num_stages)
+                          NBLK=blocks_per_program, PREC=precision, STAGES=stages, num_warps=num_warps,
+                          num_stages=1)
     return out

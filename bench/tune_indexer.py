@@ -1,0 +1,78 @@
+"""The ratio-4 layer's indexer on a GPU: scores (float32 keys with tf32x3 products, bf16 keys with a bf16
+product) and the top-k lists (our radix select at several launch shapes, torch.topk beside it), each timed
+alone in a CUDA graph on a decode step of 64 requests x 2 tokens (64 heads of 128 dims, K = 512) at 8k and
+64k contexts. Every variant is checked against its reference before it is timed.
+
+  python bench/tune_indexer.py
+
+The shipped launch shapes (dsv4/kernels/indexer_logits.py, dsv4/kernels/topk_lists.py) come from this sweep.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsv4.bench import graph_time_us
+from dsv4.components.kv_pool import PagedCache
+from dsv4.kernels.indexer_logits import indexer_logits
+from dsv4.kernels.topk_lists import topk_lists
+from dsv4.reference import rel_err
+from dsv4.report import table
+from dsv4.strategies import PlainRowLayout
+
+NREQ, TOKENS, HEADS, DIM, K, BS = 64, 2, 64, 128, 512, 64
+SCORE_SHAPES = [dict(), dict(stages=1), dict(num_warps=8), dict(blocks_per_program=8), dict(stages=3)]
+TOPK_SHAPES = [dict(), dict(num_warps=8), dict(block=4096), dict(block=1024), dict(radix=8)]
+
+
+def case(context: int, dtype):
+    g = torch.Generator(device="cuda").manual_seed(context)
+    entries = context // 4 + 1
+    P = -(-entries // BS)
+    pages = torch.randperm(NREQ * P, device="cuda", generator=g).view(NREQ, P).int()
+    data = (torch.randn(NREQ * P, BS, DIM, device="cuda", generator=g) / 4).to(dtype)
+    keys = PagedCache(name="indexer", layout=PlainRowLayout(name=str(dtype), dtype=str(dtype).split(".")[1]),
+                      data=data, block_size=BS, head_dim=DIM)
+    T = NREQ * TOKENS
+    req = torch.arange(NREQ, device="cuda").repeat_interleave(TOKENS)
+    pos = context + torch.arange(TOKENS, device="cuda").repeat(NREQ)
+    counts = ((pos + 1) // 4).int()
+    q = torch.randn(T, HEADS, DIM, device="cuda", generator=g)
+    w = torch.randn(T, HEADS, device="cuda", generator=g) * (DIM * HEADS) ** -0.5
+    return q, w, keys, pages, req, counts, int(counts.max())
+
+
+def main() -> None:
+    rows, topk_rows = [], []
+    for context in (8192, 65536):
+        ref = None
+        for dtype in (torch.float32, torch.bfloat16):
+            q, w, keys, pages, req, counts, width = case(context, dtype)
+            base = indexer_logits(q, w, keys, pages, req, counts, width=width)
+            if dtype == torch.float32:
+                ref = base
+            for shape in SCORE_SHAPES:
+                out = indexer_logits(q, w, keys, pages, req, counts, width=width, **shape)
+                fin = torch.isfinite(base)
+                err = rel_err(out[fin], base[fin])
+                us = graph_time_us(lambda: indexer_logits(q, w, keys, pages, req, counts, width=width, **shape))
+                rows.append([context, str(dtype).split(".")[1], str(shape or "shipped"), us,
+                             keys.data.element_size() * DIM * NREQ * width / us / 1e3, err,
+                             rel_err(out[fin], ref[fin])])
+        scores = ref
+        topk_us = graph_time_us(lambda: scores.topk(K, dim=-1))
+        want = scores.topk(K, dim=-1).indices.sort(dim=-1).values.int()
+        topk_rows.append([context, "torch.topk (values, indices)", topk_us, True])
+        for shape in TOPK_SHAPES:
+            local, _slots, lens = topk_lists(scores, counts, pages, req, topk=K, block_size=BS, **shape)
+            ok = bool((lens == K).all()) and torch.equal(local.sort(dim=-1).values, want)
+            us = graph_time_us(lambda: topk_lists(scores, counts, pages, req, topk=K, block_size=BS, **shape))
+            topk_rows.append([context, f"topk_lists {shape or 'shipped'}", us, ok])
+    print(f"indexer scores, {NREQ} requests x {TOKENS} tokens, {HEADS} heads x {DIM}, CUDA graph (µs):")
+    print(table(["context", "keys", "launch", "µs", "key GB/s", "rel err vs shipped", "rel err vs float32 keys"],
+                rows))
+    print(f"\ntop-{K} lists over the float32-key scores, {NREQ * TOKENS} rows (same set as torch.topk):")
+    print(table(["context", "kernel", "µs", "same set"], topk_rows))
+
+
+if __name__ == "__main__":
+    main()
