@@ -21,17 +21,19 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from dsv4.compat import Combination, check
+from dsv4.components.kv_pool import PoolConfig, page_groups, shortfall
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.memory import indexer_kind, memory_table
-from dsv4.errors import USER_ERRORS, ConfigError, IncompatibleCombination, Problem
+from dsv4.errors import USER_ERRORS, ConfigError, IncompatibleCombination, Problem, ResultMismatch
 from dsv4.graph import GraphConfig
 from dsv4.parallel import ParallelConfig, torchrun_world_size
 from dsv4.report import result_row, table, write_row
+from dsv4.settings import MODES, SECTIONS, RunSettings, option  # noqa: F401  (MODES: the app's modes)
 from dsv4.spec import ModelSpec
+from dsv4.workload import Workload
 
 GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout")
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-MODES = ("run", "check", "info", "bench", "summarize")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,31 +47,38 @@ class Job:
     out_dir: Path
     parallel: ParallelConfig
     graphs: GraphConfig
+    run: RunSettings
+    workload: Workload
+    pool: PoolConfig
 
 
 def instantiate_group(node: Any, group: str = "strategy"):
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
+    """One strategy from its YAML node, every field checked first (dsv4.settings.option)."""
+    return option(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node, group)
 
-    try:
-        return instantiate(node, _convert_="all")
-    except InstantiationException as e:        # e.g. cache_layout.dtype=float16: say which group
-        cause = e.__cause__ or e
-        raise ConfigError(f"{group}={node.get('name', '?')}: {cause}") from e
+
+def run_settings(cfg: DictConfig) -> RunSettings:
+    """The config's top-level settings, validated (unknown keys included)."""
+    return RunSettings.from_config({k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+                                    for k, v in cfg.items() if k not in SECTIONS})
 
 
 def make_job(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None) -> Job:
+    """Every setting read and validated (dsv4.settings), then the values; nothing allocated."""
+    run = run_settings(cfg)
     spec = ModelSpec.from_config(OmegaConf.to_container(cfg.model, resolve=True))
     device = DeviceInfo.from_config(OmegaConf.to_container(cfg.device, resolve=True))
     strategies = {g: instantiate_group(cfg[g], g) for g in GROUPS}
-    par = ParallelConfig.from_config(cfg.get("parallel"))
+    par = ParallelConfig.from_config(OmegaConf.to_container(cfg.parallel, resolve=True) if cfg.get("parallel") else None)
     graphs = GraphConfig.from_config(OmegaConf.to_container(cfg.graph, resolve=True) if cfg.get("graph") else None)
-    combo = Combination(spec=spec, tp_size=int(cfg.tp_size), dtype=str(cfg.dtype), **strategies,
+    wl = OmegaConf.to_container(cfg.workload, resolve=True)
+    workload, pool = Workload.from_config(wl), PoolConfig.from_config(wl.get("kv_pool"))
+    combo = Combination(spec=spec, tp_size=run.tp_size, dtype=run.dtype, **strategies,
                         world_size=torchrun_world_size() if par.launcher == "auto" else None, graphs=graphs.enabled)
     if choices is None:
         choices = {g: getattr(strategies[g], "name", "?") for g in GROUPS} | {"model": spec.name}
     return Job(cfg=cfg, spec=spec, device=device, combo=combo, choices=dict(choices), parallel=par, graphs=graphs,
-               out_dir=Path(out_dir) if out_dir is not None else Path.cwd())
+               out_dir=Path(out_dir) if out_dir is not None else Path.cwd(), run=run, workload=workload, pool=pool)
 
 
 def problems_for(job: Job, *, running: bool) -> list[Problem]:
@@ -79,7 +88,50 @@ def problems_for(job: Job, *, running: bool) -> list[Problem]:
         problems.append(Problem(group="deployment", value=job.choices.get("deployment", "?"),
                                 reason=f"describes a {job.device.describe()} machine; this machine's platform is {here}",
                                 supported=tuple(sorted({"cpu", here})), fix="deployment=cpu"))
-    return problems
+    return problems + workload_problems(job)
+
+
+def workload_problems(job: Job) -> list[Problem]:
+    """What `run` would find only after the work: layers the model lacks, a pool the workload cannot fit
+    in (pages its requests hold at their end, at least), a dump folder that cannot be written."""
+    wl, spec = job.workload, job.spec
+    out = []
+    bad = [l for l in wl.layers or () if l >= spec.num_hidden_layers]
+    if bad:
+        return [Problem(group="workload.layers", value=str(list(wl.layers)),
+                        reason=f"model={spec.name} has layers 0..{spec.num_hidden_layers - 1}",
+                        fix="workload.layers=null")]
+    lengths = [wl.total_len(i) for i in range(len(wl.prompt_lens))]
+    if len(lengths) > job.pool.max_requests:
+        out.append(Problem(group="workload.kv_pool.max_requests", value=str(job.pool.max_requests),
+                           reason=f"the workload holds {len(lengths)} requests at once",
+                           fix=f"workload.kv_pool.max_requests={len(lengths)}"))
+    groups = page_groups(window=spec.sliding_window, ratios={spec.compress_ratio(l) for l in wl.layer_indices(spec)},
+                         pool=job.pool)
+    for g, need in shortfall(groups, lengths):
+        have = getattr(job.pool, g.knob)
+        out.append(Problem(group=f"workload.kv_pool.{g.knob}", value=str(have),
+                           reason=f"the workload's requests ({max(lengths)} positions at most) hold at least {need} "
+                                  f"pages of {g.block_size} rows of the {g.name} cache at their end; the pool has "
+                                  f"{g.num_blocks}", fix=f"workload.kv_pool.{g.knob}={need + len(lengths)} "
+                                  f"(or shorter prompts)"))
+    if job.run.dump_dir:
+        reason = unwritable(Path(job.run.dump_dir))
+        if reason:
+            out.append(Problem(group="dump_dir", value=job.run.dump_dir, reason=reason))
+    return out
+
+
+def unwritable(path: Path) -> str | None:
+    """Why a folder cannot be created or written at `path`, or None."""
+    if path.exists() and not path.is_dir():
+        return "exists and is not a folder"
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not a writable folder"
+    return None
 
 
 def raise_if(job: Job, problems: list[Problem]) -> None:
@@ -93,7 +145,7 @@ def raise_if(job: Job, problems: list[Problem]) -> None:
 
 
 def settings(job: Job) -> dict[str, Any]:
-    return {"tp_size": job.combo.tp_size, "dtype": job.combo.dtype, "seed": int(job.cfg.seed),
+    return {"tp_size": job.combo.tp_size, "dtype": job.combo.dtype, "seed": job.run.seed,
             "processes": processes(job)}
 
 
@@ -117,9 +169,7 @@ def summarize_sweep(cfg: DictConfig) -> None:
 
 def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None,
          multirun: bool = False) -> float | None:
-    mode = str(cfg.mode)
-    if mode not in MODES:
-        raise ConfigError(f"mode={mode} is unknown; available modes: {', '.join(MODES)}")
+    mode = run_settings(cfg).mode
     if mode == "summarize":
         summarize_sweep(cfg)
         return None
@@ -167,6 +217,11 @@ def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str
         raise_if(job, problems)
     try:
         return run_ranks(job)
+    except ResultMismatch as e:         # its row (status mismatch) is written
+        if multirun:
+            print(f"mismatch: {e}", file=sys.stderr)
+            return None
+        raise
     except Exception as e:
         path = write_row(job.out_dir, result_row(status="error", problems=[], choices=job.choices,
                                                  device=job.device, settings=settings(job),

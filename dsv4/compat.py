@@ -17,6 +17,10 @@ from dsv4.errors import Problem
 from dsv4.spec import ModelSpec
 
 
+# what the activation dtype alone costs against the float32 oracle (tests/test_layer_vs_oracle.py)
+DTYPE_ERROR_BUDGET = {"float32": 1e-5, "bfloat16": 3e-2}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Combination:
     """Everything `check()` judges: the model, the four strategies and the run-level settings."""
@@ -29,6 +33,13 @@ class Combination:
     dtype: str = "float32"
     world_size: int | None = None      # processes of a torchrun launch (one per rank); None: not launched so
     graphs: bool = False               # graph.enabled: decode steps replayed as CUDA graphs
+
+    @property
+    def error_budget(self) -> float:
+        """The relative error against the oracle a run of this combination may show: the activations'
+        rounding plus what each strategy declares it adds (tests measure each; `run` judges by it)."""
+        return DTYPE_ERROR_BUDGET[self.dtype] + sum(
+            getattr(s, "error_budget", 0.0) for s in (self.mqa_kernel, self.o_proj, self.cache_layout))
 
     @property
     def local_heads(self) -> int | None:

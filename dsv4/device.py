@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from dsv4.errors import ConfigError
+from dsv4.settings import one_of, parse
 
 PLATFORMS = ("cpu", "cuda", "rocm")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceInfo:
-    platform: str          # cpu | cuda | rocm
+    platform: str = one_of(PLATFORMS)   # cpu | cuda | rocm
     arch: str = ""         # sm80, sm89, sm90, sm100, sm120, gfx942, gfx950; "" on cpu
     name: str = ""         # human name: "H200", "CPU"
 
@@ -25,8 +26,11 @@ class DeviceInfo:
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "DeviceInfo":
-        return cls(platform=str(cfg["platform"]), arch=str(cfg.get("arch") or ""),
-                   name=str(cfg.get("name") or ""))
+        node = dict(cfg)
+        for k in ("arch", "name"):
+            if node.get(k) is None:
+                node[k] = ""
+        return parse(cls, node, "device")
 
     @property
     def torch_device(self) -> str:

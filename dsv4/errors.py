@@ -44,5 +44,10 @@ class InvalidRequest(ValueError):
     """A step was refused: nothing was written to any cache, no request's state changed."""
 
 
+class ResultMismatch(ValueError):
+    """A run finished but a layer's outputs are further from the oracle than the combination's error
+    budget allows: the result is wrong (its row says `mismatch`)."""
+
+
 # errors whose message says what to change: printed without a traceback
-USER_ERRORS = (ConfigError, IncompatibleCombination, InvalidRequest)
+USER_ERRORS = (ConfigError, IncompatibleCombination, InvalidRequest, ResultMismatch)

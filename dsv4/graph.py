@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4.errors import ConfigError
+from dsv4.settings import at_least, parse
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -15,8 +16,8 @@ class GraphConfig:
     """`graph:` in the config. capture_sizes: token counts a step is padded to; max_context: the longest
     request a captured step holds (sizes the captured block tables)."""
     enabled: bool = False
-    capture_sizes: tuple[int, ...] = DEFAULT_SIZES
-    max_context: int = 8192
+    capture_sizes: tuple[int, ...] = at_least(1, DEFAULT_SIZES)
+    max_context: int = at_least(1, 8192)
 
     def __post_init__(self) -> None:
         sizes = tuple(sorted({int(s) for s in self.capture_sizes}))
@@ -28,18 +29,4 @@ class GraphConfig:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "GraphConfig":
-        cfg = dict(cfg or {})
-        enabled = cfg.get("enabled", False)
-        if not isinstance(enabled, bool):
-            raise ConfigError(f"graph.enabled={enabled!r}: expected true or false")
-        sizes = cfg.get("capture_sizes", DEFAULT_SIZES)
-        if not isinstance(sizes, (list, tuple)):
-            raise ConfigError(f"graph.capture_sizes={sizes!r}: expected a list of token counts, e.g. [1,2,4,8]")
-        return cls(enabled=enabled, capture_sizes=tuple(_count("graph.capture_sizes", s) for s in sizes),
-                   max_context=_count("graph.max_context", cfg.get("max_context", 8192)))
-
-
-def _count(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}={value!r}: expected a whole number")
-    return value
+        return parse(cls, cfg, "graph")

@@ -25,31 +25,21 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
+from dsv4.settings import above, one_of, parse
+
 LAUNCHERS = ("auto", "spawn", "simulated")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
-    launcher: str = "auto"
-    backend: str = "auto"
-    timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        from dsv4.errors import ConfigError
-
-        if self.launcher not in LAUNCHERS:
-            raise ConfigError(f"parallel.launcher={self.launcher}: expected one of {', '.join(LAUNCHERS)}")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"parallel.backend={self.backend}: expected one of {', '.join(BACKENDS)}")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"parallel.timeout_s={self.timeout_s}: must be > 0")
+    launcher: str = one_of(LAUNCHERS, "auto")
+    backend: str = one_of(BACKENDS, "auto")
+    timeout_s: float = above(0, 60.0)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "ParallelConfig":
-        cfg = dict(cfg or {})
-        return cls(launcher=str(cfg.get("launcher", "auto")), backend=str(cfg.get("backend", "auto")),
-                   timeout_s=float(cfg.get("timeout_s", 60.0)))
+        return parse(cls, cfg, "parallel")
 
 
 def torchrun_world_size() -> int | None:

@@ -4,19 +4,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from dsv4 import reference as ref
+from dsv4.compat import DTYPE_ERROR_BUDGET
 from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_pool
 from dsv4.components.checkpoint import load_or_random
 from dsv4.components.engine import Engine
 from dsv4.components.graphs import StepGraphs
 from dsv4.graph import GraphConfig
 from dsv4.dump import write_dump
+from dsv4.errors import ResultMismatch
 from dsv4.memory import GIB, indexer_kind, layer_memory, model_memory, summary_lines
 from dsv4.parallel import Ranks
 from dsv4.report import result_row, table, tty_progress, write_row
-from dsv4.workload import Workload, run_workload
+from dsv4.workload import run_workload
 
 
 def build_engine(job, weights: dict[int, dict], pool: PoolConfig, wo_a_fp8: dict | None = None,
@@ -80,11 +81,10 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     from dsv4.app import settings
 
     ranks = ranks or Ranks(tp_size=job.combo.tp_size)
-    cfg, spec, c = job.cfg, job.spec, job.combo
-    wl = Workload.from_config(OmegaConf.to_container(cfg.workload, resolve=True))
-    pool = PoolConfig.from_config(OmegaConf.to_container(cfg.workload.kv_pool, resolve=True))
+    spec, c = job.spec, job.combo
+    wl, pool = job.workload, job.pool
     layers = wl.layer_indices(spec)
-    seed = int(cfg.seed)
+    seed = job.run.seed
     torch.manual_seed(seed)
     weights, wo_a_fp8 = load_or_random(job, layers, seed)
     engine = build_engine(job, weights, pool, wo_a_fp8, ranks)
@@ -130,7 +130,12 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
                      m["prefill_tok_s"], m["decode_ms_step"]]
                     + ([m["decode_allreduce_ms_step"]] if ranks.distributed else [])
                     + [m["kv_bytes_per_token"] + m["indexer_bytes_per_token"], m["swa_bytes_per_request"] / 1024])
+    budget = c.error_budget
+    wrong = [f"layer {n} (idx {m['layer']}): rel_err {m['rel_err']:.3g} > budget {budget:.3g}"
+             if m["rel_err"] > budget else f"layer {n} (idx {m['layer']}): a top-k list of the wrong size"
+             for n, m in metrics.items() if m["rel_err"] > budget or m.get("topk_count_ok") is False]
     metrics["max_rel_err"] = max(m["rel_err"] for m in metrics.values())
+    metrics["error_budget"] = budget
     metrics["kv_gib_per_1m_tokens"] = model_memory(spec, c.cache_layout, indexer=indexer_kind(c.dtype))["total_bytes"] / GIB
     metrics["ranks"] = per_rank
 
@@ -151,12 +156,19 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     print(f"  per rank ({per_rank[0]['peak_of']} peak): " + "; ".join(
         f"rank {m['rank']}: KV pools {m['kv_pool_bytes'] / 2**20:.1f} MiB, weights {m['weight_bytes'] / 2**20:.1f} MiB, "
         f"peak {m['peak_bytes'] / 2**20:.0f} MiB" for m in per_rank))
-    if cfg.get("dump_dir"):
-        path = write_dump(cfg.dump_dir, spec=spec, layers=weights, record=rec, kv_row_dtype=row_dtype,
-                          choices=job.choices, kv_scale=kv_scale)
-        print(f"  dump written to {path} (spec.json, tensors.safetensors)")
-    path = write_row(job.out_dir, result_row(status="ok", problems=[], choices=job.choices, device=job.device,
-                                             settings=settings(job),
-                                             workload=wdict, metrics=metrics))
+    parts = ", ".join(f"{g}={getattr(c, g).name} {getattr(c, g).error_budget:.0e}"
+                      for g in ("cache_layout", "mqa_kernel", "o_proj"))
+    how_judged = f"error budget {budget:.3g} (dtype={c.dtype} {DTYPE_ERROR_BUDGET[c.dtype]:.0e}, {parts})"
+    print(f"  verdict: MISMATCH: {'; '.join(wrong)}; {how_judged}" if wrong
+          else f"  verdict: ok, every layer within the {how_judged}")
+    path = write_row(job.out_dir, result_row(status="mismatch" if wrong else "ok", problems=[], choices=job.choices,
+                                             device=job.device, settings=settings(job), workload=wdict,
+                                             metrics=metrics, error="; ".join(wrong) or None))
     print(f"  result: {path}")
+    if job.run.dump_dir:
+        dump = write_dump(job.run.dump_dir, spec=spec, layers=weights, record=rec, kv_row_dtype=row_dtype,
+                          choices=job.choices, kv_scale=kv_scale)
+        print(f"  dump written to {dump} (spec.json, tensors.safetensors)")
+    if wrong:
+        raise ResultMismatch(f"outputs outside the combination's error budget: {'; '.join(wrong)} (row: {path})")
     return metrics["max_rel_err"]

@@ -4,55 +4,48 @@ Pure Python: `mode=check` builds it without importing torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from dsv4.errors import ConfigError
+from dsv4.settings import above, at_least, parse
 
 LAYER_TYPES = {1: "swa", 4: "c4a", 128: "c128a"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class YarnScaling:
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float
-    beta_slow: float
+    factor: float = above(0)
+    original_max_position_embeddings: int = at_least(1)
+    beta_fast: float = above(0)
+    beta_slow: float = above(0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
     name: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    head_dim: int
-    qk_rope_head_dim: int
-    q_lora_rank: int
-    o_lora_rank: int
-    o_groups: int
-    sliding_window: int
-    compress_ratios: tuple[int, ...]
-    index_topk: int
-    index_n_heads: int
-    index_head_dim: int
-    rope_theta: float
-    compress_rope_theta: float
+    hidden_size: int = at_least(1)
+    num_hidden_layers: int = at_least(1)
+    num_attention_heads: int = at_least(1)
+    head_dim: int = at_least(1)
+    qk_rope_head_dim: int = at_least(1)
+    q_lora_rank: int = at_least(1)
+    o_lora_rank: int = at_least(1)
+    o_groups: int = at_least(1)
+    sliding_window: int = at_least(1)
+    compress_ratios: tuple[int, ...] = at_least(0)
+    index_topk: int = at_least(1)
+    index_n_heads: int = at_least(1)
+    index_head_dim: int = at_least(1)
+    rope_theta: float = above(0)
+    compress_rope_theta: float = above(0)
     rope_scaling: YarnScaling
-    max_position_embeddings: int
-    rms_norm_eps: float
+    max_position_embeddings: int = at_least(1)
+    rms_norm_eps: float = above(0)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "ModelSpec":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(cfg) - known)
-        missing = sorted(known - set(cfg))
-        if unknown or missing:
-            raise ConfigError(f"model config: unknown keys {unknown}, missing keys {missing}")
-        kw = dict(cfg)
-        kw["compress_ratios"] = tuple(int(r) for r in kw["compress_ratios"])
-        kw["rope_scaling"] = YarnScaling(**dict(kw["rope_scaling"]))
-        spec = cls(**kw)
+        spec = parse(cls, cfg, "model")
         spec.validate()
         return spec
 

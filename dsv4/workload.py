@@ -11,32 +11,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4.errors import ConfigError
+from dsv4.settings import at_least, parse
 from dsv4.spec import ModelSpec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Workload:
-    prompt_lens: tuple[int, ...]
-    prefill_chunk: int
-    decode_steps: int
-    decode_tokens: int
-    layers: tuple[int, ...] | None = None      # None: one layer of each type of the model
+    prompt_lens: tuple[int, ...] = at_least(1)
+    prefill_chunk: int = at_least(1)
+    decode_steps: int = at_least(0)
+    decode_tokens: int = at_least(1)
+    layers: tuple[int, ...] | None = at_least(0, None)     # None: one layer of each type of the model
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Workload":
-        layers = cfg.get("layers")
-        w = cls(prompt_lens=tuple(int(n) for n in cfg["prompt_lens"]), prefill_chunk=int(cfg["prefill_chunk"]),
-                decode_steps=int(cfg["decode_steps"]), decode_tokens=int(cfg["decode_tokens"]),
-                layers=None if layers is None else tuple(int(x) for x in layers))
-        bad = []
-        if not w.prompt_lens or min(w.prompt_lens) < 1:
-            bad.append(f"prompt_lens={list(w.prompt_lens)}")
-        if w.prefill_chunk < 1:
-            bad.append(f"prefill_chunk={w.prefill_chunk}")
-        if w.decode_tokens < 1 or w.decode_steps < 0:
-            bad.append(f"decode_tokens={w.decode_tokens}, decode_steps={w.decode_steps}")
-        if bad:
-            raise ConfigError(f"workload: invalid {'; '.join(bad)} (lengths, chunks and tokens per step must be >= 1)")
+        """The `workload:` section (its `kv_pool:` is builders.PoolConfig's)."""
+        w = parse(cls, cfg, "workload", skip=("kv_pool",))
+        if not w.prompt_lens:
+            raise ConfigError("workload.prompt_lens=[]: expected at least one request, e.g. [300,170]")
         return w
 
     def layer_indices(self, spec: ModelSpec) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -54,6 +55,7 @@ class FakeKernel:
     """Stands in for an MQA kernel or an o_proj strategy: only `name` and `needs` matter to check()."""
     name: str
     need: Needs = Needs()
+    error_budget: ClassVar[float] = 0.0
 
     def needs(self, device) -> Needs:
         return self.need
@@ -73,6 +75,7 @@ class FakeLayout:
     """Stands in for a byte-packed cache layout such as fp8_ds_mla."""
     name: str
     need: Needs = Needs()
+    error_budget: ClassVar[float] = 0.0
 
     @property
     def kv_row_dtype(self) -> str:

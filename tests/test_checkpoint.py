@@ -513,7 +513,7 @@ def test_dequantize_partial_blocks():
 @pytest.mark.parametrize("overrides,match", [
     (["weights=checkpoint"], "weights=checkpoint needs the checkpoint folder: checkpoint.path=DIR"),
     (["weights=checkpoint", "checkpoint.path=/nonexistent/DeepSeek-V4-Flash"], "no such folder"),
-    (["weights=pretrained"], "weights=pretrained is unknown; available: random, checkpoint"),
+    (["weights=pretrained"], "weights=pretrained: expected one of random, checkpoint"),
 ])
 def test_missing_path_and_unknown_source(compose_cfg, tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):

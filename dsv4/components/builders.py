@@ -11,8 +11,8 @@ from typing import Any
 from dsv4.components.attention import DSV4Attention
 from dsv4.components.compressor import Compressor
 from dsv4.components.indexer import Indexer
-from dsv4.components.kv_pool import KVPool, LayerCaches, PagedCache, PageGroup, RowRule, CompressorState
-from dsv4.components.plan import COMPRESSOR_REACH
+from dsv4.components.kv_pool import (CompressorState, KVPool, LayerCaches, PagedCache, PageGroup, PoolConfig,  # noqa: F401
+                                     page_groups)
 from dsv4.components.weights import shard
 from dsv4.device import DeviceInfo
 from dsv4.spec import ModelSpec
@@ -36,29 +36,6 @@ class Strategies:
     o_proj: OProjStrategy
     head_padding: HeadPaddingPolicy
     cache_layout: CacheLayout
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PoolConfig:
-    swa_block_size: int = 64
-    compressed_block_tokens: int = 256     # positions per compressed page: 64 entries at R=4, 2 at R=128
-                                           # (at least one entry per page)
-    swa_blocks: int = 64
-    compressed_blocks: int = 64
-    max_requests: int = 64                 # requests held at once: sizes the compressor-state pages
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "PoolConfig":
-        return cls(**{k: int(v) for k, v in dict(cfg).items()})
-
-    def compressed_block_size(self, ratio: int) -> int:
-        """Entries per compressed page: the page's positions / ratio, at least one."""
-        return max(1, self.compressed_block_tokens // ratio)
-
-    def state_blocks(self) -> int:
-        """Compressor-state pages per ratio: a request keeps at most two (its last coff·R positions,
-        one page each way of a page boundary) and a step may take two more before it commits."""
-        return 4 * self.max_requests
 
 
 def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_size: int,
@@ -97,16 +74,7 @@ def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig
     The SWA group keeps the sliding window; compressor state its coff·R positions; entries everything.
     `dtype`: the activations', which the indexer keys are stored in (`indexer_layout`)."""
     dev = device.torch_device
-    ratios = sorted({spec.compress_ratio(l) for l in layers} - {1})
-    groups = {"swa": PageGroup(name="swa", block_size=pool.swa_block_size, num_blocks=pool.swa_blocks,
-                               rule=RowRule(keep=spec.sliding_window), knob="swa_blocks")}
-    for r in ratios:
-        groups[f"entries{r}"] = PageGroup(name=f"ratio-{r} compressed", block_size=pool.compressed_block_size(r),
-                                          num_blocks=pool.compressed_blocks, rule=RowRule(per=r), knob="compressed_blocks")
-        reach = COMPRESSOR_REACH[r]
-        groups[f"state{r}"] = PageGroup(name=f"ratio-{r} compressor state", block_size=reach,
-                                        num_blocks=pool.state_blocks(), rule=RowRule(keep=reach, tail_only=True),
-                                        knob="max_requests")
+    groups = page_groups(window=spec.sliding_window, ratios={spec.compress_ratio(l) for l in layers}, pool=pool)
 
     def cache(name: str, lay: CacheLayout, group: PageGroup, dim: int) -> PagedCache:
         return PagedCache(name=name, layout=lay, block_size=group.block_size, head_dim=dim,

@@ -22,7 +22,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
+from dsv4.components.plan import COMPRESSOR_REACH
 from dsv4.errors import InvalidRequest
+from dsv4.settings import at_least, parse
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolConfig:
+    swa_block_size: int = at_least(1, 64)
+    compressed_block_tokens: int = at_least(1, 256)   # positions per compressed page: 64 entries at R=4, 2 at
+                                                      # R=128 (at least one entry per page)
+    swa_blocks: int = at_least(1, 64)
+    compressed_blocks: int = at_least(1, 64)
+    max_requests: int = at_least(1, 64)    # requests held at once: sizes the compressor-state pages
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "PoolConfig":
+        return parse(cls, cfg, "workload.kv_pool")
+
+    def compressed_block_size(self, ratio: int) -> int:
+        """Entries per compressed page: the page's positions / ratio, at least one."""
+        return max(1, self.compressed_block_tokens // ratio)
+
+    def state_blocks(self) -> int:
+        """Compressor-state pages per ratio: a request keeps at most two (its last coff·R positions,
+        one page each way of a page boundary) and a step may take two more before it commits."""
+        return 4 * self.max_requests
 
 
 class BlockAllocator:
@@ -261,3 +286,35 @@ class KVPool:
             if st is not None:
                 total += st.block_size * 2 * st.width * 4 * used[f"state{c.ratio}"]
         return total
+
+
+def page_groups(*, window: int, ratios, pool: PoolConfig) -> dict[str, PageGroup]:
+    """The page groups of a rank whose layers have compress `ratios` (1 excluded): SWA pages keep the
+    sliding window, compressor state its coff·R positions, compressed entries everything."""
+    groups = {"swa": PageGroup(name="swa", block_size=pool.swa_block_size, num_blocks=pool.swa_blocks,
+                               rule=RowRule(keep=window), knob="swa_blocks")}
+    for r in sorted(set(ratios) - {1}):
+        groups[f"entries{r}"] = PageGroup(name=f"ratio-{r} compressed", block_size=pool.compressed_block_size(r),
+                                          num_blocks=pool.compressed_blocks, rule=RowRule(per=r), knob="compressed_blocks")
+        reach = COMPRESSOR_REACH[r]
+        groups[f"state{r}"] = PageGroup(name=f"ratio-{r} compressor state", block_size=reach,
+                                        num_blocks=pool.state_blocks(), rule=RowRule(keep=reach, tail_only=True),
+                                        knob="max_requests")
+    return groups
+
+
+def held_pages(group: PageGroup, length: int) -> int:
+    """Pages a request of `length` positions holds in `group` once its last step committed."""
+    bs, rule = group.block_size, group.rule
+    return max(0, -(-rule.rows(length) // bs) - rule.first_kept(length) // bs)
+
+
+def shortfall(groups: dict[str, PageGroup], lengths) -> list[tuple[PageGroup, int]]:
+    """The groups too small for requests of `lengths` held at once, with the pages they hold at the end
+    at least (the peak of a step is higher still): a workload that cannot fit, found before any step."""
+    out = []
+    for g in groups.values():
+        need = sum(held_pages(g, n) for n in lengths)
+        if need > g.num_blocks:
+            out.append((g, need))
+    return out

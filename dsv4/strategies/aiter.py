@@ -44,7 +44,7 @@ Everything but the two `__call__`s is pure marshalling, importable and testable 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from dsv4.strategies.fp8_layouts import decode_records, record_offsets
 from dsv4.strategies.mqa_kernel import valid_entries
@@ -201,6 +201,7 @@ def call_args(q, kv: SparseKV, *, sink, scale: float, fmt: str) -> dict[str, Any
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AiterSparseMQA:
     name: str = "aiter_sparse"
+    error_budget: ClassVar[float] = 1e-2     # vs the oracle: bf16 probabilities
 
     def needs(self, device) -> Needs:
         fmt = FP8_FORMAT.get(device.arch)
@@ -253,6 +254,7 @@ def grouped_input(o, rot, groups: int):
 class RocmBf16OProj:
     """Inverse RoPE, the grouped `wo_a` product through aiter's batched bf16 GEMM, `wo_b` in bf16 (torch)."""
     name: str = "rocm_bf16"
+    error_budget: ClassVar[float] = 1e-2     # vs the oracle: bf16 products
 
     def needs(self, device) -> Needs:
         return Needs(platforms=frozenset({"rocm"}), archs=frozenset(FP8_FORMAT), dtypes=frozenset({"bfloat16"}),

@@ -9,6 +9,7 @@ one (dsv4/kernels/cache_write.py), else the sync-free scatter of `kept_rows`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from dsv4.strategies.protocols import Needs
 
@@ -32,6 +33,7 @@ def kept_rows(slots):
 class PlainRowLayout:
     """Rows stored as-is in `dtype` ([pages, block_size, head_dim]); reading rounds nothing further."""
     name: str
+    error_budget: ClassVar[float] = 1e-4     # vs the oracle, which rounds rows as stored: summation order
     dtype: str
 
     def __post_init__(self) -> None:

@@ -17,8 +17,9 @@ benchmark decides which is faster on a machine).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from dsv4.settings import at_least
 from dsv4.strategies.protocols import Needs, SparseKV
 
 WIDTH_MULTIPLE = 128          # index widths: multiples of B_TOPK (64 for h64, 128 for h128)
@@ -50,7 +51,8 @@ class FlashMLAPlan:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FlashMLASparse:
     name: str = "flashmla_sparse"
-    prefill_gather_min_tokens: int = 0      # 0: never gather; N: steps of >= N tokens use flash_mla_sparse_fwd
+    error_budget: ClassVar[float] = 1e-2     # vs the oracle: bf16 probabilities, FlashMLA
+    prefill_gather_min_tokens: int = at_least(0, 0)   # 0: never gather; N: steps of >= N tokens gather
 
     def needs(self, device) -> Needs:
         return Needs(platforms=frozenset({"cuda"}), archs=frozenset({"sm90", "sm100"}),

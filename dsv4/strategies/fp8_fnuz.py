@@ -17,6 +17,7 @@ converters at the end are therefore lossless both ways.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from dsv4.strategies.fp8_layouts import (DATA_BYTES, EXPONENTS, NOPE_BYTES, SCALE_BYTES, Fp8DsMlaLayout,
                                           decode_records, read_records, write_records)
@@ -32,6 +33,7 @@ FNUZ_NAN = 0x80
 class Fp8DsMlaFnuzLayout:
     """uint8 pages [num_blocks, page_bytes], addressed like fp8_ds_mla; NoPE bytes in e4m3fnuz."""
     name: str = "fp8_ds_mla_fnuz"
+    error_budget: ClassVar[float] = 1e-4     # vs the oracle: the oracle rounds rows as stored
 
     @property
     def kv_row_dtype(self) -> str:

@@ -9,7 +9,9 @@ row, as vLLM's fused insert ops do.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
+from dsv4.settings import at_least
 from dsv4.strategies.cache_layout import kept_rows
 from dsv4.strategies.protocols import Needs
 
@@ -81,10 +83,11 @@ class Fp8DsMlaLayout:
     """uint8 pages [num_blocks, page_bytes]; rows addressed at block*stride + t*576 (data) and
     block*stride + B*576 + t*8 (scales)."""
     name: str = "fp8_ds_mla"
-    nope_dim: int = 448
-    rope_dim: int = 64
-    tile: int = 64           # NoPE dims per UE8M0 scale
-    align: int = 576         # page strides are multiples of this (vLLM's KV-spec alignment)
+    error_budget: ClassVar[float] = 1e-4     # vs the oracle: the oracle rounds rows as stored
+    nope_dim: int = at_least(1, 448)
+    rope_dim: int = at_least(1, 64)
+    tile: int = at_least(1, 64)          # NoPE dims per UE8M0 scale
+    align: int = at_least(1, 576)        # page strides are multiples of this (vLLM's KV-spec alignment)
 
     @property
     def kv_row_dtype(self) -> str:
@@ -159,6 +162,7 @@ class Fp8PerTensorLayout:
     scales at 1.0 for DSV4: the RMS-normed rows sit well inside e4m3's ±448).
     """
     name: str = "fp8_per_tensor"
+    error_budget: ClassVar[float] = 1e-4     # vs the oracle: the oracle rounds rows as stored
     kv_scale: float = 1.0
     q_scale: float = 1.0
 

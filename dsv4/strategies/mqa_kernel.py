@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
+from dsv4.settings import at_least
 from dsv4.strategies.protocols import Needs, SparseKV
 
 
@@ -52,7 +54,8 @@ class ReferenceMQA:
     Queries are processed `chunk` at a time so the gathered rows stay bounded in memory.
     """
     name: str = "reference"
-    chunk: int = 64
+    error_budget: ClassVar[float] = 0.0     # vs the oracle: float32 math over the rows as stored
+    chunk: int = at_least(1, 64)      # cached rows per step of the reference loop
 
     def needs(self, device) -> Needs:
         return Needs()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from dsv4.strategies.protocols import Needs, OProjWeights
 
@@ -11,6 +11,7 @@ from dsv4.strategies.protocols import Needs, OProjWeights
 class ReferenceOProj:
     """Inverse RoPE, per-group einsum with `wo_a`, then `wo_b`, in the activation dtype."""
     name: str = "reference"
+    error_budget: ClassVar[float] = 0.0     # vs the oracle: the float32 projection
 
     def needs(self, device) -> Needs:
         return Needs()

@@ -76,6 +76,7 @@ class OProjWeights:
 class CacheLayout(Protocol):
     """Bytes of one cached KV row, and how rows are written to and read from paged storage."""
     name: str
+    error_budget: float      # relative error vs the oracle (same cache rounding) this option may add
 
     @property
     def kv_row_dtype(self) -> str: ...          # how a stored row is rounded (the dump's kv_row_dtype)
@@ -107,6 +108,7 @@ class MQAKernelStrategy(Protocol):
     step's layers of that type. `previous` is what it returned for the step before (buffers to keep),
     None for the first step or a graph capture."""
     name: str
+    error_budget: float      # relative error vs the oracle (same cache rounding) this option may add
 
     def needs(self, device: DeviceInfo) -> Needs: ...
     def prepare(self, *, device: DeviceInfo) -> Any: ...     # once per layer: device-dependent choices
@@ -121,6 +123,7 @@ class MQAKernelStrategy(Protocol):
 class OProjStrategy(Protocol):
     """Inverse RoPE on the attention output, grouped `wo_a`, then `wo_b` (this rank's partial sum)."""
     name: str
+    error_budget: float      # relative error vs the oracle (same cache rounding) this option may add
 
     def needs(self, device: DeviceInfo) -> Needs: ...
     def prepare(self, weights: OProjWeights, *, device: DeviceInfo, dtype: str) -> Any: ...   # once, at build

@@ -14,6 +14,7 @@ Prefill uses the same kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from dsv4.strategies.protocols import Needs, SparseKV
 
@@ -27,6 +28,7 @@ VARIANTS = ("auto", "two_pass", "hopper")    # which kernel runs (dsv4/kernels/s
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TritonSparseMQA:
     name: str = "triton_sparse"
+    error_budget: ClassVar[float] = 1e-2     # vs the oracle: bf16 probabilities in P·V
     block_n: int = 0          # index columns per scores program; 0 = planned (128, or 64 for small steps)
     block_h: int = 0          # heads per program; 0 = planned (up to 64, or 16 for small steps)
     block_d: int = 0          # output dims per P·V program; 0 = planned (128, or 64 for small steps)

@@ -1,0 +1,178 @@
+"""Every setting of a run, validated once before anything runs: typed values from the composed config.
+
+A section of the config is read into a frozen dataclass by `parse(cls, node, key)`, which takes the
+field types and the ranges declared in the fields' metadata (`at_least`, `above`, `one_of`) and refuses,
+in one line that names the key, the value and what is allowed: a value of the wrong type (no silent
+truncation: `tp_size=2.5` is refused, not run as 2), one out of range, and an unknown key (with the
+closest known one). Strategy options are read the same way from their class (`option`), so their
+fields are checked before any strategy is built. Pure Python: `mode=check` imports no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Mapping
+
+from dsv4.errors import ConfigError
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def at_least(n: float, default: Any = MISSING) -> Any:
+    """A numeric field (or each element of a tuple field) >= n."""
+    return field(default=default, metadata={"min": n})
+
+
+def above(n: float, default: Any = MISSING) -> Any:
+    """A numeric field > n."""
+    return field(default=default, metadata={"gt": n})
+
+
+def one_of(options: tuple, default: Any = MISSING) -> Any:
+    """A field whose value is one of `options`."""
+    return field(default=default, metadata={"choices": tuple(options)})
+
+
+def unknown_key(key: str, name: str, known) -> ConfigError:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f" (did you mean {_join(key, close[0])}?)" if close else ""
+    return ConfigError(f"{_join(key, name)}: unknown setting{hint}; known: {', '.join(sorted(known))}")
+
+
+def check_keys(node: Mapping[str, Any], known, key: str) -> None:
+    for name in node:
+        if name not in known:
+            raise unknown_key(key, str(name), known)
+
+
+def parse(cls, node: Mapping[str, Any] | None, key: str, *, skip: tuple[str, ...] = ()):
+    """cls(**node), each field checked against its type and metadata; keys in `skip` are read elsewhere."""
+    node = dict(node or {})
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    check_keys(node, names | set(skip), key)
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        k = _join(key, f.name)
+        if f.name not in node:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ConfigError(f"{k}: missing")
+            continue
+        kw[f.name] = _value(k, node[f.name], hints[f.name], f.metadata)
+    return cls(**kw)
+
+
+def _hints(cls) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _join(key: str, name: str) -> str:
+    return f"{key}.{name}" if key else name
+
+
+def _show(value: Any) -> str:
+    """A value as it would be typed on the command line."""
+    if isinstance(value, str) and value and not any(c.isspace() for c in value):
+        return value
+    return repr(value)
+
+
+def _describe(tp, meta, *, plural: bool = False) -> str:
+    if "choices" in meta:
+        return "one of " + ", ".join(str(c) for c in meta["choices"])
+    names = {int: ("a whole number", "whole numbers"), float: ("a number", "numbers"), bool: ("true or false",) * 2,
+             str: ("a string", "strings")}
+    base = names.get(tp, (str(tp),) * 2)[plural]
+    if "min" in meta:
+        base += f" >= {meta['min']}"
+    if "gt" in meta:
+        base += f" > {meta['gt']}"
+    return base
+
+
+def _value(key: str, value: Any, tp, meta: Mapping[str, Any]) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _value(key, value, args[0], meta)
+    if origin is tuple:
+        elem = typing.get_args(tp)[0]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={_show(value)}: expected a list of {_describe(elem, meta, plural=True)}, e.g. [1, 2]")
+        return tuple(_value(f"{key}[{i}]", v, elem, meta) for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}={_show(value)}: expected a group of settings")
+        return parse(tp, value, key)
+    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str)}.get(tp, lambda v: True)
+    if not ok(value) or ("choices" in meta and value not in meta["choices"]) \
+            or ("min" in meta and value < meta["min"]) or ("gt" in meta and not value > meta["gt"]):
+        raise ConfigError(f"{key}={_show(value)}: expected {_describe(tp, meta)}")
+    return float(value) if tp is float else value
+
+
+# ---- the run's own settings ------------------------------------------------------------------------
+MODES = ("run", "check", "info", "bench", "summarize")
+WEIGHTS = ("random", "checkpoint")
+# top-level keys that other sections own: the strategy groups, the model and device (their own parsers),
+# graph, parallel and workload (theirs)
+SECTIONS = ("model", "device", "mqa_kernel", "o_proj", "head_padding", "cache_layout", "graph", "parallel",
+            "workload")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointSettings:
+    path: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSettings:
+    """The top level of the config (configs/config.yaml), less the sections parsed by their owners."""
+    mode: str = one_of(MODES, "run")
+    seed: int = at_least(0, 0)
+    tp_size: int = at_least(1, 1)
+    dtype: str = one_of(("float32", "bfloat16"), "float32")
+    dump_dir: str | None = None
+    weights: str = one_of(WEIGHTS, "random")
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    sweep_dir: str | None = None         # mode=summarize: +sweep_dir=PATH
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> "RunSettings":
+        s = parse(cls, {k: v for k, v in cfg.items() if k != "hydra"}, "", skip=SECTIONS)
+        if s.weights == "checkpoint" and not s.checkpoint.path:
+            raise ConfigError("weights=checkpoint needs the checkpoint folder: checkpoint.path=DIR (config.json and "
+                              "the safetensors index)")
+        return s
+
+
+def option(node: Mapping[str, Any], group: str):
+    """A strategy from its YAML node (`_target_` and its fields), every field checked by `parse`."""
+    import importlib
+
+    node = dict(node)
+    target = node.pop("_target_", None)
+    node.pop("_convert_", None)
+    if not isinstance(target, str) or "." not in target:
+        raise ConfigError(f"{group}: no _target_ naming the option's class")
+    module, _, name = target.rpartition(".")
+    cls = getattr(importlib.import_module(module), name, None)
+    if cls is None or not dataclasses.is_dataclass(cls):
+        raise ConfigError(f"{group}: _target_={target} is not a strategy class")
+    try:
+        return parse(cls, node, group)
+    except (TypeError, ValueError) as e:        # a class's own __post_init__ check
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{group}={node.get('name', '?')}: {e}") from None

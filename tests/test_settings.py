@@ -1,0 +1,147 @@
+"""Every setting validated once, before any work: one line naming the key, the value and what is allowed;
+unknown keys refused with the closest known one; a workload the pool cannot hold and a dump folder that
+cannot be written refused by `check` as by `run`; a run whose outputs leave the combination's error budget
+ends `mismatch`, with a non-zero exit."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+
+from dsv4.app import main
+from dsv4.errors import ConfigError, IncompatibleCombination, ResultMismatch
+from dsv4.strategies import ReferenceMQA
+from dsv4.strategies.protocols import Needs
+from tests.conftest import run_py
+
+TINY = ["model=dsv4_tiny", "workload=sweep", "workload.layers=[0,1]"]
+
+BAD = [
+    ("seed=abc", "seed=abc: expected a whole number >= 0"),
+    ("tp_size=abc", "tp_size=abc: expected a whole number >= 1"),
+    ("tp_size=2.5", "tp_size=2.5: expected a whole number >= 1"),
+    ("tp_size=0", "tp_size=0: expected a whole number >= 1"),
+    ("dtype=float16", "dtype=float16: expected one of float32, bfloat16"),
+    ("workload.prompt_lens=abc", "workload.prompt_lens=abc: expected a list of whole numbers >= 1"),
+    ("workload.prompt_lens=[10,0]", "workload.prompt_lens[1]=0: expected a whole number >= 1"),
+    ("workload.prompt_lens=[]", "workload.prompt_lens=[]: expected at least one request"),
+    ("workload.prefill_chunk=1.5", "workload.prefill_chunk=1.5: expected a whole number >= 1"),
+    ("workload.decode_steps=-1", "workload.decode_steps=-1: expected a whole number >= 0"),
+    ("workload.kv_pool.swa_block_size=0", "workload.kv_pool.swa_block_size=0: expected a whole number >= 1"),
+    ("mqa_kernel.chunk=0", "mqa_kernel.chunk=0: expected a whole number >= 1"),
+    ("mqa_kernel.chunk=-1", "mqa_kernel.chunk=-1: expected a whole number >= 1"),
+    ("model.hidden_size=0", "model.hidden_size=0: expected a whole number >= 1"),
+    ("model.rms_norm_eps=0", "model.rms_norm_eps=0: expected a number > 0"),
+    ("graph.max_context=0", "graph.max_context=0: expected a whole number >= 1"),
+    ("graph.enabled=maybe", "graph.enabled=maybe: expected true or false"),
+    ("parallel.timeout_s=0", "parallel.timeout_s=0: expected a number > 0"),
+    ("device.platform=tpu", "device.platform=tpu: expected one of cpu, cuda, rocm"),
+    ("mode=nosuch", "mode=nosuch: expected one of run, check, info, bench, summarize"),
+    ("+mqa_kernal=x", "mqa_kernal: unknown setting (did you mean mqa_kernel?)"),
+    ("+mqa_kernel.chnk=3", "mqa_kernel.chnk: unknown setting (did you mean mqa_kernel.chunk?)"),
+    ("+workload.prompt_len=[4]", "workload.prompt_len: unknown setting (did you mean workload.prompt_lens?)"),
+    ("+graph.sizes=[1]", "graph.sizes: unknown setting"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD, ids=[b[0] for b in BAD])
+@pytest.mark.parametrize("mode", ["run", "check"])
+def test_a_bad_setting_is_one_line_before_any_work(compose_cfg, tmp_path, override, message, mode):
+    cfg = compose_cfg([*TINY, f"mode={mode}", override])
+    with pytest.raises(ConfigError) as e:
+        main(cfg, out_dir=tmp_path)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "result.json").exists() or json.loads((tmp_path / "result.json").read_text())[
+        "status"] == "error"                                             # a run's row says it; nothing else
+
+
+@pytest.mark.parametrize("override,message", [BAD[2], BAD[20], BAD[11]], ids=["tp_size", "unknown key", "chunk"])
+def test_the_cli_prints_the_line_and_exits_1_without_a_traceback(tmp_path, override, message):
+    r = run_py(*TINY, override, run_dir=tmp_path)
+    assert r.returncode == 1
+    assert r.stderr.strip().startswith(f"error: {message}")
+    assert "Traceback" not in r.stderr and "HYDRA_FULL_ERROR" not in r.stderr
+
+
+def test_a_workload_the_pool_cannot_hold_is_refused_by_check_and_run(compose_cfg, tmp_path):
+    for mode in ("check", "run"):
+        cfg = compose_cfg([*TINY, f"mode={mode}", "workload.prompt_lens=[100000]"])
+        with pytest.raises(IncompatibleCombination) as e:
+            main(cfg, out_dir=tmp_path / mode)
+        msg = str(e.value)
+        assert "workload.kv_pool.compressed_blocks=" in msg and "ratio-4 compressed" in msg, msg
+        assert "fix: workload.kv_pool.compressed_blocks=" in msg
+    cfg = compose_cfg([*TINY, "mode=check", "workload.prompt_lens=[10,10,10]", "workload.kv_pool.max_requests=2"])
+    with pytest.raises(IncompatibleCombination, match="holds 3 requests at once"):
+        main(cfg, out_dir=tmp_path)
+    cfg = compose_cfg([*TINY, "mode=check", "workload.layers=[7]"])
+    with pytest.raises(IncompatibleCombination, match="workload.layers=.7.: model=dsv4_tiny has layers 0..2"):
+        main(cfg, out_dir=tmp_path)
+
+
+def test_the_default_workloads_fit_their_pools(compose_cfg, tmp_path, capsys):
+    for workload in ("default", "sweep"):
+        main(compose_cfg(["mode=check", f"workload={workload}"]), out_dir=tmp_path)
+        assert capsys.readouterr().out.startswith("OK:")
+
+
+def test_an_unwritable_dump_dir_is_refused_before_the_run(compose_cfg, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for mode in ("check", "run"):
+        cfg = compose_cfg([*TINY, f"mode={mode}", f"dump_dir={blocker}/case"])
+        with pytest.raises(IncompatibleCombination, match=r"dump_dir=.*a_file/case: .*a_file is not a writable folder"):
+            main(cfg, out_dir=tmp_path / mode)
+    row = json.loads((tmp_path / "run" / "result.json").read_text())      # run: the refusal is the row
+    assert row["status"] == "incompatible" and row["problems"][0]["group"] == "dump_dir"
+    assert not (tmp_path / "check" / "result.json").exists()
+
+
+# ---- a wrong result fails the run ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SinkFlippedMQA:
+    """The reference kernel with one sign wrong (the attention sink's): what a one-line bug looks like."""
+    name: str = "sink_flipped"
+    error_budget: ClassVar[float] = 0.0
+
+    def needs(self, device) -> Needs:
+        return Needs()
+
+    def prepare(self, *, device) -> None:
+        return None
+
+    def plan(self, *, tokens: int, layer_type: str, previous=None) -> None:
+        return None
+
+    def __call__(self, q, kv, *, sink, scale: float, prepared=None, plan=None):
+        return ReferenceMQA()(q, kv, sink=-sink, scale=scale)
+
+
+BROKEN = [*TINY, "mqa_kernel._target_=tests.test_settings.SinkFlippedMQA", "~mqa_kernel.chunk",
+          "mqa_kernel.name=sink_flipped"]
+
+
+def test_a_broken_strategy_makes_the_run_a_mismatch(compose_cfg, tmp_path, capsys):
+    with pytest.raises(ResultMismatch, match=r"layer swa \(idx 0\): rel_err .* > budget 0.00011"):
+        main(compose_cfg(BROKEN), out_dir=tmp_path)
+    row = json.loads((tmp_path / "result.json").read_text())
+    assert row["status"] == "mismatch" and "rel_err" in row["error"]
+    assert row["metrics.error_budget"] == pytest.approx(1.1e-4)
+    assert "verdict: MISMATCH: layer swa (idx 0)" in capsys.readouterr().out
+    main(compose_cfg(TINY), out_dir=tmp_path / "ok")                # the same run, the reference kernel: ok
+    good = json.loads((tmp_path / "ok" / "result.json").read_text())
+    assert good["status"] == "ok" and good["metrics.max_rel_err"] <= good["metrics.error_budget"]
+
+
+def test_a_mismatch_exits_non_zero_from_the_cli(tmp_path):
+    r = run_py(*BROKEN, run_dir=tmp_path, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "error: outputs outside the combination's error budget: layer swa (idx 0)" in r.stderr
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "mismatch"
+
+
+def test_a_mismatch_in_a_sweep_cell_is_its_row(compose_cfg, tmp_path):
+    assert main(compose_cfg(BROKEN), out_dir=tmp_path, multirun=True) is None
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "mismatch"
