@@ -152,6 +152,10 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     print(table(["layer", "idx", "rel_err", "cosine", "rel_err f32 KV", "topk exact", "prefill tok/s",
                  "decode ms/step"] + (["of which all-reduce"] if ranks.distributed else [])
                 + ["KV B/token", "SWA KiB/req"], rows))
+    print("  swa: sliding window only; c4a: + ratio-4 entries the indexer chose; c128a: + every ratio-128 entry\n"
+          "  rel_err: against the oracle rounding rows as this cache stores them; rel_err f32 KV: against exact "
+          "float32 rows\n  topk exact: share of tokens whose top-k set is the oracle's; KV B/token: compressed rows "
+          "and indexer keys per context token (the SWA window is bounded: SWA KiB/req)")
     print("\n".join(summary_lines(spec, c.cache_layout, c.dtype)))
     print(f"  per rank ({per_rank[0]['peak_of']} peak): " + "; ".join(
         f"rank {m['rank']}: KV pools {m['kv_pool_bytes'] / 2**20:.1f} MiB, weights {m['weight_bytes'] / 2**20:.1f} MiB, "
