@@ -25,24 +25,27 @@ def _rms(x, w=None, eps=1e-6):
 
 
 def _freqs(model: Mapping[str, Any], ratio: int):
-    i = torch.arange(32, dtype=torch.float64)
-    if ratio <= 1:
-        return model["rope_theta"] ** (-2 * i / 64)
-    base = model["compress_rope_theta"]
+    """float32 [32], as DeepSeek's published precompute_freqs_cis computes them (float32 torch ops)."""
+    plain = ratio <= 1
+    base = model["rope_theta"] if plain else model["compress_rope_theta"]
+    f = 1.0 / (base ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    if plain:
+        return f
     ys = model["rope_scaling"]
-    orig, fac = ys["original_max_position_embeddings"], ys["factor"]
-    f = base ** (-2 * i / 64)
+    orig = ys["original_max_position_embeddings"]
     d = lambda n: 64 * math.log(orig / (n * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
     lo, hi = max(math.floor(d(ys["beta_fast"])), 0), min(math.ceil(d(ys["beta_slow"])), 63)
-    hi = hi + 1e-3 if hi == lo else hi
-    ramp = ((i - lo) / (hi - lo)).clamp(0, 1)
-    return f * (1 - ramp) + (f / fac) * ramp
+    hi = hi + 0.001 if hi == lo else hi
+    smooth = 1 - ((torch.arange(32, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    return f / ys["factor"] * (1 - smooth) + f * smooth
 
 
 def _rope(x, pos, f, inverse=False):
-    """GPT-J pairs on the last 64 dims; pos broadcasts against x[..., 0]."""
-    ang = pos.to(torch.float64)[..., None] * f
-    c, s = ang.cos().float(), ang.sin().float() * (-1 if inverse else 1)
+    """GPT-J pairs on the last 64 dims; pos broadcasts against x[..., 0]. The published table: float32
+    angle = position × f, cos/sin by torch.polar."""
+    ang = pos.to(torch.float32)[..., None] * f.to(torch.float32)
+    cis = torch.polar(torch.ones_like(ang), ang)
+    c, s = cis.real, cis.imag * (-1 if inverse else 1)
     r = x[..., -64:].unflatten(-1, (32, 2))
     ev, od = r[..., 0], r[..., 1]
     return torch.cat((x[..., :-64], torch.stack((ev * c - od * s, od * c + ev * s), -1).flatten(-2)), -1)

@@ -1,7 +1,8 @@
 """Shared test helpers: the `--update-golden` option, the `compose_cfg` fixture (in-process Hydra
 composition), `options(group)` (a config group's option names), `run_py` (run.py in a subprocess),
-the DSV4_SPEC RoPE frequencies, a tiny spec and engine with helpers to drive it (`tiny_spec`,
-`make_engine`, `hidden_for`, `drive`, `chunked`), and `through` (slot ids through block tables)."""
+the DSV4_SPEC RoPE frequencies and the published float32 RoPE tables, a tiny spec and engine with helpers
+to drive it (`tiny_spec`, `make_engine`, `hidden_for`, `drive`, `chunked`), and `through` (slot ids through
+block tables)."""
 from __future__ import annotations
 
 import math
@@ -69,6 +70,47 @@ def spec_rope_freqs(ratio: int) -> list[float]:
         r = min(max((i - lo) / (hi - lo), 0.0), 1.0)
         out.append(f * (1 - r) + f / factor * r)
     return out
+
+
+def published_rope_freqs(ratio: int, *, rope_theta=10000.0, compress_rope_theta=160000.0, factor=16.0,
+                         original_seq_len=65536, beta_fast=32.0, beta_slow=1.0):
+    """float32 [32]: the pair frequencies as DeepSeek's published V4 inference code computes them
+    (inference/model.py, precompute_freqs_cis), step for step and in its dtype: float32 torch ops, the YaRN
+    correction range in Python floats, `freqs / factor * (1 - smooth) + freqs * smooth`. Compressed
+    layers (ratio > 1) use compress_rope_theta with YaRN; the others rope_theta without."""
+    yarn = ratio > 1
+    base = compress_rope_theta if yarn else rope_theta
+    dim = 64
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if yarn:
+        d = lambda n: dim * math.log(original_seq_len / (n * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
+        low, high = max(math.floor(d(beta_fast)), 0), min(math.ceil(d(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        smooth = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        freqs = freqs / factor * (1 - smooth) + freqs * smooth
+    return freqs
+
+
+def published_rope_kw(spec) -> dict:
+    """published_rope_freqs' keywords from a ModelSpec."""
+    ys = spec.rope_scaling
+    return dict(rope_theta=spec.rope_theta, compress_rope_theta=spec.compress_rope_theta, factor=ys.factor,
+                original_seq_len=ys.original_max_position_embeddings, beta_fast=ys.beta_fast, beta_slow=ys.beta_slow)
+
+
+def published_freqs_cis(positions, freqs):
+    """complex64 [len(positions), 32]: rows `positions` of the published table,
+    torch.polar(1, torch.outer(positions, freqs)) (the angle a float32 product)."""
+    ang = torch.outer(positions, freqs)
+    return torch.polar(torch.ones_like(ang), ang)
+
+
+def published_angles(positions, ratio: int):
+    """float64 [..., 32]: the published float32 angles position × frequency (exact as float64), so that
+    float64 cos/sin of them are the published table to float32 rounding."""
+    f = published_rope_freqs(ratio)
+    return (positions.reshape(-1).to(torch.float32)[:, None] * f).double().reshape(*positions.shape, 32)
 
 
 def fp8_block_product(x, xs, w, ws):

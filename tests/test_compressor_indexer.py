@@ -18,20 +18,18 @@ from dsv4.components.kv_pool import KVPool, PagedCache, PageGroup, RowRule, Comp
 from dsv4.components.plan import COMPRESSOR_REACH, PageTable, StepPlan
 from dsv4.components.rope import Rope
 from dsv4.strategies import PlainRowLayout
-from tests.conftest import spec_rope_freqs, tiny_spec
+from tests.conftest import published_angles, tiny_spec
 
 EPS = 1e-6
 HID = 24
 
 
 # ---- our own spec re-derivation ---------------------------------------------------------------
-FREQS = spec_rope_freqs(4)
-
-
 def rope_vec(v, p: int, inverse=False):
-    """float64 GPT-J rotation of the last 64 dims of one vector at position p."""
+    """float64 GPT-J rotation of the last 64 dims of one vector at position p, by the published float32 angles
+    of the compressed layers' table."""
     v = v.double().clone()
-    ang = torch.tensor([p * f for f in FREQS], dtype=torch.float64)
+    ang = published_angles(torch.tensor(p), 4)
     c, s = ang.cos(), ang.sin() * (-1 if inverse else 1)
     ev, od = v[-64::2].clone(), v[-63::2].clone()
     v[-64::2], v[-63::2] = ev * c - od * s, od * c + ev * s

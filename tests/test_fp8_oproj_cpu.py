@@ -13,7 +13,7 @@ from dsv4.reference import _rope
 from dsv4.strategies import (BucketHeadPadding, DeepGemmFp8OProj, Fp8DsMlaLayout, ReferenceMQA, TorchFp8OProj,
                              TritonFp8OProj)
 from dsv4.strategies.fp8_oproj import inverse_rope_fp8_quant, quantize_weight_blocks
-from tests.conftest import spec_rope_freqs, tiny_spec
+from tests.conftest import published_rope_freqs, tiny_spec
 
 SM90 = DeviceInfo(platform="cuda", arch="sm90", name="H200")
 SM100 = DeviceInfo(platform="cuda", arch="sm100", name="B200")
@@ -27,7 +27,7 @@ def test_inverse_rope_fp8_quant_matches_the_spec():
     x, s = inverse_rope_fp8_quant(o, Rope.for_layer(tiny_spec(), 4).at(pos), G)
     assert x.dtype == torch.float8_e4m3fn and x.shape == (T, G, H // G * 512) and s.shape == (T, G, H // G * 4)
     # independent: inverse GPT-J rotation from the oracle's own RoPE, per-128 power-of-two scales
-    want = _rope(o.float(), pos[:, None], torch.tensor(spec_rope_freqs(4), dtype=torch.float64), inverse=True)
+    want = _rope(o.float(), pos[:, None], published_rope_freqs(4), inverse=True)
     blocks = want.reshape(T, G, -1, 128)
     scale = torch.exp2(torch.ceil(torch.log2(blocks.abs().amax(-1).clamp_min(1e-10) / 448)))
     assert torch.equal(s, scale)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import spec_rope_freqs, tiny_spec
+from tests.conftest import published_angles, tiny_spec
 from dsv4.components.kv_pool import PagedCache
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
@@ -308,17 +308,13 @@ def test_bucket_head_padding_rejects_bad_buckets(bad):
 
 
 # ---- output projection ------------------------------------------------------------------------
-own_freqs = spec_rope_freqs
-
-
 def own_o_proj(o, pos, ratio, wo_a, wo_b, G):
     """Inverse GPT-J RoPE on the last 64 dims, then per group z_g = W_oa[g] . concat(heads of g), then wo_b."""
     o = o.double().clone()
     T, H, _ = o.shape
     hpg = H // G
-    f = torch.tensor(own_freqs(ratio), dtype=torch.float64)
     for t in range(T):
-        ang = int(pos[t]) * f
+        ang = published_angles(pos[t], ratio)                        # the published float32 angles, in float64
         c, s = ang.cos(), -ang.sin()                                  # inverse: sin -> -sin
         ev, od = o[t, :, -64::2].clone(), o[t, :, -63::2].clone()
         o[t, :, -64::2], o[t, :, -63::2] = ev * c - od * s, od * c + ev * s
