@@ -30,7 +30,7 @@ from dsv4.report import result_row, table, write_row
 from dsv4.spec import ModelSpec
 
 GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout")
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 MODES = ("run", "check", "info", "bench", "summarize")
 
 
