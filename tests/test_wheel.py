@@ -115,3 +115,11 @@ def test_installed_command_runs_a_tiny_workload(installed, tmp_path):
     row = json.loads((tmp_path / "run" / "result.json").read_text())
     assert row["status"] == "ok" and row["metrics.max_rel_err"] <= 1e-5
 
+
+def test_installed_python_api_composes_the_packaged_configs(installed, tmp_path):
+    site, _ = installed
+    r = run_installed(site, tmp_path, sys.executable, "-c",
+                      "import dsv4; job = dsv4.compose(['deployment=h200'], running=False); "
+                      "print(job.spec.name, job.choices['mqa_kernel'], job.combo.cache_layout.name)")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["dsv4_flash", "flashmla_sparse", "fp8_ds_mla"]
