@@ -7,8 +7,8 @@
                                          # around the planners' switches and at prefill size
   python bench/tune_triton.py oproj      # o_proj=triton_fp8's grouped e4m3 product beside DeepGEMM, torch_fp8, bf16
 
-The shipped defaults (configs/mqa_kernel/triton_sparse.yaml, configs/o_proj/triton_fp8.yaml, inv_rope_fp8_quant's)
-come from these sweeps.
+The shipped defaults (dsv4/configs/mqa_kernel/triton_sparse.yaml, dsv4/configs/o_proj/triton_fp8.yaml,
+inv_rope_fp8_quant's) come from these sweeps.
 """
 from __future__ import annotations
 

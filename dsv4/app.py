@@ -33,7 +33,7 @@ from dsv4.spec import ModelSpec
 from dsv4.workload import Workload
 
 GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout")
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -31,7 +31,7 @@ class IncompatibleCombination(ValueError):
     def __init__(self, problems: list[Problem], *, header: str, choices: str) -> None:
         self.problems = list(problems)
         lines = [header, f"  {choices}"] + [f"  {p.line()}" for p in problems]
-        lines.append("Nothing was allocated. `python run.py mode=info` lists what each option needs.")
+        lines.append("Nothing was allocated. `dsv4 mode=info` lists what each option needs.")
         super().__init__("\n".join(lines))
 
 

@@ -1,8 +1,8 @@
 """Shared test helpers: the `--update-golden` option, the `compose_cfg` fixture (in-process Hydra
-composition), `options(group)` (a config group's option names), `run_py` (run.py in a subprocess),
-the DSV4_SPEC RoPE frequencies and the published float32 RoPE tables, a tiny spec and engine with helpers
-to drive it (`tiny_spec`, `make_engine`, `hidden_for`, `drive`, `chunked`), and `through` (slot ids through
-block tables)."""
+composition), the `no_alloc` fixture (any tensor allocated fails the test), `options(group)` (a config
+group's option names), `run_py` (run.py in a subprocess), the DSV4_SPEC RoPE frequencies and the published
+float32 RoPE tables, a tiny spec and engine with helpers to drive it (`tiny_spec`, `make_engine`,
+`hidden_for`, `drive`, `chunked`), and `through` (slot ids through block tables)."""
 from __future__ import annotations
 
 import math
@@ -17,8 +17,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
+from dsv4.app import CONFIG_DIR as CONFIGS      # the packaged config tree, dsv4/configs
+
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs"
 
 
 def pytest_addoption(parser):
@@ -37,8 +38,19 @@ def compose_cfg():
     GlobalHydra.instance().clear()
 
 
+@pytest.fixture
+def no_alloc(monkeypatch):
+    """Any torch tensor factory called while this is active fails the test."""
+    def refuse(*a, **kw):
+        raise AssertionError("a tensor was allocated while composing / checking")
+
+    for name in ("zeros", "empty", "ones", "full", "rand", "randn", "randint", "tensor", "as_tensor", "arange",
+                 "zeros_like", "empty_like", "ones_like", "full_like", "randn_like", "empty_strided", "from_numpy"):
+        monkeypatch.setattr(torch, name, refuse)
+
+
 def options(group: str) -> list[str]:
-    """The options of config group `group`: the stems of configs/<group>/*.yaml, sorted."""
+    """The options of config group `group`: the stems of dsv4/configs/<group>/*.yaml, sorted."""
     return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 
 

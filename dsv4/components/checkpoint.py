@@ -76,7 +76,7 @@ SINGLE_FILE = "model.safetensors"
 PREFIXES = ("layers.{l}.attn.", "model.layers.{l}.self_attn.", "model.layers.{l}.attn.")   # published first
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")         # on the linear: `wq_a.scale` | `wq_a.weight_scale_inv`
 DEFAULT_BLOCK = (128, 128)
-MODEL_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
+MODEL_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _SCALE_DTYPES = (torch.float8_e8m0fnu, torch.float32)       # uint8 is viewed as float8_e8m0fnu

@@ -1,0 +1,155 @@
+"""The Python API for engine authors: a validated job, then a layer, its pool or an Engine built from it.
+
+A job is what `dsv4 OVERRIDES` would run, as values: composed from the packaged configs by the same
+`make_job` as the command line, optionally with a model spec, a device or strategy objects of the caller's
+own in place of the configured ones. Every builder first checks the job for this machine (`check()`, with
+the Python packages looked for here), so a combination that cannot run raises IncompatibleCombination,
+naming each problem and its fix, before anything is allocated. compose() and validate() never import torch.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from dsv4.app import GROUPS, Job, make_job, problems_for, raise_if
+from dsv4.device import DeviceInfo
+from dsv4.errors import ConfigError
+from dsv4.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from dsv4.components.attention import DSV4Attention
+    from dsv4.components.builders import PoolConfig
+    from dsv4.components.engine import Engine
+    from dsv4.components.kv_pool import KVPool
+
+
+def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, device: DeviceInfo | None = None,
+            mqa_kernel: Any = None, o_proj: Any = None, head_padding: Any = None, cache_layout: Any = None,
+            running: bool = True) -> Job:
+    """The validated job of `dsv4 *overrides` (e.g. `["model=dsv4_tiny", "backend=triton", "tp_size=2"]`).
+
+    `spec`, `device` and the four strategies, when given, replace what the overrides chose (objects of the
+    caller's own: a model that has no preset, a strategy that has no YAML). `running`: check that the job can
+    run on this machine (False: only that the combination fits its deployment's device, as `mode=check`).
+    Raises ConfigError for an unknown option or a bad value, IncompatibleCombination for a combination that
+    cannot run."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf import open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    from dsv4.cli import group_choices
+
+    outer = GlobalHydra.instance().hydra          # a Hydra app of the caller's keeps its own state
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="dsv4.configs", version_base="1.3"):
+            cfg = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(str(e)) from None
+    finally:
+        GlobalHydra.instance().hydra = outer
+    choices = group_choices(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    job = make_job(cfg, choices=choices)
+    given = {g: s for g, s in zip(GROUPS, (mqa_kernel, o_proj, head_padding, cache_layout)) if s is not None}
+    if spec is not None:
+        spec.validate()
+        job = replace(job, spec=spec, combo=replace(job.combo, spec=spec), choices=job.choices | {"model": spec.name})
+    if device is not None:
+        job = replace(job, device=device)
+    if given:
+        job = replace(job, combo=replace(job.combo, **given),
+                      choices=job.choices | {g: getattr(s, "name", type(s).__name__) for g, s in given.items()})
+    return validate(job, running=running)
+
+
+def validate(job: Job, *, running: bool = True) -> Job:
+    """`job` if `check()` finds no problem with it (on this machine, unless `running=False`); otherwise
+    IncompatibleCombination, whose message lists every problem with its fix."""
+    raise_if(job, problems_for(job, running=running))
+    return job
+
+
+def build_layer(job: Job, layer: int, *, weights: Mapping[str, Any] | None = None, rank: int = 0) -> DSV4Attention:
+    """Decoder layer `layer`'s attention for tensor-parallel rank `rank` of the job: `weights` are the whole
+    layer's, under dsv4's names (`dsv4.components.weights`; each rank takes its shard), or the job's
+    (`weights=random`, seeded by `seed`, or `weights=checkpoint`). Its caches: `build_pool(job, [layer])`."""
+    from dsv4.components.builders import build_layer as build
+
+    validate(job)
+    job.spec.compress_ratio(layer)                # an unknown layer is a ConfigError before any weight is made
+    if not 0 <= rank < job.combo.tp_size:
+        raise ConfigError(f"rank={rank}: expected 0..{job.combo.tp_size - 1} (tp_size={job.combo.tp_size})")
+    full, fp8 = _weights(job, [layer], None if weights is None else {layer: weights})
+    return build(spec=job.spec, layer=layer, weights=full[layer], rank=rank, tp_size=job.combo.tp_size,
+                 strategies=_strategies(job), device=job.device, dtype=job.combo.dtype, wo_a_fp8=fp8.get(layer))
+
+
+def build_pool(job: Job, layers: Sequence[int] | None = None, *, pool: PoolConfig | None = None) -> KVPool:
+    """One rank's KV pool for `layers` (default: the workload's, one layer of each type): the page groups,
+    block tables and each layer's caches (`.layers[l]`, what `DSV4Attention` reads and writes). `pool`: page
+    sizes and counts (default: the job's `workload.kv_pool`)."""
+    from dsv4.components.builders import build_pool as build
+
+    validate(job)
+    layers = _layers(job, layers)
+    return build(spec=job.spec, layers=list(layers), layout=job.combo.cache_layout, pool=pool or _pool(job),
+                 device=job.device, dtype=job.combo.dtype)
+
+
+def build_engine(job: Job, *, layers: Sequence[int] | None = None, weights: Mapping[int, Mapping[str, Any]] | None = None,
+                 pool: PoolConfig | None = None) -> Engine:
+    """An Engine over `layers` (default: those of `weights`, else the workload's) with every tensor-parallel
+    rank of the job in this process (their outputs summed): requests, validated steps, rollback; with
+    `graph.enabled=true`, CUDA-graph decode. `weights`: {layer: its whole weights}, default the job's."""
+    from dsv4.runner import build_engine as build
+
+    validate(job)
+    if layers is None and weights is not None:
+        layers = list(weights)
+    layers = _layers(job, layers)
+    full, fp8 = _weights(job, layers, weights)
+    return build(job, {l: full[l] for l in layers}, pool or _pool(job), fp8)
+
+
+# ---- the job's defaults ---------------------------------------------------------------------------------
+def _strategies(job: Job):
+    from dsv4.components.builders import Strategies
+
+    return Strategies(**{g: getattr(job.combo, g) for g in GROUPS})
+
+
+def _layers(job: Job, layers: Sequence[int] | None) -> tuple[int, ...]:
+    from omegaconf import OmegaConf
+
+    from dsv4.workload import Workload
+
+    if layers is None:
+        layers = Workload.from_config(OmegaConf.to_container(job.cfg.workload, resolve=True)).layer_indices(job.spec)
+    for l in layers:
+        job.spec.compress_ratio(l)                # ConfigError naming the model's layer count
+    return tuple(layers)
+
+
+def _pool(job: Job) -> PoolConfig:
+    from omegaconf import OmegaConf
+
+    from dsv4.components.builders import PoolConfig
+
+    return PoolConfig.from_config(OmegaConf.to_container(job.cfg.workload.kv_pool, resolve=True))
+
+
+def _weights(job: Job, layers: Sequence[int], given: Mapping[int, Mapping[str, Any]] | None):
+    """(weights per layer, stored fp8 wo_a per layer): the caller's, or the job's source."""
+    from dsv4.components.checkpoint import load_or_random
+
+    if given is None:
+        return load_or_random(job, list(layers), int(job.cfg.seed))
+    missing = [l for l in layers if l not in given]
+    if missing:
+        raise ConfigError(f"weights: no weights for layers {missing} (given: {sorted(given)})")
+    return {l: dict(given[l]) for l in layers}, {}
