@@ -17,7 +17,11 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 from functools import partial
 from importlib.util import find_spec
 from itertools import product
@@ -34,7 +38,7 @@ from dsv4.device import DeviceInfo, local_platform
 from dsv4.errors import IncompatibleCombination
 from dsv4.report import result_row, tty_progress, write_row
 from dsv4.summarize import load_rows, summarize
-from tests.conftest import CONFIGS, options, run_py
+from tests.conftest import CONFIGS, ROOT, options, run_py
 
 on_cpu_host = pytest.mark.skipif(local_platform() != "cpu", reason="expects a host without an accelerator")
 
@@ -102,6 +106,66 @@ def test_experiment_composes_as_a_multirun_and_every_cell_composes(compose_cfg, 
         assert all(p.fix for p in problems), [p.line() for p in problems]
         verdicts.append(not problems)
     assert any(verdicts), f"experiment={experiment}: no cell can run on a CPU"
+
+
+DATE_DIR = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
+
+
+def test_a_plain_sweep_goes_to_multirun_date():
+    cfg = compose_with_hydra(["model=dsv4_tiny"])
+    assert re.fullmatch(rf"multirun/{DATE_DIR}", cfg.hydra.sweep.dir), cfg.hydra.sweep.dir
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_an_experiments_own_settings_win_over_config_yaml(experiment):
+    """Its sweep folder (no hydra.sweep.dir on the command line) and its summary config: config.yaml's
+    own values come first in its defaults list, so an experiment's replace them."""
+    node = OmegaConf.load(CONFIGS / "experiment" / f"{experiment}.yaml")
+    for deployment in ("cpu", "h200"):
+        cfg = compose_with_hydra([f"experiment={experiment}", f"deployment={deployment}"])
+        assert re.fullmatch(rf"multirun/{experiment}/{DATE_DIR}", cfg.hydra.sweep.dir), cfg.hydra.sweep.dir
+        for key, value in OmegaConf.to_container(node).get("summary", {}).items():
+            assert OmegaConf.to_container(cfg.summary)[key] == value, f"summary.{key}"
+        if deployment == "h200":             # and a deployment's values still win over config.yaml's
+            assert cfg.graph.enabled is True
+
+
+def _leaves(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in node.items():
+        out |= _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_every_value_a_deployment_sets_wins_over_config_yaml(deployment):
+    node = OmegaConf.to_container(OmegaConf.load(CONFIGS / "deployment" / f"{deployment}.yaml"))
+    node.pop("defaults", None)
+    cfg = compose_with_hydra([f"deployment={deployment}"])
+    for key, value in _leaves(node).items():
+        assert OmegaConf.select(cfg, key) == value, f"deployment={deployment} sets {key}={value}"
+
+
+@on_cpu_host
+def test_sweeps_write_where_the_readme_says_without_a_sweep_dir_override(tmp_path):
+    """`python run.py -m experiment=NAME` from a folder: multirun/NAME/<date_time>/ there; a plain `-m`
+    sweep: multirun/<date_time>/."""
+    def sweep(*args):
+        env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"OMP_NUM_THREADS": "1"}
+        return subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+    r = sweep("experiment=cache_by_kernel", "mqa_kernel=reference", "cache_layout=float32")
+    assert r.returncode == 0, r.stderr[-3000:]
+    [folder] = (tmp_path / "multirun").iterdir()
+    assert folder.name == "cache_by_kernel"
+    [stamp] = folder.iterdir()
+    assert re.fullmatch(DATE_DIR, stamp.name)
+    assert json.loads((stamp / "0" / "result.json").read_text())["status"] == "ok"
+    assert (stamp / "summary.md").exists() and str(stamp.relative_to(tmp_path)) in r.stdout
+    r = sweep("mode=check", "model=dsv4_tiny")
+    assert r.returncode == 0, r.stderr[-3000:]
+    plain = [p for p in (tmp_path / "multirun").iterdir() if p.name != "cache_by_kernel"]
+    assert len(plain) == 1 and re.fullmatch(DATE_DIR, plain[0].name) and (plain[0] / "0").is_dir()
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
