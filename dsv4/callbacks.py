@@ -12,9 +12,14 @@ from typing import Any
 
 class SummarizeCallback:
     """At the end of a multirun, the sweep folder's summary (`dsv4.summarize`, the code behind
-    `mode=summarize`): summary.csv, summary.md, summary.png. A sweep in which some job failed with a
-    real error (an `error` row, not `incompatible`) then exits with status 1, after the summary is
-    written. An interrupted sweep never reaches this hook: `mode=summarize +sweep_dir=PATH` summarizes it."""
+    `mode=summarize`): summary.csv, summary.md, summary.png, showing what the sweep's `summary:` config
+    names (checked before the first job, so a typo there costs no sweep). A sweep in which some job
+    failed with a real error (an `error` row, not `incompatible`), or in which no cell ran at all (every
+    one incompatible with the device), then exits with status 1, after the summary is written. An
+    interrupted sweep never reaches this hook: `mode=summarize +sweep_dir=PATH` summarizes it.
+
+    Hydra's callback wrapper turns an exception into a warning (it catches Exception only), so the
+    failures that must stop the sweep or set its status are raised as SystemExit."""
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         pass
@@ -23,7 +28,8 @@ class SummarizeCallback:
         pass
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        pass
+        if _writes_rows(config):
+            _view(config)
 
     def on_job_start(self, config: Any, **kwargs: Any) -> None:
         pass
@@ -32,13 +38,33 @@ class SummarizeCallback:
         pass
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        if str(config.get("mode", "run")) != "run":      # only `run` jobs write result rows
+        if not _writes_rows(config):
             return
+        from dsv4.errors import ConfigError
         from dsv4.summarize import summarize
 
-        s = summarize(str(config.hydra.sweep.dir))
+        try:
+            s = summarize(str(config.hydra.sweep.dir), _view(config))
+        except ConfigError as e:
+            raise SystemExit(f"error: {e}") from None
         s.show()
-        if s.counts.get("error"):
-            # SystemExit passes through Hydra's callback wrapper (it catches Exception only)
-            raise SystemExit(f"error: {s.counts['error']} of {len(s.rows)} jobs failed with an error "
-                             f"(their rows and messages: {s.md_path})")
+        if s.failure:
+            raise SystemExit(f"error: {s.failure}")
+
+
+def _writes_rows(config: Any) -> bool:
+    return str(config.get("mode", "run")) == "run"      # only `run` jobs write result rows
+
+
+def _view(config: Any):
+    """The sweep's `summary:` config as a SummaryView; a bad one ends the sweep with its message."""
+    from omegaconf import OmegaConf
+
+    from dsv4.errors import ConfigError
+    from dsv4.summary_metrics import SummaryView
+
+    node = config.get("summary")
+    try:
+        return SummaryView.from_config(OmegaConf.to_container(node, resolve=True) if node is not None else None)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None

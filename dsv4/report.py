@@ -1,6 +1,7 @@
 """Result rows (`result.json`, one flat object per job) and the table `run` prints."""
 from __future__ import annotations
 
+import enum
 import json
 import platform
 import sys
@@ -9,6 +10,17 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA = 1
+
+
+class Status(enum.StrEnum):
+    """A row's `status`: the job ran, it ran but a layer's outputs left the combination's error budget,
+    its combination cannot run on the device, it failed, or (in a summary only) the sweep has no row for it."""
+    OK = "ok"
+    MISMATCH = "mismatch"
+    INCOMPATIBLE = "incompatible"
+    ERROR = "error"
+    MISSING = "missing"
+
 DISTRIBUTIONS = {"torch": "torch", "hydra": "hydra-core", "omegaconf": "omegaconf", "flash_mla": "sgl-flash-mla",
                  "deep_gemm": "sgl-deep-gemm", "flashinfer": "flashinfer-python", "aiter": "amd-aiter",
                  "triton": "triton"}

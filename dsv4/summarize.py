@@ -1,59 +1,47 @@
-"""`mode=summarize`: a sweep folder's result rows -> `summary.csv`, `summary.md` (pivot tables) and
-`summary.png` (heatmaps), written into the sweep folder.
+"""`mode=summarize` and the end-of-sweep summary: a sweep folder's result rows -> `summary.csv`,
+`summary.md` (pivot tables) and `summary.png` (heatmaps), written into the sweep folder.
 
-Pure: reads files, writes files; no torch, no Hydra. An interrupted sweep summarizes too: a job
-folder (one Hydra made, with `.hydra/`) that has no `result.json` becomes a `missing` row carrying the
-choices Hydra recorded for it, shown as such in every table and in the plot.
+Reads files, writes files; no torch (Hydra only parses the overrides it recorded). Every cell of the matrix `multirun.yaml` records gets a row: a job
+that started without writing `result.json` and a cell that never started are `missing` rows carrying
+the choices and overrides Hydra recorded for them, so an interrupted sweep shows what is left. Each row
+carries its job's command-line overrides (`overrides.<key>`), so cells that differ only in a field of
+an option still read apart.
 
-The pivot's axes are the choices and settings that vary across the rows (first varying key down,
-the last across; the rest are listed as fixed), so every experiment summarizes with no per-experiment
-code.
+The pivot's axes are the keys the sweep varies (first down, the last across; keys that vary only with
+them, e.g. processes with tp_size, are named, and the rest listed as fixed), so every experiment
+summarizes with no per-experiment code; which numbers it shows is the sweep's `summary:` config
+(dsv4/summary_metrics.py).
 """
 from __future__ import annotations
 
 import csv
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dsv4.errors import ConfigError
+from dsv4.report import Status
+from dsv4.summary_metrics import DEFAULT_VIEW, Metric, SummaryView, versus
+from dsv4.sweep_record import job_fields, job_overrides, load_yaml, matrix, override_fields
 
-STATUSES = ("ok", "incompatible", "error", "missing")
-# Axis order when several keys vary: strategies first, then presets, then run-level settings.
+Row = dict[str, Any]
+# Axis order when several keys vary: strategies first, then presets, then run-level settings, then overrides.
 AXIS_ORDER = ("choices.mqa_kernel", "choices.o_proj", "choices.head_padding", "choices.cache_layout",
               "choices.backend", "choices.deployment", "choices.model", "choices.workload",
-              "settings.tp_size", "settings.dtype", "settings.seed")
-COLUMN_ORDER = ("job", "status", "error", "problems", "choices.", "settings.", "device.", "workload.",
-                "metrics.", "versions.", "schema")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Metric:
-    title: str
-    value: Callable[[dict[str, Any]], float | None]
-    log: bool = False          # color scale in the plot
-
-
-def _decode_ms_step(row: dict[str, Any]) -> float | None:
-    vals = [v for k, v in row.items() if re.fullmatch(r"metrics\.[^.]+\.decode_ms_step", k) and v is not None]
-    return sum(vals) if vals else None
-
-
-METRICS = (
-    Metric(title="max_rel_err (vs the whole-sequence float32 oracle, worst layer)",
-           value=lambda r: r.get("metrics.max_rel_err"), log=True),
-    Metric(title="decode ms/step (sum over the workload's layers, wall time)", value=_decode_ms_step),
-    Metric(title="KV GiB per 1M-token sequence (per rank)", value=lambda r: r.get("metrics.kv_gib_per_1m_tokens")),
-)
+              "settings.tp_size", "settings.dtype", "settings.seed", "settings.weights", "settings.checkpoint.path")
+AXIS_PREFIXES = ("choices.", "settings.", "overrides.")
+COLUMN_ORDER = ("job", "status", "missing", "error", "problems", "choices.", "settings.", "overrides.", "device.",
+                "workload.", "metrics.", "versions.", "schema")
+STARTED = "no result.json (interrupted or still running)"
+NEVER_STARTED = "never started"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Summary:
-    rows: list[dict[str, Any]]
-    counts: dict[str, int]
+    rows: list[Row]
+    counts: dict[Status, int]
     markdown: str
     csv_path: Path
     md_path: Path
@@ -63,6 +51,26 @@ class Summary:
         """The table, then where it was written."""
         print(self.markdown)
         print(f"summary: {self.md_path}, {self.csv_path}" + (f", {self.png_path}" if self.png_path else ""))
+
+    @property
+    def failure(self) -> str | None:
+        """Why the sweep as a whole failed (None when it did not), naming where the reasons are."""
+        reason = failure(self.counts, len(self.rows))
+        return f"{reason} (rows and reasons: {self.md_path})" if reason else None
+
+
+def failure(n: dict[Status, int], total: int) -> str | None:
+    """Some job failed with an error or gave wrong outputs, or no cell ran at all (every one incompatible with the device,
+    or missing); None when neither."""
+    if n[Status.ERROR] or n[Status.MISMATCH]:
+        return "; ".join(text for k, text in ((Status.ERROR, "failed with an error"),
+                                              (Status.MISMATCH, "gave outputs outside their error budget"))
+                         if n[k] for text in [f"{n[k]} of {total} jobs {text}"])
+    if n[Status.OK]:
+        return None
+    if n[Status.INCOMPATIBLE] == total:
+        return f"no cell of the sweep ran: all {total} are incompatible"
+    return f"no cell of the sweep ran ({_counts_text(n)})"
 
 
 # ---- reading -------------------------------------------------------------------------------------------
@@ -77,48 +85,53 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted(found, key=_natural)
 
 
-def _load_yaml(path: Path) -> Any:
-    import yaml  # PyYAML, a dependency of omegaconf
-
+def job_row(job: Path, root: Path) -> Row:
+    """The job's result.json (or a `missing` row) with what Hydra recorded for it underneath."""
+    name = str(job.relative_to(root)) if job != root else "."
+    recorded = job_fields(job)
+    path = job / "result.json"
+    if not path.exists():
+        return {"job": name, "status": Status.MISSING, "missing": STARTED} | recorded
     try:
-        return yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return None
+        return {"job": name} | recorded | json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return {"job": name, "status": Status.MISSING, "missing": f"unreadable result.json: {e}"} | recorded
 
 
-def _recorded(job: Path) -> dict[str, Any]:
-    """What Hydra recorded for a job before it ran: its choices and settings, flat."""
-    out: dict[str, Any] = {}
-    hydra_cfg = _load_yaml(job / ".hydra" / "hydra.yaml") or {}
-    choices = ((hydra_cfg.get("hydra") or {}).get("runtime") or {}).get("choices") or {}
-    out |= {f"choices.{k}": v for k, v in choices.items() if not k.startswith("hydra") and v is not None}
-    task = _load_yaml(job / ".hydra" / "config.yaml") or {}
-    out |= {f"settings.{k}": task[k] for k in ("tp_size", "dtype", "seed") if k in task}
-    return out
-
-
-def load_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
-    """One flat row per job folder, `job` = its path relative to the sweep folder."""
+def load_rows(sweep_dir: str | Path) -> list[Row]:
+    """One flat row per cell of the recorded matrix (in job order), then one per job folder no cell
+    names; without a multirun.yaml, one per job folder. `job` = the folder relative to the sweep folder."""
     root = Path(sweep_dir)
     if not root.is_dir():
         raise ConfigError(f"sweep_dir={sweep_dir}: no such directory (give the multirun folder, "
                           f"e.g. multirun/cache_by_kernel/<date_time>)")
-    rows = []
-    for job in job_dirs(root):
-        name = str(job.relative_to(root)) if job != root else "."
-        path = job / "result.json"
-        row: dict[str, Any] | None = None
-        if path.exists():
-            try:
-                row = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                row = _recorded(job) | {"status": "missing", "error": f"unreadable result.json: {e}"}
-        if row is None:
-            row = _recorded(job) | {"status": "missing"}
-        rows.append({"job": name} | row)
+    jobs = {job: job_row(job, root) for job in job_dirs(root)}
+    grid = matrix(root)
+    if grid is None:
+        rows = list(jobs.values())
+    else:
+        by_overrides = {tuple(sorted(o)): job for job in jobs if (o := job_overrides(job)) is not None}
+        by_folder = {str(job.relative_to(root)): job for job in jobs}
+        rows, used = [], set()
+        for cell in grid.cells:
+            job = by_overrides.get(tuple(sorted(cell.overrides))) or by_folder.get(grid.folder(cell))
+            if job is None or job in used:
+                rows.append({"job": grid.folder(cell), "status": Status.MISSING, "missing": NEVER_STARTED}
+                            | override_fields(cell.overrides, grid.groups, root / "multirun.yaml"))
+            else:
+                rows.append(jobs[job])
+                used.add(job)
+        rows += [row for job, row in jobs.items() if job not in used]
     if not rows:
-        raise ConfigError(f"sweep_dir={sweep_dir}: no job folders (none has result.json or .hydra/)")
+        raise ConfigError(f"sweep_dir={sweep_dir}: no job folders (none has result.json or .hydra/) and no "
+                          f"multirun.yaml")
     return rows
+
+
+def view_of(sweep_dir: Path) -> SummaryView:
+    """The `summary:` config the sweep ran with (multirun.yaml), else the default."""
+    recorded = load_yaml(sweep_dir / "multirun.yaml") if (sweep_dir / "multirun.yaml").exists() else None
+    return SummaryView.from_config(recorded.get("summary") if isinstance(recorded, dict) else None)
 
 
 # ---- pivot ---------------------------------------------------------------------------------------------
@@ -126,19 +139,58 @@ def _sort_key(v: Any) -> tuple:
     return (0, float(v), "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0.0, str(v))
 
 
-def axes(rows: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
-    """(varying keys in AXIS_ORDER, {fixed key: its one value}); a row without a key (a job that
-    failed early) does not make it vary."""
-    keys = {k for r in rows for k in r if k.startswith(("choices.", "settings."))}
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Axes:
+    varying: list[str]          # the pivot's keys: first down ... last across
+    fixed: dict[str, Any]       # one value in every row that has the key
+    derived: list[str]          # vary, but only as the varying keys do (processes with tp_size): no axis
+
+
+def _values(rows: list[Row], k: str) -> dict[str, Any]:
+    return {json.dumps(r[k], default=str): r[k] for r in rows if r.get(k) is not None}
+
+
+def _follows(rows: list[Row], k: str, keys: list[str]) -> bool:
+    """Whether `k` takes one value for each combination of `keys` (it adds no cells to their pivot)."""
+    seen: dict[tuple, str] = {}
+    for r in rows:
+        if r.get(k) is not None:
+            v = json.dumps(r[k], default=str)
+            if seen.setdefault(tuple(json.dumps(r.get(x), default=str) for x in keys), v) != v:
+                return False
+    return True
+
+
+def axes(rows: list[Row], swept: list[str] | None = None) -> Axes:
+    """The pivot's axes: the `swept` keys that vary (the sweep's own axes, when its matrix is known),
+    else every varying key in AXIS_ORDER that does not follow the ones before it. A row without a key (a
+    job that failed early, a cell that never started) does not make it vary."""
+    keys = {k for r in rows for k in r if k.startswith(AXIS_PREFIXES)}
     ordered = [k for k in AXIS_ORDER if k in keys] + sorted(keys - set(AXIS_ORDER))
-    varying, fixed = [], {}
+    varying = [k for k in swept if len(_values(rows, k)) > 1] if swept else []
+    fixed, derived = {}, []
     for k in ordered:
-        values = {json.dumps(r[k], default=str): r[k] for r in rows if r.get(k) is not None}
-        if len(values) > 1:
-            varying.append(k)
-        elif values:
+        values = _values(rows, k)
+        if k in varying:
+            continue
+        if len(values) == 1:
             fixed[k] = next(iter(values.values()))
-    return varying, fixed
+        elif values and (swept or _follows(rows, k, varying)):
+            derived.append(k)
+        elif values:
+            varying.append(k)
+    return Axes(varying=varying, fixed=fixed, derived=derived)
+
+
+def swept_keys(sweep_dir: Path) -> list[str] | None:
+    """The row fields of the overrides whose values differ between cells of the recorded matrix, in
+    the sweeper's order; None without a recorded matrix."""
+    grid = matrix(sweep_dir)
+    if grid is None:
+        return None
+    cells = [override_fields(c.overrides, grid.groups, sweep_dir / "multirun.yaml") for c in grid.cells]
+    keys = list(dict.fromkeys(k for c in cells for k in c))
+    return [k for k in keys if len({json.dumps(c.get(k), default=str) for c in cells}) > 1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,15 +199,27 @@ class Pivot:
     col_key: str | None
     row_labels: list[str]
     col_labels: list[str]
-    cells: dict[tuple[str, str], dict[str, Any]]      # (row label, col label) -> result row
+    cells: dict[tuple[str, str], Row]      # (row label, col label) -> result row
+
+    @property
+    def row_title(self) -> str:
+        return " / ".join(_short(k) for k in self.row_keys) or "job"
+
+    @property
+    def col_title(self) -> str:
+        return _short(self.col_key) if self.col_key else ""
+
+    @property
+    def keys(self) -> list[str]:
+        return self.row_keys + ([self.col_key] if self.col_key else [])
 
 
-def _label(row: dict[str, Any], keys: list[str]) -> str:
+def _label(row: Row, keys: list[str]) -> str:
     return " / ".join(str(row.get(k, "-")) for k in keys) if keys else "all"
 
 
-def pivot(rows: list[dict[str, Any]]) -> Pivot:
-    varying, _ = axes(rows)
+def pivot(rows: list[Row], swept: list[str] | None = None) -> Pivot:
+    varying = axes(rows, swept).varying
     col_key = varying[-1] if len(varying) >= 2 else None
     row_keys = varying[:-1] if col_key else varying
 
@@ -174,34 +238,28 @@ def _short(k: str) -> str:
     return k.split(".", 1)[1] if "." in k else k
 
 
-def _fmt(v: float | None) -> str:
-    if v is None:
-        return "-"
-    if v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e5):
-        return f"{v:.2e}"
-    return f"{v:.3g}"
-
-
-def why(row: dict[str, Any]) -> str:
+def why(row: Row) -> str:
     """A short reason for a cell that has no numbers."""
     status = row.get("status")
-    if status == "incompatible":
+    if status == Status.INCOMPATIBLE:
         culprits = list(dict.fromkeys(f"{p.get('group')}={p.get('value')}" for p in row.get("problems") or []))
         return "incompatible: " + ", ".join(culprits) if culprits else "incompatible"
-    if status == "error":
+    if status == Status.ERROR:
         msg = str(row.get("error") or "").splitlines()[0] if row.get("error") else ""
         return "error: " + (msg[:60] + "…" if len(msg) > 60 else msg)
-    if status == "missing":
-        return "missing: " + (row.get("error") or "no result.json (interrupted or still running)")
+    if status == Status.MISSING:
+        return "missing: " + str(row.get("missing") or STARTED)
     return str(status)
 
 
-def cell_text(row: dict[str, Any] | None, metric: Metric) -> str:
+def cell_text(row: Row | None, metric: Metric) -> str:
     if row is None:
         return "not run"
-    if row.get("status") == "ok":
-        return _fmt(metric.value(row))
-    mark = "✗ " if row.get("status") == "incompatible" else ""
+    if row.get("status") in (Status.OK, Status.MISMATCH):      # a mismatch has numbers, marked wrong
+        text = metric.text(row) if metric.text is not None else None
+        text = text if text is not None else metric.format(metric.value(row))
+        return text if row.get("status") == Status.OK else f"✗ {text} (mismatch)"
+    mark = "✗ " if row.get("status") == Status.INCOMPATIBLE else ""
     return mark + why(row)
 
 
@@ -210,48 +268,83 @@ def _md_escape(s: str) -> str:
 
 
 # ---- writing -------------------------------------------------------------------------------------------
-def counts(rows: list[dict[str, Any]]) -> dict[str, int]:
-    out = {s: 0 for s in STATUSES}
+def counts(rows: list[Row]) -> dict[Status, int]:
+    out = {s: 0 for s in Status}
     for r in rows:
-        out[str(r.get("status"))] = out.get(str(r.get("status")), 0) + 1
+        try:
+            out[Status(r.get("status"))] += 1
+        except ValueError:                      # a row of a newer schema: counted as an error
+            out[Status.ERROR] += 1
     return out
 
 
-def markdown(rows: list[dict[str, Any]], sweep_dir: Path) -> str:
-    pv = pivot(rows)
-    _, fixed = axes(rows)
+def _counts_text(n: dict[Status, int]) -> str:
+    return ", ".join(f"{v} {k}" for k, v in n.items() if v or k is not Status.MISSING)
+
+
+def _table(pv: Pivot, metric: Metric) -> list[str]:
+    corner = pv.row_title + (f" \\ {pv.col_title}" if pv.col_key else "")
+    lines = ["", f"## {metric.title}", "",
+             "| " + " | ".join([corner] + [_md_escape(c) for c in pv.col_labels]) + " |",
+             "|" + "---|" * (len(pv.col_labels) + 1)]
+    for rl in pv.row_labels:
+        cells = [_md_escape(cell_text(pv.cells.get((rl, cl)), metric)) for cl in pv.col_labels]
+        lines.append("| " + " | ".join([_md_escape(rl)] + cells) + " |")
+    return lines
+
+
+def _has_numbers(rows: list[Row], metric: Metric) -> bool:
+    return any(r.get("status") == Status.OK and metric.value(r) is not None for r in rows)
+
+
+def tables(rows: list[Row], view: SummaryView, varying: list[str]) -> list[Metric]:
+    """The view's table metrics that some row has numbers for (the first always, to show the matrix),
+    each cost followed by its ratio to the baseline cell when the view names one."""
+    out = []
+    for i, metric in enumerate(view.tables):
+        if i and not _has_numbers(rows, metric):
+            continue
+        out.append(metric)
+        rel = versus(metric, rows, view.baseline, varying) if view.baseline and metric.cost else None
+        if rel is not None and _has_numbers(rows, rel):
+            out.append(rel)
+    return out
+
+
+def markdown(rows: list[Row], sweep_dir: Path, view: SummaryView = DEFAULT_VIEW, swept: list[str] | None = None) -> str:
+    """summary.md; `swept`: the sweep's own axes (swept_keys), when known."""
+    pv = pivot(rows, swept)
+    ax = axes(rows, swept)
     n = counts(rows)
-    lines = [f"# Sweep summary: {sweep_dir}", "",
-             f"{len(rows)} jobs: " + ", ".join(f"{v} {k}" for k, v in n.items() if v or k in STATUSES[:3]) + "."]
-    if n.get("missing"):
-        lines.append(f"{n['missing']} job folders have no result.json (the sweep was interrupted or is still "
-                     f"running); re-running those jobs and summarizing again fills them in.")
-    fixed_txt = ", ".join(f"{_short(k)}={v}" for k, v in fixed.items() if v is not None and k != "choices.experiment")
+    lines = [f"# Sweep summary: {sweep_dir}", "", f"{len(rows)} jobs: {_counts_text(n)}."]
+    if n[Status.MISSING]:
+        never = sum(r.get("missing") == NEVER_STARTED for r in rows)
+        lines.append(f"{n[Status.MISSING]} jobs have no result.json ({n[Status.MISSING] - never} started, {never} "
+                     f"never started: the sweep was interrupted or is still running); re-running those cells and "
+                     f"summarizing again fills them in.")
+    if not n[Status.OK] and not n[Status.ERROR]:
+        lines.append(f"**{failure(n, len(rows)).capitalize()}**; each cell's reasons are below.")
+    fixed_txt = ", ".join(f"{_short(k)}={v}" for k, v in ax.fixed.items()
+                          if v is not None and k != "choices.experiment")
     if fixed_txt:
         lines.append(f"Fixed: {fixed_txt}.")
+    if ax.derived:
+        lines.append(f"Varying with {pv.row_title}{' / ' + pv.col_title if pv.col_key else ''}: "
+                     f"{', '.join(_short(k) for k in ax.derived)} (in summary.csv).")
     devices = sorted({"/".join(str(r[k]) for k in ("device.platform", "device.arch") if r.get(k))
                       + (f" ({r['device.name']})" if r.get("device.name") else "")
                       for r in rows if r.get("device.platform")})
     if devices:
         lines.append(f"Device: {', '.join(devices)}.")
-    corner = " / ".join(_short(k) for k in pv.row_keys) or "job"
-    if pv.col_key:
-        corner += f" \\ {_short(pv.col_key)}"
-    for metric in METRICS:
-        if not any(r.get("status") == "ok" and metric.value(r) is not None for r in rows) and metric is not METRICS[0]:
-            continue
-        lines += ["", f"## {metric.title}", "",
-                  "| " + " | ".join([corner] + [_md_escape(c) for c in pv.col_labels]) + " |",
-                  "|" + "---|" * (len(pv.col_labels) + 1)]
-        for rl in pv.row_labels:
-            cells = [_md_escape(cell_text(pv.cells.get((rl, cl)), metric)) for cl in pv.col_labels]
-            lines.append("| " + " | ".join([_md_escape(rl)] + cells) + " |")
-    others = [r for r in rows if r.get("status") != "ok"]
+    for metric in tables(rows, view, ax.varying):
+        lines += _table(pv, metric)
+    others = [r for r in rows if r.get("status") != Status.OK]
     if others:
         lines += ["", "## Jobs without numbers", ""]
         for r in others:
-            where = " ".join(f"{_short(k)}={r.get(k)}" for k in pv.row_keys + ([pv.col_key] if pv.col_key else []))
-            lines.append(f"- job `{r['job']}` ({where}): **{r.get('status')}**")
+            where = " ".join(f"{_short(k)}={r.get(k)}" for k in pv.keys)
+            lines.append(f"- job `{r['job']}` ({where}): **{r.get('status')}**"
+                         + (f" ({r['missing']})" if r.get("missing") else ""))
             for p in r.get("problems") or []:
                 fix = f" — fix: `{p['fix']}`" if p.get("fix") else ""
                 lines.append(f"  - {p.get('group')}={p.get('value')}: {p.get('reason')}{fix}")
@@ -271,7 +364,7 @@ def _csv_value(key: str, v: Any) -> Any:
     return v
 
 
-def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
+def write_csv(rows: list[Row], path: Path) -> Path:
     seen = {k: i for i, k in enumerate(dict.fromkeys(k for r in rows for k in r))}
     rank = lambda k: next((i for i, p in enumerate(COLUMN_ORDER) if k == p or k.startswith(p)), len(COLUMN_ORDER))
     keys = sorted(seen, key=lambda k: (rank(k), seen[k]))
@@ -283,68 +376,20 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def write_png(rows: list[dict[str, Any]], path: Path, title: str) -> Path | None:
-    """One heatmap per metric over the pivot; cells without numbers are grey and say why."""
-    try:
-        import matplotlib
-        import numpy as np
-        from matplotlib.colors import LogNorm, Normalize
-        from matplotlib.figure import Figure  # no pyplot: no global backend state
-    except ImportError:
-        return None
-    pv = pivot(rows)
-    metrics = METRICS[:2]      # accuracy and latency
-    nr, nc = len(pv.row_labels), len(pv.col_labels)
-    fig = Figure(figsize=(max(6.0, 1.6 * nc + 2.5) * len(metrics), max(3.0, 0.6 * nr + 2.0)), layout="constrained")
-    fig.suptitle(title, fontsize=11)
-    for ax, metric in zip(fig.subplots(1, len(metrics), squeeze=False)[0], metrics):
-        grid = np.full((nr, nc), np.nan)
-        for i, rl in enumerate(pv.row_labels):
-            for j, cl in enumerate(pv.col_labels):
-                r = pv.cells.get((rl, cl))
-                v = metric.value(r) if r is not None and r.get("status") == "ok" else None
-                if v is not None:
-                    grid[i, j] = v
-        ok = grid[~np.isnan(grid)]
-        if metric.log and ok.size and (ok > 0).all():
-            norm = LogNorm(vmin=ok.min(), vmax=max(ok.max(), ok.min() * 1.0001))
-        else:
-            norm = Normalize(vmin=ok.min() if ok.size else 0, vmax=ok.max() if ok.size else 1)
-        cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#d9d9d9")
-        im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
-        for i, rl in enumerate(pv.row_labels):
-            for j, cl in enumerate(pv.col_labels):
-                r = pv.cells.get((rl, cl))
-                if r is None:
-                    text, color = "not run", "black"
-                elif r.get("status") != "ok":
-                    text, color = str(r.get("status")), "#b00000"
-                elif np.isnan(grid[i, j]):
-                    text, color = "-", "black"
-                else:
-                    text = _fmt(grid[i, j])
-                    color = "white" if norm(grid[i, j]) < 0.5 else "black"
-                ax.text(j, i, text, ha="center", va="center", fontsize=8, color=color)
-        ax.set_xticks(range(nc), pv.col_labels, rotation=30, ha="right")
-        ax.set_yticks(range(nr), pv.row_labels)
-        ax.set_xlabel(_short(pv.col_key) if pv.col_key else "")
-        ax.set_ylabel(" / ".join(_short(k) for k in pv.row_keys) or "job")
-        ax.set_title(metric.title, fontsize=9)
-        if ok.size:
-            fig.colorbar(im, ax=ax, shrink=0.8)
-    fig.savefig(path, dpi=120)
-    return path
+def summarize(sweep_dir: str | Path, view: SummaryView | None = None) -> Summary:
+    """Read every row of the sweep under `sweep_dir`; write summary.csv, summary.md and summary.png there.
+    `view`: what to show (default: the sweep's recorded `summary:` config)."""
+    from dsv4.heatmaps import write_png
 
-
-def summarize(sweep_dir: str | Path) -> Summary:
-    """Read every job's row under `sweep_dir`; write summary.csv, summary.md and summary.png there."""
     root = Path(sweep_dir)
     rows = load_rows(root)
-    md = markdown(rows, root)
+    view = view if view is not None else view_of(root)
+    swept = swept_keys(root)
+    md = markdown(rows, root, view, swept)
     md_path = root / "summary.md"
     md_path.write_text(md)
     csv_path = write_csv(rows, root / "summary.csv")
     n = counts(rows)
     title = f"{root} — " + ", ".join(f"{v} {k}" for k, v in n.items() if v)
-    png_path = write_png(rows, root / "summary.png", title)
+    png_path = write_png(pivot(rows, swept), view.heatmaps, root / "summary.png", title)
     return Summary(rows=rows, counts=n, markdown=md, csv_path=csv_path, md_path=md_path, png_path=png_path)

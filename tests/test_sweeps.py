@@ -17,7 +17,11 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 from functools import partial
 from importlib.util import find_spec
 from itertools import product
@@ -34,7 +38,8 @@ from dsv4.device import DeviceInfo, local_platform
 from dsv4.errors import IncompatibleCombination
 from dsv4.report import result_row, tty_progress, write_row
 from dsv4.summarize import load_rows, summarize
-from tests.conftest import CONFIGS, options, run_py
+from dsv4.sweep_record import matrix
+from tests.conftest import CONFIGS, ROOT, options, run_py
 
 on_cpu_host = pytest.mark.skipif(local_platform() != "cpu", reason="expects a host without an accelerator")
 
@@ -102,6 +107,73 @@ def test_experiment_composes_as_a_multirun_and_every_cell_composes(compose_cfg, 
         assert all(p.fix for p in problems), [p.line() for p in problems]
         verdicts.append(not problems)
     assert any(verdicts), f"experiment={experiment}: no cell can run on a CPU"
+
+
+DATE_DIR = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
+
+
+def test_a_plain_sweep_goes_to_multirun_date():
+    cfg = compose_with_hydra(["model=dsv4_tiny"])
+    assert re.fullmatch(rf"multirun/{DATE_DIR}", cfg.hydra.sweep.dir), cfg.hydra.sweep.dir
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_an_experiments_own_settings_win_over_config_yaml(experiment):
+    """Its sweep folder (no hydra.sweep.dir on the command line) and its summary config: config.yaml's
+    own values come first in its defaults list, so an experiment's replace them."""
+    node = OmegaConf.load(CONFIGS / "experiment" / f"{experiment}.yaml")
+    for deployment in ("cpu", "h200"):
+        cfg = compose_with_hydra([f"experiment={experiment}", f"deployment={deployment}"])
+        assert re.fullmatch(rf"multirun/{experiment}/{DATE_DIR}", cfg.hydra.sweep.dir), cfg.hydra.sweep.dir
+        for key, value in OmegaConf.to_container(node).get("summary", {}).items():
+            assert OmegaConf.to_container(cfg.summary)[key] == value, f"summary.{key}"
+        if deployment == "h200":             # and a deployment's values still win over config.yaml's
+            assert cfg.graph.enabled is True
+
+
+def _leaves(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in node.items():
+        out |= _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS)
+def test_every_value_a_deployment_sets_wins_over_config_yaml(deployment):
+    node = OmegaConf.to_container(OmegaConf.load(CONFIGS / "deployment" / f"{deployment}.yaml"))
+    node.pop("defaults", None)
+    cfg = compose_with_hydra([f"deployment={deployment}"])
+    for key, value in _leaves(node).items():
+        assert OmegaConf.select(cfg, key) == value, f"deployment={deployment} sets {key}={value}"
+
+
+def test_config_yaml_summary_is_the_default_view():
+    from dsv4.summary_metrics import DEFAULT_VIEW, SummaryView
+
+    node = OmegaConf.load(CONFIGS / "config.yaml").summary
+    assert SummaryView.from_config(OmegaConf.to_container(node)) == DEFAULT_VIEW
+
+
+@on_cpu_host
+def test_sweeps_write_where_the_readme_says_without_a_sweep_dir_override(tmp_path):
+    """`python run.py -m experiment=NAME` from a folder: multirun/NAME/<date_time>/ there; a plain `-m`
+    sweep: multirun/<date_time>/."""
+    def sweep(*args):
+        env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"} | {"OMP_NUM_THREADS": "1"}
+        return subprocess.run([sys.executable, str(ROOT / "run.py"), "-m", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+    r = sweep("experiment=cache_by_kernel", "mqa_kernel=reference", "cache_layout=float32")
+    assert r.returncode == 0, r.stderr[-3000:]
+    [folder] = (tmp_path / "multirun").iterdir()
+    assert folder.name == "cache_by_kernel"
+    [stamp] = folder.iterdir()
+    assert re.fullmatch(DATE_DIR, stamp.name)
+    assert json.loads((stamp / "0" / "result.json").read_text())["status"] == "ok"
+    assert (stamp / "summary.md").exists() and str(stamp.relative_to(tmp_path)) in r.stdout
+    r = sweep("mode=check", "model=dsv4_tiny")
+    assert r.returncode == 0, r.stderr[-3000:]
+    plain = [p for p in (tmp_path / "multirun").iterdir() if p.name != "cache_by_kernel"]
+    assert len(plain) == 1 and re.fullmatch(DATE_DIR, plain[0].name) and (plain[0] / "0").is_dir()
 
 
 @pytest.mark.parametrize("deployment", DEPLOYMENTS)
@@ -187,7 +259,9 @@ def test_cache_by_kernel_sweep_writes_a_row_per_cell_and_a_summary(sweep, compos
 
 
 @on_cpu_host
-def test_an_interrupted_sweep_still_summarizes(sweep, tmp_path):
+def test_an_interrupted_sweep_summarizes_every_cell_of_its_matrix(sweep, tmp_path):
+    """Jobs that started without a row and cells that never started are all `missing` rows: the
+    summary lists the whole matrix multirun.yaml records, not only the job folders there are."""
     out, r = sweep
     assert r.returncode == 0, r.stderr[-3000:]
     cut = tmp_path / "cut"
@@ -195,24 +269,42 @@ def test_an_interrupted_sweep_still_summarizes(sweep, tmp_path):
     for name in ("summary.md", "summary.csv", "summary.png"):
         (cut / name).unlink()
     rows = rows_by_job(cut)
-    never = max(rows, key=int)
-    ok = next(j for j, row in rows.items() if row["status"] == "ok" and j != never)
-    bad = next(j for j, row in rows.items() if row["status"] == "incompatible" and j != never)
+    never = sorted(rows, key=int)[-2:]
+    ok = next(j for j, row in rows.items() if row["status"] == "ok" and j not in never)
+    bad = next(j for j, row in rows.items() if row["status"] == "incompatible" and j not in never)
     (cut / ok / "result.json").unlink()              # started, killed before writing its row
     (cut / bad / "result.json").unlink()
-    shutil.rmtree(cut / never)                       # never started
+    for job in never:                                # never started
+        shutil.rmtree(cut / job)
     s = run_py("mode=summarize", f"+sweep_dir={cut}", f"hydra.run.dir={tmp_path / 'run'}")
     assert s.returncode == 0, s.stderr[-3000:]
     md = (cut / "summary.md").read_text()
-    assert f"{len(rows) - 1} jobs:" in md and "2 missing" in md
-    assert md.count("missing: no result.json") >= 2
-    assert "not run" in md                           # the cell of the job that never started
+    assert f"{len(rows)} jobs:" in md and "4 missing" in md
+    assert "4 jobs have no result.json (2 started, 2 never started" in md
+    assert md.count("missing: no result.json") >= 2 and md.count("missing: never started") >= 2
+    assert "not run" not in md, "every cell of the matrix has its row"
     assert (cut / "summary.png").exists()
     with (cut / "summary.csv").open() as f:
-        table = list(csv.DictReader(f))
-    assert sorted(row["job"] for row in table if row["status"] == "missing") == sorted([ok, bad])
-    missing = next(row for row in table if row["job"] == ok)
-    assert missing["choices.mqa_kernel"] == "reference", "a missing row keeps the choices Hydra recorded"
+        table = {row["job"]: row for row in csv.DictReader(f)}
+    assert len(table) == len(rows)
+    missing = [j for j, row in table.items() if row["status"] == "missing"]
+    assert sorted(missing, key=int) == sorted([ok, bad, *never], key=int)
+    assert table[ok]["choices.mqa_kernel"] == "reference", "a missing row keeps the choices Hydra recorded"
+    for job in never:                                # ... and a cell that never started, its overrides
+        gone = rows[job]
+        assert table[job]["missing"] == "never started"
+        assert (table[job]["choices.mqa_kernel"], table[job]["choices.cache_layout"]) == (
+            gone["choices.mqa_kernel"], gone["choices.cache_layout"])
+
+
+@on_cpu_host
+def test_the_recorded_matrix_numbers_cells_as_hydra_numbers_jobs(sweep):
+    out, _ = sweep
+    grid = matrix(out)
+    assert grid is not None and len(grid.cells) == len(rows_by_job(out))
+    for cell in grid.cells:
+        recorded = (out / grid.folder(cell) / ".hydra" / "overrides.yaml").read_text()
+        assert list(cell.overrides) == OmegaConf.to_container(OmegaConf.create(recorded)), cell
 
 
 @on_cpu_host
@@ -353,7 +445,8 @@ def test_override_typo_in_a_sweep_is_named(tmp_path):
 @on_cpu_host
 def test_sweep_on_a_deployment_whose_device_is_absent_is_incompatible_rows(tmp_path):
     r = run_py("-m", "model=dsv4_tiny", "deployment=h200", "mqa_kernel=reference", f"hydra.sweep.dir={tmp_path}")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 1, r.stderr[-3000:]             # no cell could run: the sweep says so and fails
+    assert "error: no cell of the sweep ran: all 1 are incompatible" in r.stderr and "Traceback" not in r.stderr
     [row] = rows_by_job(tmp_path).values()
     assert row["status"] == "incompatible"
     dep = [p for p in row["problems"] if p["group"] == "deployment"]
