@@ -126,9 +126,9 @@ def _value(key: str, value: Any, tp, meta: Mapping[str, Any]) -> Any:
 MODES = ("run", "check", "info", "bench", "summarize")
 WEIGHTS = ("random", "checkpoint")
 # top-level keys that other sections own: the strategy groups, the model and device (their own parsers),
-# graph, parallel and workload (theirs)
+# graph, parallel and workload (theirs), summary (dsv4.summary_metrics, read when a sweep is summarized)
 SECTIONS = ("model", "device", "mqa_kernel", "o_proj", "head_padding", "cache_layout", "graph", "parallel",
-            "workload")
+            "workload", "summary")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

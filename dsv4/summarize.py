@@ -60,12 +60,13 @@ class Summary:
 
 
 def failure(n: dict[Status, int], total: int) -> str | None:
-    """Some job failed with an error or gave wrong outputs, or no cell ran at all (every one incompatible with the device,
-    or missing); None when neither."""
-    if n[Status.ERROR] or n[Status.MISMATCH]:
-        return "; ".join(text for k, text in ((Status.ERROR, "failed with an error"),
-                                              (Status.MISMATCH, "gave outputs outside their error budget"))
-                         if n[k] for text in [f"{n[k]} of {total} jobs {text}"])
+    """Some job failed with an error or gave wrong outputs, or no cell ran at all (every one incompatible
+    with the device, or missing); None when neither."""
+    bad = [f"{n[k]} of {total} jobs {what}" for k, what in ((Status.ERROR, "failed with an error"),
+                                                           (Status.MISMATCH, "gave outputs outside their error budget"))
+           if n[k]]
+    if bad:
+        return "; ".join(bad)
     if n[Status.OK]:
         return None
     if n[Status.INCOMPATIBLE] == total:
@@ -279,7 +280,7 @@ def counts(rows: list[Row]) -> dict[Status, int]:
 
 
 def _counts_text(n: dict[Status, int]) -> str:
-    return ", ".join(f"{v} {k}" for k, v in n.items() if v or k is not Status.MISSING)
+    return ", ".join(f"{v} {k}" for k, v in n.items() if v or k not in (Status.MISSING, Status.MISMATCH))
 
 
 def _table(pv: Pivot, metric: Metric) -> list[str]:

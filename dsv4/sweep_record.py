@@ -67,9 +67,22 @@ def _group_options(group: str, config_dirs: list[Path]) -> list[str]:
 
 def _config_dirs(hydra_cfg: dict) -> list[Path]:
     """The file config sources the sweep composed from; this package's configs if they are gone."""
-    sources = (hydra_cfg.get("runtime") or {}).get("config_sources") or []
-    dirs = [Path(s["path"]) for s in sources if s.get("schema") == "file" and Path(str(s.get("path"))).is_dir()]
-    return dirs or [Path(__file__).resolve().parents[1] / "configs"]
+    import importlib.util
+
+    dirs = []
+    for src in (hydra_cfg.get("runtime") or {}).get("config_sources") or []:
+        path = str(src.get("path"))
+        if src.get("schema") == "pkg":              # pkg://dsv4.configs: the package's folder
+            try:
+                spec = importlib.util.find_spec(path)
+            except (ImportError, ValueError):
+                spec = None
+            path = next(iter(spec.submodule_search_locations), "") if spec and spec.submodule_search_locations else ""
+        elif src.get("schema") != "file":
+            continue
+        if path and Path(path).is_dir():
+            dirs.append(Path(path))
+    return dirs or [Path(__file__).resolve().parent / "configs"]
 
 
 def matrix(sweep_dir: Path) -> Matrix | None:

@@ -145,3 +145,12 @@ def test_a_mismatch_exits_non_zero_from_the_cli(tmp_path):
 def test_a_mismatch_in_a_sweep_cell_is_its_row(compose_cfg, tmp_path):
     assert main(compose_cfg(BROKEN), out_dir=tmp_path, multirun=True) is None
     assert json.loads((tmp_path / "result.json").read_text())["status"] == "mismatch"
+
+
+def test_a_sweep_with_a_mismatch_cell_fails():
+    from dsv4.report import Status
+    from dsv4.summarize import failure
+
+    n = {s: 0 for s in Status} | {Status.OK: 3, Status.MISMATCH: 1}
+    assert failure(n, 4) == "1 of 4 jobs gave outputs outside their error budget"
+    assert failure(n | {Status.MISMATCH: 0}, 4) is None

@@ -414,7 +414,7 @@ def test_summarize_on_rows_written_by_hand(tmp_path):
     (tmp_path / "3" / ".hydra" / "config.yaml").write_text("tp_size: 2\ndtype: float32\n")
     s = summarize(tmp_path)
     assert [r["status"] for r in load_rows(tmp_path)] == ["ok", "error", "incompatible", "missing"]
-    assert s.counts == {"ok": 1, "incompatible": 1, "error": 1, "missing": 1}
+    assert s.counts == {"ok": 1, "mismatch": 0, "incompatible": 1, "error": 1, "missing": 1}
     md = s.markdown
     assert "| mqa_kernel \\ tp_size | 1 | 2 |" in md
     assert "| reference | 3.00e-07 | error: ValueError: a \\| b |" in md
