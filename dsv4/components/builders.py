@@ -25,8 +25,8 @@ from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, MQAKernel
 def indexer_layout(dtype: str) -> PlainRowLayout:
     """Indexer keys are plain rows in the activation dtype, whatever the main cache layout: float32
     activations keep exact keys; bf16 activations store bf16 keys, as the published inference code does
-    (its indexer cache is a bf16 tensor scored by a bf16 product). DSV4_SPEC §3.4 has the fp8/fp4 records
-    of a quantized indexer."""
+    (its indexer cache is a bf16 tensor scored by a bf16 product); quantized fp8/fp4 records are not
+    offered yet."""
     return PlainRowLayout(name=dtype, dtype=dtype)
 
 
