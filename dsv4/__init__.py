@@ -21,9 +21,8 @@ _HOMES = {       # where each public name lives; imported on first use
     "dsv4.spec": ("ModelSpec",),
     "dsv4.device": ("DeviceInfo", "detect"),
     "dsv4.errors": ("Problem", "ConfigError", "IncompatibleCombination", "InvalidRequest"),
-    "dsv4.components.builders": ("PoolConfig",),
     "dsv4.components.attention": ("DSV4Attention",),
-    "dsv4.components.kv_pool": ("KVPool", "LayerCaches"),
+    "dsv4.components.kv_pool": ("KVPool", "LayerCaches", "PoolConfig"),
     "dsv4.components.plan": ("PageTable", "StepPlan"),
     "dsv4.components.engine": ("Engine",),
     "dsv4.components.weights": ("random_layer_weights",),
@@ -48,9 +47,8 @@ if TYPE_CHECKING:
     from dsv4.api import build_engine, build_layer, build_pool, compose, validate
     from dsv4.app import Job
     from dsv4.components.attention import DSV4Attention
-    from dsv4.components.builders import PoolConfig
     from dsv4.components.engine import Engine
-    from dsv4.components.kv_pool import KVPool, LayerCaches
+    from dsv4.components.kv_pool import KVPool, LayerCaches, PoolConfig
     from dsv4.components.plan import PageTable, StepPlan
     from dsv4.components.weights import random_layer_weights
     from dsv4.device import DeviceInfo, detect

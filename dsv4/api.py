@@ -97,7 +97,7 @@ def build_pool(job: Job, layers: Sequence[int] | None = None, *, pool: PoolConfi
 
     validate(job)
     layers = _layers(job, layers)
-    return build(spec=job.spec, layers=list(layers), layout=job.combo.cache_layout, pool=pool or _pool(job),
+    return build(spec=job.spec, layers=list(layers), layout=job.combo.cache_layout, pool=pool or job.pool,
                  device=job.device, dtype=job.combo.dtype)
 
 
@@ -113,7 +113,7 @@ def build_engine(job: Job, *, layers: Sequence[int] | None = None, weights: Mapp
         layers = list(weights)
     layers = _layers(job, layers)
     full, fp8 = _weights(job, layers, weights)
-    return build(job, {l: full[l] for l in layers}, pool or _pool(job), fp8)
+    return build(job, {l: full[l] for l in layers}, pool or job.pool, fp8)
 
 
 # ---- the job's defaults ---------------------------------------------------------------------------------
@@ -124,23 +124,10 @@ def _strategies(job: Job):
 
 
 def _layers(job: Job, layers: Sequence[int] | None) -> tuple[int, ...]:
-    from omegaconf import OmegaConf
-
-    from dsv4.workload import Workload
-
-    if layers is None:
-        layers = Workload.from_config(OmegaConf.to_container(job.cfg.workload, resolve=True)).layer_indices(job.spec)
+    layers = job.workload.layer_indices(job.spec) if layers is None else layers
     for l in layers:
         job.spec.compress_ratio(l)                # ConfigError naming the model's layer count
     return tuple(layers)
-
-
-def _pool(job: Job) -> PoolConfig:
-    from omegaconf import OmegaConf
-
-    from dsv4.components.builders import PoolConfig
-
-    return PoolConfig.from_config(OmegaConf.to_container(job.cfg.workload.kv_pool, resolve=True))
 
 
 def _weights(job: Job, layers: Sequence[int], given: Mapping[int, Mapping[str, Any]] | None):
@@ -148,7 +135,7 @@ def _weights(job: Job, layers: Sequence[int], given: Mapping[int, Mapping[str, A
     from dsv4.components.checkpoint import load_or_random
 
     if given is None:
-        return load_or_random(job, list(layers), int(job.cfg.seed))
+        return load_or_random(job, list(layers), job.run.seed)
     missing = [l for l in layers if l not in given]
     if missing:
         raise ConfigError(f"weights: no weights for layers {missing} (given: {sorted(given)})")

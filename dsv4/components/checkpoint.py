@@ -424,23 +424,13 @@ def shard_wo_a_fp8(stored: StoredFp8, spec: ModelSpec, rank: int, tp_size: int) 
 
 # ---- the runner's entry point ----------------------------------------------------------------------
 
-WEIGHT_SOURCES = ("random", "checkpoint")
-
-
 def load_or_random(job, layers, seed: int) -> tuple[dict[int, dict], dict[int, StoredFp8]]:
-    """`weights=random` (seeded) or `weights=checkpoint` (`checkpoint.path=DIR`): float32 weights per
-    layer under our names, and the stored fp8 `wo_a` per layer (empty for random weights)."""
-    cfg = job.cfg
-    source = str(cfg.get("weights", "random") or "random")
-    if source == "random":
+    """`weights=random` (seeded) or `weights=checkpoint` (`checkpoint.path=DIR`; both settings validated
+    with the job, dsv4.settings.RunSettings): float32 weights per layer under our names, and the stored fp8
+    `wo_a` per layer (empty for random weights)."""
+    if job.run.weights == "random":
         return {l: random_layer_weights(job.spec, l, seed) for l in layers}, {}
-    if source != "checkpoint":
-        raise ConfigError(f"weights={source} is unknown; available: {', '.join(WEIGHT_SOURCES)}")
-    node = cfg.get("checkpoint") or {}
-    path = node.get("path") if hasattr(node, "get") else None
-    if not path:
-        raise ConfigError("weights=checkpoint needs the checkpoint folder: checkpoint.path=DIR (the folder with "
-                          f"config.json and {INDEX_FILE})")
+    path = job.run.checkpoint.path
     model = job.choices.get("model", job.spec.name) if getattr(job, "choices", None) else job.spec.name
     loaded = load_layers(path, job.spec, layers, model_choice=model)
     print(loaded.summary(Path(str(path))))
