@@ -175,4 +175,5 @@ def option(node: Mapping[str, Any], group: str):
     except (TypeError, ValueError) as e:        # a class's own __post_init__ check
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"{group}={node.get('name', '?')}: {e}") from None
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(f"{group}=") else f"{group}={node.get('name', '?')}: {msg}") from None
