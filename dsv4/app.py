@@ -169,11 +169,12 @@ def summarize_sweep(cfg: DictConfig) -> None:
 
 def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None,
          multirun: bool = False) -> float | None:
-    mode = run_settings(cfg).mode
-    if mode == "summarize":
-        summarize_sweep(cfg)
-        return None
+    mode = cfg.get("mode", "run")
     try:
+        mode = run_settings(cfg).mode
+        if mode == "summarize":
+            summarize_sweep(cfg)
+            return None
         job = make_job(cfg, choices=choices, out_dir=out_dir)
     except Exception as e:
         if mode != "run":
