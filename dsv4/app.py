@@ -11,6 +11,7 @@ its row and the end-of-sweep summary is written (the summary callback then exits
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -73,6 +74,9 @@ def make_job(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir:
     graphs = GraphConfig.from_config(OmegaConf.to_container(cfg.graph, resolve=True) if cfg.get("graph") else None)
     wl = OmegaConf.to_container(cfg.workload, resolve=True)
     workload, pool = Workload.from_config(wl), PoolConfig.from_config(wl.get("kv_pool"))
+    if cfg.get("summary") is not None:          # read when a sweep is summarized; refused here if it is bad
+        from dsv4.summary_metrics import SummaryView
+        SummaryView.from_config(OmegaConf.to_container(cfg.summary, resolve=True))
     combo = Combination(spec=spec, tp_size=run.tp_size, dtype=run.dtype, **strategies,
                         world_size=torchrun_world_size() if par.launcher == "auto" else None, graphs=graphs.enabled)
     if choices is None:
@@ -108,12 +112,15 @@ def workload_problems(job: Job) -> list[Problem]:
                            fix=f"workload.kv_pool.max_requests={len(lengths)}"))
     groups = page_groups(window=spec.sliding_window, ratios={spec.compress_ratio(l) for l in wl.layer_indices(spec)},
                          pool=job.pool)
+    short: dict[str, tuple] = {}           # knob -> (pages needed, group): the largest need of the groups it sizes
     for g, need in shortfall(groups, lengths):
-        have = getattr(job.pool, g.knob)
-        out.append(Problem(group=f"workload.kv_pool.{g.knob}", value=str(have),
+        if g.knob != "max_requests" and need > short.get(g.knob, (0,))[0]:    # state pages: max_requests above
+            short[g.knob] = (need, g)
+    for knob, (need, g) in short.items():
+        out.append(Problem(group=f"workload.kv_pool.{knob}", value=str(getattr(job.pool, knob)),
                            reason=f"the workload's requests ({max(lengths)} positions at most) hold at least {need} "
                                   f"pages of {g.block_size} rows of the {g.name} cache at their end; the pool has "
-                                  f"{g.num_blocks}", fix=f"workload.kv_pool.{g.knob}={need + len(lengths)} "
+                                  f"{g.num_blocks}", fix=f"workload.kv_pool.{knob}={need + len(lengths)} "
                                   f"(or shorter prompts)"))
     if job.run.dump_dir:
         reason = unwritable(Path(job.run.dump_dir))
@@ -245,6 +252,10 @@ def run_ranks(job: Job) -> float | None:
         try:
             parallel.spawn(rank_main, job.combo.tp_size, job.cfg, job.choices, str(job.out_dir))
         except Exception as e:        # the failing rank printed its message; this one names the job
+            row = job.out_dir / "result.json"
+            if row.exists() and json.loads(row.read_text()).get("status") == "mismatch":   # rank 0 judged it
+                raise ResultMismatch(json.loads(row.read_text()).get("error") or "outputs outside the error "
+                                     f"budget (row: {row})") from None
             raise RuntimeError(f"a rank of the tp_size={job.combo.tp_size} job failed ({e}); its message is above") from None
         return _result_value(job.out_dir)
     return execute(job)

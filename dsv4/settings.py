@@ -167,7 +167,10 @@ def option(node: Mapping[str, Any], group: str):
     if not isinstance(target, str) or "." not in target:
         raise ConfigError(f"{group}: no _target_ naming the option's class")
     module, _, name = target.rpartition(".")
-    cls = getattr(importlib.import_module(module), name, None)
+    try:
+        cls = getattr(importlib.import_module(module), name, None)
+    except ImportError as e:
+        raise ConfigError(f"{group}._target_={target}: cannot import {module} ({e})") from None
     if cls is None or not dataclasses.is_dataclass(cls):
         raise ConfigError(f"{group}: _target_={target} is not a strategy class")
     try:

@@ -29,6 +29,8 @@ class Workload:
         w = parse(cls, cfg, "workload", skip=("kv_pool",))
         if not w.prompt_lens:
             raise ConfigError("workload.prompt_lens=[]: expected at least one request, e.g. [300,170]")
+        if w.layers == ():
+            raise ConfigError("workload.layers=[]: expected at least one layer index, or null (one of each type)")
         return w
 
     def layer_indices(self, spec: ModelSpec) -> tuple[int, ...]:

@@ -43,6 +43,9 @@ BAD = [
     ("+mqa_kernel.chnk=3", "mqa_kernel.chnk: unknown setting (did you mean mqa_kernel.chunk?)"),
     ("+workload.prompt_len=[4]", "workload.prompt_len: unknown setting (did you mean workload.prompt_lens?)"),
     ("+graph.sizes=[1]", "graph.sizes: unknown setting"),
+    ("workload.layers=[]", "workload.layers=[]: expected at least one layer index"),
+    ("mqa_kernel._target_=nosuch.Foo", "mqa_kernel._target_=nosuch.Foo: cannot import nosuch"),
+    ("summary.tables=[bogus]", "summary.tables: unknown metric 'bogus'"),
 ]
 
 
@@ -74,8 +77,9 @@ def test_a_workload_the_pool_cannot_hold_is_refused_by_check_and_run(compose_cfg
         assert "workload.kv_pool.compressed_blocks=" in msg and "ratio-4 compressed" in msg, msg
         assert "fix: workload.kv_pool.compressed_blocks=" in msg
     cfg = compose_cfg([*TINY, "mode=check", "workload.prompt_lens=[10,10,10]", "workload.kv_pool.max_requests=2"])
-    with pytest.raises(IncompatibleCombination, match="holds 3 requests at once"):
+    with pytest.raises(IncompatibleCombination, match="holds 3 requests at once") as e:
         main(cfg, out_dir=tmp_path)
+    assert str(e.value).count("- workload.kv_pool.max_requests=") == 1           # one line per knob
     cfg = compose_cfg([*TINY, "mode=check", "workload.layers=[7]"])
     with pytest.raises(IncompatibleCombination, match="workload.layers=.7.: model=dsv4_tiny has layers 0..2"):
         main(cfg, out_dir=tmp_path)
@@ -154,3 +158,18 @@ def test_a_sweep_with_a_mismatch_cell_fails():
     n = {s: 0 for s in Status} | {Status.OK: 3, Status.MISMATCH: 1}
     assert failure(n, 4) == "1 of 4 jobs gave outputs outside their error budget"
     assert failure(n | {Status.MISMATCH: 0}, 4) is None
+
+
+def test_the_verdict_fails_nan_errors_and_wrong_selections():
+    from dsv4.runner import verdict
+
+    ok = {"swa": {"layer": 0, "rel_err": 1e-7}, "c4a": {"layer": 1, "rel_err": 2e-7, "topk_count_ok": True,
+                                                        "topk_max_gap": 3e-8}}
+    assert verdict(ok, budget=1e-5, gap=1e-5) == []
+    nan = ok | {"swa": {"layer": 0, "rel_err": float("nan")}}
+    assert verdict(nan, budget=1e-5, gap=1e-5) == ["layer swa (idx 0): rel_err nan > budget 1e-05"]
+    off = ok | {"c4a": ok["c4a"] | {"topk_max_gap": 0.3}}
+    assert verdict(off, budget=1e-5, gap=1e-5) == ["layer c4a (idx 1): a top-k entry 0.3 below the oracle's k-th "
+                                                   "score (allowed: 1e-05)"]
+    short = ok | {"c4a": ok["c4a"] | {"topk_count_ok": False}}
+    assert verdict(short, budget=1e-5, gap=1e-5) == ["layer c4a (idx 1): a top-k list of the wrong size"]

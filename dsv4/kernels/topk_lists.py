@@ -99,6 +99,7 @@ def topk_lists(scores, counts, pages, token_request, *, topk: int, block_size: i
     if 32 % radix:
         raise ValueError(f"topk_lists: radix {radix} must divide 32")
     if T:
+        pages = pages.int().contiguous()
         _topk_lists_kernel[(T,)](scores.contiguous(), width, counts.int().contiguous(), pages, pages.stride(0),
                                  pages.shape[1], token_request, local, slots, lens, topk, block_size,
                                  BLOCK=block or BLOCK, RADIX=radix, num_warps=num_warps or NUM_WARPS)
