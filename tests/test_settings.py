@@ -173,3 +173,10 @@ def test_the_verdict_fails_nan_errors_and_wrong_selections():
                                                    "score (allowed: 1e-05)"]
     short = ok | {"c4a": ok["c4a"] | {"topk_count_ok": False}}
     assert verdict(short, budget=1e-5, gap=1e-5) == ["layer c4a (idx 1): a top-k list of the wrong size"]
+
+
+def test_a_mismatch_of_spawned_ranks_stays_a_mismatch(tmp_path):
+    r = run_py(*BROKEN, "tp_size=2", "parallel.launcher=spawn", run_dir=tmp_path, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "error: layer swa (idx 0): rel_err" in r.stderr and "Traceback" not in r.stderr.split("error:")[-1]
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "mismatch"
