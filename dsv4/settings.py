@@ -81,7 +81,7 @@ def _show(value: Any) -> str:
     """A value as it would be typed on the command line."""
     if isinstance(value, str) and value and not any(c.isspace() for c in value):
         return value
-    return repr(value)
+    return "null" if value is None else repr(value)
 
 
 def _describe(tp, meta, *, plural: bool = False) -> str:
@@ -113,6 +113,8 @@ def _value(key: str, value: Any, tp, meta: Mapping[str, Any]) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}={_show(value)}: expected a group of settings")
         return parse(tp, value, key)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)                  # a name or path the command line parsed as a number (dump_dir=2024)
     ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
           float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
           bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str)}.get(tp, lambda v: True)

@@ -180,3 +180,12 @@ def test_a_mismatch_of_spawned_ranks_stays_a_mismatch(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     assert "error: layer swa (idx 0): rel_err" in r.stderr and "Traceback" not in r.stderr.split("error:")[-1]
     assert json.loads((tmp_path / "result.json").read_text())["status"] == "mismatch"
+
+
+def test_a_string_setting_the_command_line_parsed_as_a_number_stays_a_string(compose_cfg, tmp_path, monkeypatch):
+    from dsv4.app import make_job
+
+    monkeypatch.chdir(tmp_path)
+    assert make_job(compose_cfg([*TINY, "dump_dir=2024"])).run.dump_dir == "2024"
+    with pytest.raises(ConfigError, match="checkpoint=null: expected a group of settings"):
+        make_job(compose_cfg([*TINY, "checkpoint=null"]))
