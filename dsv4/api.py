@@ -18,7 +18,7 @@ from dsv4.spec import ModelSpec
 
 if TYPE_CHECKING:
     from dsv4.components.attention import DSV4Attention
-    from dsv4.components.builders import PoolConfig
+    from dsv4.components.kv_pool import PoolConfig
     from dsv4.components.engine import Engine
     from dsv4.components.kv_pool import KVPool
 

@@ -212,7 +212,7 @@ def _decode_step_times(eng, spec, layers) -> dict[int, tuple[float, float]]:
 
 def _step_setup(job):
     """(one layer of each type, their random weights, the pools) for the TP layer-step bench."""
-    from dsv4.components.builders import PoolConfig
+    from dsv4.components.kv_pool import PoolConfig
     from dsv4.components.weights import random_layer_weights
 
     layers = job.spec.one_layer_per_type()

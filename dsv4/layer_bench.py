@@ -178,7 +178,7 @@ def two_of_type(spec, layer: int) -> list[int]:
 
 
 def _engine(job, backend: Backend, layers, *, nreq: int, tokens: int, context: int, graphs: bool):
-    from dsv4.components.builders import PoolConfig
+    from dsv4.components.kv_pool import PoolConfig
     from dsv4.components.weights import random_layer_weights
     from dsv4.graph import GraphConfig
     from dsv4.runner import build_engine

@@ -7,7 +7,8 @@ import torch
 
 from dsv4 import reference as ref
 from dsv4.compat import DTYPE_ERROR_BUDGET, SELECTION_GAP
-from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_pool
+from dsv4.components.builders import Strategies, build_layer, build_pool
+from dsv4.components.kv_pool import PoolConfig
 from dsv4.components.checkpoint import load_or_random
 from dsv4.components.engine import Engine
 from dsv4.components.graphs import StepGraphs

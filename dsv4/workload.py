@@ -25,7 +25,7 @@ class Workload:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Workload":
-        """The `workload:` section (its `kv_pool:` is builders.PoolConfig's)."""
+        """The `workload:` section (its `kv_pool:` is kv_pool.PoolConfig's)."""
         w = parse(cls, cfg, "workload", skip=("kv_pool",))
         if not w.prompt_lens:
             raise ConfigError("workload.prompt_lens=[]: expected at least one request, e.g. [300,170]")

@@ -158,7 +158,8 @@ def make_engine(spec, *, layers=(0, 1, 2), layout="float32", tp_size=1, dtype="f
     """An Engine (the reference strategies unless given); returns (engine, {layer: full weights}). layout: a
     CacheLayout or a PlainRowLayout dtype name; ranks: the tensor-parallel ranks it holds (default all tp_size
     of them); all_reduce: the engine's (one rank per process); graphs: a GraphConfig (GPU)."""
-    from dsv4.components.builders import PoolConfig, Strategies, build_layer, build_pool
+    from dsv4.components.builders import Strategies, build_layer, build_pool
+    from dsv4.components.kv_pool import PoolConfig
     from dsv4.components.engine import Engine
     from dsv4.components.weights import random_layer_weights
     from dsv4.device import DeviceInfo

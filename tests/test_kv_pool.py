@@ -15,9 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4.components.builders import PoolConfig, build_pool
+from dsv4.components.builders import build_pool
 from dsv4.components.engine import Engine, Segment
-from dsv4.components.kv_pool import BlockAllocator, KVPool, PagedCache, PageGroup, RowRule
+from dsv4.components.kv_pool import BlockAllocator, KVPool, PagedCache, PageGroup, PoolConfig, RowRule
 from dsv4.components.plan import COMPRESSOR_REACH
 from dsv4.device import DeviceInfo
 from dsv4.errors import InvalidRequest

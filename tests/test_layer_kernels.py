@@ -24,33 +24,22 @@ from pathlib import Path
 import pytest
 import torch
 
-GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")     # read by triton.jit when the kernel module is imported
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton>=3.7)")
+from tests.triton_mode import BIG, DEVICE, MARK  # first: sets TRITON_INTERPRET without a GPU
 
-from dsv4.components.compressor import Compressor  # noqa: E402
-from dsv4.components.front import kv_rows, q_rows  # noqa: E402
-from dsv4.components.indexer import Indexer  # noqa: E402
-from dsv4.components.kv_pool import PagedCache, CompressorState  # noqa: E402
-from dsv4.components.plan import PageTable, StepPlan  # noqa: E402
-from dsv4.components.rope import Rope, RopeRows  # noqa: E402
-from dsv4.kernels.cache_write import write_fp8_ds_mla_kernel, write_rows_kernel  # noqa: E402
-from dsv4.kernels.compress import close_kernel, write_state_kernel  # noqa: E402
-from dsv4.kernels.indexer_logits import indexer_logits  # noqa: E402
-from dsv4.kernels.layer_front import kv_rows_kernel, q_rows_kernel  # noqa: E402
-from dsv4.reference import rel_err  # noqa: E402
-from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout  # noqa: E402
+from dsv4.components.compressor import Compressor
+from dsv4.components.front import kv_rows, q_rows
+from dsv4.components.indexer import Indexer
+from dsv4.components.kv_pool import PagedCache, CompressorState
+from dsv4.components.plan import PageTable, StepPlan
+from dsv4.components.rope import Rope, RopeRows
+from dsv4.kernels.cache_write import write_fp8_ds_mla_kernel, write_rows_kernel
+from dsv4.kernels.compress import close_kernel, write_state_kernel
+from dsv4.kernels.indexer_logits import indexer_logits
+from dsv4.kernels.layer_front import kv_rows_kernel, q_rows_kernel
+from dsv4.reference import rel_err
+from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
-if INTERPRET:
-    pytestmark = pytest.mark.skipif(VERSION < (3, 7), reason="Triton's interpreter before 3.7 cannot take loaded "
-                                    "loop bounds with NumPy 2 (int() of a 1-element array)")
-    DEVICE, BIG = "cpu", False
-else:
-    pytestmark = pytest.mark.gpu
-    DEVICE, BIG = "cuda", True
+pytestmark = MARK
 
 EPS = 1e-6
 HID = 16
@@ -373,7 +362,8 @@ def assert_scores(out, ref, tol=1e-6):
 
 # decode pairs, a one-token request (groups that span two requests), a prefill chunk, padding
 INDEXER_SPANS = [(40, 2), (77, 1), (13, 12), (200, 2), (3, 1), (90, 2)]
-LAUNCHES = [dict(block_n=16, blocks_per_program=2), dict(), dict(block_n=32, blocks_per_program=3, num_warps=4, stages=2)]
+LAUNCHES = [dict(block_n=16, blocks_per_program=2), dict(),
+            dict(block_n=32, blocks_per_program=3, num_warps=4, stages=2)]
 
 
 @pytest.mark.parametrize("heads,dim", [(8, 128), (5, 64)])

@@ -9,30 +9,18 @@ sm90 GPU only: Gluon has no interpreter, so CI compiles it for sm90 instead (tes
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")     # read by triton.jit when the kernel module is imported
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton>=3.7)")
+from tests.triton_mode import BIG, DEVICE, GPU, MARK  # first: sets TRITON_INTERPRET without a GPU
 
-from dsv4.bench import sparse_case  # noqa: E402
-from dsv4.reference import rel_err  # noqa: E402
-from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout, ReferenceMQA  # noqa: E402
-from dsv4.strategies.triton_sparse import TritonSparseMQA  # noqa: E402
+from dsv4.bench import sparse_case
+from dsv4.reference import rel_err
+from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout, ReferenceMQA
+from dsv4.strategies.triton_sparse import TritonSparseMQA
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
-if INTERPRET:
-    pytestmark = pytest.mark.skipif(VERSION < (3, 7), reason="Triton's interpreter before 3.7 cannot take loaded "
-                                    "loop bounds with NumPy 2 (int() of a 1-element array)")
-    DEVICE, BIG = "cpu", False
-else:
-    pytestmark = pytest.mark.gpu
-    DEVICE, BIG = "cuda", True
+pytestmark = MARK
 ARCH = ("rocm" if torch.version.hip else "sm%d%d" % torch.cuda.get_device_capability()) if GPU else "cpu"
 
 

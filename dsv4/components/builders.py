@@ -11,7 +11,7 @@ from typing import Any
 from dsv4.components.attention import DSV4Attention
 from dsv4.components.compressor import Compressor
 from dsv4.components.indexer import Indexer
-from dsv4.components.kv_pool import (CompressorState, KVPool, LayerCaches, PagedCache, PageGroup, PoolConfig,  # noqa: F401
+from dsv4.components.kv_pool import (CompressorState, KVPool, LayerCaches, PagedCache, PageGroup, PoolConfig,
                                      page_groups)
 from dsv4.components.weights import shard
 from dsv4.device import DeviceInfo

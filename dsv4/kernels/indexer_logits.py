@@ -29,6 +29,7 @@ bf16 values are exact in float32: the same scores).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -55,9 +56,14 @@ PREFILL_TOKENS = 1024           # steps of at least this many tokens take the pr
 
 def pipelined(device) -> bool:
     """Whether the planned pipelined shapes fit: sm90+ (their shared memory); not below, nor on AMD."""
+    return device.type == "cuda" and _sm90_or_later(device.index)
+
+
+@functools.cache
+def _sm90_or_later(index: int | None) -> bool:          # asked once per device, not on every launch
     import torch
 
-    return device.type == "cuda" and not torch.version.hip and torch.cuda.get_device_capability(device)[0] >= 9
+    return not torch.version.hip and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @triton.jit

@@ -1,0 +1,24 @@
+"""How the Triton kernel tests run on this machine: compiled on a GPU (the tests are marked gpu), else
+interpreted. Without a GPU this sets TRITON_INTERPRET=1, which triton.jit reads when a kernel module is
+imported, so a test module imports this before any kernel."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton>=3.7)")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
+if INTERPRET:
+    MARK = pytest.mark.skipif(VERSION < (3, 7), reason="Triton's interpreter before 3.7 cannot take loaded "
+                              "loop bounds with NumPy 2 (int() of a 1-element array)")
+    DEVICE, BIG = "cpu", False
+else:
+    MARK = pytest.mark.gpu
+    DEVICE, BIG = "cuda", True
