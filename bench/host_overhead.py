@@ -1,6 +1,6 @@
 """What one launch costs the host on this machine: an eager layer step is bound by it (docs/benchmarks.md).
-Median host µs per call, called back to back, of a one-argument Triton kernel, one of the layer's Triton
-launchers, small torch ops and bf16 GEMMs of a decode step's size.
+Median host µs per call, called back to back, of a one-argument Triton kernel (Triton's launch and ours),
+one of the layer's Triton launchers, small torch ops and bf16 GEMMs of a decode step's size.
 
   python bench/host_overhead.py
 """
@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4.kernels.launch import launch
 from dsv4.kernels.layer_front import kv_rows_kernel
 
 
@@ -45,9 +46,11 @@ def main() -> None:
     w = torch.randn(1024, 4096, device=dev).bfloat16()
     kv = torch.randn(128, 512, device=dev).bfloat16()
     norm, cs = torch.ones(512, device=dev), torch.ones(128, 32, device=dev)
-    cases = {"Triton kernel of one pointer and one int": lambda: _tiny[(1,)](x, 100, BLOCK=1024),
-             "kv_rows_kernel (the layer's KV-row launcher)": lambda: kv_rows_kernel(kv, norm, cs, cs, eps=1e-6,
-                                                                                    dtype=torch.bfloat16),
+    faults = torch.zeros(3, 128, dtype=torch.bool, device=dev)
+    cases = {"Triton kernel of one pointer and one int, kernel[grid](...)": lambda: _tiny[(1,)](x, 100, BLOCK=1024),
+             "the same through dsv4.kernels.launch": lambda: launch(_tiny, (1,), x, 100, BLOCK=1024),
+             "kv_rows_kernel (the layer's KV-row launcher)": lambda: kv_rows_kernel(kv, norm, cs, cs, slots, faults,
+                                                                                    eps=1e-6, dtype=torch.bfloat16),
              "torch.where(bool, -1, int32)": lambda: torch.where(bad, -1, slots),
              "torch.add(int32, 1)": lambda: torch.add(slots, 1),
              "torch.empty": lambda: torch.empty(128, 512, device=dev),

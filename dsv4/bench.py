@@ -28,19 +28,29 @@ DECODE_CASES = [("h64 128+512", 64, 64, 512, b, sq) for b, sq in ((1, 1), (64, 2
 
 def replay_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
     """Median over `repeats` of `calls` calls of fn (a graph's replay, or an eager call), µs per call,
-    between CUDA events, after 3 warm-up calls."""
+    between CUDA events, after 3 warm-up calls. Python's cyclic garbage collector is paused while timing
+    (as `timeit` does): an eager call is host-bound, and a collection its garbage did not trigger would
+    land in whichever call it interrupts."""
+    import gc
+
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(calls):
+                fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / calls)
+    finally:
+        if collecting:
+            gc.enable()
     return statistics.median(times)
 
 

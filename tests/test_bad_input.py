@@ -224,7 +224,8 @@ def test_non_finite_rows_are_refused_naming_layer_and_token():
     kv_rows.copy_(saved)
 
     c128 = next(l for l in eng.layers if spec.compress_ratio(l) == 128)
-    eng.layers[c128][0].w_score[7] = float("nan")        # the compressor's candidate channel 7
+    layer = eng.layers[c128][0]
+    layer.w_in[sum(layer.in_sizes[:2]) + 7] = float("nan")   # the compressor's candidate channel 7
     before, rows0 = snapshot(eng), live_rows(eng)
     with pytest.raises(InvalidRequest, match=rf"non-finite compressed row \(layer {c128}, request 'a', compressed entry 0 "
                                              r"closed at position 127\)"):

@@ -99,6 +99,9 @@ class FakeLayout:
     def read(self, *a, **kw):
         raise AssertionError("check() must not read")
 
+    def kernel_store(self, *a, **kw):
+        raise AssertionError("check() must not build a cache")
+
 
 FLASHMLA = FakeKernel(name="flashmla_sparse", need=Needs(
     platforms=frozenset({"cuda"}), archs=frozenset({"sm90", "sm100"}), cache_layouts=frozenset({"fp8_ds_mla"}),

@@ -345,6 +345,7 @@ def test_indexer_scores_match_spec(n, T, seed):
     keys = torch.randn(n, 128, generator=g)
     pos = torch.randint(0, 4 * n + 3, (T,), generator=g)                 # at most n entries visible
     got = scores_of(idx, q, w, keys, pos)
+    w = w * idx.weight_scale                        # the head weights as `scores` scales them
     ref = spec_scores(q, w, keys, pos)
     assert got.shape == (T, n)
     assert torch.equal(torch.isinf(got), torch.isinf(ref))

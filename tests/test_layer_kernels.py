@@ -1,9 +1,11 @@
 """The layer's Triton kernels against their torch specifications, on fresh random inputs built through the
 real components (StepPlan.build on small page tables, Compressor, Indexer, the cache layouts):
 
-- layer_front: q rows (bf16 and float32, heads padded or not), KV rows (strided input, non-finite rows);
+- layer_front: q rows (bf16 and float32, heads padded or not), KV rows (strided, float32 product output,
+  non-finite rows, faults), stored by the kernel itself into fp8_ds_mla / FNUZ / plain-row pages;
 - compress: the state rows written (exactly) and the closed entries (ratios 4 and 128, head_dim 512 and
-  128; rows from the step, from earlier steps' state pages and absent before position 0; NaN rows);
+  128; rows from the step, from earlier steps' state pages and absent before position 0; NaN rows), and
+  stored by the kernel itself as the layouts write them;
 - cache_write: fp8_ds_mla records (OCP and FNUZ) byte for byte on pages of 1, 2, 3 and 64 rows, with
   zero rows, huge values, e4m3 ties and subnormals, skipped slots (untouched bytes stay); plain rows;
 - indexer_logits: decode- and prefill-like groups, groups spanning two requests, padding, a visible
@@ -32,8 +34,8 @@ from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import PagedCache, CompressorState
 from dsv4.components.plan import PageTable, StepPlan
 from dsv4.components.rope import Rope, RopeRows
-from dsv4.kernels.cache_write import write_fp8_ds_mla_kernel, write_rows_kernel
-from dsv4.kernels.compress import close_kernel, write_state_kernel
+from dsv4.kernels.cache_write import fp8_ds_mla_store, plain_rows_store, write_fp8_ds_mla_kernel, write_rows_kernel
+from dsv4.kernels.compress import compress_kernel
 from dsv4.kernels.indexer_logits import indexer_logits
 from dsv4.kernels.layer_front import kv_rows_kernel, q_rows_kernel
 from dsv4.reference import rel_err
@@ -124,22 +126,30 @@ def test_q_rows(dtype, heads, padded):
         assert_bf16_close(out, ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kv_rows(dtype):
-    """Rows strided as the input projection's column slice; rows with NaN or inf are flagged."""
+@pytest.mark.parametrize("dtype,wide", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
+def test_kv_rows(dtype, wide):
+    """Rows strided as the input projection's column slice -- in the activation dtype, or (`wide`) the
+    float32 output of a compressed layer's one input product, rounded first --; rows with NaN or inf are
+    refused: their slot -1, faults[0] set where the token has a slot, the other fault rows cleared."""
     g = gen(3)
     T, D = 7, 512
-    kv = (torch.randn(T, D + 40, generator=g) * 3).to(dtype)[:, 40:]
+    kv = (torch.randn(T, D + 40, generator=g) * 3).to(torch.float32 if wide else dtype)[:, 40:]
     kv[2, 17] = float("nan")
     kv[5, 500] = float("inf")
+    slots = torch.tensor([4, 9, 3, -1, 0, -1, 12], dtype=torch.int32)        # token 5: refused, no slot
     weight = 1 + 0.2 * torch.randn(D, generator=g)
     rot = rope_rows(T, g)
-    ref, ref_bad = kv_rows(kv, weight, rot, eps=EPS, dtype=dtype)
-    out, bad = kv_rows_kernel(dev(kv), dev(weight), dev(rot.cos), dev(rot.sin), eps=EPS, dtype=dtype)
-    out, bad = out.cpu(), bad.cpu()
-    assert out.dtype == torch.float32 and bad.dtype == torch.bool
-    assert torch.equal(bad, ref_bad) and bad.tolist() == [i in (2, 5) for i in range(T)]
-    ok = ~ref_bad
+    ref_faults = torch.ones(3, T, dtype=torch.bool)
+    ref, ref_store = kv_rows(kv, weight, rot, slots, ref_faults, eps=EPS, dtype=dtype)
+    faults = dev(torch.ones(3, T, dtype=torch.bool))
+    out, store = kv_rows_kernel(dev(kv), dev(weight), dev(rot.cos), dev(rot.sin), dev(slots), faults, eps=EPS,
+                                dtype=dtype)
+    out, store, faults = out.cpu(), store.cpu(), faults.cpu()
+    assert out.dtype == torch.float32 and store.dtype == torch.int32
+    assert torch.equal(store, ref_store) and store.tolist() == [4, 9, -1, -1, 0, -1, 12]
+    assert torch.equal(faults, ref_faults) and faults[0].tolist() == [i == 2 for i in range(T)]
+    assert not bool(faults[1:].any())
+    ok = torch.tensor([i not in (2, 5) for i in range(T)])
     if dtype == torch.float32:
         assert rel_err(out[ok], ref[ok]) <= 1e-6
     else:
@@ -156,43 +166,50 @@ SPANS = {4: [(0, 9), (5, 3), (126, 4), (13, 12), (3, 1)], 128: [(0, 130), (126, 
 CASES = [(4, 512), (4, 128), (128, 512)]
 
 
-def close_both(comp, scores, plan, state, R):
+def compress_both(comp, scores, plan, state, R, fault_row: int = 1):
+    """`Compressor.entries` (torch, on a copy of the state) and `compress_kernel` (on a device copy) ->
+    (kernel's rows, store, faults, state; torch's rows, store, faults, state)."""
     rot = plan.rope_rows(ROPE, shift=R)
-    ref, ref_bad = comp.close(scores, plan, state, rot)
-    out, bad = close_kernel(dev(scores), dev(comp.ape), dev(comp.norm), dev(rot.cos), dev(rot.sin),
-                            dev(plan.positions), dev(plan.step_start), dev(plan.token_request),
-                            dev(plan.entries[R].close_slots), dev(plan.state[R].table.pages), dev(state.data),
-                            ratio=R, head_dim=comp.dim, state_block=state.block_size, eps=EPS)
-    return out.cpu(), bad.cpu(), ref, ref_bad
+    T = plan.num_tokens
+    ref_state = CompressorState(data=state.data.clone(), block_size=state.block_size, width=state.width)
+    ref_faults = torch.ones(3, T, dtype=torch.bool)
+    ref, ref_store = comp.entries(scores, plan, ref_state, rot, ref_faults, fault_row)
+    data, faults = dev(state.data), dev(torch.ones(3, T, dtype=torch.bool))
+    out, store = compress_kernel(dev(scores), dev(comp.ape), dev(comp.norm), dev(rot.cos), dev(rot.sin),
+                                 dev(plan.positions), dev(plan.step_start), dev(plan.token_request),
+                                 dev(plan.state[R].write_slots), dev(plan.entries[R].close_slots),
+                                 dev(plan.state[R].table.pages), data, faults, fault_row, ratio=R, head_dim=comp.dim,
+                                 state_block=state.block_size, eps=EPS)
+    return (out.cpu(), store.cpu(), faults.cpu(), data.cpu()), (ref, ref_store, ref_faults, ref_state.data)
 
 
 @pytest.mark.parametrize("R,D", CASES)
-def test_write_state(R, D):
+def test_compress_writes_the_state_rows(R, D):
+    """The rows a later step reads, exactly; nothing else of the state pages."""
     plan, blocks = step_plan(SPANS[R], seed=R + D)
     comp = compressor(R, D, seed=D)
     scores = step_scores(comp, plan.num_tokens, gen(1))
-    g = gen(2)
-    state = CompressorState(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=g), block_size=8, width=comp.width)
-    before = state.data.clone()
-    comp.write_state(scores, plan, state)
-    out = dev(before)
-    write_state_kernel(dev(scores), dev(comp.ape), dev(plan.positions), dev(plan.state[R].write_slots), out, ratio=R)
-    assert torch.equal(out.cpu(), state.data)
-    assert not torch.equal(before, state.data)
+    state = CompressorState(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(2)), block_size=8,
+                            width=comp.width)
+    (_, _, _, got), (_, _, _, want) = compress_both(comp, scores, plan, state, R)
+    assert torch.equal(got, want)
+    assert not torch.equal(state.data, want)
 
 
 @pytest.mark.parametrize("R,D", CASES)
-def test_close(R, D):
+@pytest.mark.parametrize("fault_row", [1, 2])
+def test_compress_closes_entries(R, D, fault_row):
     plan, blocks = step_plan(SPANS[R], seed=R * D)
     comp = compressor(R, D, seed=D + 1)
     scores = step_scores(comp, plan.num_tokens, gen(4))
     state = CompressorState(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(5)) * 2, block_size=8,
-                      width=comp.width)
-    comp.write_state(scores, plan, state)
-    out, bad, ref, ref_bad = close_both(comp, scores, plan, state, R)
+                            width=comp.width)
+    (out, store, faults, _), (ref, ref_store, ref_faults, _) = compress_both(comp, scores, plan, state, R, fault_row)
     closes = plan.entries[R].close_slots >= 0
-    assert int(closes.sum()) >= 3 and not bool(ref_bad.any())
-    assert torch.equal(bad, ref_bad)
+    assert int(closes.sum()) >= 3
+    assert torch.equal(store, ref_store) and torch.equal(store, plan.entries[R].close_slots)
+    assert torch.equal(faults, ref_faults) and not bool(faults[fault_row].any())
+    assert bool(faults[[r for r in range(3) if r != fault_row]].all())     # other layers' rows untouched
     assert bool((out[~closes] == 0).all())
     assert rel_err(out[closes], ref[closes]) <= 1e-6
 
@@ -206,7 +223,6 @@ def test_close_flags_entries_that_are_not_finite(R, D):
     scores = step_scores(comp, plan.num_tokens, gen(9))
     state = CompressorState(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(10)), block_size=8,
                       width=comp.width)
-    comp.write_state(scores, plan, state)
     if R == 4:      # request 3's position 17: its first half is pooled by the entry closing at 23 only
         t = int(plan.query_start[3]) + 17 - 13
         scores = scores.clone()
@@ -214,10 +230,13 @@ def test_close_flags_entries_that_are_not_finite(R, D):
     else:           # request 1's position 50, read from the state pages by its entry closing at 127
         slot = int(plan.state[R].table.slots(torch.tensor([1]), torch.tensor([50], dtype=torch.int32)))
         state.data[slot, D + 9] = float("nan")
-    out, bad, ref, ref_bad = close_both(comp, scores, plan, state, R)
-    assert int(ref_bad.sum()) == 1 and torch.equal(bad, ref_bad)
+    (out, store, faults, _), (ref, ref_store, ref_faults, _) = compress_both(comp, scores, plan, state, R)
+    bad = faults[1]
+    assert int(bad.sum()) == 1 and torch.equal(faults, ref_faults) and torch.equal(store, ref_store)
     assert not bool(torch.isfinite(out[bad]).all())
-    good = (plan.entries[R].close_slots >= 0) & ~bad
+    closes = plan.entries[R].close_slots >= 0
+    assert torch.equal(store >= 0, closes & ~bad)
+    good = closes & ~bad
     assert rel_err(out[good], ref[good]) <= 1e-6
 
 
@@ -230,9 +249,9 @@ def test_close_reads_state_row_0_for_a_missing_state_page():
     scores = step_scores(comp, plan.num_tokens, gen(13))
     state = CompressorState(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(14)), block_size=8,
                       width=comp.width)
-    out, bad, ref, ref_bad = close_both(comp, scores, plan, state, R)
+    (out, store, faults, _), (ref, ref_store, ref_faults, _) = compress_both(comp, scores, plan, state, R)
     closes = plan.entries[R].close_slots >= 0
-    assert int(closes.sum()) == 2 and torch.equal(bad, ref_bad)
+    assert int(closes.sum()) == 2 and torch.equal(faults, ref_faults) and torch.equal(store, ref_store)
     assert rel_err(out[closes], ref[closes]) <= 1e-6
 
 
@@ -323,6 +342,85 @@ def test_plain_row_writer(cache_dtype, row_dtype):
     assert torch.equal(out.cpu(), ref)
 
 
+# ---- the row-making kernels storing into a cache themselves (RowStore) ------------------------------
+STORE_LAYOUTS = {"fp8_ds_mla": Fp8DsMlaLayout(), "fp8_ds_mla_fnuz": Fp8DsMlaFnuzLayout(),
+                 "bf16": PlainRowLayout(name="bf16", dtype="bfloat16"),
+                 "float32": PlainRowLayout(name="float32", dtype="float32")}
+
+
+def row_store(name: str, pages, bs: int):
+    if name.startswith("fp8"):
+        return fp8_ds_mla_store(pages, bs, fnuz=name.endswith("fnuz"))
+    return plain_rows_store(pages, bs)
+
+
+def random_cache(lay, blocks: int, bs: int, dim: int, g):
+    """Pages of random bytes (so untouched bytes show), in the layout's storage."""
+    pages = lay.allocate(num_blocks=blocks, block_size=bs, head_dim=dim, device="cpu")
+    if pages.dtype == torch.uint8:
+        return torch.randint(0, 256, pages.shape, generator=g, dtype=torch.uint8)
+    return torch.randn(pages.shape, generator=g).to(pages.dtype)
+
+
+@pytest.mark.parametrize("layout", list(STORE_LAYOUTS))
+def test_kv_rows_store_into_the_cache(layout):
+    """kv_rows_kernel(into=...) leaves the same cache bytes and faults as its rows written by the layout:
+    refused rows and tokens without a slot store nothing."""
+    lay, g, T, D, bs = STORE_LAYOUTS[layout], gen(50), 9, 512, 4
+    kv = (torch.randn(T, D + 8, generator=g) * 2).bfloat16()[:, 8:]
+    kv[4, 100] = float("nan")
+    slots = torch.tensor([5, 0, -1, 11, 7, 2, 9, -1, 3], dtype=torch.int32)
+    weight = 1 + 0.2 * torch.randn(D, generator=g)
+    rot = rope_rows(T, g)
+    pages = random_cache(lay, 3, bs, D, g)
+    want_faults = torch.ones(3, T, dtype=torch.bool)
+    rows, store = kv_rows(kv, weight, rot, slots, want_faults, eps=EPS, dtype=torch.bfloat16)
+    want = pages.clone()
+    lay.write(want, store, rows, block_size=bs)
+    got, faults = dev(pages), dev(torch.ones(3, T, dtype=torch.bool))
+    assert kv_rows_kernel(dev(kv), dev(weight), dev(rot.cos), dev(rot.sin), dev(slots), faults, eps=EPS,
+                          dtype=torch.bfloat16, into=row_store(layout, got, bs)) is None
+    assert torch.equal(faults.cpu(), want_faults) and faults[0].cpu().tolist() == [i == 4 for i in range(T)]
+    if layout.startswith("fp8"):
+        assert torch.equal(got.cpu(), want), f"{int((got.cpu() != want).sum())} bytes differ"
+    else:          # the rows are the same up to the RoPE dims' last float32 bit (the two paths' own roundings)
+        assert torch.equal(got.cpu() == pages, want == pages)
+        assert rel_err(got.cpu().float(), want.float()) <= 1e-6
+
+
+@pytest.mark.parametrize("R,D,layout", [(4, 512, "fp8_ds_mla"), (4, 128, "bf16"), (128, 512, "fp8_ds_mla_fnuz"),
+                                        (4, 128, "float32")])
+def test_compress_stores_into_the_cache(R, D, layout):
+    """compress_kernel(into=...) stores exactly the closed entries, as their rows written by the layout."""
+    plan, blocks = step_plan(SPANS[R], seed=R + 3 * D)
+    comp = compressor(R, D, seed=D + 2)
+    scores = step_scores(comp, plan.num_tokens, gen(51))
+    state = CompressorState(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(52)), block_size=8,
+                            width=comp.width)
+    lay, bs = STORE_LAYOUTS[layout], plan.entries[R].table.block_size
+    pages = random_cache(lay, plan.entries[R].table.pages.numel(), bs, D, gen(53))
+    (rows, store, faults, data), _ = compress_both(comp, scores, plan, state, R)
+    want = pages.clone()
+    lay.write(want, store, rows, block_size=bs)
+    rot = plan.rope_rows(ROPE, shift=R)
+    got, got_faults, got_state = dev(pages), dev(torch.ones(3, plan.num_tokens, dtype=torch.bool)), dev(state.data)
+    compress_kernel(dev(scores), dev(comp.ape), dev(comp.norm), dev(rot.cos), dev(rot.sin), dev(plan.positions),
+                    dev(plan.step_start), dev(plan.token_request), dev(plan.state[R].write_slots),
+                    dev(plan.entries[R].close_slots), dev(plan.state[R].table.pages), got_state, got_faults, 1,
+                    ratio=R, head_dim=D, state_block=8, eps=EPS, into=row_store(layout, got, bs))
+    assert int((store >= 0).sum()) >= 3
+    assert torch.equal(got_faults.cpu(), faults) and torch.equal(got_state.cpu(), data)
+    assert torch.equal(got.cpu(), want)
+
+
+def test_a_store_of_the_wrong_width_is_refused():
+    cs = dev(torch.zeros(2, 32))
+    plain = plain_rows_store(dev(torch.zeros(2, 4, 128)), 4)
+    with pytest.raises(ValueError, match="cannot store rows of 512"):
+        kv_rows_kernel(dev(torch.zeros(2, 512)), dev(torch.ones(512)), cs, cs, dev(torch.zeros(2, dtype=torch.int32)),
+                       dev(torch.zeros(3, 2, dtype=torch.bool)), eps=EPS, dtype=torch.float32, into=plain)
+
+
 # ---- indexer ----------------------------------------------------------------------------------------
 def indexer_case(spans, heads: int, dim: int, *, bs: int = 4, holes=(), pad: int = 3, seed: int = 0,
                  dtype: str = "float32"):
@@ -345,12 +443,12 @@ def indexer_case(spans, heads: int, dim: int, *, bs: int = 4, holes=(), pad: int
     return q, w, keys, plan, idx
 
 
-def run_indexer(q, w, keys, plan, **launch):
+def run_indexer(q, w, keys, plan, idx, **launch):
     dkeys = PagedCache(name=keys.name, layout=keys.layout, data=dev(keys.data), block_size=keys.block_size,
                        head_dim=keys.head_dim)
     ents = plan.entries[4]
     return indexer_logits(dev(q), dev(w), dkeys, dev(ents.table.pages), dev(plan.token_request), dev(ents.counts),
-                          width=ents.width, **launch).cpu()
+                          width=ents.width, w_scale=idx.weight_scale, **launch).cpu()
 
 
 def assert_scores(out, ref, tol=1e-6):
@@ -374,7 +472,7 @@ def test_indexer_logits(heads, dim, launch, dtype):
     the order of the float32 sums differs."""
     q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, heads, dim, holes=[(2, 1)], seed=heads + dim, dtype=dtype)
     ref = idx.scores(q, w, keys, plan)
-    out = run_indexer(q, w, keys, plan, **launch)
+    out = run_indexer(q, w, keys, plan, idx, **launch)
     assert_scores(out, ref)
     assert bool((ref[int(plan.query_start[2]) + 11, 4:6] == 0).all())    # visible entries without a page: 0
     assert bool(torch.isinf(out[plan.num_tokens - 3:]).all())             # padding rows see nothing
@@ -389,7 +487,7 @@ def test_indexer_logits_decode_sized():
     for dtype in ("float32", "bfloat16"):
         q, w, keys, plan, idx = indexer_case([(s, 2) for s in starts], 64, 128, bs=64, pad=0, seed=41, dtype=dtype)
         ref = idx.scores(q, w, keys, plan)
-        assert_scores(run_indexer(q, w, keys, plan), ref, tol=2e-6)
+        assert_scores(run_indexer(q, w, keys, plan, idx), ref, tol=2e-6)
 
 
 # ---- empty steps ------------------------------------------------------------------------------------
@@ -397,14 +495,15 @@ def test_empty_steps():
     z = torch.zeros
     cs = dev(z(0, 32))
     assert q_rows_kernel(dev(z(0, 3, 512)), cs, cs, padded_heads=4, eps=EPS, dtype=torch.bfloat16).shape == (0, 4, 512)
-    rows, bad = kv_rows_kernel(dev(z(0, 512)), dev(z(512)), cs, cs, eps=EPS, dtype=torch.float32)
-    assert rows.shape == (0, 512) and bad.shape == (0,)
+    faults = dev(z(3, 0, dtype=torch.bool))
     i32, i64 = dev(z(0, dtype=torch.int32)), dev(z(0, dtype=torch.int64))
+    rows, store = kv_rows_kernel(dev(z(0, 512)), dev(z(512)), cs, cs, i32, faults, eps=EPS, dtype=torch.float32)
+    assert rows.shape == (0, 512) and store.shape == (0,)
     state = dev(z(8, 2048))
-    write_state_kernel(dev(z(0, 2048)), dev(z(4, 1024)), i32, i32, state, ratio=4)
-    rows, bad = close_kernel(dev(z(0, 2048)), dev(z(4, 1024)), dev(z(512)), cs, cs, i32, i32, i64, i32,
-                             dev(z(1, 2, dtype=torch.int32)), state, ratio=4, head_dim=512, state_block=8, eps=EPS)
-    assert rows.shape == (0, 512) and bad.shape == (0,)
+    rows, store = compress_kernel(dev(z(0, 2048)), dev(z(4, 1024)), dev(z(512)), cs, cs, i32, i32, i64, i32, i32,
+                                  dev(z(1, 2, dtype=torch.int32)), state, faults, 1, ratio=4, head_dim=512,
+                                  state_block=8, eps=EPS)
+    assert rows.shape == (0, 512) and store.shape == (0,)
     write_fp8_ds_mla_kernel(dev(z(2, 576 * 2, dtype=torch.uint8)), i32, dev(z(0, 512)), block_size=1)
     write_rows_kernel(dev(z(2, 4, 96)), i32, dev(z(0, 96)))
     keys = PagedCache(name="k", layout=PlainRowLayout(name="float32", dtype="float32"), data=dev(z(2, 4, 128)),

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from dsv4.components.compressor import Compressor
-from dsv4.components.front import kv_rows, mm_f32, norm_rows, q_rows
+from dsv4.components.front import mm_f32, norm_rows, q_rows, store_kv_rows
 from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
 from dsv4.components.plan import StepPlan
@@ -26,6 +26,7 @@ from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, MQAKernel
 
 # rows of LayerStepResult.faults: which stored row of a token was not finite
 FAULT_SWA, FAULT_COMPRESSED, FAULT_INDEXER = 0, 1, 2
+FAULT_ROWS = 3
 
 
 @dataclass(slots=True)
@@ -58,71 +59,65 @@ class DSV4Attention(torch.nn.Module):
         dev = device.torch_device
         self.mqa_prepared = mqa_kernel.prepare(device=device)
         self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype)
-        # x -> [qr | kv] in the activation dtype; x -> [compressor a | s | indexer compressor a | s | head weights]
-        # accumulated in float32 (the compressor pools in float32)
-        self.register_buffer("w_in", torch.cat((weights["wq_a.weight"], weights["wkv.weight"])).to(dev, self.dtype))
+        # One product of x for the layer: x -> [qr | kv] and, in compressed layers, [compressor a | s | indexer
+        # compressor a | s | indexer head weights]. SWA-only layers take it in the activation dtype;
+        # compressed layers accumulate it in float32 (the compressors pool in float32), and the front
+        # kernels round qr and kv to the activation dtype as a product in that dtype would.
+        parts = [weights["wq_a.weight"], weights["wkv.weight"]]
+        if compressor is not None:
+            parts.append(compressor.weights())
+        if indexer is not None:
+            parts += [indexer.compressor.weights(), indexer.weights_proj]
+            self.register_buffer("idx_wq_b", indexer.wq_b.to(dev, self.dtype))
+        self.register_buffer("w_in", torch.cat([p.to(dev, self.dtype) for p in parts]))
+        self.in_sizes = tuple(p.shape[0] for p in parts)       # the row blocks of w_in, in that order
         self.register_buffer("wq_b", weights["wq_b.weight"].to(dev, self.dtype))
         for name in ("q_norm.weight", "kv_norm.weight"):
             self.register_buffer(name.split(".")[0], weights[name].to(device=dev, dtype=torch.float32))
         sink = torch.full((padded,), float("-inf"), device=dev)    # padded heads: no effect
         sink[:heads] = weights["attn_sink"].to(dev)
         self.register_buffer("attn_sink", sink)
-        parts = [] if compressor is None else [compressor.weights()]
-        if indexer is not None:
-            parts += [indexer.compressor.weights(), indexer.weights_proj]
-            self.register_buffer("idx_wq_b", indexer.wq_b.to(dev, self.dtype))
-        if parts:
-            self.register_buffer("w_score", torch.cat(parts).to(dev, self.dtype))
 
     def forward(self, x, plan: StepPlan, caches: LayerCaches) -> LayerStepResult:
-        T, D, H = x.shape[0], self.spec.head_dim, self.heads
-        q_lora = self.spec.q_lora_rank
+        T, H = x.shape[0], self.heads
         if caches.swa.layout != self.cache_layout or caches.ratio != self.ratio:
             raise ValueError(f"layer {self.layer}: caches of a ratio-{caches.ratio} layer in cache_layout="
                              f"{caches.swa.layout.name}, built for ratio {self.ratio} and {self.cache_layout.name}")
         xa = x.to(self.dtype)
         rot = plan.rope_rows(self.rope)
-        qr_raw, kv_raw = (xa @ self.w_in.T).split((q_lora, D), 1)
+        if self.compressor is None:
+            qr_raw, kv_raw = (xa @ self.w_in.T).split(self.in_sizes, 1)
+        else:
+            qr_raw, kv_raw, *scores = mm_f32(xa, self.w_in).split(self.in_sizes, 1)
         qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype)
-        q = q_rows((qr @ self.wq_b.T).view(T, H, D), rot, padded_heads=self.padded_heads, eps=self.eps,
-                   dtype=self.dtype)
-        rows, bad = kv_rows(kv_raw, self.kv_norm, rot, eps=self.eps, dtype=self.dtype)
-        faults = torch.zeros(3, T, dtype=torch.bool, device=x.device)
-        faults[FAULT_SWA] = bad & plan.real
-        caches.swa.write(torch.where(bad, -1, plan.swa.write_slots), rows)
+        q = q_rows((qr @ self.wq_b.T).view(T, H, self.spec.head_dim), rot, padded_heads=self.padded_heads,
+                   eps=self.eps, dtype=self.dtype)
+        faults = torch.empty(FAULT_ROWS, T, dtype=torch.bool, device=x.device)
+        store_kv_rows(kv_raw, self.kv_norm, rot, plan.swa.write_slots, faults, caches.swa, eps=self.eps,
+                      dtype=self.dtype)
 
-        extra = {}
-        topk = None
+        topk, extra = None, {}
         if self.compressor is not None:
-            scores = mm_f32(xa, self.w_score)
-            comp, ents = self.compressor, plan.entries[self.ratio]
             entry_rot = plan.rope_rows(self.rope, shift=self.ratio)
-            main = scores[:, :2 * comp.width]
-            comp.write_state(main, plan, caches.state)
-            rows, bad = comp.close(main, plan, caches.state, entry_rot)
-            faults[FAULT_COMPRESSED] = bad
-            caches.compressed.write(torch.where(bad, -1, ents.close_slots), rows)
+            self.compressor.compress(scores[0], plan, caches.state, entry_rot, faults, FAULT_COMPRESSED,
+                                     caches.compressed)
             if self.indexer is not None:
-                topk, lists, lens = self._select(scores[:, 2 * comp.width:], qr, plan, caches, rot, entry_rot, faults)
+                topk, lists, lens = self._select(scores[1], scores[2], qr, plan, caches, rot, entry_rot, faults)
             else:
+                ents = plan.entries[self.ratio]
                 lists, lens = ents.visible, ents.counts
             extra = dict(extra=caches.compressed, extra_indices=lists, extra_lens=lens)
         kv = SparseKV(swa=caches.swa, swa_indices=plan.swa.indices, swa_lens=plan.swa.lens,
                       layer_type=self.layer_type, **extra)
         out, _lse = self.mqa_kernel(q, kv, sink=self.attn_sink, scale=self.spec.softmax_scale,
                                     prepared=self.mqa_prepared, plan=plan.kernel_plans.get(self.layer_type))
-        y = self.o_proj(out[:, :H], rot, prepared=self.o_proj_prepared)
+        y = self.o_proj(out if self.padded_heads == H else out[:, :H], rot, prepared=self.o_proj_prepared)
         return LayerStepResult(out=y, topk=topk, faults=faults)
 
-    def _select(self, scores, qr, plan: StepPlan, caches: LayerCaches, rot, entry_rot, faults):
+    def _select(self, main, w, qr, plan: StepPlan, caches: LayerCaches, rot, entry_rot, faults):
         """The indexer: its compressor's keys for the entries closed in this step, then every token's
         top-k over its request's keys -> (local indices, their slots, valid counts)."""
-        idx = self.indexer
-        comp = idx.compressor
-        main, w = scores[:, :2 * comp.width], scores[:, 2 * comp.width:]
-        comp.write_state(main, plan, caches.indexer_state)
-        keys, bad = comp.close(main, plan, caches.indexer_state, entry_rot)
-        faults[FAULT_INDEXER] = bad
-        caches.indexer_keys.write(torch.where(bad, -1, plan.entries[4].close_slots), keys)
-        q = idx.queries(mm_f32(qr, self.idx_wq_b), rot)
-        return idx.lists(idx.scores(q, w * idx.weight_scale, caches.indexer_keys, plan), plan)
+        idx, keys = self.indexer, caches.indexer_keys
+        idx.compressor.compress(main, plan, caches.indexer_state, entry_rot, faults, FAULT_INDEXER, keys)
+        q = idx.queries(mm_f32(qr, self.idx_wq_b), rot, keys.data.dtype)
+        return idx.lists(idx.scores(q, w, keys, plan), plan)

@@ -6,15 +6,16 @@ coff = 2 at ratio 4). The entry j that closes at position jR+R-1 pools, per chan
 rows: for R=128 the block's 128 tokens; for R=4 the previous block's first halves and the current
 block's second halves (absent before position 0: value 0, logit -inf). Then RMSNorm and RoPE at jR.
 
-Two batched operations per step, both over all tokens of all requests:
+A step is `compress`, over all tokens of all requests, made of two batched operations:
 - `write_state`: the (a, s + ape) rows a later step will read (a request's last coff·R positions) go
   to the state pages at the plan's `state[R].write_slots`;
 - `close`: each token that closes an entry pools its rows -- this step's from the step's own
   projection, earlier ones from the state pages -- and returns the entry (written through the cache
   layout by the layer).
 The state pages are written only at slots of this step's new positions, so a refused or failed step
-leaves every row an earlier step wrote untouched. On a GPU both run as Triton kernels
-(dsv4/kernels/compress.py); the torch code here is the CPU path and their reference.
+leaves every row an earlier step wrote untouched. On a GPU, `compress` is one Triton kernel that also
+stores the closed entries into their cache (dsv4/kernels/compress.py); the torch code of the two
+operations is the CPU path and its reference.
 """
 from __future__ import annotations
 
@@ -39,15 +40,42 @@ class Compressor:
 
         return torch.cat((self.wkv, self.wgate))
 
-    def write_state(self, scores, plan, state) -> None:
-        """scores [T, 2·width] float32 ([a | s], no APE yet) -> the kept rows into `state` (CompressorState)."""
-        rows = plan.state[self.ratio]
-        if scores.is_cuda:
-            from dsv4.kernels.compress import write_state_kernel
-            write_state_kernel(scores, self.ape, plan.positions, rows.write_slots, state.data, ratio=self.ratio)
+    def compress(self, scores, plan, state, rot, faults, fault_row: int, cache) -> None:
+        """The step, its closed entries stored into `cache` (a PagedCache): on a GPU in the compressor's
+        own kernel where the cache's layout has a kernel store, else `entries` and the layout's `write`."""
+        if scores.is_cuda and cache.store is not None:
+            self._kernel(scores, plan, state, rot, faults, fault_row, into=cache.store)
             return
+        rows, store = self.entries(scores, plan, state, rot, faults, fault_row)
+        cache.write(store, rows)
+
+    def entries(self, scores, plan, state, rot, faults, fault_row: int):
+        """The step: `write_state`, then `close` -> (rows [T, D] float32 as `close` gives them, store [T]
+        int32: the slot each token's closed entry is stored at, -1 where it closes none or its entry is
+        not stored), with faults[fault_row] ([F, T] bool) set where a closed entry is not stored."""
+        if scores.is_cuda:
+            return self._kernel(scores, plan, state, rot, faults, fault_row)
         import torch
 
+        self.write_state(scores, plan, state)
+        rows, bad = self.close(scores, plan, state, rot)
+        faults[fault_row] = bad
+        return rows, torch.where(bad, -1, plan.entries[self.ratio].close_slots)
+
+    def _kernel(self, scores, plan, state, rot, faults, fault_row: int, into=None):
+        from dsv4.kernels.compress import compress_kernel
+
+        rows = plan.state[self.ratio]
+        return compress_kernel(scores, self.ape, self.norm, rot.cos, rot.sin, plan.positions, plan.step_start,
+                               plan.token_request, rows.write_slots, plan.entries[self.ratio].close_slots,
+                               rows.table.pages, state.data, faults, fault_row, ratio=self.ratio, head_dim=self.dim,
+                               state_block=state.block_size, eps=self.eps, into=into)
+
+    def write_state(self, scores, plan, state) -> None:
+        """scores [T, 2·width] float32 ([a | s], no APE yet) -> the kept rows into `state` (CompressorState)."""
+        import torch
+
+        rows = plan.state[self.ratio]
         keep = rows.write_slots >= 0
         a, s = scores[keep].split(self.width, 1)
         vals = torch.cat((a, s + self.ape[plan.positions[keep].long() % self.ratio]), 1)
@@ -57,14 +85,9 @@ class Compressor:
         """The entries closed in this step: (rows [T, D] float32 -- the entry closed by each token, zero
         where it closes none --, bad [T] bool: a closed entry not stored, `front.stored_badly`). `rot` is the
         layer's RoPE at each entry's first position (plan.rope_rows(rope, shift=ratio))."""
-        ents = plan.entries[self.ratio]
-        if scores.is_cuda:
-            from dsv4.kernels.compress import close_kernel
-            return close_kernel(scores, self.ape, self.norm, rot.cos, rot.sin, plan.positions, plan.step_start,
-                                plan.token_request, ents.close_slots, plan.state[self.ratio].table.pages, state.data,
-                                ratio=self.ratio, head_dim=self.dim, state_block=state.block_size, eps=self.eps)
         import torch
 
+        ents = plan.entries[self.ratio]
         R, D, T = self.ratio, self.dim, scores.shape[0]
         out = torch.zeros(T, D, dtype=torch.float32, device=scores.device)
         bad = torch.zeros(T, dtype=torch.bool, device=scores.device)

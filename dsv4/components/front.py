@@ -29,15 +29,33 @@ def q_rows(q, rot: RopeRows, *, padded_heads: int, eps: float, dtype):
     return torch.cat((y, y.new_zeros(T, padded_heads - H, D)), 1)
 
 
-def kv_rows(kv, weight, rot: RopeRows, *, eps: float, dtype):
-    """kv [T, D] -> (rows [T, D] float32: RMSNorm with `weight`, rounded to `dtype`, RoPE; bad [T] bool:
-    rows the layer refuses to store, `stored_badly`)."""
+def kv_rows(kv, weight, rot: RopeRows, slots, faults, *, eps: float, dtype):
+    """kv [T, D] (in `dtype`, or float32: then rounded to `dtype` first, as a projection in `dtype` would
+    give it), slots [T] int32 (the plan's SWA write slots, -1: none) -> (rows [T, D] float32: RMSNorm
+    with `weight`, rounded to `dtype`, RoPE; store [T] int32: `slots`, -1 where the row is refused,
+    `stored_badly`). Sets faults[0] where a token with a slot has its row refused and clears the other
+    rows of faults ([F, T] bool, the layer's fault flags, which its later steps set)."""
     if kv.is_cuda:
         from dsv4.kernels.layer_front import kv_rows_kernel
-        return kv_rows_kernel(kv, weight, rot.cos, rot.sin, eps=eps, dtype=dtype)
+        return kv_rows_kernel(kv, weight, rot.cos, rot.sin, slots, faults, eps=eps, dtype=dtype)
+    import torch
 
-    rows = rot.rotate(rms_norm(kv, weight, eps).to(dtype))
-    return rows, stored_badly(rows)
+    rows = rot.rotate(rms_norm(kv.to(dtype), weight, eps).to(dtype))
+    bad = stored_badly(rows)
+    faults.zero_()
+    faults[0] = bad & (slots >= 0)
+    return rows, torch.where(bad, -1, slots)
+
+
+def store_kv_rows(kv, weight, rot: RopeRows, slots, faults, cache, *, eps: float, dtype) -> None:
+    """`kv_rows`, stored into `cache` (a PagedCache) at their slots: on a GPU in the same kernel where the
+    cache's layout has a kernel store, else through the layout's `write`."""
+    if kv.is_cuda and cache.store is not None:
+        from dsv4.kernels.layer_front import kv_rows_kernel
+        kv_rows_kernel(kv, weight, rot.cos, rot.sin, slots, faults, eps=eps, dtype=dtype, into=cache.store)
+        return
+    rows, store = kv_rows(kv, weight, rot, slots, faults, eps=eps, dtype=dtype)
+    cache.write(store, rows)
 
 
 def stored_badly(rows):
@@ -49,19 +67,22 @@ def stored_badly(rows):
 
 
 def norm_rows(x, weight, *, eps: float, dtype):
-    """RMSNorm of x [T, N] with `weight`, in float32, rounded to `dtype` (the q_lora rows)."""
+    """RMSNorm of x [T, N] (in `dtype`, or float32: rounded to `dtype` first) with `weight`, in float32,
+    rounded to `dtype` (the q_lora rows)."""
     if x.is_cuda:
         from dsv4.kernels.layer_front import norm_rows_kernel
         return norm_rows_kernel(x, weight, eps=eps, dtype=dtype)
-    return rms_norm(x, weight, eps).to(dtype)
+    return rms_norm(x.to(dtype), weight, eps).to(dtype)
 
 
-def rotate_rows(x, rot: RopeRows):
-    """x [T, H, D] -> float32 with RoPE on each head's last 64 dims (the indexer's queries)."""
+def rotate_rows(x, rot: RopeRows, dtype=None):
+    """x [T, H, D] -> RoPE on each head's last 64 dims, in float32, returned in `dtype` (float32 if None;
+    the indexer's queries, rounded to its keys' dtype)."""
     if x.is_cuda:
         from dsv4.kernels.layer_front import rotate_rows_kernel
-        return rotate_rows_kernel(x, rot.cos, rot.sin)
-    return rot.rotate(x)
+        return rotate_rows_kernel(x, rot.cos, rot.sin, dtype=dtype)
+    y = rot.rotate(x)
+    return y if dtype is None else y.to(dtype)
 
 
 def mm_f32(x, w):

@@ -27,23 +27,27 @@ class Indexer:
     def weight_scale(self) -> float:
         return self.head_dim ** -0.5 * self.n_heads ** -0.5
 
-    def queries(self, q_raw, rot):
-        """q_raw [T, Hi·Di] float32 (qr @ wq_bᵀ) -> q [T, Hi, Di] float32, RoPE on the last 64 dims."""
+    def queries(self, q_raw, rot, dtype=None):
+        """q_raw [T, Hi·Di] float32 (qr @ wq_bᵀ) -> q [T, Hi, Di], RoPE on the last 64 dims in float32, in
+        `dtype` (the keys' dtype, to which `scores` rounds them; float32 if None)."""
         from dsv4.components.front import rotate_rows
 
-        return rotate_rows(q_raw.view(-1, self.n_heads, self.head_dim), rot)
+        return rotate_rows(q_raw.view(-1, self.n_heads, self.head_dim), rot, dtype)
 
     def scores(self, q, w, keys, plan):
         """[T, width] float32 scores of every entry slot of each token's request; -inf where not visible
-        (j >= count). q [T, Hi, Di] float32, w [T, Hi] (already scaled), keys: the PagedCache of indexer keys;
-        q is rounded to the keys' dtype."""
+        (j >= count). q [T, Hi, Di] float32 (rounded here to the keys' dtype) or already in it, w [T, Hi]
+        float32 the head weights (weights_proj's output, scaled here by `weight_scale`), keys: the
+        PagedCache of indexer keys."""
         ents = plan.entries[4]
         if q.is_cuda:
             from dsv4.kernels.indexer_logits import indexer_logits
-            return indexer_logits(q, w, keys, ents.table.pages, plan.token_request, ents.counts, width=ents.width)
+            return indexer_logits(q, w, keys, ents.table.pages, plan.token_request, ents.counts, width=ents.width,
+                                  w_scale=self.weight_scale)
         import torch
 
         q = q.to(keys.data.dtype).float()
+        w = w * self.weight_scale
 
         T, width = q.shape[0], ents.width
         cols = torch.arange(width, device=q.device, dtype=torch.int32)[None, :]

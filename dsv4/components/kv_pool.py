@@ -158,6 +158,11 @@ class PagedCache:
     data: Any                   # layout.allocate(...): one leading page dimension
     block_size: int
     head_dim: int
+    # how our row-making kernels store into `data` directly (the layout's kernel_store), None where they cannot
+    store: Any = field(init=False, default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "store", self.layout.kernel_store(self.data, self.block_size))
 
     def write(self, slots, rows) -> None:
         """Store rows at global slots (-1: skip), through the layout."""

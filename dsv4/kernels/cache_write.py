@@ -18,14 +18,20 @@ and FNUZ's grid is OCP's halved, so its bytes are OCP's with negative zero (0x80
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import triton
 import triton.language as tl
 
-from dsv4.kernels.layer_front import SOFT_ROUND, round_to, widen
+from dsv4.kernels.launch import as_i32, launch
+from dsv4.kernels.rounding import SOFT_ROUND, round_to, widen
 
 NOPE_DIMS, ROPE_DIMS = 448, 64
 NOPE, TILE = tl.constexpr(NOPE_DIMS), tl.constexpr(64)                        # e4m3 dims, dims per scale
 DATA_BYTES, SCALE_BYTES = tl.constexpr(576), tl.constexpr(8)                 # a record's two regions
+# RowStore kinds: how a kernel that makes rows stores them itself
+FP8_DS_MLA, FP8_DS_MLA_FNUZ, PLAIN_ROWS = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
 
 @triton.jit
@@ -45,37 +51,60 @@ def e4m3_bits(y):
 
 
 @triton.jit
+def fp8_ds_mla_record(x, slot, u8_ptr, bf_ptr, w64_ptr, page_stride, BS: tl.constexpr, FNUZ: tl.constexpr,
+                      SOFT: tl.constexpr):
+    """Store x [8, 64] (the row's 7 NoPE tiles and its RoPE dims; float32 or bf16) as the fp8_ds_mla record
+    of `slot` (in the pages, not checked here)."""
+    tile = tl.arange(0, 8)
+    dims = tile[:, None] * TILE + tl.arange(0, TILE)[None, :]
+    xb = x if x.dtype == tl.bfloat16 else round_to(x, tl.bfloat16, SOFT)   # the record stores the bf16 row
+    x = widen(xb, SOFT)
+    amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-4)
+    bits = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)   # ceil(log2(amax / 448))
+    # 2^-e, exact (e in [-22, 120] for finite rows); an infinite amax scales by 0 as x / inf does
+    inv = tl.where(e < 127, ((127 - e) << 23).to(tl.float32, bitcast=True), 0.0)
+    y = x * inv[:, None]
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
+    q = e4m3_bits(y)
+    if FNUZ:
+        q = tl.where(q == 0x80, 0, q).to(tl.uint8)
+        e = e + 1
+    page = (slot // BS).to(tl.int64)
+    t = slot % BS
+    data = page * page_stride + t * DATA_BYTES
+    nope = tile[:, None] < NOPE // TILE
+    tl.store(u8_ptr + data + dims, q, mask=nope)
+    tl.store(bf_ptr + (data + NOPE) // 2 + (dims - NOPE), xb, mask=~nope)
+    exps = tl.minimum(tl.maximum(e + 127, 0), 255).to(tl.int64)
+    word = tl.sum(tl.where(tile < NOPE // TILE, exps << (8 * tile).to(tl.int64), 0), 0)
+    tl.store(w64_ptr + (page * page_stride + BS * DATA_BYTES + t * SCALE_BYTES) // 8, word)
+
+
+@triton.jit
+def store_row(y, slot, ok, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D: tl.constexpr,
+              BS: tl.constexpr, KIND: tl.constexpr, SOFT: tl.constexpr):
+    """A row-making kernel's own store of its float32 row y [D] at `slot` of a cache (RowStore), when `ok`
+    and the slot is in the cache: an fp8_ds_mla record (OCP or FNUZ bytes) or a plain row in the cache's
+    dtype."""
+    if ok & (slot >= 0) & (slot < n_slots):
+        if KIND == PLAIN_ROWS:
+            dims = tl.arange(0, D)
+            tl.store(cache_ptr + slot.to(tl.int64) * D + dims, round_to(y, cache_ptr.dtype.element_ty, SOFT))
+        else:
+            fp8_ds_mla_record(tl.reshape(y, [8, TILE]), slot, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride,
+                              BS, KIND == FP8_DS_MLA_FNUZ, SOFT)
+
+
+@triton.jit
 def _fp8_ds_mla_kernel(rows_ptr, row_stride, slot_ptr, u8_ptr, bf_ptr, w64_ptr, page_stride, n_slots,
                        BS: tl.constexpr, FNUZ: tl.constexpr, SOFT: tl.constexpr):
     n = tl.program_id(0)
     slot = tl.load(slot_ptr + n)
     if (slot >= 0) & (slot < n_slots):
-        tile = tl.arange(0, 8)                      # 7 NoPE tiles of 64 dims, then the 64 RoPE dims
-        col = tl.arange(0, TILE)
-        dims = tile[:, None] * TILE + col[None, :]
+        dims = tl.arange(0, 8)[:, None] * TILE + tl.arange(0, TILE)[None, :]
         x = tl.load(rows_ptr + n.to(tl.int64) * row_stride + dims)
-        xb = x if x.dtype == tl.bfloat16 else round_to(x, tl.bfloat16, SOFT)   # the record stores the bf16 row
-        x = widen(xb, SOFT)
-        amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-4)
-        bits = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)).to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)   # ceil(log2(amax / 448))
-        # 2^-e, exact (e in [-22, 120] for finite rows); an infinite amax scales by 0 as x / inf does
-        inv = tl.where(e < 127, ((127 - e) << 23).to(tl.float32, bitcast=True), 0.0)
-        y = x * inv[:, None]
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
-        q = e4m3_bits(y)
-        if FNUZ:
-            q = tl.where(q == 0x80, 0, q).to(tl.uint8)
-            e = e + 1
-        page = (slot // BS).to(tl.int64)
-        t = slot % BS
-        data = page * page_stride + t * DATA_BYTES
-        nope = tile[:, None] < NOPE // TILE
-        tl.store(u8_ptr + data + dims, q, mask=nope)
-        tl.store(bf_ptr + (data + NOPE) // 2 + (dims - NOPE), xb, mask=~nope)
-        exps = tl.minimum(tl.maximum(e + 127, 0), 255).to(tl.int64)
-        word = tl.sum(tl.where(tile < NOPE // TILE, exps << (8 * tile).to(tl.int64), 0), 0)
-        tl.store(w64_ptr + (page * page_stride + BS * DATA_BYTES + t * SCALE_BYTES) // 8, word)
+        fp8_ds_mla_record(x, slot, u8_ptr, bf_ptr, w64_ptr, page_stride, BS, FNUZ, SOFT)
 
 
 def write_fp8_ds_mla_kernel(pages, slots, rows, *, block_size: int, fnuz: bool = False, num_warps: int = 2) -> None:
@@ -95,9 +124,9 @@ def write_fp8_ds_mla_kernel(pages, slots, rows, *, block_size: int, fnuz: bool =
     pages = pages if pages.is_contiguous() else pages.contiguous()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    _fp8_ds_mla_kernel[(N,)](rows, rows.stride(0), slots.int().contiguous(), pages, pages.view(torch.bfloat16),
-                             pages.view(torch.int64), pages.shape[1], pages.shape[0] * block_size, BS=block_size,
-                             FNUZ=fnuz, SOFT=SOFT_ROUND, num_warps=num_warps)
+    launch(_fp8_ds_mla_kernel, (N,), rows, rows.stride(0), as_i32(slots), pages, pages.view(torch.bfloat16),
+           pages.view(torch.int64), pages.shape[1], pages.shape[0] * block_size, BS=block_size, FNUZ=fnuz,
+           SOFT=SOFT_ROUND, num_warps=num_warps)
 
 
 @triton.jit
@@ -126,6 +155,47 @@ def write_rows_kernel(cache, slots, rows, *, num_warps: int = 4) -> None:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     block = min(1024, triton.next_power_of_2(D))
-    _write_rows_kernel[(N, triton.cdiv(D, block))](rows, rows.stride(0), slots.int().contiguous(), cache,
-                                                   cache.numel() // D, D, BLOCK=block, SOFT=SOFT_ROUND,
-                                                   num_warps=num_warps)
+    launch(_write_rows_kernel, (N, triton.cdiv(D, block)), rows, rows.stride(0), as_i32(slots), cache,
+           cache.numel() // D, D, BLOCK=block, SOFT=SOFT_ROUND, num_warps=num_warps)
+
+
+@dataclass(frozen=True, slots=True)
+class RowStore:
+    """A cache as our row-making kernels (the SWA rows, the compressors' entries) store into it directly,
+    with no row tensor in between: the kind of record and the views of its storage they write through.
+    Made once per cache (PagedCache) by its layout's `kernel_store`."""
+    kind: int                  # FP8_DS_MLA | FP8_DS_MLA_FNUZ | PLAIN_ROWS
+    block_size: int
+    data: Any                  # uint8 pages (fp8 kinds) or the plain [pages, B, D] rows
+    bf16: Any                  # fp8 kinds: the pages as bf16 (the RoPE dims); plain: `data`
+    words: Any                 # fp8 kinds: the pages as int64 (the exponent words); plain: `data`
+    page_stride: int           # fp8 kinds: bytes per page; plain: 0
+    num_slots: int
+
+    def args(self) -> tuple:
+        """The kernel arguments (cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots)."""
+        return self.data, self.bf16, self.words, self.page_stride, self.num_slots
+
+
+def fp8_ds_mla_store(pages, block_size: int, *, fnuz: bool = False) -> RowStore:
+    import torch
+
+    return RowStore(kind=(FP8_DS_MLA_FNUZ if fnuz else FP8_DS_MLA).value, block_size=block_size, data=pages,
+                    bf16=pages.view(torch.bfloat16), words=pages.view(torch.int64), page_stride=pages.shape[1],
+                    num_slots=pages.shape[0] * block_size)
+
+
+def plain_rows_store(cache, block_size: int) -> RowStore:
+    return RowStore(kind=PLAIN_ROWS.value, block_size=block_size, data=cache, bf16=cache, words=cache, page_stride=0,
+                    num_slots=cache.numel() // cache.shape[-1])
+
+
+def check_store(into, dim: int) -> None:
+    """Refuse a RowStore that cannot take rows of `dim` values (None: nothing to check)."""
+    if into is None:
+        return
+    want = dim if into.kind == PLAIN_ROWS.value else NOPE_DIMS + ROPE_DIMS
+    have = into.data.shape[-1] if into.kind == PLAIN_ROWS.value else want
+    if dim != want or have != dim:
+        raise ValueError(f"a cache of {have}-value rows ({'plain' if into.kind == PLAIN_ROWS.value else 'fp8_ds_mla'})"
+                         f" cannot store rows of {dim}")

@@ -117,6 +117,13 @@ def compile_for(target: str, what: str) -> float:
     return time.perf_counter() - t0
 
 
+# how the row-making kernels store (kernels/cache_write.RowStore): their rows out (0), fp8_ds_mla records
+# (OCP, FNUZ) and plain bf16 rows, with the pointer types each passes
+_FP8_CACHE = {"cache_ptr": "*u8", "cache_bf_ptr": "*bf16", "cache_w64_ptr": "*i64"}
+STORES = ((0, {"cache_ptr": "*fp32", "cache_bf_ptr": "*fp32", "cache_w64_ptr": "*fp32"}), (1, _FP8_CACHE),
+          (2, _FP8_CACHE), (3, {"cache_ptr": "*bf16", "cache_bf_ptr": "*bf16", "cache_w64_ptr": "*bf16"}))
+
+
 def _compile_layer(gpu) -> None:
     """The layer's kernels as their launchers specialize them: bf16 and float32 activations, ratios 4
     (head_dim 512 and the indexer's 128) and 128, fp8_ds_mla records (OCP and FNUZ bytes) on pages of 64
@@ -127,22 +134,29 @@ def _compile_layer(gpu) -> None:
     from dsv4.kernels import cache_write, compress, indexer_logits, layer_front, topk_lists
 
     def types(table):
-        return lambda a: table.get(a, "fp32" if a == "eps" else "i32")
+        return lambda a: table.get(a, "fp32" if a in ("eps", "w_scale") else "i32")
 
     f32 = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "w_ptr": "*fp32", "norm_ptr": "*fp32", "ape_ptr": "*fp32",
            "sc_ptr": "*fp32", "st_ptr": "*fp32", "pos_ptr": "*i32", "slot_ptr": "*i32", "start_ptr": "*i32",
-           "req_ptr": "*i64", "close_ptr": "*i32", "pages_ptr": "*i32", "bad_ptr": "*i1", "cnt_ptr": "*i32"}
+           "req_ptr": "*i64", "close_ptr": "*i32", "keep_ptr": "*i32", "pages_ptr": "*i32", "store_ptr": "*i32",
+           "faults_ptr": "*i1", "cnt_ptr": "*i32"}
     for dt, name in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
         _compile(layer_front._q_rows_kernel, dict(D=512, BH=4, SOFT=False),
                  types({**f32, "q_ptr": name, "out_ptr": name}), {"H", "PH"}, gpu, 4)
-        _compile(layer_front._kv_rows_kernel, dict(D=512, DTYPE=dt, SOFT=False),
-                 types({**f32, "kv_ptr": name, "out_ptr": "*fp32"}), {"kv_stride"}, gpu, 4)
-    for ratio, dim in ((4, 512), (4, 128), (128, 512)):
+        for kv in {name, "*fp32"}:                       # the SWA projection's output, or the float32 one
+            for kind, cache in STORES:
+                _compile(layer_front._kv_rows_kernel, dict(D=512, DTYPE=dt, FAULT_ROWS=3, KIND=kind, BS=64, SOFT=False),
+                         types({**f32, **cache, "kv_ptr": kv, "out_ptr": "*fp32"}), {"kv_stride"}, gpu, 4)
+            _compile(layer_front._norm_rows_kernel, dict(BLOCK=1024, SOFT=False),
+                     types({**f32, "x_ptr": kv, "out_ptr": name}), {"x_stride", "N"}, gpu, 4)
+        _compile(layer_front._rotate_rows_kernel, dict(D=128, BH=8, SOFT=False),
+                 types({**f32, "x_ptr": "*fp32", "out_ptr": name}), {"H"}, gpu, 4)
+    for ratio, dim, stores in ((4, 512, STORES[:2]), (4, 128, STORES[:1] + STORES[3:]), (128, 512, STORES[:3])):
         coff = compress.RATIOS[ratio]
-        _compile(compress._write_state_kernel, dict(R=ratio, BLOCK=min(1024, 2 * coff * dim)), types(f32),
-                 {"sc_stride", "W"}, gpu, 4)
-        _compile(compress._close_kernel, dict(R=ratio, D=dim, COFF=coff, SB=64, RB=compress.ROWS_PER_CHUNK),
-                 types({**f32, "out_ptr": "*fp32"}), {"sc_stride"}, gpu, 4)
+        for kind, cache in stores:
+            _compile(compress._compress_kernel, dict(R=ratio, D=dim, COFF=coff, SB=64, RB=compress.ROWS_PER_CHUNK,
+                                                     BLOCK=min(1024, 2 * coff * dim), KIND=kind, BS=64, SOFT=False),
+                     types({**f32, **cache, "out_ptr": "*fp32"}), {"sc_stride"}, gpu, 4)
     pages = {"rows_ptr": "*bf16", "slot_ptr": "*i32", "u8_ptr": "*u8", "bf_ptr": "*bf16", "w64_ptr": "*i64"}
     for bs, fnuz in ((64, False), (3, True)):
         _compile(cache_write._fp8_ds_mla_kernel, dict(BS=bs, FNUZ=fnuz, SOFT=False), types(pages),
@@ -156,7 +170,8 @@ def _compile_layer(gpu) -> None:
         _compile(il._indexer_kernel, dict(BS=64, TG=il.TOKENS_PER_PROGRAM, HP=64, DP=128, BN=plan.block_n,
                                           NBLK=plan.blocks, PREC=prec,
                                           STAGES=plan.stages if gpu.backend == "cuda" and gpu.arch >= 90 else 1),
-                 types({**f32, "q_ptr": name, "k_ptr": name, "out_ptr": "*fp32"}), {"H", "DI", "width"}, gpu,
+                 types({**f32, "q_ptr": name, "k_ptr": name, "out_ptr": "*fp32", "w_scale": "fp32"}),
+                 {"H", "DI", "width", "w_stride"}, gpu,
                  plan.num_warps)
     tk = topk_lists
     _compile(tk._topk_lists_kernel, dict(BLOCK=tk.BLOCK, RADIX=tk.RADIX),

@@ -1,12 +1,13 @@
-"""The compressor's two batched operations as Triton kernels (dsv4.components.compressor.Compressor is the
-torch specification):
+"""The compressor's step as one Triton kernel (dsv4.components.compressor.Compressor is the torch
+specification): for every token of the step, in one program,
 
-- `write_state_kernel`: the (a, s + APE) rows a later step reads, into the state pages;
-- `close_kernel`: for each token that closes an entry, the softmax-pooled entry (rows of this step from
-  the step's scores plus APE, earlier ones from the state pages), RMSNorm with the compressor's weight,
-  RoPE at the entry's first position; float32 rows and a flag for entries that are not all finite.
+- the (a, s + APE) row a later step reads goes to the state pages (the plan's `state[R].write_slots`);
+- if the token closes an entry: the softmax-pooled entry (rows of this step from the step's scores plus
+  APE, earlier ones from the state pages), RMSNorm with the compressor's weight, RoPE at the entry's
+  first position -- a float32 row, the slot to store it at (-1 if it is not all finite) and its fault flag.
 
-One program per token (the grid depends on T only; tokens that close nothing write a zero row). A
+The two parts touch different rows: a step writes state rows only at its own new positions, and pooling
+reads this step's positions from the scores, never from the state pages, so one pass does both. A
 closing program holds the entry's D channels and walks its coff·R pooled rows RB at a time, twice: the
 per-channel maximum of the logits, then the sum of exp(s − max) and of a·exp(s − max) (torch's softmax
 takes the same maximum; only the summation order differs). RMSNorm uses an IEEE square root and division.
@@ -16,49 +17,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# float32 bit patterns from here up (|x| >= 3.3961e38, inf, NaN) are not finite once rounded to bf16: the rows
-# dsv4.components.front.stored_badly refuses to store
-BF16_INF_FROM: tl.constexpr = tl.constexpr(0x7F7F8000)
-
+from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, rows_dense
+from dsv4.kernels.cache_write import check_store, store_row
 from dsv4.kernels.layer_front import ROPE, ROPE_DIM, _rotate
+from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND
 
 RATIOS = {4: 2, 128: 1}            # ratio -> coff (ratio 4 pools two overlapping windows)
 ROWS_PER_CHUNK = 8
-
-
-@triton.jit
-def _write_state_kernel(sc_ptr, sc_stride, ape_ptr, pos_ptr, slot_ptr, st_ptr, n_state, W,
-                        R: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    slot = tl.load(slot_ptr + t)
-    if (slot >= 0) & (slot < n_state):
-        m = cols < 2 * W
-        v = tl.load(sc_ptr + t.to(tl.int64) * sc_stride + cols, mask=m)
-        p = tl.load(pos_ptr + t)
-        gate = (cols >= W) & m
-        ape = tl.load(ape_ptr + (p % R) * W + (cols - W), mask=gate, other=0.0)
-        tl.store(st_ptr + slot.to(tl.int64) * 2 * W + cols, tl.where(gate, v + ape, v), mask=m)
-
-
-def write_state_kernel(scores, ape, positions, slots, state, *, ratio: int, num_warps: int = 4) -> None:
-    """state[slots[t]] = [a_t | s_t + ape[positions[t] % ratio]] for every token t with slots[t] >= 0.
-
-    scores [T, 2W] float32 ([a | s]; rows may be strided, a column slice of the score projection), ape
-    [ratio, W] float32, positions/slots [T] int32, state [S, 2W] float32 (written in place). Sync-free."""
-    T, W2 = scores.shape
-    if W2 % 2 or state.shape[-1] != W2 or tuple(ape.shape) != (ratio, W2 // 2):
-        raise ValueError(f"write_state_kernel: scores {tuple(scores.shape)}, ape {tuple(ape.shape)} and state "
-                         f"{tuple(state.shape)} do not fit ratio {ratio}")
-    if not T:
-        return
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
-    block = min(1024, triton.next_power_of_2(W2))
-    _write_state_kernel[(T, triton.cdiv(W2, block))](scores, scores.stride(0), ape.float().contiguous(),
-                                                    positions.int().contiguous(), slots.int().contiguous(),
-                                                    state, state.shape[0], W2 // 2, R=ratio, BLOCK=block,
-                                                    num_warps=num_warps)
 
 
 @triton.jit
@@ -93,13 +58,26 @@ def _pooled_rows(row0, t, pos, first, step0, req, sc_ptr, sc_stride, ape_ptr, pa
 
 
 @triton.jit
-def _close_kernel(sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr, close_ptr,
-                  pages_ptr, P, st_ptr, n_state, out_ptr, bad_ptr, T, eps,
-                  R: tl.constexpr, D: tl.constexpr, COFF: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr):
+def _compress_kernel(sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr, keep_ptr,
+                     close_ptr, pages_ptr, P, st_ptr, n_state, out_ptr, store_ptr, faults_ptr, fault_row, T, eps,
+                     cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, R: tl.constexpr, D: tl.constexpr,
+                     COFF: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
+                     BS: tl.constexpr, SOFT: tl.constexpr):
     t = tl.program_id(0)
     dims = tl.arange(0, D)
-    if tl.load(close_ptr + t) >= 0:
-        pos = tl.load(pos_ptr + t)
+    W: tl.constexpr = COFF * D
+    pos = tl.load(pos_ptr + t)
+    keep = tl.load(keep_ptr + t)                               # the state row a later step reads
+    if (keep >= 0) & (keep < n_state):
+        for c0 in tl.static_range(0, 2 * W, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            m = cols < 2 * W
+            v = tl.load(sc_ptr + t.to(tl.int64) * sc_stride + cols, mask=m)
+            gate = (cols >= W) & m
+            ape = tl.load(ape_ptr + (pos % R) * W + (cols - W), mask=gate, other=0.0)
+            tl.store(st_ptr + keep.to(tl.int64) * 2 * W + cols, tl.where(gate, v + ape, v), mask=m)
+    close = tl.load(close_ptr + t)
+    if close >= 0:
         first = pos + 1 - R                                   # jR: the entry's first position
         step0 = tl.load(start_ptr + t)
         req = tl.load(req_ptr + t).to(tl.int64)
@@ -122,42 +100,62 @@ def _close_kernel(sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, pos_pt
         w_ev, w_od = tl.split(tl.reshape(tl.load(norm_ptr + dims), [D // 2, 2]))
         ev, od = _rotate(ev * r * w_ev, od * r * w_od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
         y = tl.reshape(tl.join(ev, od), [D])
-        tl.store(out_ptr + t.to(tl.int64) * D + dims, y)
         finite = (y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < BF16_INF_FROM     # finite once rounded to bf16
-        tl.store(bad_ptr + t, tl.min(finite.to(tl.int32), 0) == 0)
+        bad = tl.min(finite.to(tl.int32), 0) == 0
+        if KIND == 0:                                          # the entry and its slot, for the layout's write
+            tl.store(out_ptr + t.to(tl.int64) * D + dims, y)
+            tl.store(store_ptr + t, tl.where(bad, -1, close))
+        else:                                                  # stored here (RowStore)
+            store_row(y, close, ~bad, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D, BS, KIND, SOFT)
+        tl.store(faults_ptr + fault_row * T + t, bad)
     else:
-        tl.store(out_ptr + t.to(tl.int64) * D + dims, tl.zeros([D], tl.float32))
-        tl.store(bad_ptr + t, False)
+        if KIND == 0:
+            tl.store(out_ptr + t.to(tl.int64) * D + dims, tl.zeros([D], tl.float32))
+            tl.store(store_ptr + t, -1)
+        tl.store(faults_ptr + fault_row * T + t, False)
 
 
-def close_kernel(scores, ape, norm, cos, sin, positions, step_start, token_request, close_slots, state_pages, state,
-                 *, ratio: int, head_dim: int, state_block: int, eps: float, num_warps: int = 4):
-    """The entries closed in this step -> (rows [T, head_dim] float32, zero where a token closes none;
-    bad [T] bool: a closed entry that is not all finite), as `Compressor.close` computes them.
+def compress_kernel(scores, ape, norm, cos, sin, positions, step_start, token_request, keep_slots, close_slots,
+                    state_pages, state, faults, fault_row: int, *, ratio: int, head_dim: int, state_block: int,
+                    eps: float, into=None, num_warps: int = 4):
+    """The compressor's step: `Compressor.write_state` then `Compressor.close`, in one launch. Each closed
+    entry is stored into `into` (a cache's RowStore) at its slot from `close_slots`, unless it is not all
+    finite; without `into` -> (rows [T, head_dim] float32, the entry each token closes, zero where it
+    closes none; store [T] int32: its slot, -1 where it closes none or the entry is refused) for the
+    layout's `write`. faults[fault_row] is set where a closed entry is refused.
 
     scores [T, 2·coff·head_dim] float32 ([a | s], no APE; rows may be strided), ape [ratio, coff·head_dim],
-    norm [head_dim], cos/sin [T, 32] at each entry's first position, positions/step_start/close_slots [T]
-    int32, token_request [T] int64, state_pages [B, P] int32 (the state table, rows of `state_block`), state
-    [S, 2·coff·head_dim] float32. Sync-free; one program per token."""
+    norm [head_dim], cos/sin [T, 32] at each entry's first position, positions/step_start/keep_slots/
+    close_slots [T] int32, token_request [T] int64, state_pages [B, P] int32 (the state table, rows of
+    `state_block`), state [S, 2·coff·head_dim] float32 (the rows at keep_slots written in place), faults
+    [F, T] bool. Sync-free; one program per token."""
     import torch
 
     if ratio not in RATIOS:
-        raise ValueError(f"close_kernel: ratio {ratio} is not one of {sorted(RATIOS)}")
+        raise ValueError(f"compress_kernel: ratio {ratio} is not one of {sorted(RATIOS)}")
     coff, D = RATIOS[ratio], head_dim
     T = scores.shape[0]
     if D < ROPE_DIM or D & (D - 1) or scores.shape[1] != 2 * coff * D or state.shape[-1] != 2 * coff * D:
-        raise ValueError(f"close_kernel: scores {tuple(scores.shape)} / state {tuple(state.shape)} do not hold "
+        raise ValueError(f"compress_kernel: scores {tuple(scores.shape)} / state {tuple(state.shape)} do not hold "
                          f"ratio-{ratio} rows of head_dim {D} (a power of two >= {ROPE_DIM})")
-    rows = torch.empty(T, D, dtype=torch.float32, device=scores.device)
-    bad = torch.empty(T, dtype=torch.bool, device=scores.device)
-    if not T:
-        return rows, bad
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
-    pages = state_pages.int().contiguous()
-    _close_kernel[(T,)](scores, scores.stride(0), ape.float().contiguous(), norm.float().contiguous(),
-                        cos.float().contiguous(), sin.float().contiguous(), positions.int().contiguous(),
-                        step_start.int().contiguous(), token_request.contiguous(), close_slots.int().contiguous(),
-                        pages, pages.shape[1], state, state.shape[0], rows, bad, T, eps, R=ratio, D=D, COFF=coff,
-                        SB=state_block, RB=ROWS_PER_CHUNK, num_warps=num_warps)
-    return rows, bad
+    if tuple(ape.shape) != (ratio, coff * D):
+        raise ValueError(f"compress_kernel: ape {tuple(ape.shape)} is not [{ratio}, {coff * D}]")
+    if faults.dim() != 2 or faults.shape[1] != T or not 0 <= fault_row < faults.shape[0] or not faults.is_contiguous():
+        raise ValueError(f"compress_kernel: faults must be a contiguous [F, {T}] bool tensor with row {fault_row}")
+    check_store(into, D)
+    rows = store = None
+    if into is None:
+        rows = torch.empty(T, D, dtype=torch.float32, device=scores.device)
+        store = torch.empty(T, dtype=torch.int32, device=scores.device)
+    if T:
+        scores = rows_dense(scores)
+        pages = as_i32(state_pages)
+        cache = into.args() if into is not None else (rows, rows, rows, 0, 0)
+        launch(_compress_kernel, (T,), scores, scores.stride(0), as_f32(ape), as_f32(norm), as_f32(cos), as_f32(sin),
+               as_i32(positions), as_i32(step_start), as_dense(token_request), as_i32(keep_slots),
+               as_i32(close_slots), pages, pages.shape[1], state, state.shape[0], faults if rows is None else rows,
+               faults if store is None else store, faults, fault_row, T, eps, *cache, R=ratio, D=D, COFF=coff,
+               SB=state_block, RB=ROWS_PER_CHUNK, BLOCK=min(1024, triton.next_power_of_2(2 * coff * D)),
+               KIND=0 if into is None else into.kind, BS=1 if into is None else into.block_size, SOFT=SOFT_ROUND,
+               num_warps=num_warps)
+    return None if into is not None else (rows, store)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from dsv4.kernels.launch import as_dense, as_i32, launch, rows_dense
+
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
 TOKENS_PER_PROGRAM = 2          # TG: a decode request's two tokens (MTP) share each key block
 
@@ -126,7 +128,8 @@ def _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo
 
 
 @triton.jit
-def _indexer_kernel(q_ptr, w_ptr, k_ptr, pages_ptr, req_ptr, cnt_ptr, out_ptr, T, H, DI, P, width, n_slots,
+def _indexer_kernel(q_ptr, w_ptr, w_stride, w_scale, k_ptr, pages_ptr, req_ptr, cnt_ptr, out_ptr, T, H, DI, P, width,
+                    n_slots,
                     BS: tl.constexpr, TG: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr,
                     NBLK: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr):
     g = tl.program_id(0)
@@ -151,7 +154,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, pages_ptr, req_ptr, cnt_ptr, out_ptr, T
         q_hi, q_lo = _tf32_split(q)
     else:
         q_hi, q_lo = q, q
-    wv = tl.load(w_ptr + mt.to(tl.int64) * H + mh, mask=mok, other=0.0)
+    wv = tl.load(w_ptr + mt.to(tl.int64) * w_stride + mh, mask=mok, other=0.0) * w_scale
     out_cols = out_ptr + tok.to(tl.int64)[None, :] * width
     keep = (tok < T)[None, :]
     if STAGES > 1:
@@ -189,9 +192,10 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, pages_ptr, req_ptr, cnt_ptr, out_ptr, T
             tl.store(out_cols + cols[:, None], vals, mask=keep & (cols < width)[:, None])
 
 
-def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, block_n: int = 0,
+def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float = 1.0, block_n: int = 0,
                    blocks_per_program: int = 0, num_warps: int = 0, stages: int = 0):
-    """[T, width] float32 indexer scores: q [T, Hi, Di] float32, w [T, Hi] float32 (already scaled), `keys`
+    """[T, width] float32 indexer scores: q [T, Hi, Di] (float32, or already in the keys' dtype), w [T, Hi]
+    float32 head weights (rows may be strided) times `w_scale`, `keys`
     a PagedCache of float32 or bf16 rows ([num_blocks, bs, Di] data, `.block_size`), pages [B, P] int32
     (the entries table), token_request [T] int64, counts [T] int32. Entries j < counts[t] score
     Σ_h w·ReLU(q·k_j) (0 where the entry has no page: the torch path reads a zero key), the rest −inf.
@@ -213,15 +217,15 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, bloc
     stages = stages or (plan.stages if pipelined(q.device) else 1)
     hp = max(triton.next_power_of_2(H), 16 // tg)         # a dot needs >= 16 rows
     dp = max(triton.next_power_of_2(DI), 16)
-    pages = pages.int().contiguous()
+    pages = as_i32(pages)
+    w = rows_dense(w if w.dtype == torch.float32 else w.float())
     if data.dtype == torch.bfloat16:
         precision = "bf16_widened" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
     else:
         precision = INPUT_PRECISION["hip" if torch.version.hip else "cuda"]
     grid = (triton.cdiv(T, tg), triton.cdiv(width, block_n * blocks_per_program))
-    _indexer_kernel[grid](q.to(data.dtype).contiguous(), w.float().contiguous(), data, pages,
-                          token_request.contiguous(), counts.int().contiguous(), out, T, H, DI, pages.shape[1], width,
-                          data.numel() // DI, BS=keys.block_size, TG=tg, HP=hp, DP=dp, BN=block_n,
-                          NBLK=blocks_per_program, PREC=precision, STAGES=stages, num_warps=num_warps,
-                          num_stages=1)
+    launch(_indexer_kernel, grid, as_dense(q if q.dtype == data.dtype else q.to(data.dtype)), w, w.stride(0), w_scale,
+           data, pages, as_dense(token_request), as_i32(counts), out, T, H, DI, pages.shape[1], width,
+           data.numel() // DI, BS=keys.block_size, TG=tg, HP=hp, DP=dp, BN=block_n, NBLK=blocks_per_program,
+           PREC=precision, STAGES=stages, num_warps=num_warps, num_stages=1)
     return out

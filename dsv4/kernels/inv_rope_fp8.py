@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsv4.kernels.launch import as_dense, launch
+
 
 @triton.jit
 def _inv_rope_fp8_kernel(o_ptr, cos_ptr, sin_ptr, x_ptr, s_ptr, n_blocks, groups_per_token,
@@ -48,13 +50,12 @@ def inv_rope_fp8_quant(o, cos, sin, groups: int, *, blocks_per_program: int = 16
     import torch
 
     T, H, D = o.shape
-    o = o.contiguous()
+    o = as_dense(o)
     n_blocks = H * D // 128
     bpp = next(b for b in (blocks_per_program, 16, 8, 4, 2, 1) if n_blocks % b == 0)
     x = torch.empty(T, n_blocks * 128, dtype=torch.float8_e4m3fn, device=o.device)
     s = torch.empty(T, n_blocks, dtype=torch.float32, device=o.device)
     if T:
-        _inv_rope_fp8_kernel[(T * (n_blocks // bpp),)](o, cos.contiguous(), sin.contiguous(), x, s, n_blocks,
-                                                       n_blocks // bpp, HEAD_DIM=D, ROPE=64, BPP=bpp,
-                                                       num_warps=num_warps)
+        launch(_inv_rope_fp8_kernel, (T * (n_blocks // bpp),), o, as_dense(cos), as_dense(sin), x, s, n_blocks,
+               n_blocks // bpp, HEAD_DIM=D, ROPE=64, BPP=bpp, num_warps=num_warps)
     return x.view(T, groups, -1), s.view(T, groups, -1)

@@ -2,10 +2,15 @@
 
 - `q_rows_kernel`: per (token, head) RMSNorm without weight, rounded to the activation dtype, RoPE on the
   last 64 dims, rounded again, written into the head-padded buffer the MQA kernel reads (padded heads 0);
-- `kv_rows_kernel`: RMSNorm with a weight, rounded to the activation dtype, RoPE, float32 rows, and a flag
-  for rows that are not all finite (the layer refuses to store them);
+- `kv_rows_kernel`: RMSNorm with a weight, rounded to the activation dtype, RoPE, float32 rows, stored
+  into their cache pages by the same program (a RowStore) or returned with the slots to store them at;
+  rows that are not all finite are refused (not stored, slot -1) and flagged in the layer's faults;
 - `norm_rows_kernel`: RMSNorm with a weight over rows of any width (the q_lora rows), in the activation dtype;
-- `rotate_rows_kernel`: RoPE alone on every head of float32 rows (the indexer's queries).
+- `rotate_rows_kernel`: RoPE alone on every head of float32 rows (the indexer's queries), stored in a
+  given dtype.
+
+Inputs may be the float32 output of a wider product (a compressed layer's one product of x): they are
+rounded to the activation dtype first, as that product in the activation dtype would give them.
 
 Rows are read as (even, odd) pairs, so RoPE rotates pairs in registers; the norm is float32 with an IEEE
 square root and division (`sqrt_rn`, `div_rn`: Triton's default rsqrt and `/` are approximate on NVIDIA),
@@ -13,42 +18,15 @@ so float32 results are within an ulp or two of torch's and bf16 ones nearly alwa
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-# float32 bit patterns from here up (|x| >= 3.3961e38, inf, NaN) are not finite once rounded to bf16: the rows
-# dsv4.components.front.stored_badly refuses to store
-BF16_INF_FROM: tl.constexpr = tl.constexpr(0x7F7F8000)
+from dsv4.kernels.cache_write import check_store, store_row
+from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, rows_dense
+from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, round_to, widen
 
 ROPE_DIM = 64                       # RoPE dims: the last 64 of a row (dsv4.components.rope)
 ROPE = tl.constexpr(ROPE_DIM)
-# The interpreter converts between float32 and bf16 wrongly (rounding half-up without carrying into the
-# exponent, subnormals; Triton 3.6-3.9), so there both directions are integer arithmetic; compiled kernels
-# use the hardware's conversions (ties to even, as torch rounds).
-SOFT_ROUND = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def widen(x, SOFT: tl.constexpr):
-    """x (bf16 or float32) as float32, exactly. SOFT: bf16 by shifting its bits."""
-    if SOFT and x.dtype == tl.bfloat16:
-        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
-def round_to(x, dt: tl.constexpr, SOFT: tl.constexpr):
-    """float32 x rounded to `dt` (ties to even, as torch rounds). SOFT: bf16 by integer arithmetic."""
-    if SOFT and dt == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        r = tl.where(x != x, 0x7FC0, r)                                  # NaN: torch's quiet NaN
-        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dt)
 
 
 @triton.jit
@@ -93,11 +71,16 @@ def _q_rows_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, H, PH, eps, D: tl.constexpr
 
 
 @triton.jit
-def _kv_rows_kernel(kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, out_ptr, bad_ptr, eps, D: tl.constexpr,
-                    DTYPE: tl.constexpr, SOFT: tl.constexpr):
+def _kv_rows_kernel(kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr, T, eps,
+                    cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D: tl.constexpr,
+                    DTYPE: tl.constexpr, FAULT_ROWS: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr,
+                    SOFT: tl.constexpr):
     t = tl.program_id(0)
     dims = tl.arange(0, D)
-    x = widen(tl.load(kv_ptr + t.to(tl.int64) * kv_stride + dims), SOFT)
+    x = tl.load(kv_ptr + t.to(tl.int64) * kv_stride + dims)
+    if x.dtype != DTYPE:                                             # a wider product's output: round as the
+        x = round_to(x.to(tl.float32), DTYPE, SOFT)                  # linear's output in `DTYPE` would be
+    x = widen(x, SOFT)
     ev, od = tl.split(tl.reshape(x, [D // 2, 2]))
     w_ev, w_od = tl.split(tl.reshape(tl.load(w_ptr + dims), [D // 2, 2]))
     r = _rms_scale(ev, od, eps, D)
@@ -105,9 +88,17 @@ def _kv_rows_kernel(kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, out_ptr, bad_ptr
     od = widen(round_to(od * r * w_od, DTYPE, SOFT), SOFT)
     ev, od = _rotate(ev, od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
     y = tl.reshape(tl.join(ev, od), [D])
-    tl.store(out_ptr + t.to(tl.int64) * D + dims, y)
     finite = (y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < BF16_INF_FROM     # finite once rounded to bf16
-    tl.store(bad_ptr + t, tl.min(finite.to(tl.int32), 0) == 0)
+    bad = tl.min(finite.to(tl.int32), 0) == 0
+    slot = tl.load(slot_ptr + t)
+    if KIND == 0:                                                    # the rows and their slots, for `write`
+        tl.store(out_ptr + t.to(tl.int64) * D + dims, y)
+        tl.store(store_ptr + t, tl.where(bad, -1, slot))
+    else:                                                            # stored here (RowStore)
+        store_row(y, slot, ~bad, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D, BS, KIND, SOFT)
+    tl.store(faults_ptr + t, bad & (slot >= 0))
+    for i in tl.static_range(1, FAULT_ROWS):                         # the rows later kernels of the layer set
+        tl.store(faults_ptr + i * T + t, False)
 
 
 @triton.jit
@@ -115,15 +106,19 @@ def _norm_rows_kernel(x_ptr, x_stride, w_ptr, out_ptr, N, eps, BLOCK: tl.constex
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < N
-    x = widen(tl.load(x_ptr + t.to(tl.int64) * x_stride + cols, mask=m, other=0.0), SOFT)
+    x = tl.load(x_ptr + t.to(tl.int64) * x_stride + cols, mask=m, other=0.0)
+    dt = out_ptr.dtype.element_ty
+    if x.dtype != dt:                                     # a wider product's output, rounded as the linear's
+        x = round_to(x.to(tl.float32), dt, SOFT)
+    x = widen(x, SOFT)
     ms = tl.sum(x * x, axis=0) / N
     r = 1.0 / tl.sqrt_rn(ms + eps)
     y = x * r * tl.load(w_ptr + cols, mask=m, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * N + cols, round_to(y, out_ptr.dtype.element_ty, SOFT), mask=m)
+    tl.store(out_ptr + t.to(tl.int64) * N + cols, round_to(y, dt, SOFT), mask=m)
 
 
 @triton.jit
-def _rotate_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr):
+def _rotate_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     dims = tl.arange(0, D)
@@ -131,7 +126,8 @@ def _rotate_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH
     x = tl.load(x_ptr + at, mask=(h < H)[:, None], other=0.0)
     ev, od = tl.split(tl.reshape(x, [BH, D // 2, 2]))
     ev, od = _rotate(ev, od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
-    tl.store(out_ptr + at, tl.reshape(tl.join(ev, od), [BH, D]), mask=(h < H)[:, None])
+    y = tl.reshape(tl.join(ev, od), [BH, D])
+    tl.store(out_ptr + at, round_to(y, out_ptr.dtype.element_ty, SOFT), mask=(h < H)[:, None])
 
 
 _TL = {"torch.float32": tl.float32, "torch.bfloat16": tl.bfloat16, "torch.float16": tl.float16}
@@ -156,56 +152,68 @@ def q_rows_kernel(q, cos, sin, *, padded_heads: int, eps: float, dtype, heads_pe
     out = torch.empty(T, padded_heads, D, dtype=dtype, device=q.device)
     if T and padded_heads:
         bh = min(heads_per_program, triton.next_power_of_2(padded_heads))
-        _q_rows_kernel[(T, triton.cdiv(padded_heads, bh))](q.contiguous(), cos.float().contiguous(),
-                                                           sin.float().contiguous(), out, H, padded_heads, eps,
-                                                           D=D, BH=bh, SOFT=SOFT_ROUND,
-                                                           num_warps=num_warps)
+        launch(_q_rows_kernel, (T, triton.cdiv(padded_heads, bh)), as_dense(q), as_f32(cos), as_f32(sin), out, H,
+               padded_heads, eps, D=D, BH=bh, SOFT=SOFT_ROUND, num_warps=num_warps)
     return out
 
 
-def kv_rows_kernel(kv, weight, cos, sin, *, eps: float, dtype, num_warps: int = 4):
-    """kv [T, D] (rows may be strided: a column slice of the input projection), weight [D] float32,
-    cos/sin [T, 32] float32 -> (rows [T, D] float32: RMSNorm with `weight` rounded to `dtype`, then RoPE;
-    bad [T] bool: the row is not all finite). Sync-free; one program per token."""
+def kv_rows_kernel(kv, weight, cos, sin, slots, faults, *, eps: float, dtype, into=None, num_warps: int = 4):
+    """The SWA rows of a step, stored where the plan puts them.
+
+    kv [T, D] (the input projection's columns, in `dtype` or float32 -- then rounded to `dtype` first, as
+    the projection's output in `dtype` would be; rows may be strided), weight [D] float32, cos/sin [T, 32]
+    float32, slots [T] int32 (-1: none). Each row: RMSNorm with `weight` rounded to `dtype`, then RoPE, in
+    float32; refused where it is not all finite once rounded to bf16. With `into` (a cache's RowStore) the
+    rows are stored there and nothing is returned; without, -> (rows [T, D] float32, store [T] int32:
+    `slots`, -1 for refused rows) for the cache layout's `write`. Writes faults[0] (a refused row of a
+    token with a slot) and clears faults[1:] ([F, T] bool, for the layer's later kernels). Sync-free; one
+    program per token."""
     import torch
 
     T, D = kv.shape
     _check_dim(D)
-    rows = torch.empty(T, D, dtype=torch.float32, device=kv.device)
-    bad = torch.empty(T, dtype=torch.bool, device=kv.device)
+    if faults.dim() != 2 or faults.shape[1] != T or faults.dtype != torch.bool or not faults.is_contiguous():
+        raise ValueError(f"kv_rows_kernel: faults must be a contiguous [F, {T}] bool tensor")
+    check_store(into, D)
+    rows = store = None
+    if into is None:
+        rows = torch.empty(T, D, dtype=torch.float32, device=kv.device)
+        store = torch.empty(T, dtype=torch.int32, device=kv.device)
     if T:
-        if kv.stride(1) != 1:
-            kv = kv.contiguous()
-        _kv_rows_kernel[(T,)](kv, kv.stride(0), weight.float().contiguous(), cos.float().contiguous(),
-                              sin.float().contiguous(), rows, bad, eps, D=D, DTYPE=_TL[str(dtype)],
-                              SOFT=SOFT_ROUND, num_warps=num_warps)
-    return rows, bad
+        kv = rows_dense(kv)
+        cache = into.args() if into is not None else (rows, rows, rows, 0, 0)
+        launch(_kv_rows_kernel, (T,), kv, kv.stride(0), as_f32(weight), as_f32(cos), as_f32(sin), as_i32(slots),
+               faults if rows is None else rows, faults if store is None else store, faults, T, eps, *cache, D=D,
+               DTYPE=_TL[str(dtype)], FAULT_ROWS=faults.shape[0], KIND=0 if into is None else into.kind,
+               BS=1 if into is None else into.block_size, SOFT=SOFT_ROUND, num_warps=num_warps)
+    return None if into is not None else (rows, store)
 
 
 def norm_rows_kernel(x, weight, *, eps: float, dtype, num_warps: int = 4):
-    """x [T, N] (rows may be strided), weight [N] float32 -> [T, N] in `dtype`: x·rsqrt(mean(x²)+eps)·w in
-    float32, as components.norms.rms_norm. Sync-free; one program per row."""
+    """x [T, N] (in `dtype` or float32 -- then rounded to `dtype` first; rows may be strided), weight [N]
+    float32 -> [T, N] in `dtype`: x·rsqrt(mean(x²)+eps)·w in float32, as components.norms.rms_norm.
+    Sync-free; one program per row."""
     import torch
 
     T, N = x.shape
     out = torch.empty(T, N, dtype=dtype, device=x.device)
     if T:
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        _norm_rows_kernel[(T,)](x, x.stride(0), weight.float().contiguous(), out, N, eps,
-                                BLOCK=triton.next_power_of_2(N), SOFT=SOFT_ROUND, num_warps=num_warps)
+        x = rows_dense(x)
+        launch(_norm_rows_kernel, (T,), x, x.stride(0), as_f32(weight), out, N, eps,
+               BLOCK=triton.next_power_of_2(N), SOFT=SOFT_ROUND, num_warps=num_warps)
     return out
 
 
-def rotate_rows_kernel(x, cos, sin, *, heads_per_program: int = 8, num_warps: int = 4):
-    """x [T, H, D] float32, cos/sin [T, 32] -> [T, H, D] float32 with RoPE on each head's last 64 dims."""
+def rotate_rows_kernel(x, cos, sin, *, dtype=None, heads_per_program: int = 8, num_warps: int = 4):
+    """x [T, H, D] float32, cos/sin [T, 32] -> [T, H, D] with RoPE on each head's last 64 dims, in float32,
+    stored in `dtype` (float32 if None)."""
     import torch
 
     T, H, D = x.shape
     _check_dim(D)
-    out = torch.empty_like(x, dtype=torch.float32)
+    out = torch.empty(T, H, D, dtype=dtype or torch.float32, device=x.device)
     if T:
         bh = min(heads_per_program, triton.next_power_of_2(H))
-        _rotate_rows_kernel[(T, triton.cdiv(H, bh))](x.float().contiguous(), cos.float().contiguous(),
-                                                     sin.float().contiguous(), out, H, D=D, BH=bh, num_warps=num_warps)
+        launch(_rotate_rows_kernel, (T, triton.cdiv(H, bh)), as_f32(x), as_f32(cos), as_f32(sin), out, H, D=D,
+               BH=bh, SOFT=SOFT_ROUND, num_warps=num_warps)
     return out

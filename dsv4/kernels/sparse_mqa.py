@@ -45,6 +45,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
+from dsv4.kernels.launch import launch
 from dsv4.strategies.triton_sparse import VARIANTS
 
 LOG2E = 1.4426950408889634
@@ -425,10 +426,9 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
         t1 = min(T, t0 + step)
         pools = (*swa[2:5], s_idx[t0:t1], s_len[t0:t1], sw, *swa[5:],
                  *e[2:5], e_idx[t0:t1], e_len[t0:t1], ew, *e[5:])
-        _scores_kernel[(NB, t1 - t0, triton.cdiv(H, BH))](
-            q[t0:t1], p, ml, *pools, H, NC, NB, nbs, scale * LOG2E, BH=BH, **common, num_warps=num_warps,
-            num_stages=1)
-        _pv_kernel[(D // DB, t1 - t0, triton.cdiv(H, BH))](
-            p, ml, sink_l2, out[t0:t1], lse[t0:t1], *pools, H, NC, NB, nbs, BH=BH, DB=DB,
-            NBP=triton.next_power_of_2(NB), **common, num_warps=num_warps_pv or plan.num_warps_pv, num_stages=1)
+        launch(_scores_kernel, (NB, t1 - t0, triton.cdiv(H, BH)), q[t0:t1], p, ml, *pools, H, NC, NB, nbs,
+               scale * LOG2E, BH=BH, **common, num_warps=num_warps, num_stages=1)
+        launch(_pv_kernel, (D // DB, t1 - t0, triton.cdiv(H, BH)), p, ml, sink_l2, out[t0:t1], lse[t0:t1], *pools, H,
+               NC, NB, nbs, BH=BH, DB=DB, NBP=triton.next_power_of_2(NB), **common,
+               num_warps=num_warps_pv or plan.num_warps_pv, num_stages=1)
     return out, lse

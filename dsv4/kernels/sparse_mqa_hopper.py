@@ -30,6 +30,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                             warpgroup_mma_wait)
 
+from dsv4.kernels.launch import launch
+
 # Triton 3.6 (the H200's) calls the CTA barrier thread_barrier, 3.9 (CI's, for the compile check) barrier
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -272,8 +274,8 @@ def sparse_mqa_hopper(q, sink_l2, scale_l2: float, swa: tuple, swa_idx, swa_len,
     if T == 0:
         return out, lse
     e, e_idx, e_len = (extra, extra_idx, extra_len) if extra is not None else (swa, swa_idx, swa_len)
-    _hopper_kernel[(T, triton.cdiv(H, 64))](
-        q, sink_l2, out, lse,
+    launch(
+        _hopper_kernel, (T, triton.cdiv(H, 64)), q, sink_l2, out, lse,
         swa[2], swa[3], swa[4], swa_idx, swa_len, swa_idx.shape[1], swa[5], swa[6], swa[1],
         e[2], e[3], e[4], e_idx, e_len, e_idx.shape[1] if extra is not None else 0, e[5], e[6], e[1],
         H, scale_l2, D=D, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,

@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsv4.kernels.launch import as_dense, as_i32, launch
+
 # H200, 128 rows (64 requests x 2 tokens) of 2,048 and 16,384 columns, K = 512 (bench/tune_indexer.py)
 BLOCK, RADIX, NUM_WARPS = 2048, 4, 16
 
@@ -99,8 +101,8 @@ def topk_lists(scores, counts, pages, token_request, *, topk: int, block_size: i
     if 32 % radix:
         raise ValueError(f"topk_lists: radix {radix} must divide 32")
     if T:
-        pages = pages.int().contiguous()
-        _topk_lists_kernel[(T,)](scores.contiguous(), width, counts.int().contiguous(), pages, pages.stride(0),
-                                 pages.shape[1], token_request, local, slots, lens, topk, block_size,
-                                 BLOCK=block or BLOCK, RADIX=radix, num_warps=num_warps or NUM_WARPS)
+        pages = as_i32(pages)
+        launch(_topk_lists_kernel, (T,), as_dense(scores), width, as_i32(counts), pages, pages.stride(0),
+               pages.shape[1], token_request, local, slots, lens, topk, block_size, BLOCK=block or BLOCK,
+               RADIX=radix, num_warps=num_warps or NUM_WARPS)
     return local, slots, lens

@@ -68,6 +68,12 @@ class PlainRowLayout:
         keep = slots >= 0
         flat[slots[keep].long()] = rows[keep].to(flat.dtype)
 
+    def kernel_store(self, cache, block_size: int):
+        if not cache.is_cuda:
+            return None
+        from dsv4.kernels.cache_write import plain_rows_store
+        return plain_rows_store(cache, block_size)
+
     def read(self, cache, slots, *, block_size: int):
         import torch
 

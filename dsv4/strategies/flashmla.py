@@ -5,8 +5,9 @@ directly: the SWA cache through `indices`/`topk_length`, the compressed cache as
 through `extra_indices_in_kvcache`/`extra_topk_length`, with the attention sink (DSV4_SPEC §4.2). The
 tile-scheduler metadata is the strategy's per-step plan: made empty once per layer type per step
 (`plan`), filled by the first call and reused by the other layers of that type in the step (the API
-requires identical shapes and lengths, which layers of one type in one step have). In a CUDA graph the
-first layer's captured call recomputes it on every replay. On sm90 the kernels are the package's
+requires identical shapes and lengths, which layers of one type in one step have); so are the padded
+index lists of ratio-128 layers. In a CUDA graph the first layer's captured call recomputes both on
+every replay. On sm90 the kernels are the package's
 legacy ones.
 
 Prefill tokens go through the same decode kernel by default: it reads the fp8 pages in place, while
@@ -31,21 +32,30 @@ def _pad_width(idx, multiple: int = WIDTH_MULTIPLE):
     w = idx.shape[1]
     target = max(multiple, -(-w // multiple) * multiple)
     if target == w:
-        return idx.contiguous()
+        return idx if idx.is_contiguous() else idx.contiguous()
     return torch.cat((idx, idx.new_full((idx.shape[0], target - w), -1)), 1).contiguous()
 
 
 def fp8_ds_mla_pages(cache):
     """The [num_blocks, B, 1, 584] view FlashMLA reads of a PagedCache in the fp8_ds_mla layout:
     row t of page b at b*page_bytes + t*584 (the page stride keeps our 576-aligned padding)."""
-    B = cache.block_size
-    return cache.data[:, : B * 584].view(cache.data.shape[0], B, 1, 584)
+    B, data = cache.block_size, cache.data
+    return data.as_strided((data.shape[0], B, 1, 584), (data.stride(0), 584, 584, 1))
 
 
 @dataclass(slots=True)
 class FlashMLAPlan:
-    """One step's tile-scheduler metadata for one layer type (flash_mla.FlashMLASchedMeta)."""
+    """One step's state for one layer type: the tile-scheduler metadata (flash_mla.FlashMLASchedMeta), and
+    the extra cache's index lists padded to the kernel's width (ratio-128 layers: the plan's list of every
+    visible entry, shared by the type's layers), both made by the type's first call in the step."""
     sched: Any = field(default=None)
+    lists: Any = None           # the step's unpadded extra index lists ...
+    padded: Any = None          # ... and their padded copy
+
+    def padded_lists(self, lists):
+        if self.lists is not lists:
+            self.lists, self.padded = lists, _pad_width(lists)
+        return self.padded
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,19 +84,24 @@ class FlashMLASparse:
         import flash_mla
         import torch
 
+        from dsv4.kernels.launch import as_dense, as_f32
+
         legacy = bool(prepared and prepared["use_legacy"])
+        T, H, D = q.shape
         idx = _pad_width(kv.swa_indices)
         extra = {}
         if kv.extra is not None:
-            extra = dict(extra_k_cache=fp8_ds_mla_pages(kv.extra),
-                         extra_indices_in_kvcache=_pad_width(kv.extra_indices).unsqueeze(1),
-                         extra_topk_length=kv.extra_lens.contiguous())
+            e_idx = _pad_width(kv.extra_indices) if plan is None else plan.padded_lists(kv.extra_indices)
+            extra = dict(extra_k_cache=fp8_ds_mla_pages(kv.extra), extra_indices_in_kvcache=e_idx.view(T, 1, -1),
+                         extra_topk_length=as_dense(kv.extra_lens))
         sched = plan.sched if plan is not None else flash_mla.get_mla_metadata()[0]    # no plan: this call alone
+        qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
         out, lse = flash_mla.flash_mla_with_kvcache(
-            q.to(torch.bfloat16).unsqueeze(1).contiguous(), fp8_ds_mla_pages(kv.swa), None, None, 512, sched,
-            softmax_scale=scale, is_fp8_kvcache=True, indices=idx.unsqueeze(1), attn_sink=sink.float().contiguous(),
-            topk_length=kv.swa_lens.contiguous(), use_legacy=legacy, **extra)
-        return out.squeeze(1).to(q.dtype), lse.squeeze(-1)
+            as_dense(qb).view(T, 1, H, D), fp8_ds_mla_pages(kv.swa), None, None, 512, sched, softmax_scale=scale,
+            is_fp8_kvcache=True, indices=idx.view(T, 1, -1), attn_sink=as_f32(sink), topk_length=as_dense(kv.swa_lens),
+            use_legacy=legacy, **extra)
+        out = out.view(T, H, -1)
+        return (out if out.dtype == q.dtype else out.to(q.dtype)), lse.view(T, H)
 
     def _gather_prefill(self, q, kv: SparseKV, *, sink, scale: float, prepared=None):
         """Dequantize each referenced row once into a bf16 workspace, then flash_mla_sparse_fwd."""

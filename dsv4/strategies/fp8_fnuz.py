@@ -84,6 +84,12 @@ class Fp8DsMlaFnuzLayout:
     def read(self, cache, slots, *, block_size: int):
         return read_records(self, cache, slots, block_size=block_size)
 
+    def kernel_store(self, cache, block_size: int):
+        if not cache.is_cuda:
+            return None
+        from dsv4.kernels.cache_write import fp8_ds_mla_store
+        return fp8_ds_mla_store(cache, block_size, fnuz=True)
+
 
 # ---- converting whole caches between the two flavours ---------------------------------------------
 def _regions(pages, block_size: int):

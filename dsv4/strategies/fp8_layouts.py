@@ -152,6 +152,12 @@ class Fp8DsMlaLayout:
         return read_records(self, cache, slots, block_size=block_size, data_bytes=self.data_bytes,
                             scale_bytes=self.scale_bytes)
 
+    def kernel_store(self, cache, block_size: int):
+        if not (cache.is_cuda and (self.nope_dim, self.rope_dim, self.tile) == (NOPE_BYTES, 64, 64)):
+            return None
+        from dsv4.kernels.cache_write import fp8_ds_mla_store
+        return fp8_ds_mla_store(cache, block_size)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fp8PerTensorLayout:
@@ -210,6 +216,9 @@ class Fp8PerTensorLayout:
 
         rows = cache.view(-1, cache.shape[-1])[slots.clamp(min=0).long()].float() * self.kv_scale
         return torch.where((slots >= 0)[..., None], rows, torch.zeros((), device=rows.device))
+
+    def kernel_store(self, cache, block_size: int):
+        return None                                # rows go through `write`
 
     def fp8_query(self, q):
         """q as a kernel that wants an fp8 query takes it: e4m3(q / q_scale)."""

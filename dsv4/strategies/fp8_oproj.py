@@ -48,9 +48,11 @@ def fused_inverse_rope_fp8_quant(o, rot, groups: int):
     write of the fp8 bytes); on a CPU tensor, the torch-op version."""
     if not o.is_cuda:
         return inverse_rope_fp8_quant(o, rot, groups)
+    import torch
+
     from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
 
-    return inv_rope_fp8_quant(o.bfloat16(), rot.cos, rot.sin, groups)
+    return inv_rope_fp8_quant(o if o.dtype == torch.bfloat16 else o.bfloat16(), rot.cos, rot.sin, groups)
 
 
 def quantize_weight_blocks(w):
