@@ -199,3 +199,21 @@ def check_store(into, dim: int) -> None:
     if dim != want or have != dim:
         raise ValueError(f"a cache of {have}-value rows ({'plain' if into.kind == PLAIN_ROWS.value else 'fp8_ds_mla'})"
                          f" cannot store rows of {dim}")
+
+
+def row_outputs(who: str, into, faults, fault_row: int, T: int, D: int, device):
+    """What a row-making kernel writes, checked: into a RowStore `into` (nothing comes back), or rows
+    [T, D] float32 and their slots [T] int32 for a layout's `write`; and row `fault_row` of faults ([F, T]
+    bool). -> (rows, store, the kernel's (out, store, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride,
+    n_slots) arguments, its KIND and BS constexprs); rows and store are None with `into`."""
+    import torch
+
+    if (faults.dim() != 2 or faults.shape[1] != T or faults.dtype != torch.bool or not faults.is_contiguous()
+            or not 0 <= fault_row < faults.shape[0]):
+        raise ValueError(f"{who}: faults must be a contiguous [F, {T}] bool tensor with row {fault_row}")
+    check_store(into, D)
+    if into is not None:                 # the out and store pointers are not written: any tensor will do
+        return None, None, (faults, faults, *into.args()), into.kind, into.block_size
+    rows = torch.empty(T, D, dtype=torch.float32, device=device)
+    store = torch.empty(T, dtype=torch.int32, device=device)
+    return rows, store, (rows, store, rows, rows, rows, 0, 0), 0, 1

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, rows_dense
-from dsv4.kernels.cache_write import check_store, store_row
+from dsv4.kernels.cache_write import row_outputs, store_row
 from dsv4.kernels.layer_front import ROPE, ROPE_DIM, _rotate
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND
 
@@ -129,7 +129,6 @@ def compress_kernel(scores, ape, norm, cos, sin, positions, step_start, token_re
     close_slots [T] int32, token_request [T] int64, state_pages [B, P] int32 (the state table, rows of
     `state_block`), state [S, 2·coff·head_dim] float32 (the rows at keep_slots written in place), faults
     [F, T] bool. Sync-free; one program per token."""
-    import torch
 
     if ratio not in RATIOS:
         raise ValueError(f"compress_kernel: ratio {ratio} is not one of {sorted(RATIOS)}")
@@ -140,22 +139,15 @@ def compress_kernel(scores, ape, norm, cos, sin, positions, step_start, token_re
                          f"ratio-{ratio} rows of head_dim {D} (a power of two >= {ROPE_DIM})")
     if tuple(ape.shape) != (ratio, coff * D):
         raise ValueError(f"compress_kernel: ape {tuple(ape.shape)} is not [{ratio}, {coff * D}]")
-    if faults.dim() != 2 or faults.shape[1] != T or not 0 <= fault_row < faults.shape[0] or not faults.is_contiguous():
-        raise ValueError(f"compress_kernel: faults must be a contiguous [F, {T}] bool tensor with row {fault_row}")
-    check_store(into, D)
-    rows = store = None
-    if into is None:
-        rows = torch.empty(T, D, dtype=torch.float32, device=scores.device)
-        store = torch.empty(T, dtype=torch.int32, device=scores.device)
+    rows, store, (out, st, *cache), kind, bs = row_outputs("compress_kernel", into, faults, fault_row, T, D,
+                                                          scores.device)
     if T:
         scores = rows_dense(scores)
         pages = as_i32(state_pages)
-        cache = into.args() if into is not None else (rows, rows, rows, 0, 0)
         launch(_compress_kernel, (T,), scores, scores.stride(0), as_f32(ape), as_f32(norm), as_f32(cos), as_f32(sin),
                as_i32(positions), as_i32(step_start), as_dense(token_request), as_i32(keep_slots),
-               as_i32(close_slots), pages, pages.shape[1], state, state.shape[0], faults if rows is None else rows,
-               faults if store is None else store, faults, fault_row, T, eps, *cache, R=ratio, D=D, COFF=coff,
-               SB=state_block, RB=ROWS_PER_CHUNK, BLOCK=min(1024, triton.next_power_of_2(2 * coff * D)),
-               KIND=0 if into is None else into.kind, BS=1 if into is None else into.block_size, SOFT=SOFT_ROUND,
+               as_i32(close_slots), pages, pages.shape[1], state, state.shape[0], out, st, faults, fault_row, T, eps,
+               *cache, R=ratio, D=D, COFF=coff, SB=state_block, RB=ROWS_PER_CHUNK,
+               BLOCK=min(1024, triton.next_power_of_2(2 * coff * D)), KIND=kind, BS=bs, SOFT=SOFT_ROUND,
                num_warps=num_warps)
     return None if into is not None else (rows, store)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.cache_write import check_store, store_row
+from dsv4.kernels.cache_write import row_outputs, store_row
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, rows_dense
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, round_to, widen
 
@@ -168,24 +168,15 @@ def kv_rows_kernel(kv, weight, cos, sin, slots, faults, *, eps: float, dtype, in
     `slots`, -1 for refused rows) for the cache layout's `write`. Writes faults[0] (a refused row of a
     token with a slot) and clears faults[1:] ([F, T] bool, for the layer's later kernels). Sync-free; one
     program per token."""
-    import torch
 
     T, D = kv.shape
     _check_dim(D)
-    if faults.dim() != 2 or faults.shape[1] != T or faults.dtype != torch.bool or not faults.is_contiguous():
-        raise ValueError(f"kv_rows_kernel: faults must be a contiguous [F, {T}] bool tensor")
-    check_store(into, D)
-    rows = store = None
-    if into is None:
-        rows = torch.empty(T, D, dtype=torch.float32, device=kv.device)
-        store = torch.empty(T, dtype=torch.int32, device=kv.device)
+    rows, store, (out, st, *cache), kind, bs = row_outputs("kv_rows_kernel", into, faults, 0, T, D, kv.device)
     if T:
         kv = rows_dense(kv)
-        cache = into.args() if into is not None else (rows, rows, rows, 0, 0)
         launch(_kv_rows_kernel, (T,), kv, kv.stride(0), as_f32(weight), as_f32(cos), as_f32(sin), as_i32(slots),
-               faults if rows is None else rows, faults if store is None else store, faults, T, eps, *cache, D=D,
-               DTYPE=_TL[str(dtype)], FAULT_ROWS=faults.shape[0], KIND=0 if into is None else into.kind,
-               BS=1 if into is None else into.block_size, SOFT=SOFT_ROUND, num_warps=num_warps)
+               out, st, faults, T, eps, *cache, D=D, DTYPE=_TL[str(dtype)], FAULT_ROWS=faults.shape[0], KIND=kind,
+               BS=bs, SOFT=SOFT_ROUND, num_warps=num_warps)
     return None if into is not None else (rows, store)
 
 
