@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from dsv4.workload import Workload
 
 GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout")
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+RANK_ERROR_GRACE_S = 5.0     # how long a torchrun rank other than 0 waits before exiting on a user error
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -315,7 +317,10 @@ def cli(cfg: DictConfig, *, choices: dict[str, str], out_dir: str, multirun: boo
             print(f"error: {e}", file=sys.stderr)
             return None
         if torchrun_world_size() is not None and int(os.environ["RANK"]) != 0:
-            raise SystemExit(1) from None      # every rank found the same problem; rank 0 says it
+            # every rank found the same problem and rank 0 says it: leave it the time to, since torchrun
+            # stops the other ranks as soon as one exits with an error
+            time.sleep(RANK_ERROR_GRACE_S)
+            raise SystemExit(1) from None
         raise SystemExit(f"error: {e}") from None
 
 

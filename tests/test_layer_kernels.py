@@ -37,7 +37,7 @@ from dsv4.components.rope import Rope, RopeRows
 from dsv4.kernels.cache_write import fp8_ds_mla_store, plain_rows_store, write_fp8_ds_mla_kernel, write_rows_kernel
 from dsv4.kernels.compress import compress_kernel
 from dsv4.kernels.indexer_logits import indexer_logits
-from dsv4.kernels.layer_front import kv_rows_kernel, q_rows_kernel
+from dsv4.kernels.layer_front import front_kernel, kv_rows_kernel, q_rows_kernel
 from dsv4.reference import rel_err
 from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout
 
@@ -386,6 +386,32 @@ def test_kv_rows_store_into_the_cache(layout):
     else:          # the rows are the same up to the RoPE dims' last float32 bit (the two paths' own roundings)
         assert torch.equal(got.cpu() == pages, want == pages)
         assert rel_err(got.cpu().float(), want.float()) <= 1e-6
+
+
+@pytest.mark.parametrize("layout", ["fp8_ds_mla", "bf16"])
+def test_front_kernel_makes_query_and_kv_rows_in_one_launch(layout):
+    """front_kernel's one grid gives what q_rows_kernel and kv_rows_kernel give apart (the KV rows stored
+    into the cache by the kernel), padded heads and all."""
+    lay, g, T, H, PH, D, bs = STORE_LAYOUTS[layout], gen(60), 5, 3, 4, 512, 4
+    q = (torch.randn(T, H, D, generator=g) * 2).bfloat16()
+    kv = (torch.randn(T, D, generator=g) * 2).float()              # a compressed layer's float32 product
+    kv[1, 7] = float("inf")
+    slots = torch.tensor([3, 8, -1, 0, 6], dtype=torch.int32)
+    weight = 1 + 0.2 * torch.randn(D, generator=g)
+    rot = rope_rows(T, g)
+    pages = random_cache(lay, 3, bs, D, g)
+    args = (dev(rot.cos), dev(rot.sin))
+    want_q = q_rows_kernel(dev(q), *args, padded_heads=PH, eps=EPS, dtype=torch.bfloat16)
+    want_pages, want_faults = dev(pages), dev(torch.ones(3, T, dtype=torch.bool))
+    kv_rows_kernel(dev(kv), dev(weight), *args, dev(slots), want_faults, eps=EPS, dtype=torch.bfloat16,
+                   into=row_store(layout, want_pages, bs))
+    got_pages, faults = dev(pages), dev(torch.ones(3, T, dtype=torch.bool))
+    got_q, rows = front_kernel(dev(q), dev(kv), dev(weight), *args, dev(slots), faults, padded_heads=PH, eps=EPS,
+                               dtype=torch.bfloat16, into=row_store(layout, got_pages, bs))
+    assert rows is None and got_q.shape == (T, PH, D)
+    assert torch.equal(got_q.cpu(), want_q.cpu()) and bool((got_q[:, H:] == 0).all())
+    assert torch.equal(got_pages.cpu(), want_pages.cpu()) and not torch.equal(got_pages.cpu(), pages)
+    assert torch.equal(faults.cpu(), want_faults.cpu()) and faults[0].cpu().tolist() == [i == 1 for i in range(T)]
 
 
 @pytest.mark.parametrize("R,D,layout", [(4, 512, "fp8_ds_mla"), (4, 128, "bf16"), (128, 512, "fp8_ds_mla_fnuz"),

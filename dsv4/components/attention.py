@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from dsv4.components.compressor import Compressor
-from dsv4.components.front import mm_f32, norm_rows, q_rows, store_kv_rows
+from dsv4.components.front import front_rows, mm_f32, norm_rows
 from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
 from dsv4.components.plan import StepPlan
@@ -90,11 +90,10 @@ class DSV4Attention(torch.nn.Module):
         else:
             qr_raw, kv_raw, *scores = mm_f32(xa, self.w_in).split(self.in_sizes, 1)
         qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype)
-        q = q_rows((qr @ self.wq_b.T).view(T, H, self.spec.head_dim), rot, padded_heads=self.padded_heads,
-                   eps=self.eps, dtype=self.dtype)
         faults = torch.empty(FAULT_ROWS, T, dtype=torch.bool, device=x.device)
-        store_kv_rows(kv_raw, self.kv_norm, rot, plan.swa.write_slots, faults, caches.swa, eps=self.eps,
-                      dtype=self.dtype)
+        q = front_rows((qr @ self.wq_b.T).view(T, H, self.spec.head_dim), kv_raw, self.kv_norm, rot,
+                       plan.swa.write_slots, faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
+                       dtype=self.dtype)
 
         topk, extra = None, {}
         if self.compressor is not None:

@@ -2,7 +2,8 @@
 
 Each function is written once in torch (the CPU path, and the reference the kernels are tested
 against) and runs our fused Triton kernel on a GPU tensor (dsv4/kernels/layer_front.py): one launch
-instead of a dozen small ones, which is what makes the step cost what its GEMMs cost.
+instead of a dozen small ones, which is what makes the step cost what its GEMMs cost; `front_rows`
+makes the query rows and stores the KV rows in one launch.
 
 Rounding follows the layer's activation dtype `dtype` exactly as the unfused math does: RMSNorm in
 float32, rounded to `dtype`, RoPE in float32 (then rounded to `dtype` for queries; KV rows stay float32
@@ -47,15 +48,20 @@ def kv_rows(kv, weight, rot: RopeRows, slots, faults, *, eps: float, dtype):
     return rows, torch.where(bad, -1, slots)
 
 
-def store_kv_rows(kv, weight, rot: RopeRows, slots, faults, cache, *, eps: float, dtype) -> None:
-    """`kv_rows`, stored into `cache` (a PagedCache) at their slots: on a GPU in the same kernel where the
-    cache's layout has a kernel store, else through the layout's `write`."""
-    if kv.is_cuda and cache.store is not None:
-        from dsv4.kernels.layer_front import kv_rows_kernel
-        kv_rows_kernel(kv, weight, rot.cos, rot.sin, slots, faults, eps=eps, dtype=dtype, into=cache.store)
-        return
-    rows, store = kv_rows(kv, weight, rot, slots, faults, eps=eps, dtype=dtype)
-    cache.write(store, rows)
+def front_rows(q, kv, weight, rot: RopeRows, slots, faults, cache, *, padded_heads: int, eps: float, dtype):
+    """The front of the layer: `q_rows` of q, returned, and `kv_rows` of kv, stored into `cache` (a
+    PagedCache) at their slots. On a GPU one kernel does both and stores the KV rows itself where the
+    cache's layout has a kernel store; otherwise they go through the layout's `write`."""
+    if q.is_cuda:
+        from dsv4.kernels.layer_front import front_kernel
+        q_out, rows = front_kernel(q, kv, weight, rot.cos, rot.sin, slots, faults, padded_heads=padded_heads,
+                                   eps=eps, dtype=dtype, into=cache.store)
+    else:
+        q_out = q_rows(q, rot, padded_heads=padded_heads, eps=eps, dtype=dtype)
+        rows = kv_rows(kv, weight, rot, slots, faults, eps=eps, dtype=dtype)
+    if rows is not None:
+        cache.write(rows[1], rows[0])
+    return q_out
 
 
 def stored_badly(rows):

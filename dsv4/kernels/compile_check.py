@@ -141,12 +141,12 @@ def _compile_layer(gpu) -> None:
            "req_ptr": "*i64", "close_ptr": "*i32", "keep_ptr": "*i32", "pages_ptr": "*i32", "store_ptr": "*i32",
            "faults_ptr": "*i1", "cnt_ptr": "*i32"}
     for dt, name in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
-        _compile(layer_front._q_rows_kernel, dict(D=512, BH=4, SOFT=False),
-                 types({**f32, "q_ptr": name, "out_ptr": name}), {"H", "PH"}, gpu, 4)
         for kv in {name, "*fp32"}:                       # the SWA projection's output, or the float32 one
             for kind, cache in STORES:
-                _compile(layer_front._kv_rows_kernel, dict(D=512, DTYPE=dt, FAULT_ROWS=3, KIND=kind, BS=64, SOFT=False),
-                         types({**f32, **cache, "kv_ptr": kv, "out_ptr": "*fp32"}), {"kv_stride"}, gpu, 4)
+                _compile(layer_front._front_kernel, dict(D=512, BH=4, NQB=16, DTYPE=dt, FAULT_ROWS=3, KIND=kind, BS=64,
+                                                         SOFT=False),
+                         types({**f32, **cache, "q_ptr": name, "qo_ptr": name, "kv_ptr": kv, "out_ptr": "*fp32"}),
+                         {"kv_stride", "H", "PH"}, gpu, 4)
             _compile(layer_front._norm_rows_kernel, dict(BLOCK=1024, SOFT=False),
                      types({**f32, "x_ptr": kv, "out_ptr": name}), {"x_stride", "N"}, gpu, 4)
         _compile(layer_front._rotate_rows_kernel, dict(D=128, BH=8, SOFT=False),

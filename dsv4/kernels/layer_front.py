@@ -52,16 +52,19 @@ def _rotate(ev, od, cos_row, sin_row, D: tl.constexpr):
 
 
 @triton.jit
-def _q_rows_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, H, PH, eps, D: tl.constexpr, BH: tl.constexpr,
-                   SOFT: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
+def _q_part(t, hb, q_ptr, cos_ptr, sin_ptr, out_ptr, H, PH, eps, D: tl.constexpr, BH: tl.constexpr,
+            SOFT: tl.constexpr):
+    """Heads hb·BH.. of token t's query: RMSNorm, RoPE, into the head-padded buffer."""
+    h = hb * BH + tl.arange(0, BH)
     dims = tl.arange(0, D)
+    dt = out_ptr.dtype.element_ty
     src = (t.to(tl.int64) * H + h)[:, None] * D + dims[None, :]
-    x = widen(tl.load(q_ptr + src, mask=(h < H)[:, None], other=0.0), SOFT)      # padded heads: 0 -> 0
+    x = tl.load(q_ptr + src, mask=(h < H)[:, None], other=0.0)               # padded heads: 0 -> 0
+    if x.dtype != dt:                                      # a wider product's output, rounded as the linear's
+        x = round_to(x.to(tl.float32), dt, SOFT)
+    x = widen(x, SOFT)
     ev, od = tl.split(tl.reshape(x, [BH, D // 2, 2]))
     r = _rms_scale(ev, od, eps, D)[:, None]
-    dt = out_ptr.dtype.element_ty
     ev = widen(round_to(ev * r, dt, SOFT), SOFT)
     od = widen(round_to(od * r, dt, SOFT), SOFT)
     ev, od = _rotate(ev, od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
@@ -71,11 +74,10 @@ def _q_rows_kernel(q_ptr, cos_ptr, sin_ptr, out_ptr, H, PH, eps, D: tl.constexpr
 
 
 @triton.jit
-def _kv_rows_kernel(kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr, T, eps,
-                    cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D: tl.constexpr,
-                    DTYPE: tl.constexpr, FAULT_ROWS: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr,
-                    SOFT: tl.constexpr):
-    t = tl.program_id(0)
+def _kv_part(t, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr, T, eps,
+             cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D: tl.constexpr, DTYPE: tl.constexpr,
+             FAULT_ROWS: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr, SOFT: tl.constexpr):
+    """Token t's KV row: RMSNorm with its weight, RoPE; stored (KIND > 0) or returned with its slot."""
     dims = tl.arange(0, D)
     x = tl.load(kv_ptr + t.to(tl.int64) * kv_stride + dims)
     if x.dtype != DTYPE:                                             # a wider product's output: round as the
@@ -99,6 +101,21 @@ def _kv_rows_kernel(kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_pt
     tl.store(faults_ptr + t, bad & (slot >= 0))
     for i in tl.static_range(1, FAULT_ROWS):                         # the rows later kernels of the layer set
         tl.store(faults_ptr + i * T + t, False)
+
+
+@triton.jit
+def _front_kernel(q_ptr, qo_ptr, H, PH, NQ, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr,
+                  store_ptr, faults_ptr, T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots,
+                  D: tl.constexpr, BH: tl.constexpr, NQB: tl.constexpr, DTYPE: tl.constexpr,
+                  FAULT_ROWS: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr, SOFT: tl.constexpr):
+    """Programs 0..NQ-1: query heads (NQB programs per token); the next T: KV rows."""
+    pid = tl.program_id(0)
+    if pid < NQ:
+        _q_part(pid // NQB, pid % NQB, q_ptr, cos_ptr, sin_ptr, qo_ptr, H, PH, eps, D, BH, SOFT)
+    else:
+        _kv_part(pid - NQ, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr, T,
+                 eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D, DTYPE, FAULT_ROWS, KIND, BS,
+                 SOFT)
 
 
 @triton.jit
@@ -138,23 +155,57 @@ def _check_dim(D: int) -> None:
         raise ValueError(f"layer_front kernels take rows of a power-of-two width >= {ROPE_DIM}, not {D}")
 
 
+def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, eps: float, dtype, into=None,
+                 heads_per_program: int = 4, num_warps: int = 4):
+    """The front of the layer in one launch: `q_rows_kernel` on q [T, H, D] and `kv_rows_kernel` on kv [T, D]
+    (either may be None; the other arguments as theirs) -> (q_rows_kernel's result or None,
+    kv_rows_kernel's or None). Query heads and KV rows are separate programs of one grid."""
+    import torch
+
+    if q is None and kv is None:
+        raise ValueError("front_kernel: neither query nor KV rows")
+    T, D = (q.shape[0], q.shape[2]) if q is not None else kv.shape
+    _check_dim(D)
+    q_out, nq, nqb, H = None, 0, 1, 0
+    if q is not None:
+        H = q.shape[1]
+        if padded_heads < H:
+            raise ValueError(f"q_rows_kernel: padded_heads={padded_heads} < {H} heads")
+        q_out = torch.empty(T, padded_heads, D, dtype=dtype, device=q.device)
+        bh = min(heads_per_program, triton.next_power_of_2(max(padded_heads, 1)))
+        nqb = triton.cdiv(padded_heads, bh)
+        nq = T * nqb if padded_heads else 0
+        q = as_dense(q)
+    tk, kv_out = 0, None
+    if kv is not None:
+        if kv.shape != (T, D):
+            raise ValueError(f"front_kernel: KV rows {tuple(kv.shape)} for {T} tokens of {D} dims")
+        tk = T
+        rows, store, (out, st, *cache), kind, bs = row_outputs("kv_rows_kernel", into, faults, 0, T, D, kv.device)
+        kv_out = None if into is not None else (rows, store)
+        kv = rows_dense(kv)
+        kv_args = (kv, kv.stride(0), as_f32(weight), as_f32(cos), as_f32(sin), as_i32(slots), out, st, faults, T,
+                   eps, *cache)
+        fault_rows = faults.shape[0]
+    else:                        # no KV programs: placeholders of the right types for the unused arguments
+        kind, bs, fault_rows = 0, 1, 1
+        f32, i32 = as_f32(cos), torch.empty(1, dtype=torch.int32, device=q.device)
+        flags = torch.empty(1, 1, dtype=torch.bool, device=q.device)
+        kv_args = (q, 0, f32, f32, as_f32(sin), i32, f32, i32, flags, 0, eps, f32, f32, f32, 0, 0)
+    if nq + tk:
+        launch(_front_kernel, (nq + tk,), q if q is not None else kv, q_out if q_out is not None else kv, H,
+               padded_heads, nq, *kv_args, D=D, BH=bh if q is not None else 1, NQB=nqb, DTYPE=_TL[str(dtype)],
+               FAULT_ROWS=fault_rows, KIND=kind, BS=bs, SOFT=SOFT_ROUND, num_warps=num_warps)
+    return q_out, kv_out
+
+
 def q_rows_kernel(q, cos, sin, *, padded_heads: int, eps: float, dtype, heads_per_program: int = 4,
                   num_warps: int = 4):
     """q [T, H, D] (bf16 or float32), cos/sin [T, 32] float32 -> [T, padded_heads, D] in `dtype`: per-head
     RMSNorm (float32, rounded to `dtype`), RoPE on the last 64 dims (float32, rounded to `dtype`), heads
     H..padded_heads-1 zero. Sync-free; one program per (token, `heads_per_program` heads)."""
-    import torch
-
-    T, H, D = q.shape
-    _check_dim(D)
-    if padded_heads < H:
-        raise ValueError(f"q_rows_kernel: padded_heads={padded_heads} < {H} heads")
-    out = torch.empty(T, padded_heads, D, dtype=dtype, device=q.device)
-    if T and padded_heads:
-        bh = min(heads_per_program, triton.next_power_of_2(padded_heads))
-        launch(_q_rows_kernel, (T, triton.cdiv(padded_heads, bh)), as_dense(q), as_f32(cos), as_f32(sin), out, H,
-               padded_heads, eps, D=D, BH=bh, SOFT=SOFT_ROUND, num_warps=num_warps)
-    return out
+    return front_kernel(q, None, None, cos, sin, None, None, padded_heads=padded_heads, eps=eps, dtype=dtype,
+                        heads_per_program=heads_per_program, num_warps=num_warps)[0]
 
 
 def kv_rows_kernel(kv, weight, cos, sin, slots, faults, *, eps: float, dtype, into=None, num_warps: int = 4):
@@ -168,16 +219,8 @@ def kv_rows_kernel(kv, weight, cos, sin, slots, faults, *, eps: float, dtype, in
     `slots`, -1 for refused rows) for the cache layout's `write`. Writes faults[0] (a refused row of a
     token with a slot) and clears faults[1:] ([F, T] bool, for the layer's later kernels). Sync-free; one
     program per token."""
-
-    T, D = kv.shape
-    _check_dim(D)
-    rows, store, (out, st, *cache), kind, bs = row_outputs("kv_rows_kernel", into, faults, 0, T, D, kv.device)
-    if T:
-        kv = rows_dense(kv)
-        launch(_kv_rows_kernel, (T,), kv, kv.stride(0), as_f32(weight), as_f32(cos), as_f32(sin), as_i32(slots),
-               out, st, faults, T, eps, *cache, D=D, DTYPE=_TL[str(dtype)], FAULT_ROWS=faults.shape[0], KIND=kind,
-               BS=bs, SOFT=SOFT_ROUND, num_warps=num_warps)
-    return None if into is not None else (rows, store)
+    return front_kernel(None, kv, weight, cos, sin, slots, faults, padded_heads=0, eps=eps, dtype=dtype, into=into,
+                        num_warps=num_warps)[1]
 
 
 def norm_rows_kernel(x, weight, *, eps: float, dtype, num_warps: int = 4):
