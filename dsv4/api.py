@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 
 def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, device: DeviceInfo | None = None,
             mqa_kernel: Any = None, o_proj: Any = None, head_padding: Any = None, cache_layout: Any = None,
-            running: bool = True) -> Job:
+            indexer: Any = None, running: bool = True) -> Job:
     """The validated job of `dsv4 *overrides` (e.g. `["model=dsv4_tiny", "backend=triton", "tp_size=2"]`).
 
-    `spec`, `device` and the four strategies, when given, replace what the overrides chose (objects of the
+    `spec`, `device` and the five strategies, when given, replace what the overrides chose (objects of the
     caller's own: a model that has no preset, a strategy that has no YAML). `running`: check that the job can
     run on this machine (False: only that the combination fits its deployment's device, as `mode=check`).
     Raises ConfigError for an unknown option or a bad value, IncompatibleCombination for a combination that
@@ -55,7 +55,7 @@ def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, dev
     with open_dict(cfg):
         del cfg["hydra"]
     job = make_job(cfg, choices=choices)
-    given = {g: s for g, s in zip(GROUPS, (mqa_kernel, o_proj, head_padding, cache_layout)) if s is not None}
+    given = {g: s for g, s in zip(GROUPS, (mqa_kernel, o_proj, head_padding, cache_layout, indexer)) if s is not None}
     if spec is not None:
         spec.validate()
         job = replace(job, spec=spec, combo=replace(job.combo, spec=spec), choices=job.choices | {"model": spec.name})

@@ -34,7 +34,7 @@ from dsv4.settings import MODES, SECTIONS, RunSettings, option  # noqa: F401  (M
 from dsv4.spec import ModelSpec
 from dsv4.workload import Workload
 
-GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout")
+GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer")
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 RANK_ERROR_GRACE_S = 5.0     # how long a torchrun rank other than 0 waits before exiting on a user error
 

@@ -8,7 +8,7 @@ override that fixes it.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from dsv4.device import DeviceInfo
@@ -16,6 +16,14 @@ from dsv4.dtypes import ACTIVATION_DTYPES
 from dsv4.errors import Problem
 from dsv4.spec import ModelSpec
 
+
+def _default_indexer():
+    from dsv4.strategies.indexer import ExactIndexer
+    return ExactIndexer()
+
+
+# the groups whose strategies state their needs (head_padding's are read through the MQA kernel's)
+NEEDS_GROUPS = ("mqa_kernel", "o_proj", "cache_layout", "indexer")
 
 # what the activation dtype alone costs against the float32 oracle (tests/test_layer_vs_oracle.py)
 DTYPE_ERROR_BUDGET = {"float32": 1e-5, "bfloat16": 3e-2}
@@ -26,12 +34,14 @@ SELECTION_GAP = {"float32": 1e-5, "bfloat16": 2e-2}
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Combination:
-    """Everything `check()` judges: the model, the four strategies and the run-level settings."""
+    """Everything `check()` judges: the model, the five strategies and the run-level settings (the
+    indexer's numerics default to `exact`, the layer's own)."""
     spec: ModelSpec
     mqa_kernel: object
     o_proj: object
     head_padding: object
     cache_layout: object
+    indexer: object = field(default_factory=_default_indexer)
     tp_size: int = 1
     dtype: str = "float32"
     world_size: int | None = None      # processes of a torchrun launch (one per rank); None: not launched so
@@ -42,7 +52,7 @@ class Combination:
         """The relative error against the oracle a run of this combination may show: the activations'
         rounding plus what each strategy declares it adds (tests measure each; `run` judges by it)."""
         return DTYPE_ERROR_BUDGET[self.dtype] + sum(
-            getattr(s, "error_budget", 0.0) for s in (self.mqa_kernel, self.o_proj, self.cache_layout))
+            getattr(s, "error_budget", 0.0) for s in (self.mqa_kernel, self.o_proj, self.cache_layout, self.indexer))
 
     @property
     def local_heads(self) -> int | None:
@@ -104,7 +114,7 @@ def _graph_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
         return [Problem(group="graph", value="enabled=true", reason="CUDA graphs need a GPU; this device is "
                         f"{device.describe()}", supported=("false",), fix="graph.enabled=false")]
     out = []
-    for group in ("mqa_kernel", "o_proj", "cache_layout"):
+    for group in NEEDS_GROUPS:
         strat = getattr(c, group)
         if not strat.needs(device).graphs:
             out.append(Problem(group=group, value=strat.name, reason="cannot be captured in a CUDA graph "
@@ -117,7 +127,8 @@ CROSS_RULES: tuple[Callable[[Combination, DeviceInfo], list[Problem]], ...] = (
 
 
 # The shipped option of each group that runs anywhere, offered when a choice cannot run on a device.
-SAFE_CHOICE = {"mqa_kernel": "mqa_kernel=reference", "o_proj": "o_proj=reference", "cache_layout": "cache_layout=bf16"}
+SAFE_CHOICE = {"mqa_kernel": "mqa_kernel=reference", "o_proj": "o_proj=reference", "cache_layout": "cache_layout=bf16",
+               "indexer": "indexer=exact"}
 # The shipped head-padding options (configs/head_padding/), for suggesting one that yields what a kernel takes.
 PADDING_OPTIONS: tuple[tuple[str, tuple[int, ...] | None], ...] = (
     ("buckets_64_128", (64, 128)), ("buckets_pow2", (8, 16, 32, 64, 128)),
@@ -193,6 +204,11 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
         if value % m:
             out.append(Problem(group=group, value=name, reason=f"needs model.{field_name} to be a multiple of {m}; "
                                f"model={c.spec.name} has {value}", fix=fix_self))
+    for field_name in n.model_powers_of_two:
+        value = getattr(c.spec, field_name)
+        if value < 1 or value & (value - 1):
+            out.append(Problem(group=group, value=name, reason=f"needs model.{field_name} to be a power of two; "
+                               f"model={c.spec.name} has {value}", fix=fix_machine))
     for field_name, want in n.model_values:
         value = getattr(c.spec, field_name)
         if value != want:
@@ -212,7 +228,7 @@ def check(c: Combination, device: DeviceInfo, *, here: str | None = None) -> lis
     for only when `device` is of that platform (checking another machine's deployment cannot
     know what is installed there)."""
     problems: list[Problem] = []
-    for group in ("mqa_kernel", "o_proj", "cache_layout"):
+    for group in NEEDS_GROUPS:
         problems += _needs_rule(group, getattr(c, group), c, device, here)
     for rule in CROSS_RULES:
         problems += rule(c, device)

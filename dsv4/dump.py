@@ -13,7 +13,7 @@ from typing import Any
 
 
 def write_dump(path: str | Path, *, spec, layers: dict[int, dict], record: dict[str, Any], kv_row_dtype: str,
-               choices: dict[str, str], kv_scale: float | None = None) -> Path:
+               choices: dict[str, str], kv_scale: float | None = None, indexer_numerics: str = "exact") -> Path:
     import torch
     from safetensors.torch import save_file
 
@@ -21,7 +21,8 @@ def write_dump(path: str | Path, *, spec, layers: dict[int, dict], record: dict[
     path.mkdir(parents=True, exist_ok=True)
     meta = {"model": spec.to_dump(),
             "layers": [{"index": l, "compress_ratio": spec.compress_ratio(l)} for l in layers],
-            "kv_row_dtype": kv_row_dtype, "softmax_scale": spec.softmax_scale, "choices": dict(choices)}
+            "kv_row_dtype": kv_row_dtype, "indexer_numerics": indexer_numerics, "softmax_scale": spec.softmax_scale,
+            "choices": dict(choices)}
     if kv_scale is not None:
         meta["kv_scale"] = kv_scale
     tensors = {"inputs.hidden_states": record["hidden"].float(),
@@ -58,7 +59,8 @@ def recompute(path: str | Path) -> dict[int, dict[str, Any]]:
         topk = t.get(f"layers.{l}.outputs.topk_indices")
         o = oracle_outputs(meta["model"], ratio, w, t["inputs.hidden_states"], t["inputs.positions"],
                            t["inputs.request_index"], kv_row_dtype=meta["kv_row_dtype"], kv_scale=meta.get("kv_scale"),
-                           topk=None if topk is None else topk.long())
+                           topk=None if topk is None else topk.long(),
+                           indexer_numerics=meta.get("indexer_numerics", "exact"))
         res[l] = {"out": o["out"], "dumped": t[f"layers.{l}.outputs.attn_out"], "scores": o["scores"],
                   "topk": topk}
     return res

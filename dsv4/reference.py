@@ -5,7 +5,9 @@ request's full history is recomputed densely, as DSV4_SPEC §5 writes it. Everyt
 incremental is tested against this. It takes the dump contract's plain data (the `model` dict of
 spec.json and weights under checkpoint names), so a dump can be recomputed anywhere.
 
-Cached KV rows (SWA and compressed) are rounded as the run's cache stored them (`kv_row_dtype`).
+Cached KV rows (SWA and compressed) are rounded as the run's cache stored them (`kv_row_dtype`); the
+indexer's queries and keys follow the run's indexer numerics (`indexer_numerics`: "exact", or "fp4" --
+the published code's Hadamard rotation and FP4 simulation, written here from their definitions).
 With random weights the indexer's top-k has near ties, so outputs can be recomputed over a given
 selection (`topk`) and the selection graded separately (`grade_selection`).
 """
@@ -17,6 +19,33 @@ from typing import Any, Mapping
 import torch
 
 ROW_ROUNDINGS = ("float32", "bfloat16", "fp8_ds_mla", "fp8_ds_mla_fnuz", "fp8_per_tensor")
+INDEXER_NUMERICS = ("exact", "fp4")
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)         # the FP4 magnitudes, by code 0..7
+
+
+def _fp4_indexer(x):
+    """x [..., n] -> its orthonormal Hadamard rotation in bf16, then FP4 in bf16 (per 32 values a scale
+    2^ceil(log2(max(amax, 6·2^-126) / 6)), each value/scale to the nearest e2m1 magnitude, a tie to the
+    even code), as float32. The Hadamard entries are (-1)^popcount(i & j) (Sylvester's order)."""
+    n = x.shape[-1]
+    i = torch.arange(n)
+    h = 1.0 - 2.0 * _popcount(i[:, None] & i[None, :]).remainder(2).double()
+    y = ((x.to(torch.bfloat16).double() @ h) * n ** -0.5).float().to(torch.bfloat16).float()
+    b = y.unflatten(-1, (-1, 32))
+    amax = b.abs().amax(-1, keepdim=True).clamp_min(6 * 2.0 ** -126) * torch.tensor(1 / 6, dtype=torch.float32)
+    scale = torch.exp2(torch.ceil(torch.log2(amax.double()))).float()
+    v = (b / scale).clamp(-6, 6)
+    grid = torch.tensor(E2M1, dtype=torch.float64)
+    dist = (v.abs().double()[..., None] - grid).abs() + torch.arange(8) % 2 * 1e-12   # a tie goes to the even code
+    mag = grid[dist.argmin(-1)].float()
+    return (torch.where(v < 0, -mag, mag) * scale).flatten(-2).to(torch.bfloat16).float()
+
+
+def _popcount(t):
+    c = torch.zeros_like(t)
+    while bool((t > 0).any()):
+        c, t = c + (t & 1), t >> 1
+    return c
 
 
 def _rms(x, w=None, eps=1e-6):
@@ -100,12 +129,14 @@ def _compress(x, wkv, wgate, ape, norm, R, D, f, eps):
 
 
 def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, *, kv_row_dtype: str,
-                 kv_scale: float | None = None, topk=None) -> dict[str, Any]:
+                 kv_scale: float | None = None, topk=None, indexer_numerics: str = "exact") -> dict[str, Any]:
     """One request's whole history x [L, hidden] at positions 0..L-1.
 
     Returns `out` [L, hidden]; for ratio 4 also `scores` [L, n] (the indexer's, -inf where not
     visible) and `topk` [L, K] (the selection attended over: `topk` if given, else the oracle's own).
     """
+    if indexer_numerics not in INDEXER_NUMERICS:
+        raise ValueError(f"indexer_numerics={indexer_numerics!r} is not one of {INDEXER_NUMERICS}")
     w = {k: v.float() for k, v in w.items()}
     x = x.float()
     L, D, W, eps = x.shape[0], model["head_dim"], model["sliding_window"], model["rms_norm_eps"]
@@ -133,6 +164,8 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
             kidx = _compress(x, w[c + "wkv.weight"], w[c + "wgate.weight"], w[c + "ape"],
                              w[c + "norm.weight"], 4, Di, f, eps)
             iq = _rope((qr @ w["indexer.wq_b.weight"].T).view(L, Hi, Di), pos[:, None], f)
+            if indexer_numerics == "fp4":
+                iq, kidx = _fp4_indexer(iq), _fp4_indexer(kidx)
             hw = (x @ w["indexer.weights_proj.weight"].T) * Di ** -0.5 * Hi ** -0.5
             scores = (torch.einsum("lhd,nd->lhn", iq, kidx).relu() * hw[..., None]).sum(1)
             scores = scores.masked_fill(~visible, -math.inf)
@@ -155,7 +188,8 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
 
 
 def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], hidden, positions,
-                   request_index, *, kv_row_dtype: str, kv_scale: float | None = None, topk=None) -> dict[str, Any]:
+                   request_index, *, kv_row_dtype: str, kv_scale: float | None = None, topk=None,
+                   indexer_numerics: str = "exact") -> dict[str, Any]:
     """Recompute every token of a run (tokens in any order, grouped by `request_index`).
 
     Each request's tokens must be its whole history 0..L-1. Returns `out` [T, hidden] aligned with
@@ -171,7 +205,8 @@ def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], h
         if positions[rows].tolist() != list(range(len(rows))):
             raise ValueError(f"request {r}: tokens are not its whole history 0..L-1")
         given = None if topk is None else topk[rows]
-        res = oracle_layer(model, ratio, w, hidden[rows], kv_row_dtype=kv_row_dtype, kv_scale=kv_scale, topk=given)
+        res = oracle_layer(model, ratio, w, hidden[rows], kv_row_dtype=kv_row_dtype, kv_scale=kv_scale, topk=given,
+                           indexer_numerics=indexer_numerics)
         out[rows] = res["out"]
         if ratio == 4:
             scores[r] = (rows, res["scores"])

@@ -28,7 +28,7 @@ def build_engine(job, weights: dict[int, dict], pool: PoolConfig, wo_a_fp8: dict
     c, spec, dev = job.combo, job.spec, job.device
     ranks = ranks or Ranks(tp_size=c.tp_size)
     strategies = Strategies(mqa_kernel=c.mqa_kernel, o_proj=c.o_proj, head_padding=c.head_padding,
-                            cache_layout=c.cache_layout)
+                            cache_layout=c.cache_layout, indexer=c.indexer)
     layers = {l: [build_layer(spec=spec, layer=l, weights=w, rank=r, tp_size=c.tp_size, strategies=strategies,
                               device=dev, dtype=c.dtype, wo_a_fp8=(wo_a_fp8 or {}).get(l))
                   for r in ranks.local] for l, w in weights.items()}
@@ -135,12 +135,14 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         topk = rec["topk"].get(l)
         given = None if topk is None else topk.long()
         args = (model, R, weights[l], rec["hidden"], rec["positions"], rec["request_index"])
-        o = ref.oracle_outputs(*args, kv_row_dtype=row_dtype, kv_scale=kv_scale, topk=given)
+        o = ref.oracle_outputs(*args, kv_row_dtype=row_dtype, kv_scale=kv_scale, topk=given,
+                               indexer_numerics=c.indexer.oracle_numerics)
         out = rec["outputs"][l]
         m: dict[str, Any] = {"layer": l, "compress_ratio": R, "rel_err": ref.rel_err(out, o["out"]),
                              "cosine": ref.cosine(out, o["out"])}
         if row_dtype != "float32":      # what the cache's rounding costs against exact float32 rows
-            m["rel_err_vs_f32_kv"] = ref.rel_err(out, ref.oracle_outputs(*args, kv_row_dtype="float32", topk=given)["out"])
+            m["rel_err_vs_f32_kv"] = ref.rel_err(out, ref.oracle_outputs(
+                *args, kv_row_dtype="float32", topk=given, indexer_numerics=c.indexer.oracle_numerics)["out"])
         if topk is not None:
             g = [ref.grade_selection(topk[rows_], sc, spec.index_topk) for rows_, sc in o["scores"].values()]
             m["topk_exact"] = sum(x["exact"] for x in g) / len(g)
@@ -203,7 +205,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     print(f"  result: {path}")
     if job.run.dump_dir:
         dump = write_dump(job.run.dump_dir, spec=spec, layers=weights, record=rec, kv_row_dtype=row_dtype,
-                          choices=job.choices, kv_scale=kv_scale)
+                          choices=job.choices, kv_scale=kv_scale, indexer_numerics=c.indexer.oracle_numerics)
         print(f"  dump written to {dump} (spec.json, tensors.safetensors)")
     if wrong:
         raise ResultMismatch(f"outputs outside the combination's error budget: {'; '.join(wrong)} (row: {path})")

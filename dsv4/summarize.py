@@ -29,7 +29,7 @@ from dsv4.sweep_record import job_fields, job_overrides, load_yaml, matrix, over
 Row = dict[str, Any]
 # Axis order when several keys vary: strategies first, then presets, then run-level settings, then overrides.
 AXIS_ORDER = ("choices.mqa_kernel", "choices.o_proj", "choices.head_padding", "choices.cache_layout",
-              "choices.backend", "choices.deployment", "choices.model", "choices.workload",
+              "choices.indexer", "choices.backend", "choices.deployment", "choices.model", "choices.workload",
               "settings.tp_size", "settings.dtype", "settings.seed", "settings.weights", "settings.checkpoint.path")
 AXIS_PREFIXES = ("choices.", "settings.", "overrides.")
 COLUMN_ORDER = ("job", "status", "missing", "error", "problems", "choices.", "settings.", "overrides.", "device.",

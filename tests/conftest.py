@@ -154,7 +154,7 @@ def tiny_spec(**changes):
 def make_engine(spec, *, layers=(0, 1, 2), layout="float32", tp_size=1, dtype="float32", seed=0,
                 swa_block_size=8, compressed_block_tokens=32, swa_blocks=64, compressed_blocks=64, max_requests=8,
                 head_padding=None, weights=None, ranks=None, all_reduce=None, mqa_kernel=None, o_proj=None,
-                device=None, graphs=None):
+                device=None, graphs=None, indexer=None):
     """An Engine (the reference strategies unless given); returns (engine, {layer: full weights}). layout: a
     CacheLayout or a PlainRowLayout dtype name; ranks: the tensor-parallel ranks it holds (default all tp_size
     of them); all_reduce: the engine's (one rank per process); graphs: a GraphConfig (GPU)."""
@@ -163,12 +163,12 @@ def make_engine(spec, *, layers=(0, 1, 2), layout="float32", tp_size=1, dtype="f
     from dsv4.components.engine import Engine
     from dsv4.components.weights import random_layer_weights
     from dsv4.device import DeviceInfo
-    from dsv4.strategies import NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
+    from dsv4.strategies import ExactIndexer, NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
 
     dev = device or DeviceInfo(platform="cpu")
     lay = layout if not isinstance(layout, str) else PlainRowLayout(name=layout, dtype=layout)
     st = Strategies(mqa_kernel=mqa_kernel or ReferenceMQA(), o_proj=o_proj or ReferenceOProj(),
-                    head_padding=head_padding or NoHeadPadding(), cache_layout=lay)
+                    head_padding=head_padding or NoHeadPadding(), cache_layout=lay, indexer=indexer or ExactIndexer())
     pool = PoolConfig(swa_block_size=swa_block_size, compressed_block_tokens=compressed_block_tokens,
                       swa_blocks=swa_blocks, compressed_blocks=compressed_blocks, max_requests=max_requests)
     W = weights or {l: random_layer_weights(spec, l, seed) for l in layers}

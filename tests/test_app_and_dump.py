@@ -38,7 +38,8 @@ def test_run_writes_result_and_a_dump_that_recomputes(compose_cfg, tmp_path, lay
 
     spec = json.loads((dump / "spec.json").read_text())
     extra = {"kv_scale"} if layout == "fp8_per_tensor" else set()
-    assert set(spec) == {"model", "layers", "kv_row_dtype", "softmax_scale", "choices"} | extra
+    assert set(spec) == {"model", "layers", "kv_row_dtype", "indexer_numerics", "softmax_scale", "choices"} | extra
+    assert spec["indexer_numerics"] == "exact"
     assert spec["kv_row_dtype"] == ROW_DTYPE[layout]
     assert spec.get("kv_scale", 1.0) == 1.0
     assert set(spec["model"]) == {"hidden_size", "num_attention_heads", "head_dim", "qk_rope_head_dim", "q_lora_rank",
@@ -100,3 +101,17 @@ def test_default_run_is_the_quick_start(tmp_path):
     assert row["status"] == "ok" and row["choices.model"] == "dsv4_flash"
     assert row["metrics.max_rel_err"] <= 1e-4
     assert 1e-3 < row["metrics.c4a.rel_err_vs_f32_kv"] < 1e-2      # what bf16 rows cost on random weights
+
+
+def test_a_dump_of_fp4_sim_recomputes_with_its_numerics(compose_cfg, tmp_path):
+    """indexer=fp4_sim: the dump says so, and its recomputation scores with those numerics: the oracle's own
+    selection is the run's, token for token."""
+    dump = tmp_path / "dump"
+    assert main(compose_cfg(TINY + ["indexer=fp4_sim", f"dump_dir={dump}"]), out_dir=tmp_path) <= 1e-5
+    spec = json.loads((dump / "spec.json").read_text())
+    assert spec["indexer_numerics"] == "fp4" and spec["choices"]["indexer"] == "fp4_sim"
+    res = recompute(dump)
+    layer = res[1]
+    assert rel_err(layer["dumped"], layer["out"]) <= 1e-5
+    for rows, scores in layer["scores"].values():
+        assert grade_selection(layer["topk"][rows], scores, spec["model"]["index_topk"])["exact"] == 1.0

@@ -29,11 +29,13 @@ from dsv4.app import GROUPS, MODES, info, instantiate_group, make_job, problems_
 from dsv4.compat import check
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.spec import ModelSpec
-from dsv4.strategies.protocols import CacheLayout, HeadPaddingPolicy, MQAKernelStrategy, OProjStrategy
+from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, MQAKernelStrategy,
+                                       OProjStrategy)
 
-ALL_GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout", "backend", "model", "workload", "deployment")
+ALL_GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer", "backend", "model", "workload",
+              "deployment")
 PROTOCOLS = {"mqa_kernel": MQAKernelStrategy, "o_proj": OProjStrategy, "head_padding": HeadPaddingPolicy,
-             "cache_layout": CacheLayout}
+             "cache_layout": CacheLayout, "indexer": IndexerStrategy}
 HYDRA_KEYS = {"_target_", "_convert_", "_recursive_", "_partial_", "_args_"}
 KERNEL_LIBS = ("flash_mla", "flashinfer", "deep_gemm", "aiter")
 

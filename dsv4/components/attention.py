@@ -117,6 +117,6 @@ class DSV4Attention(torch.nn.Module):
         """The indexer: its compressor's keys for the entries closed in this step, then every token's
         top-k over its request's keys -> (local indices, their slots, valid counts)."""
         idx, keys = self.indexer, caches.indexer_keys
-        idx.compressor.compress(main, plan, caches.indexer_state, entry_rot, faults, FAULT_INDEXER, keys)
+        idx.store_keys(main, plan, caches.indexer_state, entry_rot, faults, FAULT_INDEXER, keys)
         q = idx.queries(mm_f32(qr, self.idx_wq_b), rot, keys.data.dtype)
         return idx.lists(idx.scores(q, w, keys, plan), plan)

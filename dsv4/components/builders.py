@@ -5,7 +5,7 @@ pieces fit, so the module's constructor stays a list of injected parts (torchtun
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4.components.attention import DSV4Attention
@@ -17,8 +17,9 @@ from dsv4.components.weights import shard
 from dsv4.device import DeviceInfo
 from dsv4.spec import ModelSpec
 from dsv4.strategies.cache_layout import PlainRowLayout
-from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, MQAKernelStrategy, OProjStrategy,
-                                       OProjWeights)
+from dsv4.strategies.indexer import ExactIndexer
+from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, MQAKernelStrategy,
+                                       OProjStrategy, OProjWeights)
 
 
 
@@ -36,6 +37,7 @@ class Strategies:
     o_proj: OProjStrategy
     head_padding: HeadPaddingPolicy
     cache_layout: CacheLayout
+    indexer: IndexerStrategy = field(default_factory=ExactIndexer)
 
 
 def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_size: int,
@@ -55,7 +57,8 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
     if ratio == 4:
         idx = Indexer(wq_b=w["indexer.wq_b.weight"].to(dev), weights_proj=w["indexer.weights_proj.weight"].to(dev),
                       compressor=compressor("indexer.compressor.", spec.index_head_dim, 4),
-                      n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk)
+                      n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk,
+                      numerics=strategies.indexer, device=device)
     fp8_a = fp8_s = None
     if wo_a_fp8 is not None:
         from dsv4.components.checkpoint import shard_wo_a_fp8

@@ -7,7 +7,9 @@ The keys are stored in the activation dtype (builders.indexer_layout) and the qu
 before the product: exact float32 for float32 activations, a bf16 product for bf16 ones (the published
 code's). The selection is the local entry indices of the top min(K, visible) scores, -1 padded to K, the
 valid ones first (so their count is the list's length); their order carries no meaning.
-(Quantized fp8/fp4 scoring and the Hadamard rotation only change rounding; they are not done here.)
+What the queries and keys are before they are scored and stored is the `indexer` strategy's
+(`numerics`, dsv4/strategies/indexer.py): as computed (`exact`), or Hadamard-rotated and FP4-simulated
+as the published code trains and runs them (`fp4_sim`).
 
 Scores are one call over the step and the top-k another: our Triton kernels on a GPU
 (dsv4/kernels/indexer_logits.py, dsv4/kernels/topk_lists.py); torch here, which is the CPU path and the
@@ -19,20 +21,39 @@ TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens a
 
 
 class Indexer:
-    def __init__(self, *, wq_b, weights_proj, compressor, n_heads: int, head_dim: int, topk: int) -> None:
+    def __init__(self, *, wq_b, weights_proj, compressor, n_heads: int, head_dim: int, topk: int,
+                 numerics=None, device=None) -> None:
+        from dsv4.strategies.indexer import ExactIndexer
+
         self.wq_b, self.weights_proj, self.compressor = wq_b.float(), weights_proj.float(), compressor
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
+        self.numerics = numerics if numerics is not None else ExactIndexer()
+        self.prepared = self.numerics.prepare(head_dim=head_dim, device=device or wq_b.device)
 
     @property
     def weight_scale(self) -> float:
         return self.head_dim ** -0.5 * self.n_heads ** -0.5
 
     def queries(self, q_raw, rot, dtype=None):
-        """q_raw [T, Hi·Di] float32 (qr @ wq_bᵀ) -> q [T, Hi, Di], RoPE on the last 64 dims in float32, in
-        `dtype` (the keys' dtype, to which `scores` rounds them; float32 if None)."""
+        """q_raw [T, Hi·Di] float32 (qr @ wq_bᵀ) -> q [T, Hi, Di], RoPE on the last 64 dims in float32, then
+        the strategy's numerics, in `dtype` (the keys' dtype, to which `scores` rounds them; float32 if
+        None)."""
         from dsv4.components.front import rotate_rows
 
-        return rotate_rows(q_raw.view(-1, self.n_heads, self.head_dim), rot, dtype)
+        q = q_raw.view(-1, self.n_heads, self.head_dim)
+        if not self.numerics.transforms:
+            return rotate_rows(q, rot, dtype)
+        q = self.numerics.queries(rotate_rows(q, rot), self.prepared)
+        return q if dtype is None else q.to(dtype)
+
+    def store_keys(self, scores, plan, state, rot, faults, fault_row: int, cache) -> None:
+        """The indexer compressor's step, its closed keys through the strategy's numerics into `cache`
+        (with no transform, stored by the compressor's own kernel)."""
+        if not self.numerics.transforms:
+            self.compressor.compress(scores, plan, state, rot, faults, fault_row, cache)
+            return
+        rows, store = self.compressor.entries(scores, plan, state, rot, faults, fault_row)
+        cache.write(store, self.numerics.keys(rows, self.prepared))
 
     def scores(self, q, w, keys, plan):
         """[T, width] float32 scores of every entry slot of each token's request; -inf where not visible

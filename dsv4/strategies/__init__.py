@@ -7,13 +7,15 @@ from dsv4.strategies.fp8_fnuz import Fp8DsMlaFnuzLayout
 from dsv4.strategies.fp8_layouts import Fp8DsMlaLayout, Fp8PerTensorLayout
 from dsv4.strategies.fp8_oproj import DeepGemmFp8OProj, TorchFp8OProj, TritonFp8OProj
 from dsv4.strategies.head_padding import BucketHeadPadding, NoHeadPadding
+from dsv4.strategies.indexer import ExactIndexer, Fp4SimIndexer
 from dsv4.strategies.mqa_kernel import ReferenceMQA
 from dsv4.strategies.o_proj import ReferenceOProj
-from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, MQAKernelStrategy, Needs,
+from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, MQAKernelStrategy, Needs,
                                        OProjStrategy, OProjWeights, SparseKV)
 from dsv4.strategies.triton_sparse import TritonSparseMQA
 
-__all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8OProj", "FlashInferSparse", "FlashMLASparse",
-           "Fp8DsMlaFnuzLayout", "Fp8DsMlaLayout", "Fp8PerTensorLayout", "TorchFp8OProj", "HeadPaddingPolicy", "MQAKernelStrategy",
-           "Needs", "NoHeadPadding", "OProjStrategy", "OProjWeights", "PlainRowLayout", "ReferenceMQA",
-           "ReferenceOProj", "RocmBf16OProj", "SparseKV", "TritonFp8OProj", "TritonSparseMQA"]
+__all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8OProj", "ExactIndexer",
+           "FlashInferSparse", "FlashMLASparse", "Fp4SimIndexer", "Fp8DsMlaFnuzLayout", "Fp8DsMlaLayout",
+           "Fp8PerTensorLayout", "HeadPaddingPolicy", "IndexerStrategy", "MQAKernelStrategy", "Needs",
+           "NoHeadPadding", "OProjStrategy", "OProjWeights", "PlainRowLayout", "ReferenceMQA", "ReferenceOProj",
+           "RocmBf16OProj", "SparseKV", "TorchFp8OProj", "TritonFp8OProj", "TritonSparseMQA"]

@@ -28,6 +28,7 @@ class Needs:
     modules: tuple[tuple[str, str], ...] = ()      # (import name, pip distribution)
     model_multiples: tuple[tuple[str, int], ...] = ()   # (ModelSpec field, what it must be a multiple of)
     model_values: tuple[tuple[str, int], ...] = ()      # (ModelSpec field, the value it must equal)
+    model_powers_of_two: tuple[str, ...] = ()           # ModelSpec fields that must be powers of two
     # e4m3 flavours of fp8 cache bytes: for a kernel, the ones it decodes them as on this device; for a
     # cache layout, the one it stores. "ocp" = float8_e4m3fn (bias 7, max 448), "fnuz" =
     # float8_e4m3fnuz (bias 8, max 240, no -0: byte 0x80 is NaN). Read as FNUZ a byte is worth half what
@@ -90,6 +91,23 @@ class CacheLayout(Protocol):
     # how the layer's own kernels store rows into `cache` as they make them (kernels/cache_write.RowStore),
     # None where they cannot (not a GPU tensor, or a layout they have no store for): then `write`
     def kernel_store(self, cache: Tensor, block_size: int) -> Any: ...
+
+
+@runtime_checkable
+class IndexerStrategy(Protocol):
+    """The numerics of the lightning indexer (ratio-4 layers): what its RoPE'd queries and its closed
+    keys become before they are scored and stored. `prepare` makes what the transforms need once, on
+    the device; `transforms` says whether they change anything (if not, the compressor stores its keys
+    from its own kernel)."""
+    name: str
+    error_budget: float
+    transforms: bool
+    oracle_numerics: str        # reference.INDEXER_NUMERICS: what the oracle recomputes the indexer with
+
+    def needs(self, device: DeviceInfo) -> Needs: ...
+    def prepare(self, *, head_dim: int, device: DeviceInfo) -> Any: ...
+    def queries(self, q: Tensor, prepared: Any) -> Tensor: ...     # [T, Hi, Di] float32 -> float32
+    def keys(self, rows: Tensor, prepared: Any) -> Tensor: ...     # [T, Di] float32 -> float32
 
 
 @runtime_checkable

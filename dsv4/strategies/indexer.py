@@ -1,0 +1,122 @@
+"""IndexerStrategy options: the numerics of the lightning indexer's queries and keys.
+
+- `exact`: the queries and keys as the layer computes them (RoPE'd float32, keys stored in the
+  activation dtype): the indexer scores what the model's weights give, with no simulated quantization.
+- `fp4_sim`: the numerics of DeepSeek's published inference code for V4 (`inference/model.py`,
+  `Indexer.forward` and `Compressor.forward` with `rotate=True`; `inference/kernel.py`,
+  `fp4_act_quant`), which the indexer was trained with (QAT): after RoPE, each 128-dim query head and
+  each compressed key is taken in bf16, rotated by the orthonormal Hadamard transform (Sylvester order,
+  scale dim^-1/2, float32 butterflies, one rounding to bf16), then quantized and dequantized to FP4 --
+  e2m1 values (grid ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}, round to nearest, ties to even) with one power-of-two
+  scale per block of 32, 2^ceil(log2(amax / 6)) with amax clamped at 6·2^-126 --, in bf16. The keys are
+  stored as these values. The rotation is orthogonal, so q·k changes only by the quantization.
+
+The published code also rounds the head weights and the scores to bf16; here both stay float32 (the
+scores' products and sums are the layer's scoring kernel's, for either option).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from dsv4.strategies.protocols import Needs
+
+FP4_MAX = 6.0
+FP4_BLOCK = 32          # values per power-of-two scale (the published fp4_block_size)
+
+
+def rotate(x):
+    """x [..., n] (n a power of two) -> its orthonormal Hadamard rotation (x·H)·n^-1/2 in bf16, H Sylvester's
+    (natural order): x rounded to bf16, log2(n) butterfly stages of float32 sums and differences, one scale
+    and one rounding -- the published rotate_activation (fast_hadamard_transform). No matrix product, so no
+    TF32 setting can change it."""
+    import torch
+
+    n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two width, not {n}")
+    lead = x.shape[:-1]
+    y = x.to(torch.bfloat16).float().reshape(-1, n)
+    h = 1
+    while h < n:
+        pairs = y.view(-1, n // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack((a + b, a - b), 2).view(-1, n)
+        h *= 2
+    return (y * n ** -0.5).to(torch.bfloat16).view(*lead, n)
+
+
+def pow2_ceil(t):
+    """2^ceil(log2 t) for normal float32 t > 0, exactly (from the exponent, as the published kernel's
+    bit arithmetic; float32 log2 can round a value just above a power of two down to it)."""
+    import torch
+
+    m, e = torch.frexp(t)
+    return torch.ldexp(torch.ones_like(t), torch.where(m == 0.5, e - 1, e))
+
+
+def e2m1(v):
+    """v (float32, |v| <= 6) rounded to the nearest e2m1 value, ties to even (steps 0.5 below 2, 1 below 4,
+    2 up to 6); the sign kept (so small negatives become -0)."""
+    import torch
+
+    a = v.abs()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(a / step) * step, v)      # torch.round: half to even
+
+
+def fp4_qdq(x, block: int = FP4_BLOCK):
+    """x [..., N] (N a multiple of `block`) -> FP4 quantized and dequantized, in bf16 (the published
+    fp4_act_quant(x, block, inplace=True)): per block the scale 2^ceil(log2(max(amax, 6·2^-126)·fp32(1/6))),
+    values x/scale clamped to ±6 and rounded to e2m1, times the scale (exact in bf16)."""
+    import torch
+
+    if x.shape[-1] % block:
+        raise ValueError(f"FP4 blocks of {block} do not divide a width of {x.shape[-1]}")
+    xf = x.to(torch.bfloat16).float().unflatten(-1, (-1, block))
+    inv6 = torch.tensor(1 / FP4_MAX, dtype=torch.float32, device=xf.device)       # fp32(1/6), as the kernel's
+    s = pow2_ceil(xf.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0 ** -126) * inv6)
+    return (e2m1((xf / s).clamp(-FP4_MAX, FP4_MAX)) * s).flatten(-2).to(torch.bfloat16)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExactIndexer:
+    name: str = "exact"
+    error_budget: ClassVar[float] = 0.0
+    transforms: ClassVar[bool] = False        # queries and keys are scored as the layer computes them
+    oracle_numerics: ClassVar[str] = "exact"  # what the oracle recomputes the indexer with (reference.py)
+
+    def needs(self, device) -> Needs:
+        return Needs()
+
+    def prepare(self, *, head_dim: int, device) -> Any:
+        return None
+
+    def queries(self, q, prepared=None):
+        return q
+
+    def keys(self, rows, prepared=None):
+        return rows
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fp4SimIndexer:
+    name: str = "fp4_sim"
+    error_budget: ClassVar[float] = 0.0       # the oracle applies the same numerics
+    transforms: ClassVar[bool] = True
+    oracle_numerics: ClassVar[str] = "fp4"
+
+    def needs(self, device) -> Needs:
+        return Needs(model_multiples=(("index_head_dim", FP4_BLOCK),), model_powers_of_two=("index_head_dim",),
+                     fix="indexer=exact")
+
+    def prepare(self, *, head_dim: int, device) -> Any:
+        return None
+
+    def queries(self, q, prepared=None):
+        """RoPE'd queries [..., Di] -> rotated, FP4-simulated, float32 (bf16 values)."""
+        return fp4_qdq(rotate(q)).float()
+
+    def keys(self, rows, prepared=None):
+        """Closed keys [N, Di] after norm and RoPE -> rotated, FP4-simulated, float32 (bf16 values)."""
+        return fp4_qdq(rotate(rows)).float()
