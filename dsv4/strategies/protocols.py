@@ -1,4 +1,4 @@
-"""The four seams of the layer, as structural Protocols, and the data they exchange.
+"""The five seams of the layer, as structural Protocols, and the data they exchange.
 
 Nothing here is subclassed: a strategy is any frozen, keyword-only dataclass with these members.
 Requirements are data (`Needs`), read by the one pure `dsv4.compat.check()`. torch is imported only
