@@ -194,11 +194,10 @@ def check_store(into, dim: int) -> None:
     """Refuse a RowStore that cannot take rows of `dim` values (None: nothing to check)."""
     if into is None:
         return
-    want = dim if into.kind == PLAIN_ROWS.value else NOPE_DIMS + ROPE_DIMS
-    have = into.data.shape[-1] if into.kind == PLAIN_ROWS.value else want
-    if dim != want or have != dim:
-        raise ValueError(f"a cache of {have}-value rows ({'plain' if into.kind == PLAIN_ROWS.value else 'fp8_ds_mla'})"
-                         f" cannot store rows of {dim}")
+    plain = into.kind == PLAIN_ROWS.value
+    have = into.data.shape[-1] if plain else NOPE_DIMS + ROPE_DIMS
+    if dim != have:
+        raise ValueError(f"a cache of {have}-value rows ({'plain' if plain else 'fp8_ds_mla'}) cannot store rows of {dim}")
 
 
 def row_outputs(who: str, into, faults, fault_row: int, T: int, D: int, device):

@@ -74,8 +74,9 @@ def fp4_qdq(x, block: int = FP4_BLOCK):
     if x.shape[-1] % block:
         raise ValueError(f"FP4 blocks of {block} do not divide a width of {x.shape[-1]}")
     xf = x.to(torch.bfloat16).float().unflatten(-1, (-1, block))
-    inv6 = torch.tensor(1 / FP4_MAX, dtype=torch.float32, device=xf.device)       # fp32(1/6), as the kernel's
-    s = pow2_ceil(xf.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0 ** -126) * inv6)
+    # a Python scalar multiplies a float32 tensor as float32: amax·fp32(1/6), as the kernel's (and no
+    # host-to-device copy, so a CUDA graph can capture it)
+    s = pow2_ceil(xf.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0 ** -126) * (1 / FP4_MAX))
     return (e2m1((xf / s).clamp(-FP4_MAX, FP4_MAX)) * s).flatten(-2).to(torch.bfloat16)
 
 
