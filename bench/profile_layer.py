@@ -38,6 +38,24 @@ def host_profile(eng, layer: int, T: int, top: int) -> None:
         module(cap.x, plan, caches)
     host = (time.perf_counter() - t0) / 50 * 1e6
     torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as tprof:
+        for _ in range(10):
+            module(cap.x, plan, caches)
+        torch.cuda.synchronize()
+    gpu, runtime = defaultdict(float), defaultdict(lambda: [0, 0.0])
+    for e in tprof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            gpu[e.name] += e.device_time / 10
+        elif e.name.startswith("cu"):                  # CUDA runtime and driver calls
+            runtime[e.name][0] += 1
+            runtime[e.name][1] += e.cpu_time_total / 10
+    print(f"  eager forward on the GPU: {sum(gpu.values()):.1f} µs of kernels per call; per call:")
+    for name, t in sorted(gpu.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {t:8.1f} µs  {name[:110]}")
+    print("  CUDA API calls of the eager forward, per call:")
+    for name, (n, t) in sorted(runtime.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {t:8.1f} µs  x{n / 10:<5.1f} {name}")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(50):

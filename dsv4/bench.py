@@ -54,6 +54,36 @@ def replay_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
+def eager_us(fn, *, calls: int = 20, repeats: int = 7) -> tuple[float, float]:
+    """`replay_us` of an eager call, and beside it the host's time to issue the same calls (perf_counter
+    until the last is issued, before the closing event): equal when the call is bound by the host,
+    lower when the GPU is the bottleneck."""
+    import gc
+    import time
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times, host = [], []
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host.append((time.perf_counter() - t0) * 1e6 / calls)
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / calls)
+    finally:
+        if collecting:
+            gc.enable()
+    return statistics.median(times), statistics.median(host)
+
+
 def graph_time_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
     """Median over `repeats` CUDA-graph replays of `calls` calls of fn, per call, in µs."""
     for _ in range(3):

@@ -6,7 +6,8 @@ directly (pages reserved through the pool, random rows written through the layou
 state), so a 64k-token context needs no 64k prefill. The decode step is captured as the engine
 captures it (dsv4/components/graphs.py) and timed by replaying the layer's graph (median of repeats).
 Beside it, in the same process:
-- eager: the same layer forward on the same step plan without the graph (launch overhead included);
+- eager: the same layer forward on the same step plan without the graph (launch overhead included), and
+  the host's time to issue it (equal to the eager time when the host is the bottleneck);
 - components: the step's GEMMs, its MQA kernel, its o_proj and (ratio 4) the indexer's scores and
   top-k, each timed alone in a CUDA graph on the step's own inputs -- the step minus these is what the
   layer's glue (norms, RoPE, compressors, cache writes, index lists) and the gaps between kernels cost;
@@ -22,14 +23,14 @@ from typing import Any
 
 import torch
 
-from dsv4.bench import CEILINGS, available_options, graph_time_us, option, replay_us
+from dsv4.bench import CEILINGS, available_options, eager_us, graph_time_us, option, replay_us
 from dsv4.components.engine import CudaTimer, Segment
 from dsv4.report import table
 from dsv4.runner import tensor_bytes
 
 DECODE_CASES = [(64, 2, 8192), (64, 2, 65536), (1, 1, 8192), (16, 1, 8192), (64, 1, 8192), (128, 1, 8192)]
 PREFILL_TOKENS = 8192
-EAGER_ROUNDS = 3
+EAGER_ROUNDS = 5
 
 
 # ---- filling a context directly ------------------------------------------------------------------
@@ -217,15 +218,16 @@ def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, contex
     eng.layers[first][0](x, eager_plan, eng.pools[0].layers[first])
     eager_out = module(x, eager_plan, caches).out[:T].float()
     same = torch.equal(eager_out, replayed)
-    # host-bound, so timed EAGER_ROUNDS times (the host's speed drifts more than the GPU's), the median kept
-    eager_us = statistics.median(replay_us(lambda: module(x, eager_plan, caches)) for _ in range(EAGER_ROUNDS))
+    # host-bound, so timed EAGER_ROUNDS times (the host's speed drifts more than the GPU's), the medians kept
+    timed = [eager_us(lambda: module(x, eager_plan, caches)) for _ in range(EAGER_ROUNDS)]
+    eager, host = statistics.median(t for t, _ in timed), statistics.median(h for _, h in timed)
     parts = component_us(module, x, eager_plan, caches)
     comp = sum(parts.values())
     floor = floor_bytes(module, caches, nreq, context) / (CEILINGS["sm90"]["gbps"] * 1e3)
     del eng
     torch.cuda.empty_cache()
-    return [job.spec.layer_type(layer), backend.label, nreq, tokens, context, step_us, first_us - step_us, eager_us,
-            eager_us / step_us, plan_us, comp, step_us / comp, floor, floor / step_us, same], parts
+    return [job.spec.layer_type(layer), backend.label, nreq, tokens, context, step_us, first_us - step_us, eager,
+            eager / step_us, host, plan_us, comp, step_us / comp, floor, floor / step_us, same], parts
 
 
 def prefill_row(job, backend: Backend, layer: int) -> list:
@@ -262,7 +264,7 @@ def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, prefill: bool = Tr
                 except Exception as e:                  # one failing case is a row, not the end of the table
                     traceback.print_exc()
                     row, parts = [job.spec.layer_type(layer), backend.label, nreq, tokens, context,
-                                  f"error: {type(e).__name__}: {str(e)[:80]}"] + [None] * 9, {}
+                                  f"error: {type(e).__name__}: {str(e)[:80]}"] + [None] * 10, {}
                     torch.cuda.empty_cache()
                 rows.append(row)
                 if echo is not None:
@@ -281,8 +283,8 @@ def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, prefill: bool = Tr
         "decode step, CUDA-graph replay of the second layer of its type (median µs; the first also makes the "
         "type's per-step kernel plan: + first of type), with what it costs eagerly and its parts alone:\n" + table(
             ["layer", "backend", "requests", "tokens/req", "context", "replay µs", "+ first of type", "eager µs",
-             "eager/replay", "plan µs", "components µs", "replay/components", "floor µs", "floor/replay",
-             "replay == eager"],
+             "eager/replay", "eager host µs", "plan µs", "components µs", "replay/components", "floor µs",
+             "floor/replay", "replay == eager"],
             rows, left=(0, 1)),
         f"components of the first case ({cases[0][0]} requests x {cases[0][1]} tokens, {cases[0][2]} context), "
         "each alone in a CUDA graph:\n" + table(["layer", "backend", "component", "µs"], parts_rows, left=(0, 1, 2)),

@@ -98,19 +98,45 @@ def test_fp8_oproj_matches_fp8_simulation_and_reference(strategy, T, G):
     assert rel_err(y, y_ref) <= 6e-2          # fp8 activations and weights against float
 
 
+@pytest.mark.parametrize("mn_major", [False, True], ids=["token-major scales", "DeepGEMM sm90 scales"])
 @pytest.mark.parametrize("T,H,G", [(1, 64, 8), (37, 16, 2), (4096, 64, 8)])
-def test_fused_inverse_rope_fp8_kernel_matches_torch(T, H, G):
+def test_fused_inverse_rope_fp8_kernel_matches_torch(T, H, G, mn_major):
     from dsv4.strategies.fp8_oproj import fused_inverse_rope_fp8_quant, inverse_rope_fp8_quant
 
     g = torch.Generator(device="cuda").manual_seed(T)
     o = (torch.randn(T, H, 512, generator=g, device="cuda") * 4).bfloat16()
     pos = torch.randint(0, 1_000_000, (T,), generator=g, device="cuda")
     rope = Rope.for_layer(tiny_spec(), 4)
-    x, s = fused_inverse_rope_fp8_quant(o, rope.at(pos), G)
+    x, s = fused_inverse_rope_fp8_quant(o, rope.at(pos), G, mn_major_scales=mn_major)
     xr, sr = inverse_rope_fp8_quant(o, rope.at(pos), G)
     assert x.shape == xr.shape and s.shape == sr.shape
     assert torch.equal(s, sr)
+    if mn_major:          # per group, [blocks, align(T, 4)]: what DeepGEMM takes without a copy
+        ta, k = -(-T // 4) * 4, s.shape[2]
+        assert s.permute(1, 0, 2).stride() == (k * ta, 1, ta)
+    else:
+        assert s.is_contiguous()
     same = (x.view(torch.uint8) == xr.view(torch.uint8)).float().mean()
     assert float(same) >= 0.999                      # FMA contraction may move a value across a rounding edge
     deq = lambda a, b: a.float().unflatten(-1, (-1, 128)) * b[..., None]       # noqa: E731
     assert rel_err(deq(x, s), deq(xr, sr)) <= 1e-3
+
+
+def test_deepgemm_oproj_reads_the_activation_scales_in_place():
+    """On sm90 the prologue writes the scales in DeepGEMM's layout: the call launches the prologue, the
+    grouped product and wo_b's GEMM, and no copy or transpose of the scales."""
+    if DEV.arch != "sm90":
+        pytest.skip("the sm90 recipe's layout")
+    rope = Rope.for_layer(tiny_spec(), 4)
+    w, o, pos = oproj_case(64, 8)
+    k = DeepGemmFp8OProj()
+    prepared = k.prepare(w, device=DEV, dtype="bfloat16")
+    rot = rope.at(pos)
+    k(o, rot, prepared=prepared)                     # compiled and loaded before profiling
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        k(o, rot, prepared=prepared)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("inv_rope_fp8" in n for n in names), names
+    assert not [n for n in names if "copy" in n.lower() or "transpose" in n.lower()], names

@@ -406,12 +406,74 @@ def test_front_kernel_makes_query_and_kv_rows_in_one_launch(layout):
     kv_rows_kernel(dev(kv), dev(weight), *args, dev(slots), want_faults, eps=EPS, dtype=torch.bfloat16,
                    into=row_store(layout, want_pages, bs))
     got_pages, faults = dev(pages), dev(torch.ones(3, T, dtype=torch.bool))
-    got_q, rows = front_kernel(dev(q), dev(kv), dev(weight), *args, dev(slots), faults, padded_heads=PH, eps=EPS,
+    got_q, rows, _ = front_kernel(dev(q), dev(kv), dev(weight), *args, dev(slots), faults, padded_heads=PH, eps=EPS,
                                dtype=torch.bfloat16, into=row_store(layout, got_pages, bs))
     assert rows is None and got_q.shape == (T, PH, D)
     assert torch.equal(got_q.cpu(), want_q.cpu()) and bool((got_q[:, H:] == 0).all())
     assert torch.equal(got_pages.cpu(), want_pages.cpu()) and not torch.equal(got_pages.cpu(), pages)
     assert torch.equal(faults.cpu(), want_faults.cpu()) and faults[0].cpu().tolist() == [i == 1 for i in range(T)]
+
+
+@pytest.mark.parametrize("iq_dtype", [torch.bfloat16, torch.float32])
+def test_front_kernel_rotates_the_indexer_queries_in_the_same_launch(iq_dtype):
+    """With the indexer's queries as a third part, front_kernel gives what rotate_rows_kernel gives for them
+    and, for the query and KV rows, what it gives without them."""
+    from dsv4.kernels.layer_front import rotate_rows_kernel
+
+    g, T, H, D, Hi, Di, bs = gen(61), 5, 3, 512, 6, 128, 4
+    q = (torch.randn(T, H, D, generator=g) * 2).bfloat16()
+    kv = (torch.randn(T, D, generator=g) * 2).bfloat16()
+    iq = torch.randn(T, Hi, Di, generator=g) * 3
+    slots = torch.tensor([3, 8, -1, 0, 6], dtype=torch.int32)
+    weight = 1 + 0.2 * torch.randn(D, generator=g)
+    rot = rope_rows(T, g)
+    pages = random_cache(STORE_LAYOUTS["fp8_ds_mla"], 3, bs, D, g)
+    args = (dev(rot.cos), dev(rot.sin))
+    results = []
+    for with_iq in (False, True):
+        got_pages, faults = dev(pages), dev(torch.ones(3, T, dtype=torch.bool))
+        results.append((*front_kernel(dev(q), dev(kv), dev(weight), *args, dev(slots), faults, padded_heads=4, eps=EPS,
+                                      dtype=torch.bfloat16, into=row_store("fp8_ds_mla", got_pages, bs),
+                                      iq=dev(iq) if with_iq else None, iq_dtype=iq_dtype), got_pages, faults))
+    (q0, _, none, pages0, faults0), (q1, _, got_iq, pages1, faults1) = results
+    assert none is None and got_iq.dtype == iq_dtype and got_iq.shape == (T, Hi, Di)
+    assert torch.equal(got_iq.cpu(), rotate_rows_kernel(dev(iq), *args, dtype=iq_dtype).cpu())
+    assert rel_err(got_iq.cpu().float(), rot.rotate(iq)) <= (1e-6 if iq_dtype == torch.float32 else 4e-3)
+    assert torch.equal(q0.cpu(), q1.cpu()) and torch.equal(pages0.cpu(), pages1.cpu())
+    assert torch.equal(faults0.cpu(), faults1.cpu())
+
+
+def test_two_compressors_in_one_launch_as_in_two():
+    """A ratio-4 layer's compressor (head_dim 512, fp8_ds_mla entries) and its indexer's (128, plain keys)
+    in one compress launch: the same state rows, stored entries and faults as each in its own launch."""
+    from dsv4.kernels.compress import CompressJob, compress_kernels
+
+    R = 4
+    plan, blocks = step_plan(SPANS[R], seed=71)
+    bs, T = plan.entries[R].table.block_size, plan.num_tokens
+    comps = [compressor(R, 512, seed=72), compressor(R, 128, seed=73)]
+    scores = [step_scores(c, T, gen(74 + i)) for i, c in enumerate(comps)]
+    states = [torch.randn(blocks[R] * 8, 2 * c.width, generator=gen(76 + i)) for i, c in enumerate(comps)]
+    layouts = ["fp8_ds_mla", "bf16"]
+    caches = [random_cache(STORE_LAYOUTS[lay], plan.entries[R].table.pages.numel(), bs, c.dim, gen(78 + i))
+              for i, (lay, c) in enumerate(zip(layouts, comps))]
+    rot = plan.rope_rows(ROPE, shift=R)
+    shared = (dev(rot.cos), dev(rot.sin), dev(plan.positions), dev(plan.step_start), dev(plan.token_request),
+              dev(plan.state[R].write_slots), dev(plan.entries[R].close_slots), dev(plan.state[R].table.pages))
+
+    def run(groups):
+        st, pg = [dev(x) for x in states], [dev(x) for x in caches]
+        faults = dev(torch.ones(3, T, dtype=torch.bool))
+        jobs = [CompressJob(scores=dev(scores[i]), ape=dev(c.ape), norm=dev(c.norm), state=st[i], head_dim=c.dim,
+                            fault_row=1 + i, into=row_store(layouts[i], pg[i], bs)) for i, c in enumerate(comps)]
+        for group in groups:
+            out = compress_kernels([jobs[i] for i in group], *shared, faults, ratio=R, state_block=8, eps=EPS)
+            assert out == [None] * len(group)
+        return [x.cpu() for x in (*st, *pg, faults[1:])]
+
+    together, apart = run([(0, 1)]), run([(0,), (1,)])
+    assert all(torch.equal(a, b) for a, b in zip(together, apart))
+    assert not torch.equal(together[2], caches[0]) and not torch.equal(together[3], caches[1])
 
 
 @pytest.mark.parametrize("R,D,layout", [(4, 512, "fp8_ds_mla"), (4, 128, "bf16"), (128, 512, "fp8_ds_mla_fnuz"),

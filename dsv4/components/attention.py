@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dsv4.components.compressor import Compressor
+from dsv4.components.compressor import Compressor, compress_all
 from dsv4.components.front import front_rows, mm_f32, norm_rows
 from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
@@ -83,25 +83,36 @@ class DSV4Attention(torch.nn.Module):
         if caches.swa.layout != self.cache_layout or caches.ratio != self.ratio:
             raise ValueError(f"layer {self.layer}: caches of a ratio-{caches.ratio} layer in cache_layout="
                              f"{caches.swa.layout.name}, built for ratio {self.ratio} and {self.cache_layout.name}")
-        xa = x.to(self.dtype)
+        xa = x if x.dtype == self.dtype else x.to(self.dtype)
         rot = plan.rope_rows(self.rope)
         if self.compressor is None:
-            qr_raw, kv_raw = (xa @ self.w_in.T).split(self.in_sizes, 1)
+            qr_raw, kv_raw = (xa @ self.w_in.T).split_with_sizes(self.in_sizes, 1)
         else:
-            qr_raw, kv_raw, *scores = mm_f32(xa, self.w_in).split(self.in_sizes, 1)
+            qr_raw, kv_raw, *scores = mm_f32(xa, self.w_in).split_with_sizes(self.in_sizes, 1)
         qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype)
         faults = torch.empty(FAULT_ROWS, T, dtype=torch.bool, device=x.device)
-        q = front_rows((qr @ self.wq_b.T).view(T, H, self.spec.head_dim), kv_raw, self.kv_norm, rot,
-                       plan.swa.write_slots, faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
-                       dtype=self.dtype)
+        idx, iq_raw = self.indexer, None
+        if idx is not None:
+            iq_raw = mm_f32(qr, self.idx_wq_b).view(T, idx.n_heads, idx.head_dim)
+        q, iq = front_rows((qr @ self.wq_b.T).view(T, H, self.spec.head_dim), kv_raw, self.kv_norm, rot,
+                           plan.swa.write_slots, faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
+                           dtype=self.dtype, iq=iq_raw if idx is not None and idx.rope_only else None,
+                           iq_dtype=caches.indexer_keys.data.dtype if idx is not None else None)
 
         topk, extra = None, {}
         if self.compressor is not None:
             entry_rot = plan.rope_rows(self.rope, shift=self.ratio)
-            self.compressor.compress(scores[0], plan, caches.state, entry_rot, faults, FAULT_COMPRESSED,
-                                     caches.compressed)
-            if self.indexer is not None:
-                topk, lists, lens = self._select(scores[1], scores[2], qr, plan, caches, rot, entry_rot, faults)
+            parts = [(self.compressor, scores[0], caches.state, FAULT_COMPRESSED, caches.compressed)]
+            key_part = None if idx is None else idx.key_part(scores[1], caches.indexer_state, FAULT_INDEXER,
+                                                             caches.indexer_keys)
+            compress_all(parts + [key_part] if key_part is not None else parts, plan, entry_rot, faults)
+            if idx is not None:
+                if key_part is None:                     # keys the strategy transforms first
+                    idx.store_keys(scores[1], plan, caches.indexer_state, entry_rot, faults, FAULT_INDEXER,
+                                   caches.indexer_keys)
+                if iq is None:
+                    iq = idx.queries(iq_raw.flatten(1), rot, caches.indexer_keys.data.dtype)
+                topk, lists, lens = idx.lists(idx.scores(iq, scores[2], caches.indexer_keys, plan), plan)
             else:
                 ents = plan.entries[self.ratio]
                 lists, lens = ents.visible, ents.counts
@@ -112,11 +123,3 @@ class DSV4Attention(torch.nn.Module):
                                     prepared=self.mqa_prepared, plan=plan.kernel_plans.get(self.layer_type))
         y = self.o_proj(out if self.padded_heads == H else out[:, :H], rot, prepared=self.o_proj_prepared)
         return LayerStepResult(out=y, topk=topk, faults=faults)
-
-    def _select(self, main, w, qr, plan: StepPlan, caches: LayerCaches, rot, entry_rot, faults):
-        """The indexer: its compressor's keys for the entries closed in this step, then every token's
-        top-k over its request's keys -> (local indices, their slots, valid counts)."""
-        idx, keys = self.indexer, caches.indexer_keys
-        idx.store_keys(main, plan, caches.indexer_state, entry_rot, faults, FAULT_INDEXER, keys)
-        q = idx.queries(mm_f32(qr, self.idx_wq_b), rot, keys.data.dtype)
-        return idx.lists(idx.scores(q, w, keys, plan), plan)

@@ -63,13 +63,7 @@ class Compressor:
         return rows, torch.where(bad, -1, plan.entries[self.ratio].close_slots)
 
     def _kernel(self, scores, plan, state, rot, faults, fault_row: int, into=None):
-        from dsv4.kernels.compress import compress_kernel
-
-        rows = plan.state[self.ratio]
-        return compress_kernel(scores, self.ape, self.norm, rot.cos, rot.sin, plan.positions, plan.step_start,
-                               plan.token_request, rows.write_slots, plan.entries[self.ratio].close_slots,
-                               rows.table.pages, state.data, faults, fault_row, ratio=self.ratio, head_dim=self.dim,
-                               state_block=state.block_size, eps=self.eps, into=into)
+        return _launch(((self, scores, state, fault_row, into),), plan, rot, faults)[0]
 
     def write_state(self, scores, plan, state) -> None:
         """scores [T, 2·width] float32 ([a | s], no APE yet) -> the kept rows into `state` (CompressorState)."""
@@ -127,3 +121,29 @@ class Compressor:
         s = torch.where(here[..., None], s_s, s_h)
         absent = (q < 0)[..., None]
         return a.masked_fill(absent, 0.0), s.masked_fill(absent, float("-inf"))
+
+
+def compress_all(parts, plan, rot, faults) -> None:
+    """Compressors of one ratio over the same step -- each part (compressor, scores, state, fault_row,
+    cache), e.g. a ratio-4 layer's and its indexer's -- their closed entries stored into their caches: on
+    a GPU, where every cache's layout has a kernel store, in one launch; otherwise each `compress`."""
+    if parts and parts[0][1].is_cuda and all(cache.store is not None for *_, cache in parts):
+        _launch(tuple((c, sc, st, row, cache.store) for c, sc, st, row, cache in parts), plan, rot, faults)
+        return
+    for compressor, scores, state, fault_row, cache in parts:
+        compressor.compress(scores, plan, state, rot, faults, fault_row, cache)
+
+
+def _launch(parts, plan, rot, faults) -> list:
+    """dsv4/kernels/compress.py's kernel for parts (compressor, scores, state, fault_row, RowStore or None)."""
+    from dsv4.kernels.compress import CompressJob, compress_kernels
+
+    ratio, block = parts[0][0].ratio, parts[0][2].block_size
+    if any(c.ratio != ratio or st.block_size != block or c.eps != parts[0][0].eps for c, _, st, *_ in parts):
+        raise ValueError("compressors launched together must share their ratio, state block size and eps")
+    rows = plan.state[ratio]
+    jobs = tuple(CompressJob(scores=sc, ape=c.ape, norm=c.norm, state=st.data, head_dim=c.dim, fault_row=row,
+                             into=into) for c, sc, st, row, into in parts)
+    return compress_kernels(jobs, rot.cos, rot.sin, plan.positions, plan.step_start, plan.token_request,
+                            rows.write_slots, plan.entries[ratio].close_slots, rows.table.pages, faults, ratio=ratio,
+                            state_block=block, eps=parts[0][0].eps)

@@ -3,7 +3,7 @@
 Each function is written once in torch (the CPU path, and the reference the kernels are tested
 against) and runs our fused Triton kernel on a GPU tensor (dsv4/kernels/layer_front.py): one launch
 instead of a dozen small ones, which is what makes the step cost what its GEMMs cost; `front_rows`
-makes the query rows and stores the KV rows in one launch.
+makes the query rows (and the indexer's) and stores the KV rows in one launch.
 
 Rounding follows the layer's activation dtype `dtype` exactly as the unfused math does: RMSNorm in
 float32, rounded to `dtype`, RoPE in float32 (then rounded to `dtype` for queries; KV rows stay float32
@@ -48,20 +48,23 @@ def kv_rows(kv, weight, rot: RopeRows, slots, faults, *, eps: float, dtype):
     return rows, torch.where(bad, -1, slots)
 
 
-def front_rows(q, kv, weight, rot: RopeRows, slots, faults, cache, *, padded_heads: int, eps: float, dtype):
-    """The front of the layer: `q_rows` of q, returned, and `kv_rows` of kv, stored into `cache` (a
-    PagedCache) at their slots. On a GPU one kernel does both and stores the KV rows itself where the
-    cache's layout has a kernel store; otherwise they go through the layout's `write`."""
+def front_rows(q, kv, weight, rot: RopeRows, slots, faults, cache, *, padded_heads: int, eps: float, dtype,
+               iq=None, iq_dtype=None):
+    """The front of the layer: `q_rows` of q and (if given) `rotate_rows` of the indexer's queries iq into
+    `iq_dtype`, returned as (q rows, iq rows or None), and `kv_rows` of kv, stored into `cache` (a
+    PagedCache) at their slots. On a GPU one kernel does all three and stores the KV rows itself where
+    the cache's layout has a kernel store; otherwise they go through the layout's `write`."""
     if q.is_cuda:
         from dsv4.kernels.layer_front import front_kernel
-        q_out, rows = front_kernel(q, kv, weight, rot.cos, rot.sin, slots, faults, padded_heads=padded_heads,
-                                   eps=eps, dtype=dtype, into=cache.store)
+        q_out, rows, iq_out = front_kernel(q, kv, weight, rot.cos, rot.sin, slots, faults, padded_heads=padded_heads,
+                                           eps=eps, dtype=dtype, into=cache.store, iq=iq, iq_dtype=iq_dtype)
     else:
         q_out = q_rows(q, rot, padded_heads=padded_heads, eps=eps, dtype=dtype)
+        iq_out = None if iq is None else rotate_rows(iq, rot, iq_dtype)
         rows = kv_rows(kv, weight, rot, slots, faults, eps=eps, dtype=dtype)
     if rows is not None:
         cache.write(rows[1], rows[0])
-    return q_out
+    return q_out, iq_out
 
 
 def stored_badly(rows):
@@ -98,10 +101,11 @@ def mm_f32(x, w):
     import torch
 
     if x.dtype == torch.float32:
-        return x @ w.float().T
+        return x @ (w if w.dtype == torch.float32 else w.float()).T
+    w = w if w.dtype == x.dtype else w.to(x.dtype)       # `.to` costs host time even when it returns w
     if x.is_cuda:
         try:
-            return torch.mm(x, w.to(x.dtype).T, out_dtype=torch.float32)
+            return torch.mm(x, w.T, out_dtype=torch.float32)
         except (TypeError, RuntimeError):      # a torch without mm's out_dtype: the same product in float32
             pass
-    return x.float() @ w.to(x.dtype).float().T
+    return x.float() @ w.float().T

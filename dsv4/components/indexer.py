@@ -46,6 +46,17 @@ class Indexer:
         q = self.numerics.queries(rotate_rows(q, rot), self.prepared)
         return q if dtype is None else q.to(dtype)
 
+    @property
+    def rope_only(self) -> bool:
+        """Whether its queries are the projected queries with RoPE alone (no numerics transform), which the
+        layer's front kernel can make (`front.front_rows`)."""
+        return not self.numerics.transforms
+
+    def key_part(self, scores, state, fault_row: int, cache):
+        """Its compressor's part of the layer's compress launch (`compressor.compress_all`) when the keys go
+        to `cache` as the compressor makes them; None when the strategy transforms them (`store_keys`)."""
+        return None if self.numerics.transforms else (self.compressor, scores, state, fault_row, cache)
+
     def store_keys(self, scores, plan, state, rot, faults, fault_row: int, cache) -> None:
         """The indexer compressor's step, its closed keys through the strategy's numerics into `cache`
         (with no transform, stored by the compressor's own kernel)."""

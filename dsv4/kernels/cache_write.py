@@ -24,7 +24,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_i32, launch
+from dsv4.kernels.launch import as_i32, cdiv, launch, next_pow2
 from dsv4.kernels.rounding import SOFT_ROUND, round_to, widen
 
 NOPE_DIMS, ROPE_DIMS = 448, 64
@@ -154,8 +154,8 @@ def write_rows_kernel(cache, slots, rows, *, num_warps: int = 4) -> None:
         return
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    block = min(1024, triton.next_power_of_2(D))
-    launch(_write_rows_kernel, (N, triton.cdiv(D, block)), rows, rows.stride(0), as_i32(slots), cache,
+    block = min(1024, next_pow2(D))
+    launch(_write_rows_kernel, (N, cdiv(D, block)), rows, rows.stride(0), as_i32(slots), cache,
            cache.numel() // D, D, BLOCK=block, SOFT=SOFT_ROUND, num_warps=num_warps)
 
 

@@ -33,7 +33,7 @@ def _arg_type(name: str, layout: int) -> str:
         return "*i64" if layout else "*bf16"
     if name.endswith("_bf") or name in ("q_ptr", "out_ptr", "p_ptr"):
         return "*bf16"
-    if name in ("ml_ptr", "sink_l2_ptr", "lse_ptr"):
+    if name in ("ml_ptr", "sink_ptr", "lse_ptr"):
         return "*fp32"
     if name.endswith(("_idx", "_len")):
         return "*i32"
@@ -143,20 +143,33 @@ def _compile_layer(gpu) -> None:
     for dt, name in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
         for kv in {name, "*fp32"}:                       # the SWA projection's output, or the float32 one
             for kind, cache in STORES:
-                _compile(layer_front._front_kernel, dict(D=512, BH=4, NQB=16, DTYPE=dt, FAULT_ROWS=3, KIND=kind, BS=64,
-                                                         SOFT=False),
-                         types({**f32, **cache, "q_ptr": name, "qo_ptr": name, "kv_ptr": kv, "out_ptr": "*fp32"}),
-                         {"kv_stride", "H", "PH"}, gpu, 4)
+                _compile(layer_front._front_kernel, dict(D=512, BH=4, NQB=16, DI=128, BHI=8, NIB=8, DTYPE=dt,
+                                                         FAULT_ROWS=3, KIND=kind, BS=64, SOFT=False),
+                         types({**f32, **cache, "q_ptr": name, "qo_ptr": name, "kv_ptr": kv, "out_ptr": "*fp32",
+                                "iq_ptr": "*fp32", "iqo_ptr": name}),
+                         {"kv_stride", "H", "PH", "HI"}, gpu, 4)
             _compile(layer_front._norm_rows_kernel, dict(BLOCK=1024, SOFT=False),
                      types({**f32, "x_ptr": kv, "out_ptr": name}), {"x_stride", "N"}, gpu, 4)
         _compile(layer_front._rotate_rows_kernel, dict(D=128, BH=8, SOFT=False),
                  types({**f32, "x_ptr": "*fp32", "out_ptr": name}), {"H"}, gpu, 4)
-    for ratio, dim, stores in ((4, 512, STORES[:2]), (4, 128, STORES[:1] + STORES[3:]), (128, 512, STORES[:3])):
+    def job(n: str, dim: int, coff: int, kind: int, cache: dict) -> tuple[dict, dict]:
+        """One compressor's constexprs and pointer types in the compress kernel (n: '' or '2')."""
+        ptrs = {**{k.replace("_ptr", f"{n}_ptr"): f32[k] for k in ("sc_ptr", "ape_ptr", "norm_ptr", "st_ptr",
+                                                                    "store_ptr")},
+                f"out{n}_ptr": "*fp32", **{k.replace("cache", f"cache{n}"): v for k, v in cache.items()}}
+        return {f"D{n}": dim, f"BLOCK{n}": min(1024, 2 * coff * dim), f"KIND{n}": kind, f"BS{n}": 64}, ptrs
+
+    indexer_stores = STORES[:1] + STORES[3:]
+    pairs = [((4, 512, k, c), None) for k, c in STORES[:2]] + [((4, 128, k, c), None) for k, c in indexer_stores]
+    pairs += [((128, 512, k, c), None) for k, c in STORES[:3]]
+    pairs += [((4, 512, k, c), (128, k2, c2)) for k, c in STORES[1:2] for k2, c2 in indexer_stores]
+    for (ratio, dim, kind, cache), second in pairs:         # one compressor a launch, or a layer's and its indexer's
         coff = compress.RATIOS[ratio]
-        for kind, cache in stores:
-            _compile(compress._compress_kernel, dict(R=ratio, D=dim, COFF=coff, SB=64, RB=compress.ROWS_PER_CHUNK,
-                                                     BLOCK=min(1024, 2 * coff * dim), KIND=kind, BS=64, SOFT=False),
-                     types({**f32, **cache, "out_ptr": "*fp32"}), {"sc_stride"}, gpu, 4)
+        const, ptrs = job("", dim, coff, kind, cache)
+        const2, ptrs2 = job("2", *((dim, coff, kind, cache) if second is None else (second[0], coff, *second[1:])))
+        _compile(compress._compress_kernel, dict(R=ratio, COFF=coff, SB=64, RB=compress.ROWS_PER_CHUNK, SOFT=False,
+                                                 JOBS=1 if second is None else 2, **const, **const2),
+                 types({**f32, **ptrs, **ptrs2}), {"sc_stride", "sc2_stride"}, gpu, 4)
     pages = {"rows_ptr": "*bf16", "slot_ptr": "*i32", "u8_ptr": "*u8", "bf_ptr": "*bf16", "w64_ptr": "*i64"}
     for bs, fnuz in ((64, False), (3, True)):
         _compile(cache_write._fp8_ds_mla_kernel, dict(BS=bs, FNUZ=fnuz, SOFT=False), types(pages),

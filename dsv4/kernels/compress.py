@@ -14,10 +14,13 @@ takes the same maximum; only the summation order differs). RMSNorm uses an IEEE 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, rows_dense
+from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, next_pow2, rows_dense
 from dsv4.kernels.cache_write import row_outputs, store_row
 from dsv4.kernels.layer_front import ROPE, ROPE_DIM, _rotate
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND
@@ -58,12 +61,12 @@ def _pooled_rows(row0, t, pos, first, step0, req, sc_ptr, sc_stride, ape_ptr, pa
 
 
 @triton.jit
-def _compress_kernel(sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr, keep_ptr,
-                     close_ptr, pages_ptr, P, st_ptr, n_state, out_ptr, store_ptr, faults_ptr, fault_row, T, eps,
-                     cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, R: tl.constexpr, D: tl.constexpr,
-                     COFF: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
-                     BS: tl.constexpr, SOFT: tl.constexpr):
-    t = tl.program_id(0)
+def _compress_rows(t, sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr, keep_ptr,
+                   close_ptr, pages_ptr, P, st_ptr, n_state, out_ptr, store_ptr, faults_ptr, fault_row, T, eps,
+                   cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, R: tl.constexpr, D: tl.constexpr,
+                   COFF: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
+                   BS: tl.constexpr, SOFT: tl.constexpr):
+    """One compressor's step for token t."""
     dims = tl.arange(0, D)
     W: tl.constexpr = COFF * D
     pos = tl.load(pos_ptr + t)
@@ -115,6 +118,45 @@ def _compress_kernel(sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, pos
         tl.store(faults_ptr + fault_row * T + t, False)
 
 
+@triton.jit
+def _compress_kernel(cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr, keep_ptr, close_ptr, pages_ptr, P, faults_ptr, T,
+                     eps, sc_ptr, sc_stride, ape_ptr, norm_ptr, st_ptr, n_state, out_ptr, store_ptr, fault_row,
+                     cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots,
+                     sc2_ptr, sc2_stride, ape2_ptr, norm2_ptr, st2_ptr, n_state2, out2_ptr, store2_ptr, fault_row2,
+                     cache2_ptr, cache2_bf_ptr, cache2_w64_ptr, page_stride2, n_slots2,
+                     R: tl.constexpr, COFF: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr, SOFT: tl.constexpr,
+                     D: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr,
+                     D2: tl.constexpr, BLOCK2: tl.constexpr, KIND2: tl.constexpr, BS2: tl.constexpr,
+                     JOBS: tl.constexpr):
+    """Programs 0..T-1: the first compressor's step per token; with JOBS == 2 the next T: the second's."""
+    pid = tl.program_id(0)
+    if pid < T:
+        _compress_rows(pid, sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr,
+                       keep_ptr, close_ptr, pages_ptr, P, st_ptr, n_state, out_ptr, store_ptr, faults_ptr, fault_row,
+                       T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, R, D, COFF, SB, RB,
+                       BLOCK, KIND, BS, SOFT)
+    elif JOBS == 2:
+        _compress_rows(pid - T, sc2_ptr, sc2_stride, ape2_ptr, norm2_ptr, cos_ptr, sin_ptr, pos_ptr, start_ptr,
+                       req_ptr, keep_ptr, close_ptr, pages_ptr, P, st2_ptr, n_state2, out2_ptr, store2_ptr,
+                       faults_ptr, fault_row2, T, eps, cache2_ptr, cache2_bf_ptr, cache2_w64_ptr, page_stride2,
+                       n_slots2, R, D2, COFF, SB, RB, BLOCK2, KIND2, BS2, SOFT)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompressJob:
+    """One compressor's part of a compress launch: its scores [T, 2·coff·head_dim] float32 ([a | s], no
+    APE; rows may be strided), ape [ratio, coff·head_dim], norm [head_dim], its state rows [S,
+    2·coff·head_dim] float32 (written in place), the faults row it sets and where its entries go (`into`, a
+    RowStore, or None: returned)."""
+    scores: Any
+    ape: Any
+    norm: Any
+    state: Any
+    head_dim: int
+    fault_row: int
+    into: Any = None
+
+
 def compress_kernel(scores, ape, norm, cos, sin, positions, step_start, token_request, keep_slots, close_slots,
                     state_pages, state, faults, fault_row: int, *, ratio: int, head_dim: int, state_block: int,
                     eps: float, into=None, num_warps: int = 4):
@@ -124,30 +166,47 @@ def compress_kernel(scores, ape, norm, cos, sin, positions, step_start, token_re
     closes none; store [T] int32: its slot, -1 where it closes none or the entry is refused) for the
     layout's `write`. faults[fault_row] is set where a closed entry is refused.
 
-    scores [T, 2·coff·head_dim] float32 ([a | s], no APE; rows may be strided), ape [ratio, coff·head_dim],
-    norm [head_dim], cos/sin [T, 32] at each entry's first position, positions/step_start/keep_slots/
-    close_slots [T] int32, token_request [T] int64, state_pages [B, P] int32 (the state table, rows of
-    `state_block`), state [S, 2·coff·head_dim] float32 (the rows at keep_slots written in place), faults
-    [F, T] bool. Sync-free; one program per token."""
+    scores, ape, norm, state as CompressJob's; cos/sin [T, 32] at each entry's first position,
+    positions/step_start/keep_slots/close_slots [T] int32, token_request [T] int64, state_pages [B, P] int32
+    (the state table, rows of `state_block`), faults [F, T] bool. Sync-free; one program per token."""
+    job = CompressJob(scores=scores, ape=ape, norm=norm, state=state, head_dim=head_dim, fault_row=fault_row,
+                      into=into)
+    return compress_kernels((job,), cos, sin, positions, step_start, token_request, keep_slots, close_slots,
+                            state_pages, faults, ratio=ratio, state_block=state_block, eps=eps, num_warps=num_warps)[0]
 
+
+def compress_kernels(jobs, cos, sin, positions, step_start, token_request, keep_slots, close_slots, state_pages,
+                     faults, *, ratio: int, state_block: int, eps: float, num_warps: int = 4) -> list:
+    """`compress_kernel` for one or two compressors of one ratio over the same step (a ratio-4 layer's and
+    its indexer's), in one launch: what each returns, in the order of `jobs`."""
     if ratio not in RATIOS:
         raise ValueError(f"compress_kernel: ratio {ratio} is not one of {sorted(RATIOS)}")
-    coff, D = RATIOS[ratio], head_dim
-    T = scores.shape[0]
-    if D < ROPE_DIM or D & (D - 1) or scores.shape[1] != 2 * coff * D or state.shape[-1] != 2 * coff * D:
-        raise ValueError(f"compress_kernel: scores {tuple(scores.shape)} / state {tuple(state.shape)} do not hold "
-                         f"ratio-{ratio} rows of head_dim {D} (a power of two >= {ROPE_DIM})")
-    if tuple(ape.shape) != (ratio, coff * D):
-        raise ValueError(f"compress_kernel: ape {tuple(ape.shape)} is not [{ratio}, {coff * D}]")
-    rows, store, (out, st, *cache), kind, bs = row_outputs("compress_kernel", into, faults, fault_row, T, D,
-                                                          scores.device)
+    if not 1 <= len(jobs) <= 2:
+        raise ValueError(f"compress_kernels: one or two compressors a launch, not {len(jobs)}")
+    coff = RATIOS[ratio]
+    T = jobs[0].scores.shape[0]
+    parts, results = [], []
+    for job in jobs:
+        D = job.head_dim
+        if (D < ROPE_DIM or D & (D - 1) or job.scores.shape != (T, 2 * coff * D)
+                or job.state.shape[-1] != 2 * coff * D):
+            raise ValueError(f"compress_kernel: scores {tuple(job.scores.shape)} / state {tuple(job.state.shape)} do "
+                             f"not hold ratio-{ratio} rows of head_dim {D} (a power of two >= {ROPE_DIM}) for {T} "
+                             f"tokens")
+        if tuple(job.ape.shape) != (ratio, coff * D):
+            raise ValueError(f"compress_kernel: ape {tuple(job.ape.shape)} is not [{ratio}, {coff * D}]")
+        rows, store, (out, st, *cache), kind, bs = row_outputs("compress_kernel", job.into, faults, job.fault_row, T,
+                                                              D, job.scores.device)
+        results.append(None if job.into is not None else (rows, store))
+        sc = rows_dense(job.scores)
+        parts.append(((sc, sc.stride(0), as_f32(job.ape), as_f32(job.norm), job.state, job.state.shape[0], out, st,
+                       job.fault_row, *cache), (D, min(1024, next_pow2(2 * coff * D)), kind, bs)))
     if T:
-        scores = rows_dense(scores)
         pages = as_i32(state_pages)
-        launch(_compress_kernel, (T,), scores, scores.stride(0), as_f32(ape), as_f32(norm), as_f32(cos), as_f32(sin),
-               as_i32(positions), as_i32(step_start), as_dense(token_request), as_i32(keep_slots),
-               as_i32(close_slots), pages, pages.shape[1], state, state.shape[0], out, st, faults, fault_row, T, eps,
-               *cache, R=ratio, D=D, COFF=coff, SB=state_block, RB=ROWS_PER_CHUNK,
-               BLOCK=min(1024, triton.next_power_of_2(2 * coff * D)), KIND=kind, BS=bs, SOFT=SOFT_ROUND,
-               num_warps=num_warps)
-    return None if into is not None else (rows, store)
+        (args, const), (args2, const2) = parts[0], parts[-1]       # one job: the second's arguments unused
+        launch(_compress_kernel, (len(jobs) * T,), as_f32(cos), as_f32(sin), as_i32(positions), as_i32(step_start),
+               as_dense(token_request), as_i32(keep_slots), as_i32(close_slots), pages, pages.shape[1], faults, T, eps,
+               *args, *args2, R=ratio, COFF=coff, SB=state_block, RB=ROWS_PER_CHUNK, SOFT=SOFT_ROUND,
+               D=const[0], BLOCK=const[1], KIND=const[2], BS=const[3], D2=const2[0], BLOCK2=const2[1],
+               KIND2=const2[2], BS2=const2[3], JOBS=len(jobs), num_warps=num_warps)
+    return results

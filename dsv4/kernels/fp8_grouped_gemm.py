@@ -16,7 +16,7 @@ import os
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, launch
+from dsv4.kernels.launch import as_dense, as_f32, cdiv, launch
 
 BLOCK = 128
 
@@ -63,7 +63,7 @@ def grouped_fp8_gemm(x, xs, w, ws, *, block_m: int = 64, num_warps: int = 4, num
     z = torch.empty(T, G, N, dtype=torch.float32 if interpret else torch.bfloat16, device=x.device)
     if T == 0:
         return z.bfloat16()
-    launch(_grouped_fp8_kernel, (triton.cdiv(T, block_m), N // BLOCK, G), as_dense(x), as_f32(xs), as_dense(w),
+    launch(_grouped_fp8_kernel, (cdiv(T, block_m), N // BLOCK, G), as_dense(x), as_f32(xs), as_dense(w),
            as_f32(ws), z, T, G, N, K, BM=block_m, DOT=tl.float32 if interpret else tl.float8e4nv, STAGES=num_stages,
            num_warps=num_warps)
     return z.bfloat16()

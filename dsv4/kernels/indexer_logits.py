@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_i32, launch, rows_dense
+from dsv4.kernels.launch import as_dense, as_i32, cdiv, launch, next_pow2, rows_dense
 
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
 TOKENS_PER_PROGRAM = 2          # TG: a decode request's two tokens (MTP) share each key block
@@ -215,15 +215,15 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
     block_n, blocks_per_program = block_n or plan.block_n, blocks_per_program or plan.blocks
     num_warps = num_warps or plan.num_warps
     stages = stages or (plan.stages if pipelined(q.device) else 1)
-    hp = max(triton.next_power_of_2(H), 16 // tg)         # a dot needs >= 16 rows
-    dp = max(triton.next_power_of_2(DI), 16)
+    hp = max(next_pow2(H), 16 // tg)         # a dot needs >= 16 rows
+    dp = max(next_pow2(DI), 16)
     pages = as_i32(pages)
     w = rows_dense(w if w.dtype == torch.float32 else w.float())
     if data.dtype == torch.bfloat16:
         precision = "bf16_widened" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
     else:
         precision = INPUT_PRECISION["hip" if torch.version.hip else "cuda"]
-    grid = (triton.cdiv(T, tg), triton.cdiv(width, block_n * blocks_per_program))
+    grid = (cdiv(T, tg), cdiv(width, block_n * blocks_per_program))
     launch(_indexer_kernel, grid, as_dense(q if q.dtype == data.dtype else q.to(data.dtype)), w, w.stride(0), w_scale,
            data, pages, as_dense(token_request), as_i32(counts), out, T, H, DI, pages.shape[1], width,
            data.numel() // DI, BS=keys.block_size, TG=tg, HP=hp, DP=dp, BN=block_n, NBLK=blocks_per_program,

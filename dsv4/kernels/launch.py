@@ -6,63 +6,123 @@ launch options into a string key, reads its knobs and re-checks the kernel's glo
 `launch` keeps only what a call needs once a kernel is compiled: Triton's own binder still derives the
 specialization (dtypes, 16-byte alignment of pointers, integers equal to 1 or divisible by 16), so a
 call that needs another compiled variant gets it -- from Triton's normal path, which compiles it -- and
-otherwise the compiled variant is launched directly on the current stream.
+otherwise the compiled variant is launched directly on the current stream: through the C launcher
+itself where the Triton is one whose launcher calling convention is known here (3.5 and 3.6) and the
+kernel needs no scratch memory, else through the compiled kernel's `run`.
+
+Kernels are looked up by identity (a JITFunction's own hash recomputes its cache key in Python), and the
+grid arithmetic on the host uses `cdiv`/`next_pow2` below (Triton's are constexpr functions, several
+µs a call outside a kernel).
 
 Under the interpreter (`TRITON_INTERPRET=1`, the CPU tests) and while a launch hook is installed (a
 profiler such as proton), it is exactly `kernel[grid](*args, **meta)`.
 """
 from __future__ import annotations
 
+import re
+
 import torch
+import triton
 
 try:
     from triton import knobs
 except Exception:             # a Triton without knobs (before 3.4): every launch takes Triton's own path
     knobs = None
 
-_COMPILED: dict = {}     # (kernel, device, specialization, options) -> triton CompiledKernel
-_BINDERS: dict = {}      # (kernel, device) -> Triton's argument binder, None where this path does not apply
+# Tritons whose CudaLauncher calls its C `launch(gx, gy, gz, stream, function, cooperative, pdl,
+# global_scratch, profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`
+_DIRECT_C_LAUNCH = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2]) in {(3, 5), (3, 6)}
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host integers."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The least power of two >= n for n >= 1 (0 for n = 0), as triton.next_power_of_2."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+class _Kernel:
+    """One JITFunction's launch state: its binder per device and its compiled variants by specialization."""
+    __slots__ = ("binders", "fn", "variants")
+
+    def __init__(self, fn) -> None:
+        self.fn = fn              # held, so that the id this is filed under stays this kernel's
+        self.binders: dict = {}   # device -> Triton's argument binder, None where this path does not apply
+        self.variants: dict = {}  # (device, specialization, options) -> (compiled kernel, C launch or None)
+
+    def binder(self, dev: int):
+        """Triton's binder on device `dev`, as JITFunction.run calls it (Triton 3.4 to 3.9 keep it last in
+        `device_caches[dev]`); None for a Triton that keeps it elsewhere."""
+        if dev not in self.binders:
+            entry = self.fn.device_caches[dev]          # a defaultdict: made on first use, as run() does
+            ok = isinstance(entry, tuple) and len(entry) == 5 and callable(entry[4])
+            self.binders[dev] = entry[4] if ok else None
+        return self.binders[dev]
+
+
+_KERNELS: dict[int, _Kernel] = {}      # id(JITFunction) -> its launch state (None: interpreted)
 
 
 def _hooked() -> bool:
     if knobs is None:
         return True
     rt = knobs.runtime
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
     # a chain of hooks (Triton 3.5+) counts when it holds one; a single hook (older) when it is set
-    return any(h is not None and bool(getattr(h, "calls", True)) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+    return (enter is not None and bool(getattr(enter, "calls", True))) or \
+        (leave is not None and bool(getattr(leave, "calls", True)))
 
 
-def _binder(kernel, dev: int):
-    """Triton's binder of `kernel` on device `dev`, as JITFunction.run calls it (Triton 3.4 to 3.9 keep it
-    last in `device_caches[dev]`); None for an interpreted kernel or a Triton that keeps it elsewhere."""
-    key = (kernel, dev)
-    if key not in _BINDERS:
-        entry = kernel.device_caches[dev]           # a defaultdict: made on first use, as run() does
-        ok = isinstance(entry, tuple) and len(entry) == 5 and callable(entry[4])
-        _BINDERS[key] = entry[4] if ok else None
-    return _BINDERS[key]
+def _c_launch(compiled):
+    """The C launcher of a compiled kernel where it can be called directly (see the module docstring)."""
+    run = compiled.run
+    if not _DIRECT_C_LAUNCH or type(run).__name__ != "CudaLauncher":
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    c = getattr(run, "launch", None)
+    return (c, run.launch_cooperative_grid, run.launch_pdl) if callable(c) else None
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     """kernel[grid](*args, **meta), with the specialization's compiled kernel launched directly."""
-    if not hasattr(kernel, "device_caches") or _hooked():      # interpreted, or a profiler's hook is set
+    k = _KERNELS.get(id(kernel), False)
+    if k is False:
+        k = _KERNELS[id(kernel)] = _Kernel(kernel) if hasattr(kernel, "device_caches") else None
+    if k is None or _hooked():                     # interpreted, or a profiler's hook is set
         kernel[grid](*args, **meta)
         return
     dev = torch._C._cuda_getDevice()
-    binder = _binder(kernel, dev)
+    binder = k.binders.get(dev) or k.binder(dev)
     if binder is None:
         kernel[grid](*args, **meta)
         return
     bound, spec, options = binder(*args, **meta)          # the call's specialization, as Triton derives it
-    key = (kernel, dev, tuple(spec), tuple(options.items()))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        _COMPILED[key] = kernel[grid](*args, **meta)     # compiled (or found) and launched by Triton
+    key = (dev, tuple(spec), tuple(options.items()))
+    hit = k.variants.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **meta)            # compiled (or found) and launched by Triton
+        k.variants[key] = (compiled, _c_launch(compiled))
         return
+    compiled, c = hit
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(dev), compiled.function,
-                 compiled.packed_metadata, None, None, None, *bound.values())
+    stream = torch._C._cuda_getCurrentRawStream(dev)
+    if c is not None:
+        c[0](grid[0], g1, g2, stream, compiled.function, c[1], c[2], None, None, compiled.packed_metadata, None,
+             None, None, *bound.values())
+    else:
+        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *bound.values())
+
+
+def variants(kernel) -> int:
+    """How many compiled variants `launch` keeps for `kernel` (0 under the interpreter)."""
+    k = _KERNELS.get(id(kernel))
+    return len(k.variants) if k else 0
 
 
 # ---- arguments in the form a kernel reads, without a dispatcher call when they already are -----------

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.cache_write import row_outputs, store_row
-from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, rows_dense
+from dsv4.kernels.launch import as_dense, as_f32, as_i32, cdiv, launch, next_pow2, rows_dense
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, round_to, widen
 
 ROPE_DIM = 64                       # RoPE dims: the last 64 of a row (dsv4.components.rope)
@@ -104,17 +104,34 @@ def _kv_part(t, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, s
 
 
 @triton.jit
-def _front_kernel(q_ptr, qo_ptr, H, PH, NQ, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr,
-                  store_ptr, faults_ptr, T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots,
-                  D: tl.constexpr, BH: tl.constexpr, NQB: tl.constexpr, DTYPE: tl.constexpr,
-                  FAULT_ROWS: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr, SOFT: tl.constexpr):
-    """Programs 0..NQ-1: query heads (NQB programs per token); the next T: KV rows."""
+def _rot_part(t, hb, x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr):
+    """Heads hb·BH.. of token t of x [T, H, D] (float32): RoPE alone, stored in out's dtype."""
+    h = hb * BH + tl.arange(0, BH)
+    dims = tl.arange(0, D)
+    at = (t.to(tl.int64) * H + h)[:, None] * D + dims[None, :]
+    x = tl.load(x_ptr + at, mask=(h < H)[:, None], other=0.0)
+    ev, od = tl.split(tl.reshape(x, [BH, D // 2, 2]))
+    ev, od = _rotate(ev, od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
+    y = tl.reshape(tl.join(ev, od), [BH, D])
+    tl.store(out_ptr + at, round_to(y, out_ptr.dtype.element_ty, SOFT), mask=(h < H)[:, None])
+
+
+@triton.jit
+def _front_kernel(q_ptr, qo_ptr, H, PH, NQ, iq_ptr, iqo_ptr, HI, NI, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr,
+                  slot_ptr, out_ptr, store_ptr, faults_ptr, T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr,
+                  page_stride, n_slots, D: tl.constexpr, BH: tl.constexpr, NQB: tl.constexpr, DI: tl.constexpr,
+                  BHI: tl.constexpr, NIB: tl.constexpr, DTYPE: tl.constexpr, FAULT_ROWS: tl.constexpr,
+                  KIND: tl.constexpr, BS: tl.constexpr, SOFT: tl.constexpr):
+    """Programs 0..NQ-1: query heads (NQB programs per token); the next NI: the indexer's query heads
+    (NIB per token); the next T: KV rows."""
     pid = tl.program_id(0)
     if pid < NQ:
         _q_part(pid // NQB, pid % NQB, q_ptr, cos_ptr, sin_ptr, qo_ptr, H, PH, eps, D, BH, SOFT)
+    elif pid < NQ + NI:
+        _rot_part((pid - NQ) // NIB, (pid - NQ) % NIB, iq_ptr, cos_ptr, sin_ptr, iqo_ptr, HI, DI, BHI, SOFT)
     else:
-        _kv_part(pid - NQ, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr, T,
-                 eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D, DTYPE, FAULT_ROWS, KIND, BS,
+        _kv_part(pid - NQ - NI, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr,
+                 T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D, DTYPE, FAULT_ROWS, KIND, BS,
                  SOFT)
 
 
@@ -136,15 +153,7 @@ def _norm_rows_kernel(x_ptr, x_stride, w_ptr, out_ptr, N, eps, BLOCK: tl.constex
 
 @triton.jit
 def _rotate_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    dims = tl.arange(0, D)
-    at = (t.to(tl.int64) * H + h)[:, None] * D + dims[None, :]
-    x = tl.load(x_ptr + at, mask=(h < H)[:, None], other=0.0)
-    ev, od = tl.split(tl.reshape(x, [BH, D // 2, 2]))
-    ev, od = _rotate(ev, od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
-    y = tl.reshape(tl.join(ev, od), [BH, D])
-    tl.store(out_ptr + at, round_to(y, out_ptr.dtype.element_ty, SOFT), mask=(h < H)[:, None])
+    _rot_part(tl.program_id(0), tl.program_id(1), x_ptr, cos_ptr, sin_ptr, out_ptr, H, D, BH, SOFT)
 
 
 _TL = {"torch.float32": tl.float32, "torch.bfloat16": tl.bfloat16, "torch.float16": tl.float16}
@@ -156,26 +165,39 @@ def _check_dim(D: int) -> None:
 
 
 def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, eps: float, dtype, into=None,
-                 heads_per_program: int = 4, num_warps: int = 4):
-    """The front of the layer in one launch: `q_rows_kernel` on q [T, H, D] and `kv_rows_kernel` on kv [T, D]
-    (either may be None; the other arguments as theirs) -> (q_rows_kernel's result or None,
-    kv_rows_kernel's or None). Query heads and KV rows are separate programs of one grid."""
+                 iq=None, iq_dtype=None, heads_per_program: int = 4, num_warps: int = 4):
+    """The front of the layer in one launch: `q_rows_kernel` on q [T, H, D], `kv_rows_kernel` on kv [T, D] and
+    `rotate_rows_kernel` on the indexer's queries iq [T, Hi, Di] (float32, stored in `iq_dtype`); any may be
+    None, the other arguments as theirs -> (q_rows_kernel's result, kv_rows_kernel's, rotate_rows_kernel's;
+    None for an absent part). Each part's rows are separate programs of one grid."""
     import torch
 
-    if q is None and kv is None:
-        raise ValueError("front_kernel: neither query nor KV rows")
-    T, D = (q.shape[0], q.shape[2]) if q is not None else kv.shape
+    if q is None and kv is None and iq is None:
+        raise ValueError("front_kernel: no query, KV or indexer query rows")
+    T, D = (q.shape[0], q.shape[2]) if q is not None else kv.shape if kv is not None else (iq.shape[0], ROPE_DIM)
     _check_dim(D)
-    q_out, nq, nqb, H = None, 0, 1, 0
+    some = next(t for t in (q, kv, iq) if t is not None)
+    q_out, nq, nqb, H, bh = None, 0, 1, 0, 1
     if q is not None:
         H = q.shape[1]
         if padded_heads < H:
             raise ValueError(f"q_rows_kernel: padded_heads={padded_heads} < {H} heads")
         q_out = torch.empty(T, padded_heads, D, dtype=dtype, device=q.device)
-        bh = min(heads_per_program, triton.next_power_of_2(max(padded_heads, 1)))
-        nqb = triton.cdiv(padded_heads, bh)
+        bh = min(heads_per_program, next_pow2(max(padded_heads, 1)))
+        nqb = cdiv(padded_heads, bh)
         nq = T * nqb if padded_heads else 0
         q = as_dense(q)
+    iq_out, ni, nib, hi, di, bhi = None, 0, 1, 0, ROPE_DIM, 1
+    if iq is not None:
+        hi, di = iq.shape[1], iq.shape[2]
+        _check_dim(di)
+        if iq.shape[0] != T:
+            raise ValueError(f"front_kernel: indexer queries {tuple(iq.shape)} for {T} tokens")
+        iq = as_f32(iq)
+        iq_out = torch.empty(T, hi, di, dtype=iq_dtype or torch.float32, device=iq.device)
+        bhi = min(8, next_pow2(max(hi, 1)))
+        nib = cdiv(hi, bhi)
+        ni = T * nib
     tk, kv_out = 0, None
     if kv is not None:
         if kv.shape != (T, D):
@@ -189,14 +211,15 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
         fault_rows = faults.shape[0]
     else:                        # no KV programs: placeholders of the right types for the unused arguments
         kind, bs, fault_rows = 0, 1, 1
-        f32, i32 = as_f32(cos), torch.empty(1, dtype=torch.int32, device=q.device)
-        flags = torch.empty(1, 1, dtype=torch.bool, device=q.device)
-        kv_args = (q, 0, f32, f32, as_f32(sin), i32, f32, i32, flags, 0, eps, f32, f32, f32, 0, 0)
-    if nq + tk:
-        launch(_front_kernel, (nq + tk,), q if q is not None else kv, q_out if q_out is not None else kv, H,
-               padded_heads, nq, *kv_args, D=D, BH=bh if q is not None else 1, NQB=nqb, DTYPE=_TL[str(dtype)],
+        f32, i32 = as_f32(cos), torch.empty(1, dtype=torch.int32, device=some.device)
+        flags = torch.empty(1, 1, dtype=torch.bool, device=some.device)
+        kv_args = (some, 0, f32, f32, as_f32(sin), i32, f32, i32, flags, 0, eps, f32, f32, f32, 0, 0)
+    if nq + ni + tk:
+        launch(_front_kernel, (nq + ni + tk,), q if q is not None else some, q_out if q_out is not None else some, H,
+               padded_heads, nq, iq if iq is not None else some, iq_out if iq_out is not None else some, hi, ni,
+               *kv_args, D=D, BH=bh, NQB=nqb, DI=di, BHI=bhi, NIB=nib, DTYPE=_TL[str(dtype)],
                FAULT_ROWS=fault_rows, KIND=kind, BS=bs, SOFT=SOFT_ROUND, num_warps=num_warps)
-    return q_out, kv_out
+    return q_out, kv_out, iq_out
 
 
 def q_rows_kernel(q, cos, sin, *, padded_heads: int, eps: float, dtype, heads_per_program: int = 4,
@@ -234,7 +257,7 @@ def norm_rows_kernel(x, weight, *, eps: float, dtype, num_warps: int = 4):
     if T:
         x = rows_dense(x)
         launch(_norm_rows_kernel, (T,), x, x.stride(0), as_f32(weight), out, N, eps,
-               BLOCK=triton.next_power_of_2(N), SOFT=SOFT_ROUND, num_warps=num_warps)
+               BLOCK=next_pow2(N), SOFT=SOFT_ROUND, num_warps=num_warps)
     return out
 
 
@@ -247,7 +270,7 @@ def rotate_rows_kernel(x, cos, sin, *, dtype=None, heads_per_program: int = 8, n
     _check_dim(D)
     out = torch.empty(T, H, D, dtype=dtype or torch.float32, device=x.device)
     if T:
-        bh = min(heads_per_program, triton.next_power_of_2(H))
-        launch(_rotate_rows_kernel, (T, triton.cdiv(H, bh)), as_f32(x), as_f32(cos), as_f32(sin), out, H, D=D,
+        bh = min(heads_per_program, next_pow2(H))
+        launch(_rotate_rows_kernel, (T, cdiv(H, bh)), as_f32(x), as_f32(cos), as_f32(sin), out, H, D=D,
                BH=bh, SOFT=SOFT_ROUND, num_warps=num_warps)
     return out

@@ -45,7 +45,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import launch
+from dsv4.kernels.launch import as_dense, as_f32, as_i32, cdiv, launch, next_pow2
 from dsv4.strategies.triton_sparse import VARIANTS
 
 LOG2E = 1.4426950408889634
@@ -208,7 +208,7 @@ def _pv_lists(p_ptr, ml_ptr, t, M_use, heads, hmask, H, NC, NB, NBS, d0, nb_s, n
 
 
 @triton.jit
-def _pv_kernel(p_ptr, ml_ptr, sink_l2_ptr, out_ptr, lse_ptr,
+def _pv_kernel(p_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr,
                s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots,
                e_u8, e_bf, e_w64, e_idx, e_len, e_w, e_stride, e_slots,
                H, NC, NB, NBS,
@@ -241,7 +241,7 @@ def _pv_kernel(p_ptr, ml_ptr, sink_l2_ptr, out_ptr, lse_ptr,
         acc = _pv_lists(*lists, S_LAYOUT, E_LAYOUT, S_BS, E_BS, HAS_EXTRA, BH, BN, D, DB, DOT, NATIVE, False)
     else:
         acc = _pv_lists(*lists, S_LAYOUT, E_LAYOUT, S_BS, E_BS, HAS_EXTRA, BH, BN, D, DB, DOT, NATIVE, True)
-    sink_l2 = tl.load(sink_l2_ptr + heads, mask=hmask, other=0.0)         # sinks x log2(e), from the wrapper
+    sink_l2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634    # x log2(e)
     row = t.to(tl.int64) * H + heads
     _finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + (d0 + tl.arange(0, DB))[None, :],
             lse_ptr + row, hmask, hmask & (heads * 0 + d0 == 0))       # one dims block writes lse
@@ -316,8 +316,8 @@ def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launc
     (4 warps), and 128 output dims per P·V program. Otherwise (decode of a few requests) more, smaller
     programs: 64 columns x 16 heads, 64 dims with 8 warps (third session's kernel on the H200: b=1 21 µs
     instead of 34; 128 SWA-only queries, 128 programs: 28 µs with the first shape, 69 with the second)."""
-    full = min(64, max(16, triton.next_power_of_2(heads)))
-    if 2 * tokens * triton.cdiv(columns, 128) * triton.cdiv(heads, full) >= processors:
+    full = min(64, max(16, next_pow2(heads)))
+    if 2 * tokens * cdiv(columns, 128) * cdiv(heads, full) >= processors:
         return Launch(128, full, 128, 4)
     return Launch(64, 16, 64, 8)
 
@@ -388,24 +388,24 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
     import torch
 
     T, H, D = q.shape
-    q = q.contiguous()
+    q = as_dense(q)
     native = native_e4m3(q.device) if native_fp8 is None else native_fp8
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     kernel = plan_kernel(variant, arch="interpreter" if interpret else device_arch(q.device),
                          layouts=(swa[0], extra[0] if extra is not None else swa[0]), head_dim=D, native=native,
-                         dtype=str(q.dtype).removeprefix("torch."), programs=T * triton.cdiv(H, 64),
+                         dtype=str(q.dtype).removeprefix("torch."), programs=T * cdiv(H, 64),
                          processors=_processors(q.device))
     if kernel == "hopper" and (block_n, block_h, block_d, num_warps, num_warps_pv) != (0, 0, 0, 4, 0):
         raise ValueError("sparse_mqa: block_n/block_h/block_d/num_warps/num_warps_pv set the two-pass kernel's "
                          f"launch, and variant={variant} runs the one-pass Hopper kernel here; pass "
                          "variant='two_pass'")
-    sink_l2 = (sink.float() * LOG2E).contiguous()
-    s_idx, s_len = swa_idx.int().contiguous(), swa_len.int().contiguous()
-    e_idx, e_len = (extra_idx.int().contiguous(), extra_len.int().contiguous()) if extra is not None else (None, None)
+    sink = as_f32(sink)
+    s_idx, s_len = as_i32(swa_idx), as_i32(swa_len)
+    e_idx, e_len = (as_i32(extra_idx), as_i32(extra_len)) if extra is not None else (None, None)
     if kernel == "hopper":
         from dsv4.kernels.sparse_mqa_hopper import sparse_mqa_hopper
 
-        return sparse_mqa_hopper(q, sink_l2, scale * LOG2E, swa, s_idx, s_len, extra, e_idx, e_len)
+        return sparse_mqa_hopper(q, sink, scale * LOG2E, swa, s_idx, s_len, extra, e_idx, e_len)
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
@@ -414,7 +414,7 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
     ew = extra_idx.shape[1] if extra is not None else 0
     plan = plan_launch(T, H, sw + ew, _processors(q.device))
     BN, BH, DB = block_n or plan.block_n, block_h or plan.block_h, block_d or plan.block_d
-    nbs, nbe = triton.cdiv(sw, BN), triton.cdiv(ew, BN)
+    nbs, nbe = cdiv(sw, BN), cdiv(ew, BN)
     NB, NC = nbs + nbe, (nbs + nbe) * BN
     e, e_idx, e_len = (extra, e_idx, e_len) if extra is not None else (swa, s_idx, s_len)  # no extra: never read
     common = dict(S_LAYOUT=swa[0], E_LAYOUT=e[0], S_BS=swa[1], E_BS=e[1], HAS_EXTRA=extra is not None, BN=BN, D=D,
@@ -426,9 +426,9 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
         t1 = min(T, t0 + step)
         pools = (*swa[2:5], s_idx[t0:t1], s_len[t0:t1], sw, *swa[5:],
                  *e[2:5], e_idx[t0:t1], e_len[t0:t1], ew, *e[5:])
-        launch(_scores_kernel, (NB, t1 - t0, triton.cdiv(H, BH)), q[t0:t1], p, ml, *pools, H, NC, NB, nbs,
+        launch(_scores_kernel, (NB, t1 - t0, cdiv(H, BH)), q[t0:t1], p, ml, *pools, H, NC, NB, nbs,
                scale * LOG2E, BH=BH, **common, num_warps=num_warps, num_stages=1)
-        launch(_pv_kernel, (D // DB, t1 - t0, triton.cdiv(H, BH)), p, ml, sink_l2, out[t0:t1], lse[t0:t1], *pools, H,
-               NC, NB, nbs, BH=BH, DB=DB, NBP=triton.next_power_of_2(NB), **common,
+        launch(_pv_kernel, (D // DB, t1 - t0, cdiv(H, BH)), p, ml, sink, out[t0:t1], lse[t0:t1], *pools, H,
+               NC, NB, nbs, BH=BH, DB=DB, NBP=next_pow2(NB), **common,
                num_warps=num_warps_pv or plan.num_warps_pv, num_stages=1)
     return out, lse

@@ -24,13 +24,12 @@ when it runs. The Gluon API used is Triton 3.6's (the H200's) and compiles with 
 """
 from __future__ import annotations
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                             warpgroup_mma_wait)
 
-from dsv4.kernels.launch import launch
+from dsv4.kernels.launch import cdiv, launch
 
 # Triton 3.6 (the H200's) calls the CTA barrier thread_barrier, 3.9 (CI's, for the compile check) barrier
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -160,7 +159,7 @@ def _store_out(o, inv, out_ptr, t, h0, H, d0, D: gl.constexpr, o_l: gl.constexpr
 
 
 @gluon.jit
-def _first_half(q_ptr, sink_l2_ptr, lse_ptr, qk_scale, a, D: gl.constexpr):
+def _first_half(q_ptr, sink_ptr, lse_ptr, qk_scale, a, D: gl.constexpr):
     """Default partition, 4 warps (WG0): Q into shared memory; per block S = Q·Kᵀ, online softmax, P and α
     to WG1 through shared memory, O = O·α + P·V[:, :256]; then sink, lse, 1/denominator for both halves."""
     (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
@@ -214,7 +213,7 @@ def _first_half(q_ptr, sink_l2_ptr, lse_ptr, qk_scale, a, D: gl.constexpr):
     has = l_i > 0
     m_fin = gl.where(has, m_i, 0.0)
     hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
-    sink_l2 = gl.load(sink_l2_ptr + hs, mask=hs < H, other=0.0)
+    sink_l2 = gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * 1.4426950408889634     # x log2(e)
     denom = gl.where(has, l_i + gl.exp2(sink_l2 - m_fin), 1.0)
     gl.store(lse_ptr + t.to(gl.int64) * H + hs,
              gl.where(has, (m_fin + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("inf")),
@@ -227,7 +226,7 @@ def _first_half(q_ptr, sink_l2_ptr, lse_ptr, qk_scale, a, D: gl.constexpr):
 
 
 @gluon.jit
-def _hopper_kernel(q_ptr, sink_l2_ptr, out_ptr, lse_ptr,
+def _hopper_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
                    s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs,
                    e_u8, e_bf, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs,
                    H, qk_scale, D: gl.constexpr, WG1_REGS: gl.constexpr,
@@ -257,15 +256,15 @@ def _hopper_kernel(q_ptr, sink_l2_ptr, out_ptr, lse_ptr,
     a = (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
          out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
          e_stride, e_slots, e_bs)
-    gl.warp_specialize([(_first_half, (q_ptr, sink_l2_ptr, lse_ptr, qk_scale, a, D)),
+    gl.warp_specialize([(_first_half, (q_ptr, sink_ptr, lse_ptr, qk_scale, a, D)),
                         (_second_half, (a, D)), (_producer, (a, D))],
                        [4, 4], [WG1_REGS, PRODUCER_REGS])
 
 
-def sparse_mqa_hopper(q, sink_l2, scale_l2: float, swa: tuple, swa_idx, swa_len, extra: tuple | None = None,
+def sparse_mqa_hopper(q, sink, scale_l2: float, swa: tuple, swa_idx, swa_len, extra: tuple | None = None,
                       extra_idx=None, extra_len=None):
     """(out [T, H, 512], lse [T, H]) like sparse_mqa's, for fp8_ds_mla (OCP) pools given as `pool_args`.
-    sink_l2: sinks x log2(e), float32 [H]; scale_l2: softmax scale x log2(e). Lists int32, contiguous."""
+    sink: the sinks, float32 [H], contiguous; scale_l2: softmax scale x log2(e). Lists int32, contiguous."""
     import torch
 
     T, H, D = q.shape
@@ -275,7 +274,7 @@ def sparse_mqa_hopper(q, sink_l2, scale_l2: float, swa: tuple, swa_idx, swa_len,
         return out, lse
     e, e_idx, e_len = (extra, extra_idx, extra_len) if extra is not None else (swa, swa_idx, swa_len)
     launch(
-        _hopper_kernel, (T, triton.cdiv(H, 64)), q, sink_l2, out, lse,
+        _hopper_kernel, (T, cdiv(H, 64)), q, sink, out, lse,
         swa[2], swa[3], swa[4], swa_idx, swa_len, swa_idx.shape[1], swa[5], swa[6], swa[1],
         e[2], e[3], e[4], e_idx, e_len, e_idx.shape[1] if extra is not None else 0, e[5], e[6], e[1],
         H, scale_l2, D=D, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,

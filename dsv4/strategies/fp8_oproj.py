@@ -18,6 +18,7 @@ from dsv4.strategies.protocols import Needs, OProjWeights
 from dsv4.strategies.triton_sparse import TRITON_ARCHS
 
 BLOCK = 128
+SM90 = (1, 128, 128)          # DeepGEMM's sm90 recipe: fp32 scales per 1x128 activation and 128x128 weight block
 # the NVIDIA architectures Triton supports that have e4m3 tensor cores (sm89 and newer)
 FP8_TRITON_ARCHS = frozenset(a for a in TRITON_ARCHS if a.startswith("sm") and int(a[2:]) >= 89)
 
@@ -43,16 +44,18 @@ def inverse_rope_fp8_quant(o, rot, groups: int):
     return q.view(T, groups, -1), scale.squeeze(-1)
 
 
-def fused_inverse_rope_fp8_quant(o, rot, groups: int):
+def fused_inverse_rope_fp8_quant(o, rot, groups: int, *, mn_major_scales: bool = False):
     """The same bytes as `inverse_rope_fp8_quant`, from our fused Triton kernel (one read of o, one
-    write of the fp8 bytes); on a CPU tensor, the torch-op version."""
+    write of the fp8 bytes), the scales token-major or (`mn_major_scales`) in DeepGEMM's sm90 layout
+    (dsv4/kernels/inv_rope_fp8.py); on a CPU tensor, the torch-op version."""
     if not o.is_cuda:
         return inverse_rope_fp8_quant(o, rot, groups)
     import torch
 
     from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
 
-    return inv_rope_fp8_quant(o if o.dtype == torch.bfloat16 else o.bfloat16(), rot.cos, rot.sin, groups)
+    return inv_rope_fp8_quant(o if o.dtype == torch.bfloat16 else o.bfloat16(), rot.cos, rot.sin, groups,
+                              mn_major_scales=mn_major_scales)
 
 
 def quantize_weight_blocks(w):
@@ -122,7 +125,7 @@ class DeepGemmFp8OProj:
 
     @staticmethod
     def recipe(device) -> tuple[int, int, int]:
-        return (1, 128, 128) if device.arch == "sm90" else (1, 1, 128)
+        return SM90 if device.arch == "sm90" else (1, 1, 128)
 
     def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
         (wq, ws), wo_b = _grouped_weights(weights, device)
@@ -135,7 +138,8 @@ class DeepGemmFp8OProj:
         import deep_gemm
         import torch
 
-        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared["groups"])
+        # on sm90 the activation scales are written where DeepGEMM reads them (no copy inside the call)
+        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared["groups"], mn_major_scales=prepared["recipe"] == SM90)
         wq, _ = prepared["w"]
         z = torch.empty(o.shape[0], prepared["groups"], wq.shape[1], dtype=torch.bfloat16, device=o.device)
         if o.shape[0]:
