@@ -31,33 +31,13 @@ def replay_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
     between CUDA events, after 3 warm-up calls. Python's cyclic garbage collector is paused while timing
     (as `timeit` does): an eager call is host-bound, and a collection its garbage did not trigger would
     land in whichever call it interrupts."""
-    import gc
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(calls):
-                fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / calls)
-    finally:
-        if collecting:
-            gc.enable()
-    return statistics.median(times)
+    return eager_us(fn, calls=calls, repeats=repeats)[0]
 
 
 def eager_us(fn, *, calls: int = 20, repeats: int = 7) -> tuple[float, float]:
-    """`replay_us` of an eager call, and beside it the host's time to issue the same calls (perf_counter
-    until the last is issued, before the closing event): equal when the call is bound by the host,
-    lower when the GPU is the bottleneck."""
+    """`replay_us` of fn, and beside it the host's time to issue the same calls (perf_counter until the
+    last is issued, before the closing event): equal when the call is bound by the host, lower when the
+    GPU is the bottleneck."""
     import gc
     import time
 

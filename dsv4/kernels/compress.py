@@ -1,5 +1,6 @@
 """The compressor's step as one Triton kernel (dsv4.components.compressor.Compressor is the torch
-specification): for every token of the step, in one program,
+specification) -- a ratio-4 layer's two compressors, its own and its indexer's, in one launch
+(`compress_kernels`) -- for every token of the step, in one program per compressor,
 
 - the (a, s + APE) row a later step reads goes to the state pages (the plan's `state[R].write_slots`);
 - if the token closes an entry: the softmax-pooled entry (rows of this step from the step's scores plus

@@ -7,7 +7,9 @@
   rows that are not all finite are refused (not stored, slot -1) and flagged in the layer's faults;
 - `norm_rows_kernel`: RMSNorm with a weight over rows of any width (the q_lora rows), in the activation dtype;
 - `rotate_rows_kernel`: RoPE alone on every head of float32 rows (the indexer's queries), stored in a
-  given dtype.
+  given dtype;
+- `front_kernel`: the query heads, the indexer's query heads and the KV rows of a step as programs of one
+  grid (each part as the kernels above make it).
 
 Inputs may be the float32 output of a wider product (a compressed layer's one product of x): they are
 rounded to the activation dtype first, as that product in the activation dtype would give them.
