@@ -1,9 +1,12 @@
 """The ratio-4 layer's indexer on a GPU: scores (float32 keys with tf32x3 products, bf16 keys with a bf16
-product) and the top-k lists (our radix select at several launch shapes, torch.topk beside it), each timed
-alone in a CUDA graph on a decode step of 64 requests x 2 tokens (64 heads of 128 dims, K = 512) at 8k and
-64k contexts. Every variant is checked against its reference before it is timed.
+product, FP4 records -- indexer=mxfp4 -- decoded to bf16 as they are read) and the top-k lists (our radix
+select at several launch shapes, torch.topk beside it), each timed alone in a CUDA graph on a decode step
+of 64 requests x 2 tokens (64 heads of 128 dims, K = 512) at 8k and 64k contexts (or those given). Every
+variant is checked against its reference before it is timed: the FP4 records' scores equal, bit for bit,
+those of bf16 rows holding the values the records decode to.
 
   python bench/tune_indexer.py
+  python bench/tune_indexer.py --contexts 8192 131072 --shipped     # the shipped launch shapes only
 
 The shipped launch shapes (dsv4/kernels/indexer_logits.py, dsv4/kernels/topk_lists.py) come from this sweep.
 """
@@ -17,7 +20,7 @@ from dsv4.kernels.indexer_logits import indexer_logits
 from dsv4.kernels.topk_lists import topk_lists
 from dsv4.reference import rel_err
 from dsv4.report import table
-from dsv4.strategies import PlainRowLayout
+from dsv4.strategies import Mxfp4KeyLayout, PlainRowLayout
 
 NREQ, TOKENS, HEADS, DIM, K, BS = 64, 2, 64, 128, 512, 64
 SCORE_SHAPES = [dict(), dict(stages=1), dict(num_warps=8), dict(blocks_per_program=8), dict(stages=3)]
@@ -41,28 +44,57 @@ def case(context: int, dtype):
     return q, w, keys, pages, req, counts, int(counts.max())
 
 
+def fp4_keys(keys):
+    """`keys` as FP4 records, and bf16 rows of the values the records hold (their reference)."""
+    lay, slots = Mxfp4KeyLayout(head_dim=DIM), torch.arange(keys.num_slots, device="cuda")
+    pages = lay.allocate(num_blocks=keys.data.shape[0], block_size=BS, head_dim=DIM, device="cuda")
+    for s0 in range(0, keys.num_slots, 1 << 18):                  # packed in pieces: bounded temporaries
+        part = slots[s0:s0 + (1 << 18)]
+        lay.write(pages, part, keys.read(part), block_size=BS)
+    rows = torch.empty_like(keys.data)
+    for s0 in range(0, keys.num_slots, 1 << 18):
+        part = slots[s0:s0 + (1 << 18)]
+        rows.view(-1, DIM)[part] = lay.read(pages, part, block_size=BS).bfloat16()
+    return (PagedCache(name="indexer", layout=lay, data=pages, block_size=BS, head_dim=DIM),
+            PagedCache(name="indexer", layout=keys.layout, data=rows, block_size=BS, head_dim=DIM))
+
+
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", nargs="*", type=int, default=[8192, 65536])
+    ap.add_argument("--shipped", action="store_true", help="the shipped launch shapes only")
+    a = ap.parse_args()
+    shapes = SCORE_SHAPES[:1] if a.shipped else SCORE_SHAPES
     rows, topk_rows = [], []
-    for context in (8192, 65536):
+    for context in a.contexts:
         ref = None
-        for dtype in (torch.float32, torch.bfloat16):
-            q, w, keys, pages, req, counts, width = case(context, dtype)
+        for dtype in (torch.float32, torch.bfloat16, "mxfp4"):
+            q, w, keys, pages, req, counts, width = case(context, torch.bfloat16 if dtype == "mxfp4" else dtype)
+            if dtype == "mxfp4":
+                keys, twin = fp4_keys(keys)
+                same = torch.equal(indexer_logits(q, w, keys, pages, req, counts, width=width),
+                                   indexer_logits(q, w, twin, pages, req, counts, width=width))
+                if not same:
+                    raise SystemExit(f"FP4 records at context {context}: scores differ from their bf16 values'")
+                del twin
             base = indexer_logits(q, w, keys, pages, req, counts, width=width)
             if dtype == torch.float32:
                 ref = base
-            for shape in SCORE_SHAPES:
+            for shape in shapes:
                 out = indexer_logits(q, w, keys, pages, req, counts, width=width, **shape)
                 fin = torch.isfinite(base)
                 err = rel_err(out[fin], base[fin])
                 us = graph_time_us(lambda: indexer_logits(q, w, keys, pages, req, counts, width=width, **shape))
-                rows.append([context, str(dtype).split(".")[1], str(shape or "shipped"), us,
-                             keys.data.element_size() * DIM * NREQ * width / us / 1e3, err,
-                             rel_err(out[fin], ref[fin])])
+                key_bytes = keys.page_bytes // BS if dtype == "mxfp4" else keys.data.element_size() * DIM
+                rows.append([context, str(dtype).split(".")[-1], str(shape or "shipped"), us,
+                             key_bytes * NREQ * width / us / 1e3, err, rel_err(out[fin], ref[fin])])
         scores = ref
         topk_us = graph_time_us(lambda: scores.topk(K, dim=-1))
         want = scores.topk(K, dim=-1).indices.sort(dim=-1).values.int()
         topk_rows.append([context, "torch.topk (values, indices)", topk_us, True])
-        for shape in TOPK_SHAPES:
+        for shape in TOPK_SHAPES[:1] if a.shipped else TOPK_SHAPES:
             local, _slots, lens = topk_lists(scores, counts, pages, req, topk=K, block_size=BS, **shape)
             ok = bool((lens == K).all()) and torch.equal(local.sort(dim=-1).values, want)
             us = graph_time_us(lambda: topk_lists(scores, counts, pages, req, topk=K, block_size=BS, **shape))

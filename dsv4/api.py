@@ -98,7 +98,7 @@ def build_pool(job: Job, layers: Sequence[int] | None = None, *, pool: PoolConfi
     validate(job)
     layers = _layers(job, layers)
     return build(spec=job.spec, layers=list(layers), layout=job.combo.cache_layout, pool=pool or job.pool,
-                 device=job.device, dtype=job.combo.dtype)
+                 device=job.device, dtype=job.combo.dtype, indexer=job.combo.indexer)
 
 
 def build_engine(job: Job, *, layers: Sequence[int] | None = None, weights: Mapping[int, Mapping[str, Any]] | None = None,

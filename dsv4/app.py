@@ -359,4 +359,5 @@ def info(job: Job) -> str:
                for p in sorted((CONFIG_DIR / "cache_layout").glob("*.yaml"))]
     return (head + table(["option", "verdict", "packages", "why not"], rows, left=(0, 2, 3))
             + f"\n\nKV bytes per rank, model={job.spec.name} (B/tok: per context token, compressed rows + "
-              f"{indexer_kind(job.combo.dtype)} indexer keys):\n" + memory_table(job.spec, layouts, job.combo.dtype))
+              f"{indexer_kind(job.combo.dtype, job.combo.indexer)} indexer keys):\n"
+            + memory_table(job.spec, layouts, job.combo.dtype, job.combo.indexer))

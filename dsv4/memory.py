@@ -76,16 +76,21 @@ def model_memory(spec: ModelSpec, layout, *, tokens: int = MILLION_TOKENS, index
             "per_type": per_type, "total_bytes": total}
 
 
-def indexer_kind(dtype: str) -> str:
-    """Our indexer keys' record for activations of `dtype` (builders.indexer_layout: rows in that dtype)."""
-    return "float32" if dtype == "float32" else "bf16"
+def indexer_kind(dtype: str, indexer=None) -> str:
+    """Our indexer keys' record (an `indexer_entry_bytes` kind) for activations of `dtype`, as the indexer
+    option stores them (its `key_layout`; default `exact`: rows in that dtype)."""
+    if indexer is None:
+        from dsv4.strategies.indexer import ExactIndexer
+        indexer = ExactIndexer()
+    row = indexer.key_layout(dtype=dtype, head_dim=128).kv_row_dtype
+    return {"float32": "float32", "bfloat16": "bf16", "mxfp4": "mxfp4"}[row]
 
 
-def summary_lines(spec: ModelSpec, layout, dtype: str) -> list[str]:
+def summary_lines(spec: ModelSpec, layout, dtype: str, indexer=None) -> list[str]:
     """What `run` prints: this run's caches, vLLM's equivalent, and the published accounting."""
     from dsv4.strategies.cache_layout import PlainRowLayout
 
-    mine = indexer_kind(dtype)
+    mine = indexer_kind(dtype, indexer)
     ours = model_memory(spec, layout, indexer=mine)
     kind = vllm_indexer_kind(layout)
     theirs = model_memory(spec, layout, indexer=kind)
@@ -94,7 +99,7 @@ def summary_lines(spec: ModelSpec, layout, dtype: str) -> list[str]:
     return [f"KV memory of one {MILLION_TOKENS:,}-token sequence, model={spec.name} ({mix}), "
             f"cache_layout={layout.name}, per tensor-parallel rank:",
             f"  {ours['total_bytes'] / GIB:.2f} GiB with this run's caches (indexer keys {mine}, "
-            f"{indexer_entry_bytes(mine, spec.index_head_dim)} B/entry: the activations' dtype)",
+            f"{indexer_entry_bytes(mine, spec.index_head_dim)} B/entry)",
             f"  {theirs['total_bytes'] / GIB:.2f} GiB with vLLM's {kind} indexer keys "
             f"({indexer_entry_bytes(kind, spec.index_head_dim)} B/entry) instead",
             f"  {bf16['total_bytes'] / GIB:.2f} GiB with bf16 rows and bf16 indexer keys"
@@ -102,13 +107,14 @@ def summary_lines(spec: ModelSpec, layout, dtype: str) -> list[str]:
                if spec.name in PUBLISHED else "")]
 
 
-def memory_table(spec: ModelSpec, layouts, dtype: str) -> str:
-    """Bytes per layer type for each layout, and the 1M-token total (what `info` prints)."""
+def memory_table(spec: ModelSpec, layouts, dtype: str, indexer=None) -> str:
+    """Bytes per layer type for each layout, and the 1M-token total (what `info` prints), with the indexer
+    keys as `indexer` stores them."""
     from dsv4.report import table
 
     rows = []
     for layout in layouts:
-        m = model_memory(spec, layout, indexer=indexer_kind(dtype))
+        m = model_memory(spec, layout, indexer=indexer_kind(dtype, indexer))
         pt = m["per_type"]
         row = [layout.name, layout.bytes_per_token(spec.head_dim), pt[next(iter(pt))].swa_bytes_per_request / 1024]
         for t in LAYER_TYPES.values():

@@ -33,7 +33,7 @@ def build_engine(job, weights: dict[int, dict], pool: PoolConfig, wo_a_fp8: dict
                               device=dev, dtype=c.dtype, wo_a_fp8=(wo_a_fp8 or {}).get(l))
                   for r in ranks.local] for l, w in weights.items()}
     pools = [build_pool(spec=spec, layers=list(weights), layout=c.cache_layout, pool=pool, device=dev,
-                         dtype=c.dtype)
+                         dtype=c.dtype, indexer=c.indexer)
              for _ in ranks.local]
     graphs = graphs if graphs is not None else job.graphs
     return Engine(spec=spec, layers=layers, pools=pools, device=dev.torch_device,
@@ -154,7 +154,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         if ranks.distributed:
             red = rec_raw.reduce_seconds.get(("decode", l), 0.0)
             m["decode_allreduce_ms_step"] = 1e3 * red / rec_raw.steps["decode"] if rec_raw.steps.get("decode") else None
-        m |= layer_memory(spec, R, c.cache_layout, indexer=indexer_kind(c.dtype)).as_dict()
+        m |= layer_memory(spec, R, c.cache_layout, indexer=indexer_kind(c.dtype, c.indexer)).as_dict()
         m["pool_bytes_at_end"] = rec_raw.pool_bytes[l]
         metrics[names[l]] = m
         rows.append([names[l], l, m["rel_err"], f"{m['cosine']:.7f}", m.get("rel_err_vs_f32_kv"), m.get("topk_exact"),
@@ -170,7 +170,8 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     # against exact float32 rows: what the cache's rounding costs (a float32 cache's oracle is that already)
     metrics["max_rel_err_vs_f32_kv"] = max(m.get("rel_err_vs_f32_kv", m["rel_err"]) for m in per_layer)
     metrics |= padding_metrics(spec, c)
-    metrics["kv_gib_per_1m_tokens"] = model_memory(spec, c.cache_layout, indexer=indexer_kind(c.dtype))["total_bytes"] / GIB
+    metrics["kv_gib_per_1m_tokens"] = model_memory(spec, c.cache_layout,
+                                                   indexer=indexer_kind(c.dtype, c.indexer))["total_bytes"] / GIB
     metrics["ranks"] = per_rank
 
     wdict = {"prompt_lens": list(wl.prompt_lens), "prefill_chunk": wl.prefill_chunk, "decode_steps": wl.decode_steps,
@@ -190,7 +191,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
           "  rel_err: against the oracle rounding rows as this cache stores them; rel_err f32 KV: against exact "
           "float32 rows\n  topk exact: share of tokens whose top-k set is the oracle's; KV B/token: compressed rows "
           "and indexer keys per context token (the SWA window is bounded: SWA KiB/req)")
-    print("\n".join(summary_lines(spec, c.cache_layout, c.dtype)))
+    print("\n".join(summary_lines(spec, c.cache_layout, c.dtype, c.indexer)))
     print(f"  per rank ({per_rank[0]['peak_of']} peak): " + "; ".join(
         f"rank {m['rank']}: KV pools {m['kv_pool_bytes'] / 2**20:.1f} MiB, weights {m['weight_bytes'] / 2**20:.1f} MiB, "
         f"peak {m['peak_bytes'] / 2**20:.0f} MiB" for m in per_rank))

@@ -175,7 +175,8 @@ def make_engine(spec, *, layers=(0, 1, 2), layout="float32", tp_size=1, dtype="f
     ranks = range(tp_size) if ranks is None else ranks
     mods = {l: [build_layer(spec=spec, layer=l, weights=W[l], rank=r, tp_size=tp_size, strategies=st, device=dev,
                             dtype=dtype) for r in ranks] for l in layers}
-    pools = [build_pool(spec=spec, layers=layers, layout=st.cache_layout, pool=pool, device=dev, dtype=dtype)
+    pools = [build_pool(spec=spec, layers=layers, layout=st.cache_layout, pool=pool, device=dev, dtype=dtype,
+                        indexer=st.indexer)
              for _ in ranks]
     graph_runner = None
     if graphs is not None:

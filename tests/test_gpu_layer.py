@@ -13,8 +13,8 @@ import torch
 from dsv4 import reference as ref
 from dsv4.errors import InvalidRequest
 from dsv4.graph import GraphConfig
-from dsv4.strategies import (BucketHeadPadding, DeepGemmFp8OProj, FlashMLASparse, Fp8DsMlaLayout, NoHeadPadding,
-                             ReferenceOProj, TritonFp8OProj, TritonSparseMQA)
+from dsv4.strategies import (BucketHeadPadding, DeepGemmFp8OProj, FlashMLASparse, Fp4SimIndexer, Fp8DsMlaLayout,
+                             Mxfp4Indexer, NoHeadPadding, ReferenceOProj, TritonFp8OProj, TritonSparseMQA)
 from tests.conftest import gpu_device, chunked, drive, hidden_for, make_engine, tiny_spec
 
 
@@ -64,6 +64,28 @@ def test_every_layer_type_matches_the_oracle(backend, graphs):
                 g = ref.grade_selection(sel.cpu(), o["scores"], spec.index_topk)
                 # bf16 activations move scores by ~1e-3 relative: only near-ties may be chosen differently
                 assert g["count_ok"] == 1.0 and g["max_gap"] <= 2e-2, g
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_mxfp4_keys_select_what_fp4_sim_selects(graphs):
+    """indexer=mxfp4 (68-byte records, decoded by the scoring kernel) and indexer=fp4_sim (bf16 rows of the
+    same values), same weights and tokens: the same selections and outputs bit for bit. (Against the float32
+    oracle, bf16 activations move values across FP4 rounding edges, so selections are graded by the CPU tests
+    in float32: tests/test_indexer_numerics.py.)"""
+    runs = {}
+    for name, numerics in (("fp4_sim", Fp4SimIndexer()), ("mxfp4", Mxfp4Indexer())):
+        spec, eng, W = engine("triton+reference", graphs=graphs, seed=4, indexer=numerics)
+        X = {r: x.cuda() for r, x in hidden_for({r: n + 6 for r, n in LENGTHS.items()}, spec.hidden_size,
+                                                seed=5).items()}
+        runs[name] = drive(eng, X, chunked(LENGTHS, 37) + DECODE)
+    (outs, topk), (outs2, topk2) = runs["fp4_sim"], runs["mxfp4"]
+    for layer in outs:
+        for rid in LENGTHS:
+            assert torch.equal(outs[layer][rid], outs2[layer][rid]), (layer, rid)
+    assert topk
+    for layer in topk:
+        for rid in LENGTHS:
+            assert torch.equal(topk[layer][rid], topk2[layer][rid]), (layer, rid)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -1,6 +1,8 @@
 """indexer=fp4_sim: the published indexer numerics (Hadamard rotation, FP4 e2m1 with power-of-two block
 scales), against independent implementations written here from the formats' definitions, and through the
-layer against the oracle, which applies them too; check() refuses the shapes they cannot take."""
+layer against the oracle, which applies them too; check() refuses the shapes they cannot take.
+indexer=mxfp4: its 68-byte key records byte for byte against a packer written here from the format's
+definition, and the layer choosing what fp4_sim chooses."""
 from __future__ import annotations
 
 import itertools
@@ -11,7 +13,7 @@ import torch
 from dsv4 import reference as ref
 from dsv4.compat import check
 from dsv4.device import DeviceInfo
-from dsv4.strategies import ExactIndexer, Fp4SimIndexer
+from dsv4.strategies import ExactIndexer, Fp4SimIndexer, Mxfp4Indexer, Mxfp4KeyLayout
 from dsv4.strategies.indexer import e2m1, fp4_qdq, pow2_ceil, rotate
 from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
 
@@ -163,3 +165,99 @@ def test_check_refuses_fp4_sim_for_index_heads_it_cannot_rotate():
     assert "power of two" in p.reason and p.fix == "indexer=exact"
     reasons = [q.reason for q in problems(80)]
     assert any("multiple of 32" in r for r in reasons) and any("power of two" in r for r in reasons)
+
+
+# ---- mxfp4 records ------------------------------------------------------------------------------
+def record_by_hand(row: list[float]) -> bytes:
+    """One key's record from the definition: per block of 32 values the scale 2^k of `fp4_by_hand`, its
+    byte k + 127; each value's e2m1 code (sign bit 3, the magnitude's index in the grid, bits 0-2; a
+    negative value that rounds to zero keeps its sign); two codes a byte, the even dim in the low nibble;
+    the Di/2 code bytes, then the Di/32 scale bytes."""
+    import math
+    import struct
+
+    import numpy as np
+
+    grid = e2m1_values()
+    codes, scales = [], []
+    for b0 in range(0, len(row), 32):
+        block = [struct.unpack("<f", struct.pack("<f", v))[0] for v in row[b0:b0 + 32]]
+        amax = max(max(abs(v) for v in block), 6 * 2.0 ** -126)
+        k = int(np.ceil(np.log2(np.float64(np.float32(amax) * np.float32(1 / 6)))))
+        scales.append(k + 127)
+        for v in block:
+            r = nearest_e2m1(max(-6.0, min(6.0, v / 2.0 ** k)))
+            codes.append((8 if math.copysign(1.0, r) < 0 else 0) | grid.index(abs(r)))
+    data = bytes(codes[i] | codes[i + 1] << 4 for i in range(0, len(codes), 2))
+    return data + bytes(scales)
+
+
+def test_mxfp4_records_byte_for_byte():
+    """Random keys over 12 decades, zeros, signed zeros, values on, between and at the ties of the grid, the
+    largest and smallest scales: each record equals the hand-made one and decodes to fp4_sim's values."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 128, generator=g) * torch.exp(torch.randn(40, 1, generator=g) * 6)
+    x[0] = 0
+    x[1, :32] = -0.0
+    x[1, 32:64] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25] * 4)    # ties at scale 1 (amax 5)
+    x[1, 64:] = -1e-3 * torch.arange(64.0)
+    x[2] = 3e38
+    x[3] = 6 * 2.0 ** -126
+    x[4, ::2] = -x[4, ::2].abs()
+    rows = x.bfloat16().float()
+    lay = Mxfp4KeyLayout(head_dim=128)
+    data, scales = lay.pack(rows)
+    assert lay.bytes_per_token(128) == 68 and data.shape == (40, 64) and scales.shape == (40, 4)
+    for i in range(40):
+        want = record_by_hand(rows[i].tolist())
+        got = bytes(data[i].tolist()) + bytes(scales[i].tolist())
+        assert got == want, i
+    values = lay.unpack(data, scales)
+    assert torch.equal(values, fp4_qdq(rows).float())
+    assert bool(torch.isinf(values[2]).any())           # 3e38 rounds up to 4·2^126 = 2^128, as in the published code
+    finite = values[torch.isfinite(values).all(1)]      # FP4-simulated keys pack to the same values
+    assert len(finite) == 39 and torch.equal(lay.unpack(*lay.pack(finite)), finite)
+
+
+def test_mxfp4_pages_hold_codes_then_scales():
+    """A page of B records: key t's codes at t·64, its scales at B·64 + t·4; a skipped slot (-1) writes
+    nothing; a read of -1 is zeros."""
+    B, lay = 4, Mxfp4KeyLayout(head_dim=128)
+    cache = lay.allocate(num_blocks=3, block_size=B, head_dim=128, device="cpu")
+    assert cache.shape == (3, B * 68) and cache.dtype == torch.uint8
+    g = torch.Generator().manual_seed(8)
+    rows = torch.randn(3, 128, generator=g)
+    slots = torch.tensor([6, -1, 9])
+    lay.write(cache, slots, rows, block_size=B)
+    data, scales = lay.pack(rows)
+    for i, slot in ((0, 6), (2, 9)):
+        page, t = divmod(slot, B)
+        assert torch.equal(cache[page, t * 64:(t + 1) * 64], data[i])
+        assert torch.equal(cache[page, B * 64 + t * 4:B * 64 + (t + 1) * 4], scales[i])
+    assert int(cache.count_nonzero()) == int(data[[0, 2]].count_nonzero() + scales[[0, 2]].count_nonzero())
+    back = lay.read(cache, torch.tensor([9, -1, 6]), block_size=B)
+    assert torch.equal(back[0], fp4_qdq(rows[2]).float()) and bool((back[1] == 0).all())
+    assert torch.equal(back[2], fp4_qdq(rows[0]).float())
+
+
+def test_mxfp4_layer_selects_what_fp4_sim_selects():
+    """The same weights and tokens through the paged layer with indexer=fp4_sim (bf16-valued float32 keys)
+    and indexer=mxfp4 (68-byte records): the same outputs and top-k lists, token for token; the records
+    are 68 bytes per entry in the pool."""
+    spec, W, X, outs, topk = run_layer(Fp4SimIndexer(), seed=9)
+    spec2, W2, X2, outs2, topk2 = run_layer(Mxfp4Indexer(), seed=9)
+    for layer in outs:
+        for rid in X:
+            assert torch.equal(outs[layer][rid], outs2[layer][rid])
+            if layer in topk:
+                assert torch.equal(topk[layer][rid], topk2[layer][rid])
+    eng, _ = make_engine(spec, indexer=Mxfp4Indexer(), seed=9)
+    keys = next(c.indexer_keys for c in eng.pools[0].layers.values() if c.indexer_keys is not None)
+    assert keys.data.dtype == torch.uint8 and keys.page_bytes == keys.block_size * 68
+
+
+def test_mxfp4_memory_accounting_counts_its_records():
+    from dsv4.memory import indexer_entry_bytes, indexer_kind
+
+    assert indexer_kind("bfloat16", Mxfp4Indexer()) == "mxfp4" and indexer_entry_bytes("mxfp4", 128) == 68
+    assert indexer_kind("bfloat16", Fp4SimIndexer()) == "bf16" and indexer_kind("float32") == "float32"

@@ -9,7 +9,7 @@ real components (StepPlan.build on small page tables, Compressor, Indexer, the c
 - cache_write: fp8_ds_mla records (OCP and FNUZ) byte for byte on pages of 1, 2, 3 and 64 rows, with
   zero rows, huge values, e4m3 ties and subnormals, skipped slots (untouched bytes stay); plain rows;
 - indexer_logits: decode- and prefill-like groups, groups spanning two requests, padding, a visible
-  entry without a page, several launch shapes;
+  entry without a page, several launch shapes; keys as FP4 records;
 - every launcher with T = 0.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 (tiny shapes); on a GPU they are compiled (tests
@@ -566,6 +566,39 @@ def test_indexer_logits(heads, dim, launch, dtype):
     assert bool(torch.isinf(out[plan.num_tokens - 3:]).all())             # padding rows see nothing
 
 
+def mxfp4_twin(keys):
+    """The same keys as FP4 records (Mxfp4KeyLayout pages) and as bf16 rows of the values they hold."""
+    from dsv4.strategies import Mxfp4KeyLayout
+
+    lay, bs, dim = Mxfp4KeyLayout(head_dim=keys.head_dim), keys.block_size, keys.head_dim
+    pages = lay.allocate(num_blocks=keys.data.shape[0], block_size=bs, head_dim=dim, device="cpu")
+    slots = torch.arange(keys.num_slots)
+    lay.write(pages, slots, keys.read(slots), block_size=bs)
+    rec = PagedCache(name="indexer_keys", layout=lay, data=pages, block_size=bs, head_dim=dim)
+    rows = PagedCache(name="indexer_keys", layout=PlainRowLayout(name="bf16", dtype="bfloat16"),
+                      data=lay.read(pages, slots, block_size=bs).bfloat16().view(-1, bs, dim), block_size=bs,
+                      head_dim=dim)
+    return rec, rows
+
+
+@pytest.mark.parametrize("launch", LAUNCHES[:2], ids=["bn16x2", "planned"])
+def test_indexer_logits_reads_fp4_records(launch):
+    """Keys as 68-byte FP4 records: the kernel decodes them to the bf16 values they hold, so at the planned
+    launch its scores equal its scores of bf16 rows of those values bit for bit (at another launch shape on
+    a GPU the tensor cores may sum the same exact products in another order: equal within float32
+    rounding), and the torch path's."""
+    q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, 8, 128, holes=[(2, 1)], seed=17)
+    rec, rows = mxfp4_twin(keys)
+    out = run_indexer(q, w, rec, plan, idx, **launch)
+    as_rows = run_indexer(q, w, rows, plan, idx, **launch)
+    if launch:
+        assert_scores(out, as_rows)
+    else:
+        assert torch.equal(out, as_rows)
+    assert_scores(out, idx.scores(q, w, rec, plan))
+    assert torch.equal(idx.scores(q, w, rec, plan), idx.scores(q, w, rows, plan))
+
+
 @pytest.mark.skipif(not BIG, reason="decode-sized: GPU only")
 def test_indexer_logits_decode_sized():
     """64 requests x 2 tokens, 64 heads of 128 dims, ~1000-2000 visible entries of 4096: the same scores as
@@ -576,6 +609,8 @@ def test_indexer_logits_decode_sized():
         q, w, keys, plan, idx = indexer_case([(s, 2) for s in starts], 64, 128, bs=64, pad=0, seed=41, dtype=dtype)
         ref = idx.scores(q, w, keys, plan)
         assert_scores(run_indexer(q, w, keys, plan, idx), ref, tol=2e-6)
+    rec, rows = mxfp4_twin(keys)                                   # FP4 records: as bf16 rows of their values
+    assert torch.equal(run_indexer(q, w, rec, plan, idx), run_indexer(q, w, rows, plan, idx))
 
 
 # ---- empty steps ------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ class DSV4Attention(torch.nn.Module):
         q, iq = front_rows((qr @ self.wq_b.T).view(T, H, self.spec.head_dim), kv_raw, self.kv_norm, rot,
                            plan.swa.write_slots, faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
                            dtype=self.dtype, iq=iq_raw if idx is not None and idx.rope_only else None,
-                           iq_dtype=caches.indexer_keys.data.dtype if idx is not None else None)
+                           iq_dtype=idx.score_dtype(caches.indexer_keys) if idx is not None else None)
 
         topk, extra = None, {}
         if self.compressor is not None:
@@ -111,7 +111,7 @@ class DSV4Attention(torch.nn.Module):
                     idx.store_keys(scores[1], plan, caches.indexer_state, entry_rot, faults, FAULT_INDEXER,
                                    caches.indexer_keys)
                 if iq is None:
-                    iq = idx.queries(iq_raw.flatten(1), rot, caches.indexer_keys.data.dtype)
+                    iq = idx.queries(iq_raw.flatten(1), rot, idx.score_dtype(caches.indexer_keys))
                 topk, lists, lens = idx.lists(idx.scores(iq, scores[2], caches.indexer_keys, plan), plan)
             else:
                 ents = plan.entries[self.ratio]

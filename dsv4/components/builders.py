@@ -17,18 +17,16 @@ from dsv4.components.weights import shard
 from dsv4.device import DeviceInfo
 from dsv4.spec import ModelSpec
 from dsv4.strategies.cache_layout import PlainRowLayout
-from dsv4.strategies.indexer import ExactIndexer
+from dsv4.strategies.indexer import ExactIndexer, plain_keys
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, MQAKernelStrategy,
                                        OProjStrategy, OProjWeights)
 
 
 
 def indexer_layout(dtype: str) -> PlainRowLayout:
-    """Indexer keys are plain rows in the activation dtype, whatever the main cache layout: float32
-    activations keep exact keys; bf16 activations store bf16 keys, as the published inference code does
-    (its indexer cache is a bf16 tensor scored by a bf16 product); quantized fp8/fp4 records are not
-    offered yet."""
-    return PlainRowLayout(name=dtype, dtype=dtype)
+    """The `exact` indexer's keys: plain rows in the activation dtype, whatever the main cache layout
+    (each indexer option says how it stores its keys: `key_layout`)."""
+    return plain_keys(dtype)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,10 +70,11 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
 
 
 def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig, device: DeviceInfo,
-               dtype: str) -> KVPool:
+               dtype: str, indexer: IndexerStrategy | None = None) -> KVPool:
     """One rank's pool for `layers`: the page groups their ratios need, and each layer's caches on them.
     The SWA group keeps the sliding window; compressor state its coff·R positions; entries everything.
-    `dtype`: the activations', which the indexer keys are stored in (`indexer_layout`)."""
+    The indexer keys are stored as `indexer` (default `exact`) says (`key_layout`), for activations of
+    `dtype`."""
     dev = device.torch_device
     groups = page_groups(window=spec.sliding_window, ratios={spec.compress_ratio(l) for l in layers}, pool=pool)
 
@@ -98,7 +97,8 @@ def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig
             kw |= dict(compressed=cache("compressed", layout, groups[f"entries{r}"], spec.head_dim),
                        state=state(groups[f"state{r}"], coff * spec.head_dim))
         if r == 4:
-            kw |= dict(indexer_keys=cache("indexer", indexer_layout(dtype), groups["entries4"], spec.index_head_dim),
+            keys = (indexer or ExactIndexer()).key_layout(dtype=dtype, head_dim=spec.index_head_dim)
+            kw |= dict(indexer_keys=cache("indexer", keys, groups["entries4"], spec.index_head_dim),
                        indexer_state=state(groups["state4"], 2 * spec.index_head_dim))
         caches[l] = LayerCaches(ratio=r, swa=cache("swa", layout, groups["swa"], spec.head_dim), **kw)
     return KVPool(groups=groups, layers=caches, window=spec.sliding_window)

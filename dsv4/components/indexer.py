@@ -3,10 +3,11 @@ batched over every token of a step.
 
 score[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · k_j), w = weights_proj(x) · Di^-½ · Hi^-½, over the compressed
 entries j < (p+1)//4 of the token's request (its keys on the ratio-4 entry pages), accumulated in float32.
-The keys are stored in the activation dtype (builders.indexer_layout) and the queries are rounded to it
-before the product: exact float32 for float32 activations, a bf16 product for bf16 ones (the published
-code's). The selection is the local entry indices of the top min(K, visible) scores, -1 padded to K, the
-valid ones first (so their count is the list's length); their order carries no meaning.
+The keys are stored as the `indexer` option says (its `key_layout`: rows in the activation dtype, or packed
+FP4 records) and the queries are rounded to their dtype before the product (`score_dtype`): exact float32
+for float32 keys, a bf16 product for bf16 keys and FP4 records (the published code's). The selection is
+the local entry indices of the top min(K, visible) scores, -1 padded to K, the valid ones first (so their
+count is the list's length); their order carries no meaning.
 What the queries and keys are before they are scored and stored is the `indexer` strategy's
 (`numerics`, dsv4/strategies/indexer.py): as computed (`exact`), or Hadamard-rotated and FP4-simulated
 as the published code trains and runs them (`fp4_sim`).
@@ -46,6 +47,14 @@ class Indexer:
         q = self.numerics.queries(rotate_rows(q, rot), self.prepared)
         return q if dtype is None else q.to(dtype)
 
+    @staticmethod
+    def score_dtype(keys):
+        """The dtype the queries are rounded to before they are scored against `keys` (a PagedCache): the
+        keys' own, or bf16 for packed FP4 records (uint8 pages; their values are bf16 values)."""
+        import torch
+
+        return torch.bfloat16 if keys.data.dtype == torch.uint8 else keys.data.dtype
+
     @property
     def rope_only(self) -> bool:
         """Whether its queries are the projected queries with RoPE alone (no numerics transform), which the
@@ -78,7 +87,7 @@ class Indexer:
                                   w_scale=self.weight_scale)
         import torch
 
-        q = q.to(keys.data.dtype).float()
+        q = q.to(self.score_dtype(keys)).float()
         w = w * self.weight_scale
 
         T, width = q.shape[0], ents.width

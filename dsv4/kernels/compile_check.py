@@ -178,12 +178,16 @@ def _compile_layer(gpu) -> None:
         _compile(cache_write._write_rows_kernel, dict(BLOCK=512, SOFT=False),
                  types({"rows_ptr": "*fp32", "slot_ptr": "*i32", "cache_ptr": name}), {"row_stride", "D"}, gpu, 4)
     il = indexer_logits
-    for (dtype, _size), plan in il.LAUNCH.items():                     # the planned decode and prefill shapes
+    # the planned decode and prefill shapes, over plain rows; and bf16's over FP4 records
+    shapes = [(dtype, plan, 0) for (dtype, _size), plan in il.LAUNCH.items()]
+    shapes += [("mxfp4", plan, 1) for (dtype, _size), plan in il.LAUNCH.items() if dtype == "bfloat16"]
+    for dtype, plan, record in shapes:
         name, prec = ("*fp32", il.INPUT_PRECISION[gpu.backend]) if dtype == "float32" else ("*bf16", "bf16")
         _compile(il._indexer_kernel, dict(BS=64, TG=il.TOKENS_PER_PROGRAM, HP=64, DP=128, BN=plan.block_n,
-                                          NBLK=plan.blocks, PREC=prec,
+                                          NBLK=plan.blocks, PREC=prec, RECORD=record,
                                           STAGES=plan.stages if gpu.backend == "cuda" and gpu.arch >= 90 else 1),
-                 types({**f32, "q_ptr": name, "k_ptr": name, "out_ptr": "*fp32", "w_scale": "fp32"}),
+                 types({**f32, "q_ptr": name, "k_ptr": "*u8" if record else name, "out_ptr": "*fp32",
+                        "w_scale": "fp32"}),
                  {"H", "DI", "width", "w_stride"}, gpu,
                  plan.num_warps)
     tk = topk_lists

@@ -11,9 +11,9 @@ within warps). A group whose tokens span two requests (rare: a request with an o
 makes one product per token, each with its own request's keys. Blocks at or past the group's largest
 count load nothing and compute nothing; they only write −inf.
 
-Precision follows the keys' dtype (the activations', dsv4.components.builders.indexer_layout). bf16
-keys: the queries are rounded to bf16 and scored by one bf16 product accumulated in float32, as the
-published code scores its bf16 cache. float32 keys: the scores feed a top-k that is compared with a
+Precision follows the keys' dtype (the indexer option's `key_layout`). bf16 keys, and FP4 records (decoded
+to their bf16 values as they are read): the queries are rounded to bf16 and scored by one bf16 product
+accumulated in float32, as the published code scores its bf16 cache. float32 keys: the scores feed a top-k that is compared with a
 float32 oracle, so the products must be float32-accurate. INPUT_PRECISION["cuda"] = "tf32x3" splits each
 float32 operand into a tf32 head and a tf32 tail and sums three tensor-core products (error ~2^-21 relative, about float32's); plain "tf32"
 (10-bit mantissas: 7.7e-4 from a float64 oracle on the H200) would reorder near-ties of the top-k, and
@@ -69,16 +69,38 @@ def _sm90_or_later(index: int | None) -> bool:          # asked once per device,
 
 
 @triton.jit
-def _keys(k_ptr, pages_ptr, req, P, n_slots, cols, limit, DI, BS: tl.constexpr, DP: tl.constexpr):
-    """Keys [BN, DP] float32 of entries `cols` of request `req`: 0 for entries at or past `limit`, without
-    a page (as the torch path reads them: zero rows) and for dims past DI."""
+def _keys(k_ptr, pages_ptr, req, P, n_slots, cols, limit, DI, BS: tl.constexpr, DP: tl.constexpr,
+          RECORD: tl.constexpr):
+    """Keys [BN, DP] of entries `cols` of request `req`: 0 for entries at or past `limit`, without a page
+    (as the torch path reads them: zero rows) and for dims past DI. RECORD 0: plain rows in the keys'
+    dtype; 1: FP4 records (dsv4/strategies/mxfp4.py) decoded to bf16, exactly."""
     logical = cols // BS
     ok = (cols < limit) & (logical < P)
     page = tl.load(pages_ptr + req * P + logical, mask=ok, other=-1)
     slot = page.to(tl.int64) * BS + cols % BS
     ok = ok & (page >= 0) & (slot < n_slots)
     d = tl.arange(0, DP)
-    return tl.load(k_ptr + slot[:, None] * DI + d[None, :], mask=ok[:, None] & (d < DI)[None, :], other=0.0)
+    m = ok[:, None] & (d < DI)[None, :]
+    if RECORD == 0:
+        keys = tl.load(k_ptr + slot[:, None] * DI + d[None, :], mask=m, other=0.0)
+    else:
+        # page p: its keys' codes (DI/2 bytes each, the even dim in the low nibble), then their scale bytes
+        # (one per 32 dims, 2^(e - 127))
+        base = page.to(tl.int64) * (BS * (DI // 2 + DI // 32))
+        t = cols % BS
+        BN: tl.constexpr = cols.shape[0]
+        dh = tl.arange(0, DP // 2)
+        byte = tl.load(k_ptr + (base + t * (DI // 2))[:, None] + dh[None, :],
+                       mask=ok[:, None] & (dh < DI // 2)[None, :], other=0)          # each byte loaded once
+        code = tl.reshape(tl.join(byte & 15, byte >> 4), [BN, DP]).to(tl.int32)    # dims 2j, 2j + 1
+        ds = tl.arange(0, DP // 32)
+        e = tl.load(k_ptr + (base + BS * (DI // 2) + t * (DI // 32))[:, None] + ds[None, :],
+                    mask=ok[:, None] & (ds < DI // 32)[None, :], other=0).to(tl.int32)
+        e = tl.reshape(tl.broadcast_to(e[:, :, None], [BN, DP // 32, 32]), [BN, DP])
+        i = (code & 7).to(tl.float32)
+        mag = tl.where(i < 4, 0.5 * i, tl.where(i < 7, i - 2, 6.0))         # 0, .5, 1, 1.5, 2, 3, 4, 6
+        keys = (tl.where((code & 8) != 0, -mag, mag) * (e << 23).to(tl.float32, bitcast=True)).to(tl.bfloat16)
+    return keys
 
 
 @triton.jit
@@ -111,18 +133,18 @@ def _head_sum(q_hi, q_lo, k, wv, TG: tl.constexpr, HP: tl.constexpr, BN: tl.cons
 @triton.jit
 def _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo, cmax, DI, BS: tl.constexpr,
            TG: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr,
-           SAME: tl.constexpr):
+           SAME: tl.constexpr, RECORD: tl.constexpr):
     """Scores [BN, TG] of entries `cols` for the group's tokens (−inf where not visible); SAME: they are
     all of request r_lo."""
     if SAME:
-        logits = _head_sum(q_hi, q_lo, _keys(k_ptr, pages_ptr, r_lo, P, n_slots, cols, cmax, DI, BS, DP), wv,
+        logits = _head_sum(q_hi, q_lo, _keys(k_ptr, pages_ptr, r_lo, P, n_slots, cols, cmax, DI, BS, DP, RECORD), wv,
                            TG, HP, BN, PREC)
     else:
         logits = tl.zeros([BN, TG], tl.float32)
         for u in tl.static_range(TG):
             r_u = tl.sum(tl.where(i == u, req, 0), 0)
             c_u = tl.sum(tl.where(i == u, cnt, 0), 0)
-            k = _keys(k_ptr, pages_ptr, r_u, P, n_slots, cols, c_u, DI, BS, DP)
+            k = _keys(k_ptr, pages_ptr, r_u, P, n_slots, cols, c_u, DI, BS, DP, RECORD)
             logits = tl.where((i == u)[None, :], _head_sum(q_hi, q_lo, k, wv, TG, HP, BN, PREC), logits)
     return tl.where(cols[:, None] < cnt[None, :], logits, float("-inf"))
 
@@ -131,7 +153,7 @@ def _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo
 def _indexer_kernel(q_ptr, w_ptr, w_stride, w_scale, k_ptr, pages_ptr, req_ptr, cnt_ptr, out_ptr, T, H, DI, P, width,
                     n_slots,
                     BS: tl.constexpr, TG: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr,
-                    NBLK: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr):
+                    NBLK: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, RECORD: tl.constexpr):
     g = tl.program_id(0)
     j0 = tl.program_id(1) * (NBLK * BN)
     i = tl.arange(0, TG)
@@ -165,13 +187,13 @@ def _indexer_kernel(q_ptr, w_ptr, w_stride, w_scale, k_ptr, pages_ptr, req_ptr, 
             for b in tl.range(0, nb, num_stages=STAGES):
                 cols = j0 + b * BN + tl.arange(0, BN)
                 vals = _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo, cmax, DI, BS, TG,
-                              HP, DP, BN, PREC, True)
+                              HP, DP, BN, PREC, True, RECORD)
                 tl.store(out_cols + cols[:, None], vals, mask=keep & (cols < width)[:, None])
         else:
             for b in range(0, nb):
                 cols = j0 + b * BN + tl.arange(0, BN)
                 vals = _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo, cmax, DI, BS, TG,
-                              HP, DP, BN, PREC, False)
+                              HP, DP, BN, PREC, False, RECORD)
                 tl.store(out_cols + cols[:, None], vals, mask=keep & (cols < width)[:, None])
         for b in range(tl.maximum(nb, 0), NBLK):
             cols = j0 + b * BN + tl.arange(0, BN)
@@ -183,10 +205,10 @@ def _indexer_kernel(q_ptr, w_ptr, w_stride, w_scale, k_ptr, pages_ptr, req_ptr, 
             if j0 + b * BN < cmax:
                 if same:
                     vals = _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo, cmax, DI, BS,
-                                  TG, HP, DP, BN, PREC, True)
+                                  TG, HP, DP, BN, PREC, True, RECORD)
                 else:
                     vals = _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo, cmax, DI, BS,
-                                  TG, HP, DP, BN, PREC, False)
+                                  TG, HP, DP, BN, PREC, False, RECORD)
             else:
                 vals = tl.full([BN, TG], float("-inf"), tl.float32)
             tl.store(out_cols + cols[:, None], vals, mask=keep & (cols < width)[:, None])
@@ -195,8 +217,9 @@ def _indexer_kernel(q_ptr, w_ptr, w_stride, w_scale, k_ptr, pages_ptr, req_ptr, 
 def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float = 1.0, block_n: int = 0,
                    blocks_per_program: int = 0, num_warps: int = 0, stages: int = 0):
     """[T, width] float32 indexer scores: q [T, Hi, Di] (float32, or already in the keys' dtype), w [T, Hi]
-    float32 head weights (rows may be strided) times `w_scale`, `keys`
-    a PagedCache of float32 or bf16 rows ([num_blocks, bs, Di] data, `.block_size`), pages [B, P] int32
+    float32 head weights (rows may be strided) times `w_scale`, `keys` a PagedCache of float32 or bf16
+    rows ([num_blocks, bs, Di] data) or of FP4 records (uint8 [num_blocks, bs·(Di/2 + Di/32)], scored as
+    bf16 keys), pages [B, P] int32
     (the entries table), token_request [T] int64, counts [T] int32. Entries j < counts[t] score
     Σ_h w·ReLU(q·k_j) (0 where the entry has no page: the torch path reads a zero key), the rest −inf.
     Sync-free; grid (T / TOKENS_PER_PROGRAM, width / (block_n · blocks_per_program)); launch shapes left
@@ -205,13 +228,20 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
 
     T, H, DI = q.shape
     data = keys.data
-    if data.dtype not in (torch.float32, torch.bfloat16) or data.shape[-1] != DI:
-        raise ValueError(f"indexer_logits reads float32 or bf16 keys of {DI} dims, not {data.dtype} [{data.shape[-1]}]")
+    record = int(data.dtype == torch.uint8)                 # FP4 records (dsv4/strategies/mxfp4.py)
+    if record:
+        if DI % 64 or data.dim() != 2 or data.shape[1] != keys.block_size * (DI // 2 + DI // 32):
+            raise ValueError(f"indexer_logits: FP4 key pages {tuple(data.shape)} do not hold {keys.block_size} "
+                             f"records of {DI} dims (a multiple of 64)")
+    elif data.dtype not in (torch.float32, torch.bfloat16) or data.shape[-1] != DI:
+        raise ValueError(f"indexer_logits reads float32 or bf16 keys of {DI} dims or FP4 records, not "
+                         f"{data.dtype} [{data.shape[-1]}]")
+    key_dtype = torch.bfloat16 if record else data.dtype    # the dtype the queries are rounded to
     out = torch.empty(T, width, dtype=torch.float32, device=q.device)
     if not T or not width:
         return out
     tg = TOKENS_PER_PROGRAM
-    plan = LAUNCH[str(data.dtype).removeprefix("torch."), "prefill" if T >= PREFILL_TOKENS else "decode"]
+    plan = LAUNCH[str(key_dtype).removeprefix("torch."), "prefill" if T >= PREFILL_TOKENS else "decode"]
     block_n, blocks_per_program = block_n or plan.block_n, blocks_per_program or plan.blocks
     num_warps = num_warps or plan.num_warps
     stages = stages or (plan.stages if pipelined(q.device) else 1)
@@ -219,13 +249,13 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
     dp = max(next_pow2(DI), 16)
     pages = as_i32(pages)
     w = rows_dense(w if w.dtype == torch.float32 else w.float())
-    if data.dtype == torch.bfloat16:
+    if key_dtype == torch.bfloat16:
         precision = "bf16_widened" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
     else:
         precision = INPUT_PRECISION["hip" if torch.version.hip else "cuda"]
     grid = (cdiv(T, tg), cdiv(width, block_n * blocks_per_program))
-    launch(_indexer_kernel, grid, as_dense(q if q.dtype == data.dtype else q.to(data.dtype)), w, w.stride(0), w_scale,
+    launch(_indexer_kernel, grid, as_dense(q if q.dtype == key_dtype else q.to(key_dtype)), w, w.stride(0), w_scale,
            data, pages, as_dense(token_request), as_i32(counts), out, T, H, DI, pages.shape[1], width,
-           data.numel() // DI, BS=keys.block_size, TG=tg, HP=hp, DP=dp, BN=block_n, NBLK=blocks_per_program,
-           PREC=precision, STAGES=stages, num_warps=num_warps, num_stages=1)
+           keys.num_slots, BS=keys.block_size, TG=tg, HP=hp, DP=dp, BN=block_n, NBLK=blocks_per_program,
+           PREC=precision, STAGES=stages, RECORD=record, num_warps=num_warps, num_stages=1)
     return out

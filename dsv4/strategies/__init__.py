@@ -9,6 +9,7 @@ from dsv4.strategies.fp8_oproj import DeepGemmFp8OProj, TorchFp8OProj, TritonFp8
 from dsv4.strategies.head_padding import BucketHeadPadding, NoHeadPadding
 from dsv4.strategies.indexer import ExactIndexer, Fp4SimIndexer
 from dsv4.strategies.mqa_kernel import ReferenceMQA
+from dsv4.strategies.mxfp4 import Mxfp4Indexer, Mxfp4KeyLayout
 from dsv4.strategies.o_proj import ReferenceOProj
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, MQAKernelStrategy, Needs,
                                        OProjStrategy, OProjWeights, SparseKV)
@@ -16,6 +17,7 @@ from dsv4.strategies.triton_sparse import TritonSparseMQA
 
 __all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8OProj", "ExactIndexer",
            "FlashInferSparse", "FlashMLASparse", "Fp4SimIndexer", "Fp8DsMlaFnuzLayout", "Fp8DsMlaLayout",
-           "Fp8PerTensorLayout", "HeadPaddingPolicy", "IndexerStrategy", "MQAKernelStrategy", "Needs",
+           "Fp8PerTensorLayout", "HeadPaddingPolicy", "IndexerStrategy", "MQAKernelStrategy", "Mxfp4Indexer",
+           "Mxfp4KeyLayout", "Needs",
            "NoHeadPadding", "OProjStrategy", "OProjWeights", "PlainRowLayout", "ReferenceMQA", "ReferenceOProj",
            "RocmBf16OProj", "SparseKV", "TorchFp8OProj", "TritonFp8OProj", "TritonSparseMQA"]

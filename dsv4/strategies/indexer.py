@@ -11,8 +11,11 @@
   scale per block of 32, 2^ceil(log2(amax / 6)) with amax clamped at 6·2^-126 --, in bf16. The keys are
   stored as these values. The rotation is orthogonal, so q·k changes only by the quantization.
 
+- `mxfp4` (dsv4/strategies/mxfp4.py): `fp4_sim`'s numerics, the keys stored as packed FP4 records.
+
 The published code also rounds the head weights and the scores to bf16; here both stay float32 (the
-scores' products and sums are the layer's scoring kernel's, for either option).
+scores' products and sums are the layer's scoring kernel's, for every option). Each option says how its
+keys are stored (`key_layout`).
 """
 from __future__ import annotations
 
@@ -65,10 +68,9 @@ def e2m1(v):
     return torch.copysign(torch.round(a / step) * step, v)      # torch.round: half to even
 
 
-def fp4_qdq(x, block: int = FP4_BLOCK):
-    """x [..., N] (N a multiple of `block`) -> FP4 quantized and dequantized, in bf16 (the published
-    fp4_act_quant(x, block, inplace=True)): per block the scale 2^ceil(log2(max(amax, 6·2^-126)·fp32(1/6))),
-    values x/scale clamped to ±6 and rounded to e2m1, times the scale (exact in bf16)."""
+def _fp4_blocks(x, block: int):
+    """x [..., N] -> (e2m1 values [..., N/block, block] float32, scales [..., N/block, 1] float32 powers of
+    two), as the published fp4_act_quant computes them."""
     import torch
 
     if x.shape[-1] % block:
@@ -77,7 +79,52 @@ def fp4_qdq(x, block: int = FP4_BLOCK):
     # a Python scalar multiplies a float32 tensor as float32: amax·fp32(1/6), as the kernel's (and no
     # host-to-device copy, so a CUDA graph can capture it)
     s = pow2_ceil(xf.abs().amax(-1, keepdim=True).clamp_min(FP4_MAX * 2.0 ** -126) * (1 / FP4_MAX))
-    return (e2m1((xf / s).clamp(-FP4_MAX, FP4_MAX)) * s).flatten(-2).to(torch.bfloat16)
+    return e2m1((xf / s).clamp(-FP4_MAX, FP4_MAX)), s
+
+
+def fp4_qdq(x, block: int = FP4_BLOCK):
+    """x [..., N] (N a multiple of `block`) -> FP4 quantized and dequantized, in bf16 (the published
+    fp4_act_quant(x, block, inplace=True)): per block the scale 2^ceil(log2(max(amax, 6·2^-126)·fp32(1/6))),
+    values x/scale clamped to ±6 and rounded to e2m1, times the scale (exact in bf16)."""
+    import torch
+
+    v, s = _fp4_blocks(x, block)
+    return (v * s).flatten(-2).to(torch.bfloat16)
+
+
+def fp4_encode(x, block: int = FP4_BLOCK):
+    """The same quantization as codes: x [..., N] -> (e2m1 codes [..., N] uint8 -- sign in bit 3, the
+    magnitude's index in 0, 0.5, 1, 1.5, 2, 3, 4, 6 in bits 0-2, the sign kept on zeros as the published
+    conversion keeps it --, UE8M0 scales [..., N/block] uint8: the exponent byte e of 2^(e-127))."""
+    import torch
+
+    v, s = _fp4_blocks(x, block)
+    a = v.abs()
+    index = torch.where(a < 2, 2 * a, torch.where(a < 6, a + 2, 7.0)).to(torch.uint8)
+    codes = index | (torch.signbit(v).to(torch.uint8) << 3)
+    exps = (torch.frexp(s)[1] + 126).to(torch.uint8).squeeze(-1)          # s = 0.5·2^e' -> e = e' - 1 + 127
+    return codes.flatten(-2), exps
+
+
+def fp4_decode(codes, exps, block: int = FP4_BLOCK):
+    """(codes [..., N], scales [..., N/block]) uint8 as `fp4_encode` gives them -> [..., N] float32."""
+    import torch
+
+    c = codes.to(torch.int32)
+    index = (c & 7).float()
+    mag = torch.where(index < 4, 0.5 * index, torch.where(index < 7, index - 2, 6.0))
+    value = torch.where((c & 8) != 0, -mag, mag)
+    scale = torch.ldexp(torch.ones_like(exps, dtype=torch.float32), exps.to(torch.int32) - 127)
+    return (value.unflatten(-1, (-1, block)) * scale[..., None]).flatten(-2)
+
+
+def plain_keys(dtype: str):
+    """Keys as plain rows in the activation dtype: float32 activations keep exact keys; bf16 ones store
+    bf16 keys, as the published inference code does (its indexer cache is a bf16 tensor scored by a
+    bf16 product)."""
+    from dsv4.strategies.cache_layout import PlainRowLayout
+
+    return PlainRowLayout(name=dtype, dtype=dtype)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,6 +139,9 @@ class ExactIndexer:
 
     def prepare(self, *, head_dim: int, device) -> Any:
         return None
+
+    def key_layout(self, *, dtype: str, head_dim: int):
+        return plain_keys(dtype)
 
     def queries(self, q, prepared=None):
         return q
@@ -113,6 +163,9 @@ class Fp4SimIndexer:
 
     def prepare(self, *, head_dim: int, device) -> Any:
         return None
+
+    def key_layout(self, *, dtype: str, head_dim: int):
+        return plain_keys(dtype)
 
     def queries(self, q, prepared=None):
         """RoPE'd queries [..., Di] -> rotated, FP4-simulated, float32 (bf16 values)."""

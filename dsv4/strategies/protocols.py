@@ -106,6 +106,7 @@ class IndexerStrategy(Protocol):
 
     def needs(self, device: DeviceInfo) -> Needs: ...
     def prepare(self, *, head_dim: int, device: DeviceInfo) -> Any: ...
+    def key_layout(self, *, dtype: str, head_dim: int) -> CacheLayout: ...   # how its keys are stored
     def queries(self, q: Tensor, prepared: Any) -> Tensor: ...     # [T, Hi, Di] float32 -> float32
     def keys(self, rows: Tensor, prepared: Any) -> Tensor: ...     # [T, Di] float32 -> float32
 
