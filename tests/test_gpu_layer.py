@@ -74,7 +74,7 @@ def test_mxfp4_keys_select_what_fp4_sim_selects(graphs):
     in float32: tests/test_indexer_numerics.py.)"""
     runs = {}
     for name, numerics in (("fp4_sim", Fp4SimIndexer()), ("mxfp4", Mxfp4Indexer())):
-        spec, eng, W = engine("triton+reference", graphs=graphs, seed=4, indexer=numerics)
+        spec, eng, _ = engine("triton+reference", graphs=graphs, seed=4, indexer=numerics)
         X = {r: x.cuda() for r, x in hidden_for({r: n + 6 for r, n in LENGTHS.items()}, spec.hidden_size,
                                                 seed=5).items()}
         runs[name] = drive(eng, X, chunked(LENGTHS, 37) + DECODE)
