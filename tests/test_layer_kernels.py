@@ -443,6 +443,68 @@ def test_front_kernel_rotates_the_indexer_queries_in_the_same_launch(iq_dtype):
     assert torch.equal(faults0.cpu(), faults1.cpu())
 
 
+@pytest.mark.parametrize("keys", ["mxfp4", "bf16", "float32"])
+def test_compress_kernel_stores_fp4_keys(keys):
+    """The indexer's compressor with the published FP4 numerics in the kernel (fp4=True): the cache holds
+    exactly what the torch path stores -- its entries, rotated and FP4-simulated by the strategy, written by
+    the layout (mxfp4 records byte for byte, or bf16 / float32 rows) --, with the same state rows and faults."""
+    from dsv4.kernels.cache_write import fp4_record_store
+    from dsv4.kernels.compress import CompressJob, compress_kernels
+    from dsv4.strategies import Fp4SimIndexer, Mxfp4KeyLayout
+
+    R, D = 4, 128
+    plan, blocks = step_plan(SPANS[R], seed=81)
+    bs, T = plan.entries[R].table.block_size, plan.num_tokens
+    comp = compressor(R, D, seed=82)
+    scores = step_scores(comp, T, gen(83))
+    state = torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(84))
+    lay = Mxfp4KeyLayout(head_dim=D) if keys == "mxfp4" else STORE_LAYOUTS[keys]
+    pages = random_cache(lay, plan.entries[R].table.pages.numel(), bs, D, gen(85))
+    rot = plan.rope_rows(ROPE, shift=R)
+    # the torch path: entries, the strategy's keys, the layout's write
+    ref_state = CompressorState(data=state.clone(), block_size=8, width=comp.width)
+    ref_faults = torch.ones(3, T, dtype=torch.bool)
+    rows, store = comp.entries(scores, plan, ref_state, rot, ref_faults, 2)
+    want = pages.clone()
+    lay.write(want, store, Fp4SimIndexer().keys(rows), block_size=bs)
+    got, faults, got_state = dev(pages), dev(torch.ones(3, T, dtype=torch.bool)), dev(state)
+    into = fp4_record_store(got, bs, D) if keys == "mxfp4" else row_store(keys, got, bs)
+    job = CompressJob(scores=dev(scores), ape=dev(comp.ape), norm=dev(comp.norm), state=got_state, head_dim=D,
+                      fault_row=2, into=into, fp4=True)
+    compress_kernels([job], dev(rot.cos), dev(rot.sin), dev(plan.positions), dev(plan.step_start),
+                     dev(plan.token_request), dev(plan.state[R].write_slots), dev(plan.entries[R].close_slots),
+                     dev(plan.state[R].table.pages), faults, ratio=R, state_block=8, eps=EPS)
+    assert int((store >= 0).sum()) >= 3
+    assert torch.equal(got.cpu(), want) and not torch.equal(want, pages)
+    assert torch.equal(faults[2].cpu(), ref_faults[2]) and torch.equal(got_state.cpu(), ref_state.data)
+
+
+def test_an_fp4_record_store_takes_fp4_rows_only():
+    from dsv4.kernels.cache_write import fp4_record_store
+
+    with pytest.raises(ValueError, match="FP4-simulated rows only"):
+        kv_rows_kernel(dev(torch.zeros(2, 128)), dev(torch.ones(128)), dev(torch.zeros(2, 32)), dev(torch.zeros(2, 32)),
+                       dev(torch.zeros(2, dtype=torch.int32)), dev(torch.zeros(3, 2, dtype=torch.bool)), eps=EPS,
+                       dtype=torch.float32, into=fp4_record_store(dev(torch.zeros(2, 4 * 68, dtype=torch.uint8)), 4,
+                                                                  128))
+
+
+@pytest.mark.parametrize("iq_dtype", [torch.bfloat16, torch.float32])
+def test_front_kernel_makes_fp4_indexer_queries(iq_dtype):
+    """iq_fp4: the indexer's query heads rotated by RoPE, then by the Hadamard transform and FP4-simulated
+    in the kernel: what the torch path (rotate_rows, then fp4_sim's queries) gives."""
+    from dsv4.components.front import rotate_rows
+    from dsv4.strategies import Fp4SimIndexer
+
+    g, T, Hi, Di = gen(86), 5, 6, 128
+    iq = torch.randn(T, Hi, Di, generator=g) * torch.exp(torch.randn(T, Hi, 1, generator=g) * 3)
+    rot = rope_rows(T, g)
+    _, _, got = front_kernel(None, None, None, dev(rot.cos), dev(rot.sin), None, None, padded_heads=0, eps=EPS,
+                             dtype=torch.bfloat16, iq=dev(iq), iq_dtype=iq_dtype, iq_fp4=True)
+    want = Fp4SimIndexer().queries(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin)))).to(iq_dtype)
+    assert got.dtype == iq_dtype and torch.equal(got.cpu(), want.cpu())
+
+
 def test_two_compressors_in_one_launch_as_in_two():
     """A ratio-4 layer's compressor (head_dim 512, fp8_ds_mla entries) and its indexer's (128, plain keys)
     in one compress launch: the same state rows, stored entries and faults as each in its own launch."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dsv4.components.compressor import Compressor, compress_all
+from dsv4.components.compressor import CompressPart, Compressor, compress_all
 from dsv4.components.front import front_rows, mm_f32, norm_rows
 from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
@@ -94,22 +94,21 @@ class DSV4Attention(torch.nn.Module):
         idx, iq_raw = self.indexer, None
         if idx is not None:
             iq_raw = mm_f32(qr, self.idx_wq_b).view(T, idx.n_heads, idx.head_dim)
+        front_iq = idx is not None and idx.front_queries
         q, iq = front_rows((qr @ self.wq_b.T).view(T, H, self.spec.head_dim), kv_raw, self.kv_norm, rot,
                            plan.swa.write_slots, faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
-                           dtype=self.dtype, iq=iq_raw if idx is not None and idx.rope_only else None,
-                           iq_dtype=idx.score_dtype(caches.indexer_keys) if idx is not None else None)
+                           dtype=self.dtype, iq=iq_raw if front_iq else None,
+                           iq_dtype=idx.score_dtype(caches.indexer_keys) if front_iq else None,
+                           iq_numerics=idx.numerics if front_iq else None)
 
         topk, extra = None, {}
         if self.compressor is not None:
             entry_rot = plan.rope_rows(self.rope, shift=self.ratio)
-            parts = [(self.compressor, scores[0], caches.state, FAULT_COMPRESSED, caches.compressed)]
-            key_part = None if idx is None else idx.key_part(scores[1], caches.indexer_state, FAULT_INDEXER,
-                                                             caches.indexer_keys)
-            compress_all(parts + [key_part] if key_part is not None else parts, plan, entry_rot, faults)
+            parts = [CompressPart(self.compressor, scores[0], caches.state, FAULT_COMPRESSED, caches.compressed)]
             if idx is not None:
-                if key_part is None:                     # keys the strategy transforms first
-                    idx.store_keys(scores[1], plan, caches.indexer_state, entry_rot, faults, FAULT_INDEXER,
-                                   caches.indexer_keys)
+                parts.append(idx.key_part(scores[1], caches.indexer_state, FAULT_INDEXER, caches.indexer_keys))
+            compress_all(parts, plan, entry_rot, faults)
+            if idx is not None:
                 if iq is None:
                     iq = idx.queries(iq_raw.flatten(1), rot, idx.score_dtype(caches.indexer_keys))
                 topk, lists, lens = idx.lists(idx.scores(iq, scores[2], caches.indexer_keys, plan), plan)

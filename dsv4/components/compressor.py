@@ -19,6 +19,9 @@ operations is the CPU path and its reference.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from dsv4.components.front import stored_badly
 from dsv4.components.norms import rms_norm
 
@@ -63,7 +66,7 @@ class Compressor:
         return rows, torch.where(bad, -1, plan.entries[self.ratio].close_slots)
 
     def _kernel(self, scores, plan, state, rot, faults, fault_row: int, into=None):
-        return _launch(((self, scores, state, fault_row, into),), plan, rot, faults)[0]
+        return _launch(((self, scores, state, fault_row, into, False),), plan, rot, faults)[0]
 
     def write_state(self, scores, plan, state) -> None:
         """scores [T, 2·width] float32 ([a | s], no APE yet) -> the kept rows into `state` (CompressorState)."""
@@ -123,19 +126,52 @@ class Compressor:
         return a.masked_fill(absent, 0.0), s.masked_fill(absent, float("-inf"))
 
 
+@dataclass(frozen=True, slots=True)
+class CompressPart:
+    """One compressor's share of a layer's compress step: its scores, state rows, faults row and cache; for
+    the indexer's compressor its numerics (an IndexerStrategy, and what its `prepare` made), which its keys
+    take before they are stored."""
+    compressor: Compressor
+    scores: Any
+    state: Any
+    fault_row: int
+    cache: Any
+    numerics: Any = None
+    prepared: Any = None
+
+    @property
+    def fp4(self) -> bool:
+        """Whether its entries take the published FP4 numerics (which the compress kernel applies)."""
+        return self.numerics is not None and self.numerics.transforms
+
+    @property
+    def kernel_stores(self) -> bool:
+        """Whether the compress kernel can store its entries: a GPU cache with a kernel store, and numerics
+        the kernel applies (none, or the FP4 ones)."""
+        n = self.numerics
+        return (self.scores.is_cuda and self.cache.store is not None
+                and (n is None or not n.transforms or n.fp4))
+
+
 def compress_all(parts, plan, rot, faults) -> None:
-    """Compressors of one ratio over the same step -- each part (compressor, scores, state, fault_row,
-    cache), e.g. a ratio-4 layer's and its indexer's -- their closed entries stored into their caches: on
-    a GPU, where every cache's layout has a kernel store, in one launch; otherwise each `compress`."""
-    if parts and parts[0][1].is_cuda and all(cache.store is not None for *_, cache in parts):
-        _launch(tuple((c, sc, st, row, cache.store) for c, sc, st, row, cache in parts), plan, rot, faults)
+    """Compressors of one ratio over the same step (CompressPart; a ratio-4 layer's and its indexer's), their
+    closed entries stored into their caches: in one launch where the kernel can store every part's
+    (`kernel_stores`); otherwise each through `entries`, its numerics and its layout's `write`."""
+    if all(part.kernel_stores for part in parts):
+        _launch(tuple((p.compressor, p.scores, p.state, p.fault_row, p.cache.store, p.fp4) for p in parts), plan,
+                rot, faults)
         return
-    for compressor, scores, state, fault_row, cache in parts:
-        compressor.compress(scores, plan, state, rot, faults, fault_row, cache)
+    for p in parts:
+        if p.numerics is None or not p.numerics.transforms:
+            p.compressor.compress(p.scores, plan, p.state, rot, faults, p.fault_row, p.cache)
+            continue
+        rows, store = p.compressor.entries(p.scores, plan, p.state, rot, faults, p.fault_row)
+        p.cache.write(store, p.numerics.keys(rows, p.prepared))
 
 
 def _launch(parts, plan, rot, faults) -> list:
-    """dsv4/kernels/compress.py's kernel for parts (compressor, scores, state, fault_row, RowStore or None)."""
+    """dsv4/kernels/compress.py's kernel for parts (compressor, scores, state, fault_row, RowStore or None,
+    FP4 numerics)."""
     from dsv4.kernels.compress import CompressJob, compress_kernels
 
     ratio, block = parts[0][0].ratio, parts[0][2].block_size
@@ -143,7 +179,7 @@ def _launch(parts, plan, rot, faults) -> list:
         raise ValueError("compressors launched together must share their ratio, state block size and eps")
     rows = plan.state[ratio]
     jobs = tuple(CompressJob(scores=sc, ape=c.ape, norm=c.norm, state=st.data, head_dim=c.dim, fault_row=row,
-                             into=into) for c, sc, st, row, into in parts)
+                             into=into, fp4=fp4) for c, sc, st, row, into, fp4 in parts)
     return compress_kernels(jobs, rot.cos, rot.sin, plan.positions, plan.step_start, plan.token_request,
                             rows.write_slots, plan.entries[ratio].close_slots, rows.table.pages, faults, ratio=ratio,
                             state_block=block, eps=parts[0][0].eps)

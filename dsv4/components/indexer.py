@@ -56,24 +56,18 @@ class Indexer:
         return torch.bfloat16 if keys.data.dtype == torch.uint8 else keys.data.dtype
 
     @property
-    def rope_only(self) -> bool:
-        """Whether its queries are the projected queries with RoPE alone (no numerics transform), which the
-        layer's front kernel can make (`front.front_rows`)."""
-        return not self.numerics.transforms
+    def front_queries(self) -> bool:
+        """Whether the layer's front kernel can make its queries: RoPE alone, or RoPE and the published FP4
+        numerics (`front.front_rows`)."""
+        return not self.numerics.transforms or self.numerics.fp4
 
     def key_part(self, scores, state, fault_row: int, cache):
-        """Its compressor's part of the layer's compress launch (`compressor.compress_all`) when the keys go
-        to `cache` as the compressor makes them; None when the strategy transforms them (`store_keys`)."""
-        return None if self.numerics.transforms else (self.compressor, scores, state, fault_row, cache)
+        """Its compressor's part of the layer's compress step (`compressor.compress_all`), its keys taking
+        the strategy's numerics."""
+        from dsv4.components.compressor import CompressPart
 
-    def store_keys(self, scores, plan, state, rot, faults, fault_row: int, cache) -> None:
-        """The indexer compressor's step, its closed keys through the strategy's numerics into `cache`
-        (with no transform, stored by the compressor's own kernel)."""
-        if not self.numerics.transforms:
-            self.compressor.compress(scores, plan, state, rot, faults, fault_row, cache)
-            return
-        rows, store = self.compressor.entries(scores, plan, state, rot, faults, fault_row)
-        cache.write(store, self.numerics.keys(rows, self.prepared))
+        return CompressPart(self.compressor, scores, state, fault_row, cache, numerics=self.numerics,
+                            prepared=self.prepared)
 
     def scores(self, q, w, keys, plan):
         """[T, width] float32 scores of every entry slot of each token's request; -inf where not visible

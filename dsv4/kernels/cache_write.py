@@ -24,6 +24,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from dsv4.kernels.fp4 import fp4_record
 from dsv4.kernels.launch import as_i32, cdiv, launch, next_pow2
 from dsv4.kernels.rounding import SOFT_ROUND, round_to, widen
 
@@ -31,7 +32,7 @@ NOPE_DIMS, ROPE_DIMS = 448, 64
 NOPE, TILE = tl.constexpr(NOPE_DIMS), tl.constexpr(64)                        # e4m3 dims, dims per scale
 DATA_BYTES, SCALE_BYTES = tl.constexpr(576), tl.constexpr(8)                 # a record's two regions
 # RowStore kinds: how a kernel that makes rows stores them itself
-FP8_DS_MLA, FP8_DS_MLA_FNUZ, PLAIN_ROWS = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+FP8_DS_MLA, FP8_DS_MLA_FNUZ, PLAIN_ROWS, FP4_RECORD = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3), tl.constexpr(4)
 
 
 @triton.jit
@@ -85,12 +86,14 @@ def fp8_ds_mla_record(x, slot, u8_ptr, bf_ptr, w64_ptr, page_stride, BS: tl.cons
 def store_row(y, slot, ok, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D: tl.constexpr,
               BS: tl.constexpr, KIND: tl.constexpr, SOFT: tl.constexpr):
     """A row-making kernel's own store of its float32 row y [D] at `slot` of a cache (RowStore), when `ok`
-    and the slot is in the cache: an fp8_ds_mla record (OCP or FNUZ bytes) or a plain row in the cache's
-    dtype."""
+    and the slot is in the cache: an fp8_ds_mla record (OCP or FNUZ bytes), a plain row in the cache's
+    dtype, or (FP4-simulated rows) an mxfp4 key record."""
     if ok & (slot >= 0) & (slot < n_slots):
         if KIND == PLAIN_ROWS:
             dims = tl.arange(0, D)
             tl.store(cache_ptr + slot.to(tl.int64) * D + dims, round_to(y, cache_ptr.dtype.element_ty, SOFT))
+        elif KIND == FP4_RECORD:
+            fp4_record(y, slot, cache_ptr, page_stride, BS, D)
         else:
             fp8_ds_mla_record(tl.reshape(y, [8, TILE]), slot, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride,
                               BS, KIND == FP8_DS_MLA_FNUZ, SOFT)
@@ -164,13 +167,14 @@ class RowStore:
     """A cache as our row-making kernels (the SWA rows, the compressors' entries) store into it directly,
     with no row tensor in between: the kind of record and the views of its storage they write through.
     Made once per cache (PagedCache) by its layout's `kernel_store`."""
-    kind: int                  # FP8_DS_MLA | FP8_DS_MLA_FNUZ | PLAIN_ROWS
+    kind: int                  # FP8_DS_MLA | FP8_DS_MLA_FNUZ | PLAIN_ROWS | FP4_RECORD
     block_size: int
-    data: Any                  # uint8 pages (fp8 kinds) or the plain [pages, B, D] rows
-    bf16: Any                  # fp8 kinds: the pages as bf16 (the RoPE dims); plain: `data`
-    words: Any                 # fp8 kinds: the pages as int64 (the exponent words); plain: `data`
-    page_stride: int           # fp8 kinds: bytes per page; plain: 0
+    data: Any                  # uint8 pages (fp8 and FP4 kinds) or the plain [pages, B, D] rows
+    bf16: Any                  # fp8 kinds: the pages as bf16 (the RoPE dims); otherwise `data`
+    words: Any                 # fp8 kinds: the pages as int64 (the exponent words); otherwise `data`
+    page_stride: int           # fp8 and FP4 kinds: bytes per page; plain: 0
     num_slots: int
+    dim: int = 0               # the rows' values (FP4 records; the other kinds' follow from their data)
 
     def args(self) -> tuple:
         """The kernel arguments (cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots)."""
@@ -190,17 +194,25 @@ def plain_rows_store(cache, block_size: int) -> RowStore:
                     num_slots=cache.numel() // cache.shape[-1])
 
 
-def check_store(into, dim: int) -> None:
-    """Refuse a RowStore that cannot take rows of `dim` values (None: nothing to check)."""
+def fp4_record_store(pages, block_size: int, dim: int) -> RowStore:
+    return RowStore(kind=FP4_RECORD.value, block_size=block_size, data=pages, bf16=pages, words=pages,
+                    page_stride=pages.shape[1], num_slots=pages.shape[0] * block_size, dim=dim)
+
+
+def check_store(into, dim: int, *, fp4: bool = False) -> None:
+    """Refuse a RowStore that cannot take rows of `dim` values (None: nothing to check), and an FP4 record
+    store for rows that are not FP4-simulated (`fp4`: the kernel simulates FP4 on them first)."""
     if into is None:
         return
-    plain = into.kind == PLAIN_ROWS.value
-    have = into.data.shape[-1] if plain else NOPE_DIMS + ROPE_DIMS
+    kind = {PLAIN_ROWS.value: "plain", FP4_RECORD.value: "mxfp4"}.get(into.kind, "fp8_ds_mla")
+    have = into.data.shape[-1] if kind == "plain" else into.dim if kind == "mxfp4" else NOPE_DIMS + ROPE_DIMS
     if dim != have:
-        raise ValueError(f"a cache of {have}-value rows ({'plain' if plain else 'fp8_ds_mla'}) cannot store rows of {dim}")
+        raise ValueError(f"a cache of {have}-value rows ({kind}) cannot store rows of {dim}")
+    if kind == "mxfp4" and not fp4:
+        raise ValueError("an mxfp4 key cache stores FP4-simulated rows only (the indexer's fp4 numerics)")
 
 
-def row_outputs(who: str, into, faults, fault_row: int, T: int, D: int, device):
+def row_outputs(who: str, into, faults, fault_row: int, T: int, D: int, device, *, fp4: bool = False):
     """What a row-making kernel writes, checked: into a RowStore `into` (nothing comes back), or rows
     [T, D] float32 and their slots [T] int32 for a layout's `write`; and row `fault_row` of faults ([F, T]
     bool). -> (rows, store, the kernel's (out, store, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride,
@@ -210,7 +222,7 @@ def row_outputs(who: str, into, faults, fault_row: int, T: int, D: int, device):
     if (faults.dim() != 2 or faults.shape[1] != T or faults.dtype != torch.bool or not faults.is_contiguous()
             or not 0 <= fault_row < faults.shape[0]):
         raise ValueError(f"{who}: faults must be a contiguous [F, {T}] bool tensor with row {fault_row}")
-    check_store(into, D)
+    check_store(into, D, fp4=fp4)
     if into is not None:                 # the out and store pointers are not written: any tensor will do
         return None, None, (faults, faults, *into.args()), into.kind, into.block_size
     rows = torch.empty(T, D, dtype=torch.float32, device=device)

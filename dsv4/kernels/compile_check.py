@@ -144,7 +144,7 @@ def _compile_layer(gpu) -> None:
         for kv in {name, "*fp32"}:                       # the SWA projection's output, or the float32 one
             for kind, cache in STORES:
                 _compile(layer_front._front_kernel, dict(D=512, BH=4, NQB=16, DI=128, BHI=8, NIB=8, DTYPE=dt,
-                                                         FAULT_ROWS=3, KIND=kind, BS=64, SOFT=False),
+                                                         FP4=kind == 3, FAULT_ROWS=3, KIND=kind, BS=64, SOFT=False),
                          types({**f32, **cache, "q_ptr": name, "qo_ptr": name, "kv_ptr": kv, "out_ptr": "*fp32",
                                 "iq_ptr": "*fp32", "iqo_ptr": name}),
                          {"kv_stride", "H", "PH", "HI"}, gpu, 4)
@@ -159,16 +159,21 @@ def _compile_layer(gpu) -> None:
                 f"out{n}_ptr": "*fp32", **{k.replace("cache", f"cache{n}"): v for k, v in cache.items()}}
         return {f"D{n}": dim, f"BLOCK{n}": min(1024, 2 * coff * dim), f"KIND{n}": kind, f"BS{n}": 64}, ptrs
 
-    indexer_stores = STORES[:1] + STORES[3:]
-    pairs = [((4, 512, k, c), None) for k, c in STORES[:2]] + [((4, 128, k, c), None) for k, c in indexer_stores]
-    pairs += [((128, 512, k, c), None) for k, c in STORES[:3]]
-    pairs += [((4, 512, k, c), (128, k2, c2)) for k, c in STORES[1:2] for k2, c2 in indexer_stores]
-    for (ratio, dim, kind, cache), second in pairs:         # one compressor a launch, or a layer's and its indexer's
+    # the indexer's keys: plain rows (exact or fp4_sim numerics) or mxfp4 records (FP4 numerics)
+    indexer_stores = [(k, c, False) for k, c in STORES[:1] + STORES[3:]] + [(k, c, True) for k, c in STORES[3:]]
+    indexer_stores.append((4, {"cache_ptr": "*u8", "cache_bf_ptr": "*u8", "cache_w64_ptr": "*u8"}, True))
+    pairs = [((4, 512, k, c, False), None) for k, c in STORES[:2]]
+    pairs += [((4, 128, k, c, fp4), None) for k, c, fp4 in indexer_stores]
+    pairs += [((128, 512, k, c, False), None) for k, c in STORES[:3]]
+    pairs += [((4, 512, k, c, False), (128, k2, c2, fp4)) for k, c in STORES[1:2] for k2, c2, fp4 in indexer_stores]
+    for (ratio, dim, kind, cache, fp4), second in pairs:    # one compressor a launch, or a layer's and its indexer's
         coff = compress.RATIOS[ratio]
         const, ptrs = job("", dim, coff, kind, cache)
-        const2, ptrs2 = job("2", *((dim, coff, kind, cache) if second is None else (second[0], coff, *second[1:])))
+        dim2, kind2, cache2, fp4_2 = (dim, kind, cache, fp4) if second is None else second
+        const2, ptrs2 = job("2", dim2, coff, kind2, cache2)
         _compile(compress._compress_kernel, dict(R=ratio, COFF=coff, SB=64, RB=compress.ROWS_PER_CHUNK, SOFT=False,
-                                                 JOBS=1 if second is None else 2, **const, **const2),
+                                                 JOBS=1 if second is None else 2, FP4=fp4, FP4_2=fp4_2, **const,
+                                                 **const2),
                  types({**f32, **ptrs, **ptrs2}), {"sc_stride", "sc2_stride"}, gpu, 4)
     pages = {"rows_ptr": "*bf16", "slot_ptr": "*i32", "u8_ptr": "*u8", "bf_ptr": "*bf16", "w64_ptr": "*i64"}
     for bs, fnuz in ((64, False), (3, True)):

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, next_pow2, rows_dense
 from dsv4.kernels.cache_write import row_outputs, store_row
+from dsv4.kernels.fp4 import fp4_sim
 from dsv4.kernels.layer_front import ROPE, ROPE_DIM, _rotate
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND
 
@@ -66,8 +67,9 @@ def _compress_rows(t, sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, po
                    close_ptr, pages_ptr, P, st_ptr, n_state, out_ptr, store_ptr, faults_ptr, fault_row, T, eps,
                    cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, R: tl.constexpr, D: tl.constexpr,
                    COFF: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
-                   BS: tl.constexpr, SOFT: tl.constexpr):
-    """One compressor's step for token t."""
+                   BS: tl.constexpr, SOFT: tl.constexpr, FP4: tl.constexpr):
+    """One compressor's step for token t; FP4: its entries then take the indexer's published numerics
+    (dsv4/kernels/fp4.py), as the indexer's keys."""
     dims = tl.arange(0, D)
     W: tl.constexpr = COFF * D
     pos = tl.load(pos_ptr + t)
@@ -104,6 +106,8 @@ def _compress_rows(t, sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, po
         w_ev, w_od = tl.split(tl.reshape(tl.load(norm_ptr + dims), [D // 2, 2]))
         ev, od = _rotate(ev * r * w_ev, od * r * w_od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
         y = tl.reshape(tl.join(ev, od), [D])
+        if FP4:
+            y = tl.reshape(fp4_sim(tl.reshape(y, [1, D]), 1, D, SOFT), [D])
         finite = (y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < BF16_INF_FROM     # finite once rounded to bf16
         bad = tl.min(finite.to(tl.int32), 0) == 0
         if KIND == 0:                                          # the entry and its slot, for the layout's write
@@ -128,19 +132,19 @@ def _compress_kernel(cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr, keep_ptr, cl
                      R: tl.constexpr, COFF: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr, SOFT: tl.constexpr,
                      D: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr,
                      D2: tl.constexpr, BLOCK2: tl.constexpr, KIND2: tl.constexpr, BS2: tl.constexpr,
-                     JOBS: tl.constexpr):
+                     FP4: tl.constexpr, FP4_2: tl.constexpr, JOBS: tl.constexpr):
     """Programs 0..T-1: the first compressor's step per token; with JOBS == 2 the next T: the second's."""
     pid = tl.program_id(0)
     if pid < T:
         _compress_rows(pid, sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr,
                        keep_ptr, close_ptr, pages_ptr, P, st_ptr, n_state, out_ptr, store_ptr, faults_ptr, fault_row,
                        T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, R, D, COFF, SB, RB,
-                       BLOCK, KIND, BS, SOFT)
+                       BLOCK, KIND, BS, SOFT, FP4)
     elif JOBS == 2:
         _compress_rows(pid - T, sc2_ptr, sc2_stride, ape2_ptr, norm2_ptr, cos_ptr, sin_ptr, pos_ptr, start_ptr,
                        req_ptr, keep_ptr, close_ptr, pages_ptr, P, st2_ptr, n_state2, out2_ptr, store2_ptr,
                        faults_ptr, fault_row2, T, eps, cache2_ptr, cache2_bf_ptr, cache2_w64_ptr, page_stride2,
-                       n_slots2, R, D2, COFF, SB, RB, BLOCK2, KIND2, BS2, SOFT)
+                       n_slots2, R, D2, COFF, SB, RB, BLOCK2, KIND2, BS2, SOFT, FP4_2)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,7 +152,7 @@ class CompressJob:
     """One compressor's part of a compress launch: its scores [T, 2·coff·head_dim] float32 ([a | s], no
     APE; rows may be strided), ape [ratio, coff·head_dim], norm [head_dim], its state rows [S,
     2·coff·head_dim] float32 (written in place), the faults row it sets and where its entries go (`into`, a
-    RowStore, or None: returned)."""
+    RowStore, or None: returned), and whether its entries take the indexer's FP4 numerics (`fp4`)."""
     scores: Any
     ape: Any
     norm: Any
@@ -156,6 +160,7 @@ class CompressJob:
     head_dim: int
     fault_row: int
     into: Any = None
+    fp4: bool = False
 
 
 def compress_kernel(scores, ape, norm, cos, sin, positions, step_start, token_request, keep_slots, close_slots,
@@ -196,12 +201,14 @@ def compress_kernels(jobs, cos, sin, positions, step_start, token_request, keep_
                              f"tokens")
         if tuple(job.ape.shape) != (ratio, coff * D):
             raise ValueError(f"compress_kernel: ape {tuple(job.ape.shape)} is not [{ratio}, {coff * D}]")
+        if job.fp4 and (D & (D - 1) or D % 32 or D > 4096):
+            raise ValueError(f"compress_kernel: FP4 numerics on rows of {D} dims (a power of two, 32 to 4096)")
         rows, store, (out, st, *cache), kind, bs = row_outputs("compress_kernel", job.into, faults, job.fault_row, T,
-                                                              D, job.scores.device)
+                                                              D, job.scores.device, fp4=job.fp4)
         results.append(None if job.into is not None else (rows, store))
         sc = rows_dense(job.scores)
         parts.append(((sc, sc.stride(0), as_f32(job.ape), as_f32(job.norm), job.state, job.state.shape[0], out, st,
-                       job.fault_row, *cache), (D, min(1024, next_pow2(2 * coff * D)), kind, bs)))
+                       job.fault_row, *cache), (D, min(1024, next_pow2(2 * coff * D)), kind, bs, job.fp4)))
     if T:
         pages = as_i32(state_pages)
         (args, const), (args2, const2) = parts[0], parts[-1]       # one job: the second's arguments unused
@@ -209,5 +216,5 @@ def compress_kernels(jobs, cos, sin, positions, step_start, token_request, keep_
                as_dense(token_request), as_i32(keep_slots), as_i32(close_slots), pages, pages.shape[1], faults, T, eps,
                *args, *args2, R=ratio, COFF=coff, SB=state_block, RB=ROWS_PER_CHUNK, SOFT=SOFT_ROUND,
                D=const[0], BLOCK=const[1], KIND=const[2], BS=const[3], D2=const2[0], BLOCK2=const2[1],
-               KIND2=const2[2], BS2=const2[3], JOBS=len(jobs), num_warps=num_warps)
+               KIND2=const2[2], BS2=const2[3], FP4=const[4], FP4_2=const2[4], JOBS=len(jobs), num_warps=num_warps)
     return results

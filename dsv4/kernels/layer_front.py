@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.cache_write import row_outputs, store_row
+from dsv4.kernels.fp4 import fp4_sim
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, cdiv, launch, next_pow2, rows_dense
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, round_to, widen
 
@@ -106,8 +107,10 @@ def _kv_part(t, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, s
 
 
 @triton.jit
-def _rot_part(t, hb, x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr):
-    """Heads hb·BH.. of token t of x [T, H, D] (float32): RoPE alone, stored in out's dtype."""
+def _rot_part(t, hb, x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr,
+              FP4: tl.constexpr):
+    """Heads hb·BH.. of token t of x [T, H, D] (float32): RoPE, then (FP4) the indexer's published numerics
+    (dsv4/kernels/fp4.py), stored in out's dtype."""
     h = hb * BH + tl.arange(0, BH)
     dims = tl.arange(0, D)
     at = (t.to(tl.int64) * H + h)[:, None] * D + dims[None, :]
@@ -115,6 +118,8 @@ def _rot_part(t, hb, x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: t
     ev, od = tl.split(tl.reshape(x, [BH, D // 2, 2]))
     ev, od = _rotate(ev, od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
     y = tl.reshape(tl.join(ev, od), [BH, D])
+    if FP4:
+        y = fp4_sim(y, BH, D, SOFT)
     tl.store(out_ptr + at, round_to(y, out_ptr.dtype.element_ty, SOFT), mask=(h < H)[:, None])
 
 
@@ -122,15 +127,15 @@ def _rot_part(t, hb, x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: t
 def _front_kernel(q_ptr, qo_ptr, H, PH, NQ, iq_ptr, iqo_ptr, HI, NI, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr,
                   slot_ptr, out_ptr, store_ptr, faults_ptr, T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr,
                   page_stride, n_slots, D: tl.constexpr, BH: tl.constexpr, NQB: tl.constexpr, DI: tl.constexpr,
-                  BHI: tl.constexpr, NIB: tl.constexpr, DTYPE: tl.constexpr, FAULT_ROWS: tl.constexpr,
-                  KIND: tl.constexpr, BS: tl.constexpr, SOFT: tl.constexpr):
+                  BHI: tl.constexpr, NIB: tl.constexpr, FP4: tl.constexpr, DTYPE: tl.constexpr,
+                  FAULT_ROWS: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr, SOFT: tl.constexpr):
     """Programs 0..NQ-1: query heads (NQB programs per token); the next NI: the indexer's query heads
     (NIB per token); the next T: KV rows."""
     pid = tl.program_id(0)
     if pid < NQ:
         _q_part(pid // NQB, pid % NQB, q_ptr, cos_ptr, sin_ptr, qo_ptr, H, PH, eps, D, BH, SOFT)
     elif pid < NQ + NI:
-        _rot_part((pid - NQ) // NIB, (pid - NQ) % NIB, iq_ptr, cos_ptr, sin_ptr, iqo_ptr, HI, DI, BHI, SOFT)
+        _rot_part((pid - NQ) // NIB, (pid - NQ) % NIB, iq_ptr, cos_ptr, sin_ptr, iqo_ptr, HI, DI, BHI, SOFT, FP4)
     else:
         _kv_part(pid - NQ - NI, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr,
                  T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D, DTYPE, FAULT_ROWS, KIND, BS,
@@ -155,7 +160,7 @@ def _norm_rows_kernel(x_ptr, x_stride, w_ptr, out_ptr, N, eps, BLOCK: tl.constex
 
 @triton.jit
 def _rotate_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr):
-    _rot_part(tl.program_id(0), tl.program_id(1), x_ptr, cos_ptr, sin_ptr, out_ptr, H, D, BH, SOFT)
+    _rot_part(tl.program_id(0), tl.program_id(1), x_ptr, cos_ptr, sin_ptr, out_ptr, H, D, BH, SOFT, False)
 
 
 _TL = {"torch.float32": tl.float32, "torch.bfloat16": tl.bfloat16, "torch.float16": tl.float16}
@@ -167,11 +172,12 @@ def _check_dim(D: int) -> None:
 
 
 def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, eps: float, dtype, into=None,
-                 iq=None, iq_dtype=None, heads_per_program: int = 4, num_warps: int = 4):
+                 iq=None, iq_dtype=None, iq_fp4: bool = False, heads_per_program: int = 4, num_warps: int = 4):
     """The front of the layer in one launch: `q_rows_kernel` on q [T, H, D], `kv_rows_kernel` on kv [T, D] and
-    `rotate_rows_kernel` on the indexer's queries iq [T, Hi, Di] (float32, stored in `iq_dtype`); any may be
-    None, the other arguments as theirs -> (q_rows_kernel's result, kv_rows_kernel's, rotate_rows_kernel's;
-    None for an absent part). Each part's rows are separate programs of one grid."""
+    `rotate_rows_kernel` on the indexer's queries iq [T, Hi, Di] (float32, stored in `iq_dtype`; with
+    `iq_fp4` then rotated and FP4-simulated as the published code does, dsv4/kernels/fp4.py); any may be
+    None, the other arguments as theirs -> (q_rows_kernel's result, kv_rows_kernel's, the queries'; None for
+    an absent part). Each part's rows are separate programs of one grid."""
     import torch
 
     if q is None and kv is None and iq is None:
@@ -193,6 +199,8 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
     if iq is not None:
         hi, di = iq.shape[1], iq.shape[2]
         _check_dim(di)
+        if iq_fp4 and di > 4096:
+            raise ValueError(f"front_kernel: FP4 numerics on query heads of {di} dims (at most 4096)")
         if iq.shape[0] != T:
             raise ValueError(f"front_kernel: indexer queries {tuple(iq.shape)} for {T} tokens")
         iq = as_f32(iq)
@@ -219,7 +227,7 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
     if nq + ni + tk:
         launch(_front_kernel, (nq + ni + tk,), q if q is not None else some, q_out if q_out is not None else some, H,
                padded_heads, nq, iq if iq is not None else some, iq_out if iq_out is not None else some, hi, ni,
-               *kv_args, D=D, BH=bh, NQB=nqb, DI=di, BHI=bhi, NIB=nib, DTYPE=_TL[str(dtype)],
+               *kv_args, D=D, BH=bh, NQB=nqb, DI=di, BHI=bhi, NIB=nib, FP4=bool(iq_fp4), DTYPE=_TL[str(dtype)],
                FAULT_ROWS=fault_rows, KIND=kind, BS=bs, SOFT=SOFT_ROUND, num_warps=num_warps)
     return q_out, kv_out, iq_out
 

@@ -132,6 +132,7 @@ class ExactIndexer:
     name: str = "exact"
     error_budget: ClassVar[float] = 0.0
     transforms: ClassVar[bool] = False        # queries and keys are scored as the layer computes them
+    fp4: ClassVar[bool] = False               # the transforms are the published FP4 ones (dsv4/kernels/fp4.py)
     oracle_numerics: ClassVar[str] = "exact"  # what the oracle recomputes the indexer with (reference.py)
 
     def needs(self, device) -> Needs:
@@ -155,6 +156,7 @@ class Fp4SimIndexer:
     name: str = "fp4_sim"
     error_budget: ClassVar[float] = 0.0       # the oracle applies the same numerics
     transforms: ClassVar[bool] = True
+    fp4: ClassVar[bool] = True                # which the layer's kernels apply themselves on a GPU
     oracle_numerics: ClassVar[str] = "fp4"
 
     def needs(self, device) -> Needs:

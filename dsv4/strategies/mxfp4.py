@@ -5,8 +5,9 @@ Di/32 UE8M0 scale bytes, one per block of 32 dims (68 B for the 128-dim keys of 
 bf16 keys). A page of B keys holds its B code rows first, then its B scale rows (the page arrangement of
 DeepGEMM's paged fp8 and fp4 indexer keys and of our fp8_ds_mla pages): key t of page p at
 p·B·68 + t·64, its scales at p·B·68 + B·64 + t·4. The values are exactly the FP4-simulated keys
-`fp4_sim` stores as bf16 rows, so the two options score and select the same entries; our Triton scoring
-kernel (dsv4/kernels/indexer_logits.py) decodes the records as it reads them.
+`fp4_sim` stores as bf16 rows, so the two options score and select the same entries. On a GPU the layer's
+compress kernel writes the records (dsv4/kernels/fp4.py) and our Triton scoring kernel
+(dsv4/kernels/indexer_logits.py) decodes them as it reads them.
 """
 from __future__ import annotations
 
@@ -79,7 +80,11 @@ class Mxfp4KeyLayout:
                             scale_bytes=self.scale_bytes)
 
     def kernel_store(self, cache, block_size: int):
-        return None                           # written by `write` (the keys pass through the numerics first)
+        """On a GPU, the compress kernel stores FP4-simulated keys as these records (dsv4/kernels/fp4.py)."""
+        if not cache.is_cuda:
+            return None
+        from dsv4.kernels.cache_write import fp4_record_store
+        return fp4_record_store(cache, block_size, self.head_dim)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,6 +93,7 @@ class Mxfp4Indexer:
     name: str = "mxfp4"
     error_budget: ClassVar[float] = 0.0       # the oracle applies the same numerics
     transforms: ClassVar[bool] = True
+    fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
 
     def needs(self, device) -> Needs:

@@ -97,11 +97,13 @@ class CacheLayout(Protocol):
 class IndexerStrategy(Protocol):
     """The numerics of the lightning indexer (ratio-4 layers): what its RoPE'd queries and its closed
     keys become before they are scored and stored. `prepare` makes what the transforms need once, on
-    the device; `transforms` says whether they change anything (if not, the compressor stores its keys
-    from its own kernel)."""
+    the device; `transforms` says whether they change anything, `fp4` whether they are the published
+    rotation and FP4 simulation, which the layer's kernels apply themselves on a GPU (dsv4/kernels/fp4.py;
+    other transforms run as `queries` and `keys`)."""
     name: str
     error_budget: float
     transforms: bool
+    fp4: bool
     oracle_numerics: str        # reference.INDEXER_NUMERICS: what the oracle recomputes the indexer with
 
     def needs(self, device: DeviceInfo) -> Needs: ...
