@@ -99,7 +99,8 @@ class DSV4Attention(torch.nn.Module):
                            plan.swa.write_slots, faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
                            dtype=self.dtype, iq=iq_raw if front_iq else None,
                            iq_dtype=idx.score_dtype(caches.indexer_keys) if front_iq else None,
-                           iq_numerics=idx.numerics if front_iq else None)
+                           iq_numerics=idx.numerics if front_iq else None,
+                           iq_prepared=idx.prepared if front_iq else None)
 
         topk, extra = None, {}
         if self.compressor is not None:

@@ -49,10 +49,10 @@ def kv_rows(kv, weight, rot: RopeRows, slots, faults, *, eps: float, dtype):
 
 
 def front_rows(q, kv, weight, rot: RopeRows, slots, faults, cache, *, padded_heads: int, eps: float, dtype,
-               iq=None, iq_dtype=None, iq_numerics=None):
+               iq=None, iq_dtype=None, iq_numerics=None, iq_prepared=None):
     """The front of the layer: `q_rows` of q and (if given) the indexer's queries iq -- `rotate_rows`, then
-    the numerics of its strategy `iq_numerics` (None or one without transforms: none; on a GPU only the
-    published FP4 ones) -- into `iq_dtype`, returned as (q rows, iq rows or None), and `kv_rows` of kv,
+    the numerics of its strategy `iq_numerics` with what its `prepare` made, `iq_prepared` (None or one
+    without transforms: none; on a GPU only the published FP4 ones) -- into `iq_dtype`, returned as (q rows, iq rows or None), and `kv_rows` of kv,
     stored into `cache` (a PagedCache) at their slots. On a GPU one kernel does all three and stores the
     KV rows itself where the cache's layout has a kernel store; otherwise they go through the layout's
     `write`."""
@@ -70,7 +70,7 @@ def front_rows(q, kv, weight, rot: RopeRows, slots, faults, cache, *, padded_hea
         if iq is not None:
             iq_out = rotate_rows(iq, rot, None if transform else iq_dtype)
             if transform:
-                iq_out = iq_numerics.queries(iq_out, None).to(iq_dtype or iq_out.dtype)
+                iq_out = iq_numerics.queries(iq_out, iq_prepared).to(iq_dtype or iq_out.dtype)
         rows = kv_rows(kv, weight, rot, slots, faults, eps=eps, dtype=dtype)
     if rows is not None:
         cache.write(rows[1], rows[0])
