@@ -443,11 +443,13 @@ def test_front_kernel_rotates_the_indexer_queries_in_the_same_launch(iq_dtype):
     assert torch.equal(faults0.cpu(), faults1.cpu())
 
 
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "a NaN entry"])
 @pytest.mark.parametrize("keys", ["mxfp4", "bf16", "float32"])
-def test_compress_kernel_stores_fp4_keys(keys):
+def test_compress_kernel_stores_fp4_keys(keys, nan):
     """The indexer's compressor with the published FP4 numerics in the kernel (fp4=True): the cache holds
     exactly what the torch path stores -- its entries, rotated and FP4-simulated by the strategy, written by
-    the layout (mxfp4 records byte for byte, or bf16 / float32 rows) --, with the same state rows and faults."""
+    the layout (mxfp4 records byte for byte, or bf16 / float32 rows) --, with the same state rows and faults;
+    an entry that is not finite is refused and flagged before the numerics, as there."""
     from dsv4.kernels.cache_write import fp4_record_store
     from dsv4.kernels.compress import CompressJob, compress_kernels
     from dsv4.strategies import Fp4SimIndexer, Mxfp4KeyLayout
@@ -457,6 +459,9 @@ def test_compress_kernel_stores_fp4_keys(keys):
     bs, T = plan.entries[R].table.block_size, plan.num_tokens
     comp = compressor(R, D, seed=82)
     scores = step_scores(comp, T, gen(83))
+    closing = int((plan.entries[R].close_slots >= 0).nonzero()[0])
+    if nan:
+        scores[closing, D + 5] = float("nan")             # its own candidate, which the entry it closes pools
     state = torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(84))
     lay = Mxfp4KeyLayout(head_dim=D) if keys == "mxfp4" else STORE_LAYOUTS[keys]
     pages = random_cache(lay, plan.entries[R].table.pages.numel(), bs, D, gen(85))
@@ -474,9 +479,10 @@ def test_compress_kernel_stores_fp4_keys(keys):
     compress_kernels([job], dev(rot.cos), dev(rot.sin), dev(plan.positions), dev(plan.step_start),
                      dev(plan.token_request), dev(plan.state[R].write_slots), dev(plan.entries[R].close_slots),
                      dev(plan.state[R].table.pages), faults, ratio=R, state_block=8, eps=EPS)
-    assert int((store >= 0).sum()) >= 3
+    assert int((store >= 0).sum()) >= 3 and bool(ref_faults[2, closing]) == nan
     assert torch.equal(got.cpu(), want) and not torch.equal(want, pages)
-    assert torch.equal(faults[2].cpu(), ref_faults[2]) and torch.equal(got_state.cpu(), ref_state.data)
+    assert torch.equal(faults[2].cpu(), ref_faults[2])
+    assert torch.equal(got_state.cpu().view(torch.int32), ref_state.data.view(torch.int32))   # NaN rows too
 
 
 def test_an_fp4_record_store_takes_fp4_rows_only():

@@ -106,10 +106,10 @@ def _compress_rows(t, sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, po
         w_ev, w_od = tl.split(tl.reshape(tl.load(norm_ptr + dims), [D // 2, 2]))
         ev, od = _rotate(ev * r * w_ev, od * r * w_od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
         y = tl.reshape(tl.join(ev, od), [D])
-        if FP4:
-            y = tl.reshape(fp4_sim(tl.reshape(y, [1, D]), 1, D, SOFT), [D])
         finite = (y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < BF16_INF_FROM     # finite once rounded to bf16
         bad = tl.min(finite.to(tl.int32), 0) == 0
+        if FP4:                       # after the check, as the torch path (its max would drop a NaN)
+            y = tl.reshape(fp4_sim(tl.reshape(y, [1, D]), 1, D, SOFT), [D])
         if KIND == 0:                                          # the entry and its slot, for the layout's write
             tl.store(out_ptr + t.to(tl.int64) * D + dims, y)
             tl.store(store_ptr + t, tl.where(bad, -1, close))
@@ -189,6 +189,8 @@ def compress_kernels(jobs, cos, sin, positions, step_start, token_request, keep_
         raise ValueError(f"compress_kernel: ratio {ratio} is not one of {sorted(RATIOS)}")
     if not 1 <= len(jobs) <= 2:
         raise ValueError(f"compress_kernels: one or two compressors a launch, not {len(jobs)}")
+    if len({job.fault_row for job in jobs}) != len(jobs):
+        raise ValueError("compress_kernels: the compressors of one launch need faults rows of their own")
     coff = RATIOS[ratio]
     T = jobs[0].scores.shape[0]
     parts, results = [], []
