@@ -498,17 +498,21 @@ def test_an_fp4_record_store_takes_fp4_rows_only():
 @pytest.mark.parametrize("iq_dtype", [torch.bfloat16, torch.float32])
 def test_front_kernel_makes_fp4_indexer_queries(iq_dtype):
     """iq_fp4: the indexer's query heads rotated by RoPE, then by the Hadamard transform and FP4-simulated
-    in the kernel: what the torch path (rotate_rows, then fp4_sim's queries) gives."""
+    in the kernel: what the torch path (rotate_rows, then fp4_sim's queries) gives -- also for heads holding
+    a NaN or an infinity (NaN where torch has NaN, the same values elsewhere)."""
     from dsv4.components.front import rotate_rows
     from dsv4.strategies import Fp4SimIndexer
 
     g, T, Hi, Di = gen(86), 5, 6, 128
     iq = torch.randn(T, Hi, Di, generator=g) * torch.exp(torch.randn(T, Hi, 1, generator=g) * 3)
+    iq[1, 2, 7], iq[3, 0, 100], iq[4, 5, 64] = float("nan"), float("inf"), -float("inf")
     rot = rope_rows(T, g)
     _, _, got = front_kernel(None, None, None, dev(rot.cos), dev(rot.sin), None, None, padded_heads=0, eps=EPS,
                              dtype=torch.bfloat16, iq=dev(iq), iq_dtype=iq_dtype, iq_fp4=True)
     want = Fp4SimIndexer().queries(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin)))).to(iq_dtype)
-    assert got.dtype == iq_dtype and torch.equal(got.cpu(), want.cpu())
+    got, want = got.cpu(), want.cpu()
+    assert got.dtype == iq_dtype and torch.equal(torch.isnan(got), torch.isnan(want))
+    assert bool(torch.isnan(want[1, 2]).any()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 def test_two_compressors_in_one_launch_as_in_two():

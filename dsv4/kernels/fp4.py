@@ -36,7 +36,12 @@ def fp4_blocks(x, R: tl.constexpr, N: tl.constexpr):
     amax = tl.maximum(tl.max(tl.abs(xb), 2), 6.0 * 2.0 ** -126)
     bits = (amax * 0.16666666666666666).to(tl.int32, bitcast=True)        # amax·fp32(1/6)
     s = ((((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
-    v = tl.minimum(tl.maximum(xb / s[:, :, None], -6.0), 6.0)
+    # a block holding a NaN or an infinity: torch's amax is NaN or inf, whose pow2_ceil is 1 (frexp's
+    # exponent 0); here the maximum drops NaNs, so the block is found by its values
+    odd = tl.max(((xb != xb) | (tl.abs(xb) == float("inf"))).to(tl.int32), 2) > 0
+    s = tl.where(odd, 1.0, s)
+    v = xb / s[:, :, None]
+    v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -6.0), 6.0))          # NaN stays NaN, as torch.clamp
     a = tl.abs(v)
     step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
     q = a / step                                                            # exact: step is a power of two
