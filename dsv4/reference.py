@@ -228,12 +228,13 @@ def _own_topk(scores, K: int):
 def grade_selection(run_topk, scores, K: int) -> dict[str, float]:
     """How a run's top-k compares with the oracle's scores, token by token.
 
-    `exact`: share of tokens whose selected set equals the oracle's own. `max_gap`: the largest
-    amount (relative to the token's largest |score|) by which a selected entry scores below the
-    oracle's k-th best; near-ties give ~1e-7, a wrong selection gives O(1). `count_ok`: every token
-    selected exactly min(K, visible) distinct entries.
+    `exact`: share of tokens whose selected set equals the oracle's own. `recall`: the mean over tokens of
+    the share of the oracle's set that was selected. `max_gap`: the largest amount (relative to the
+    token's largest |score|) by which a selected entry scores below the oracle's k-th best; near-ties
+    give ~1e-7, a wrong selection gives O(1). `count_ok`: every token selected exactly min(K, visible)
+    distinct entries.
     """
-    exact, gaps, count_ok, n_tok = 0, [0.0], True, 0
+    exact, recall, gaps, count_ok, n_tok = 0, 0.0, [0.0], True, 0
     for tok in range(run_topk.shape[0]):
         s = scores[tok]
         vis = int(torch.isfinite(s).sum())
@@ -245,13 +246,16 @@ def grade_selection(run_topk, scores, K: int) -> dict[str, float]:
             continue
         if k == 0:
             exact += 1
+            recall += 1.0
             continue
         kth = s.topk(k).values[-1]
         own = set(s.topk(k).indices.tolist())
         exact += own == set(sel.tolist())
+        recall += len(own & set(sel.tolist())) / k
         scale = float(s[torch.isfinite(s)].abs().max()) or 1.0
         gaps.append(float((kth - s[sel].min()).clamp(min=0)) / scale)
-    return {"exact": exact / max(n_tok, 1), "max_gap": max(gaps), "count_ok": float(count_ok)}
+    return {"exact": exact / max(n_tok, 1), "recall": recall / max(n_tok, 1), "max_gap": max(gaps),
+            "count_ok": float(count_ok)}
 
 
 def rel_err(out, ref) -> float:

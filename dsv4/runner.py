@@ -148,6 +148,17 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
             m["topk_exact"] = sum(x["exact"] for x in g) / len(g)
             m["topk_max_gap"] = max(x["max_gap"] for x in g)
             m["topk_count_ok"] = min(x["count_ok"] for x in g) == 1.0
+            # the selection against each numerics the oracle offers: the model's weights as computed
+            # (exact) and the published FP4 numerics
+            for numerics in ref.INDEXER_NUMERICS:
+                if numerics == c.indexer.oracle_numerics:
+                    other = o
+                else:
+                    other = ref.oracle_outputs(*args, kv_row_dtype=row_dtype, kv_scale=kv_scale, topk=given,
+                                               indexer_numerics=numerics)
+                grades = [ref.grade_selection(topk[rows_], sc, spec.index_topk) for rows_, sc in
+                          other["scores"].values()]
+                m[f"topk_recall_vs_{numerics}"] = sum(x["recall"] for x in grades) / len(grades)
         pre_s, dec_s = rec_raw.seconds.get(("prefill", l), 0.0), rec_raw.seconds.get(("decode", l), 0.0)
         m["prefill_tok_s"] = rec_raw.tokens.get("prefill", 0) / pre_s if pre_s else None
         m["decode_ms_step"] = 1e3 * dec_s / rec_raw.steps["decode"] if rec_raw.steps.get("decode") else None
@@ -169,6 +180,9 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     metrics["error_budget"] = budget
     # against exact float32 rows: what the cache's rounding costs (a float32 cache's oracle is that already)
     metrics["max_rel_err_vs_f32_kv"] = max(m.get("rel_err_vs_f32_kv", m["rel_err"]) for m in per_layer)
+    for numerics in ref.INDEXER_NUMERICS:      # the lowest of the ratio-4 layers' (None without one)
+        recalls = [m[f"topk_recall_vs_{numerics}"] for m in per_layer if f"topk_recall_vs_{numerics}" in m]
+        metrics[f"topk_recall_vs_{numerics}"] = min(recalls) if recalls else None
     metrics |= padding_metrics(spec, c)
     metrics["kv_gib_per_1m_tokens"] = model_memory(spec, c.cache_layout,
                                                    indexer=indexer_kind(c.dtype, c.indexer))["total_bytes"] / GIB

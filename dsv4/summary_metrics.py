@@ -88,6 +88,12 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
            title="heads per rank → padded heads (the q/out buffers' head count)"),
     Metric(name="padding_kib_per_token", value=lambda r: _kib(r.get("metrics.padding_bytes_per_token")),
            title="padding KiB per token and layer, per rank (q and kernel-output rows of the padded heads)"),
+    Metric(name="topk_recall_vs_exact", value=_field("topk_recall_vs_exact"),
+           title="top-k recall vs the oracle with the model's indexer as computed (exact numerics; lowest "
+                 "ratio-4 layer)"),
+    Metric(name="topk_recall_vs_fp4", value=_field("topk_recall_vs_fp4"),
+           title="top-k recall vs the oracle with the published Hadamard + FP4 indexer numerics (lowest "
+                 "ratio-4 layer)"),
 )}
 
 

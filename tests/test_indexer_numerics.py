@@ -6,6 +6,7 @@ definition, and the layer choosing what fp4_sim chooses."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -261,3 +262,26 @@ def test_mxfp4_memory_accounting_counts_its_records():
 
     assert indexer_kind("bfloat16", Mxfp4Indexer()) == "mxfp4" and indexer_entry_bytes("mxfp4", 128) == 68
     assert indexer_kind("bfloat16", Fp4SimIndexer()) == "bf16" and indexer_kind("float32") == "float32"
+
+
+def test_selection_recall():
+    """grade_selection's recall: the share of the oracle's set a token selected, averaged over tokens."""
+    scores = torch.tensor([[4.0, 3.0, 2.0, 1.0, -math.inf], [1.0, 2.0, 3.0, 4.0, 5.0]])
+    assert ref.grade_selection(torch.tensor([[0, 2, -1], [4, 3, 0]]), scores, 3)["count_ok"] == 0.0   # 2 of 3
+    g = ref.grade_selection(torch.tensor([[0, 2, 1], [4, 3, 0]]), scores, 3)
+    assert g["exact"] == 0.5 and g["recall"] == (1 + 2 / 3) / 2
+
+
+@pytest.mark.parametrize("name,own,other", [("fp4_sim", "fp4", "exact"), ("exact", "exact", "fp4")])
+def test_a_run_reports_its_recall_against_both_numerics(compose_cfg, tmp_path, name, own, other):
+    """result.json: the ratio-4 layers' top-k recall against the oracle under each numerics -- 1 for the
+    run's own (but for a rare float32 near-tie that exact scores may order either way), clearly less for
+    the other (the numerics matter on this workload)."""
+    import json
+
+    from dsv4.app import main
+
+    main(compose_cfg(["model=dsv4_tiny", "dtype=float32", f"indexer={name}"]), out_dir=tmp_path)
+    row = json.loads((tmp_path / "result.json").read_text())
+    assert row[f"metrics.topk_recall_vs_{own}"] == row[f"metrics.c4a.topk_recall_vs_{own}"] >= 0.999
+    assert 0.5 < row[f"metrics.topk_recall_vs_{other}"] < 0.99
