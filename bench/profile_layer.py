@@ -19,6 +19,25 @@ from dsv4.bench import replay_us
 from dsv4.layer_bench import _engine, backends, decode_step, fill
 
 
+def traced(fn, calls: int = 10, *, host: bool = False):
+    """fn() `calls` times under torch.profiler -> ({kernel: (µs per call, launches per call)}, {CUDA API call:
+    (calls per call, host µs per call)}; the second only with `host`)."""
+    acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if host else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    gpu, api = defaultdict(lambda: [0.0, 0]), defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            gpu[e.name][0] += e.device_time / calls
+            gpu[e.name][1] += 1
+        elif host and e.name.startswith("cu"):         # CUDA runtime and driver calls
+            api[e.name][0] += 1
+            api[e.name][1] += e.cpu_time_total / calls
+    return ({k: (t, n // calls) for k, (t, n) in gpu.items()}, {k: (n / calls, t) for k, (n, t) in api.items()})
+
+
 def host_profile(eng, layer: int, T: int, top: int) -> None:
     """The eager forward of `layer` on the captured step's plan, 50 calls under cProfile."""
     import cProfile
@@ -38,24 +57,13 @@ def host_profile(eng, layer: int, T: int, top: int) -> None:
         module(cap.x, plan, caches)
     host = (time.perf_counter() - t0) / 50 * 1e6
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as tprof:
-        for _ in range(10):
-            module(cap.x, plan, caches)
-        torch.cuda.synchronize()
-    gpu, runtime = defaultdict(float), defaultdict(lambda: [0, 0.0])
-    for e in tprof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            gpu[e.name] += e.device_time / 10
-        elif e.name.startswith("cu"):                  # CUDA runtime and driver calls
-            runtime[e.name][0] += 1
-            runtime[e.name][1] += e.cpu_time_total / 10
-    print(f"  eager forward on the GPU: {sum(gpu.values()):.1f} µs of kernels per call; per call:")
-    for name, t in sorted(gpu.items(), key=lambda kv: -kv[1])[:top]:
+    gpu, api = traced(lambda: module(cap.x, plan, caches), host=True)
+    print(f"  eager forward on the GPU: {sum(t for t, _ in gpu.values()):.1f} µs of kernels per call; per call:")
+    for name, (t, _n) in sorted(gpu.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {t:8.1f} µs  {name[:110]}")
     print("  CUDA API calls of the eager forward, per call:")
-    for name, (n, t) in sorted(runtime.items(), key=lambda kv: -kv[1][1]):
-        print(f"  {t:8.1f} µs  x{n / 10:<5.1f} {name}")
+    for name, (n, t) in sorted(api.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {t:8.1f} µs  x{n:<5.1f} {name}")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(50):
@@ -82,15 +90,7 @@ def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top:
     eng.graphs.replay(eng, T, torch.randn(T, job.spec.hidden_size), segs, None, None)
     graph = eng.graphs.captured[T].layer_graphs[(layer, 0)]
     us = replay_us(graph.replay)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            graph.replay()
-        torch.cuda.synchronize()
-    per = defaultdict(list)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name].append(e.device_time)
-    rows = sorted(((sum(v) / 10, len(v) // 10, k) for k, v in per.items()), reverse=True)
+    rows = sorted(((t, n, k) for k, (t, n) in traced(graph.replay)[0].items()), reverse=True)
     total = sum(r[0] for r in rows)
     print(f"\n{job.spec.layer_type(layer)}  {backend.label}  {nreq} x {tokens}  context {context}: replay {us:.1f} µs, "
           f"kernels {total:.1f} µs in {sum(r[1] for r in rows)} launches (gaps {us - total:.1f} µs)")

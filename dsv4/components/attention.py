@@ -95,10 +95,11 @@ class DSV4Attention(torch.nn.Module):
         if idx is not None:
             iq_raw = mm_f32(qr, self.idx_wq_b).view(T, idx.n_heads, idx.head_dim)
         front_iq = idx is not None and idx.front_queries
+        iq_dtype = idx.score_dtype(caches.indexer_keys) if idx is not None else None
         q, iq = front_rows((qr @ self.wq_b.T).view(T, H, self.spec.head_dim), kv_raw, self.kv_norm, rot,
                            plan.swa.write_slots, faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
                            dtype=self.dtype, iq=iq_raw if front_iq else None,
-                           iq_dtype=idx.score_dtype(caches.indexer_keys) if front_iq else None,
+                           iq_dtype=iq_dtype if front_iq else None,
                            iq_numerics=idx.numerics if front_iq else None,
                            iq_prepared=idx.prepared if front_iq else None)
 
@@ -111,7 +112,7 @@ class DSV4Attention(torch.nn.Module):
             compress_all(parts, plan, entry_rot, faults)
             if idx is not None:
                 if iq is None:
-                    iq = idx.queries(iq_raw.flatten(1), rot, idx.score_dtype(caches.indexer_keys))
+                    iq = idx.queries(iq_raw.flatten(1), rot, iq_dtype)
                 topk, lists, lens = idx.lists(idx.scores(iq, scores[2], caches.indexer_keys, plan), plan)
             else:
                 ents = plan.entries[self.ratio]

@@ -16,17 +16,10 @@ from dsv4.components.kv_pool import (CompressorState, KVPool, LayerCaches, Paged
 from dsv4.components.weights import shard
 from dsv4.device import DeviceInfo
 from dsv4.spec import ModelSpec
-from dsv4.strategies.cache_layout import PlainRowLayout
-from dsv4.strategies.indexer import ExactIndexer, plain_keys
+from dsv4.strategies.indexer import ExactIndexer
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, MQAKernelStrategy,
                                        OProjStrategy, OProjWeights)
 
-
-
-def indexer_layout(dtype: str) -> PlainRowLayout:
-    """The `exact` indexer's keys: plain rows in the activation dtype, whatever the main cache layout
-    (each indexer option says how it stores its keys: `key_layout`)."""
-    return plain_keys(dtype)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -174,7 +174,7 @@ class RowStore:
     words: Any                 # fp8 kinds: the pages as int64 (the exponent words); otherwise `data`
     page_stride: int           # fp8 and FP4 kinds: bytes per page; plain: 0
     num_slots: int
-    dim: int = 0               # the rows' values (FP4 records; the other kinds' follow from their data)
+    dim: int                   # values per row
 
     def args(self) -> tuple:
         """The kernel arguments (cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots)."""
@@ -186,12 +186,12 @@ def fp8_ds_mla_store(pages, block_size: int, *, fnuz: bool = False) -> RowStore:
 
     return RowStore(kind=(FP8_DS_MLA_FNUZ if fnuz else FP8_DS_MLA).value, block_size=block_size, data=pages,
                     bf16=pages.view(torch.bfloat16), words=pages.view(torch.int64), page_stride=pages.shape[1],
-                    num_slots=pages.shape[0] * block_size)
+                    num_slots=pages.shape[0] * block_size, dim=NOPE_DIMS + ROPE_DIMS)
 
 
 def plain_rows_store(cache, block_size: int) -> RowStore:
     return RowStore(kind=PLAIN_ROWS.value, block_size=block_size, data=cache, bf16=cache, words=cache, page_stride=0,
-                    num_slots=cache.numel() // cache.shape[-1])
+                    num_slots=cache.numel() // cache.shape[-1], dim=cache.shape[-1])
 
 
 def fp4_record_store(pages, block_size: int, dim: int) -> RowStore:
@@ -204,11 +204,10 @@ def check_store(into, dim: int, *, fp4: bool = False) -> None:
     store for rows that are not FP4-simulated (`fp4`: the kernel simulates FP4 on them first)."""
     if into is None:
         return
-    kind = {PLAIN_ROWS.value: "plain", FP4_RECORD.value: "mxfp4"}.get(into.kind, "fp8_ds_mla")
-    have = into.data.shape[-1] if kind == "plain" else into.dim if kind == "mxfp4" else NOPE_DIMS + ROPE_DIMS
-    if dim != have:
-        raise ValueError(f"a cache of {have}-value rows ({kind}) cannot store rows of {dim}")
-    if kind == "mxfp4" and not fp4:
+    if dim != into.dim:
+        kind = {PLAIN_ROWS.value: "plain", FP4_RECORD.value: "mxfp4"}.get(into.kind, "fp8_ds_mla")
+        raise ValueError(f"a cache of {into.dim}-value rows ({kind}) cannot store rows of {dim}")
+    if into.kind == FP4_RECORD.value and not fp4:
         raise ValueError("an mxfp4 key cache stores FP4-simulated rows only (the indexer's fp4 numerics)")
 
 

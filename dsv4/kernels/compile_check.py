@@ -144,7 +144,7 @@ def _compile_layer(gpu) -> None:
         for kv in {name, "*fp32"}:                       # the SWA projection's output, or the float32 one
             for kind, cache in STORES:
                 _compile(layer_front._front_kernel, dict(D=512, BH=4, NQB=16, DI=128, BHI=8, NIB=8, DTYPE=dt,
-                                                         FP4=kind == 3, FAULT_ROWS=3, KIND=kind, BS=64, SOFT=False),
+                                                         FP4=kind == cache_write.PLAIN_ROWS.value, FAULT_ROWS=3, KIND=kind, BS=64, SOFT=False),
                          types({**f32, **cache, "q_ptr": name, "qo_ptr": name, "kv_ptr": kv, "out_ptr": "*fp32",
                                 "iq_ptr": "*fp32", "iqo_ptr": name}),
                          {"kv_stride", "H", "PH", "HI"}, gpu, 4)
@@ -161,7 +161,8 @@ def _compile_layer(gpu) -> None:
 
     # the indexer's keys: plain rows (exact or fp4_sim numerics) or mxfp4 records (FP4 numerics)
     indexer_stores = [(k, c, False) for k, c in STORES[:1] + STORES[3:]] + [(k, c, True) for k, c in STORES[3:]]
-    indexer_stores.append((4, {"cache_ptr": "*u8", "cache_bf_ptr": "*u8", "cache_w64_ptr": "*u8"}, True))
+    indexer_stores.append((cache_write.FP4_RECORD.value, {"cache_ptr": "*u8", "cache_bf_ptr": "*u8",
+                                                          "cache_w64_ptr": "*u8"}, True))
     pairs = [((4, 512, k, c, False), None) for k, c in STORES[:2]]
     pairs += [((4, 128, k, c, fp4), None) for k, c, fp4 in indexer_stores]
     pairs += [((128, 512, k, c, False), None) for k, c in STORES[:3]]

@@ -49,6 +49,7 @@ from dsv4.kernels.launch import as_dense, as_f32, as_i32, cdiv, launch, next_pow
 from dsv4.strategies.triton_sparse import VARIANTS
 
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)      # the same, inside kernels
 # how a cache's rows are stored (its layout's kv_row_dtype): bf16 rows, fp8_ds_mla records with OCP or
 # FNUZ e4m3 NoPE bytes
 LAYOUT_CODES = {"bfloat16": 0, "fp8_ds_mla": 1, "fp8_ds_mla_fnuz": 2}
@@ -241,7 +242,7 @@ def _pv_kernel(p_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr,
         acc = _pv_lists(*lists, S_LAYOUT, E_LAYOUT, S_BS, E_BS, HAS_EXTRA, BH, BN, D, DB, DOT, NATIVE, False)
     else:
         acc = _pv_lists(*lists, S_LAYOUT, E_LAYOUT, S_BS, E_BS, HAS_EXTRA, BH, BN, D, DB, DOT, NATIVE, True)
-    sink_l2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634    # x log2(e)
+    sink_l2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * LOG2E_C
     row = t.to(tl.int64) * H + heads
     _finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + (d0 + tl.arange(0, DB))[None, :],
             lse_ptr + row, hmask, hmask & (heads * 0 + d0 == 0))       # one dims block writes lse

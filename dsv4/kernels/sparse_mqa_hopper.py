@@ -30,6 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                             warpgroup_mma_wait)
 
 from dsv4.kernels.launch import cdiv, launch
+from dsv4.kernels.sparse_mqa import LOG2E_C
 
 # Triton 3.6 (the H200's) calls the CTA barrier thread_barrier, 3.9 (CI's, for the compile check) barrier
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -213,7 +214,7 @@ def _first_half(q_ptr, sink_ptr, lse_ptr, qk_scale, a, D: gl.constexpr):
     has = l_i > 0
     m_fin = gl.where(has, m_i, 0.0)
     hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
-    sink_l2 = gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * 1.4426950408889634     # x log2(e)
+    sink_l2 = gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * LOG2E_C
     denom = gl.where(has, l_i + gl.exp2(sink_l2 - m_fin), 1.0)
     gl.store(lse_ptr + t.to(gl.int64) * H + hs,
              gl.where(has, (m_fin + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("inf")),

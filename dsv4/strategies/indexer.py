@@ -118,6 +118,17 @@ def fp4_decode(codes, exps, block: int = FP4_BLOCK):
     return (value.unflatten(-1, (-1, block)) * scale[..., None]).flatten(-2)
 
 
+def fp4_sim(x):
+    """The published numerics of the indexer's queries and keys: x [..., Di] rotated, then FP4-simulated,
+    as float32 (bf16 values)."""
+    return fp4_qdq(rotate(x)).float()
+
+
+# what the rotation and the blocks need of the model, and the fix where it has other shapes
+FP4_NEEDS = {"model_multiples": (("index_head_dim", FP4_BLOCK),), "model_powers_of_two": ("index_head_dim",),
+             "fix": "indexer=exact"}
+
+
 def plain_keys(dtype: str):
     """Keys as plain rows in the activation dtype: float32 activations keep exact keys; bf16 ones store
     bf16 keys, as the published inference code does (its indexer cache is a bf16 tensor scored by a
@@ -160,8 +171,7 @@ class Fp4SimIndexer:
     oracle_numerics: ClassVar[str] = "fp4"
 
     def needs(self, device) -> Needs:
-        return Needs(model_multiples=(("index_head_dim", FP4_BLOCK),), model_powers_of_two=("index_head_dim",),
-                     fix="indexer=exact")
+        return Needs(**FP4_NEEDS)
 
     def prepare(self, *, head_dim: int, device) -> Any:
         return None
@@ -171,8 +181,8 @@ class Fp4SimIndexer:
 
     def queries(self, q, prepared=None):
         """RoPE'd queries [..., Di] -> rotated, FP4-simulated, float32 (bf16 values)."""
-        return fp4_qdq(rotate(q)).float()
+        return fp4_sim(q)
 
     def keys(self, rows, prepared=None):
         """Closed keys [N, Di] after norm and RoPE -> rotated, FP4-simulated, float32 (bf16 values)."""
-        return fp4_qdq(rotate(rows)).float()
+        return fp4_sim(rows)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dsv4.strategies.fp8_layouts import read_records, write_records
-from dsv4.strategies.indexer import FP4_BLOCK, Fp4SimIndexer, fp4_decode, fp4_encode
+from dsv4.strategies.indexer import FP4_BLOCK, FP4_NEEDS, fp4_decode, fp4_encode, fp4_sim
 from dsv4.strategies.protocols import Needs
 
 
@@ -97,7 +97,7 @@ class Mxfp4Indexer:
     oracle_numerics: ClassVar[str] = "fp4"
 
     def needs(self, device) -> Needs:
-        return Fp4SimIndexer().needs(device)
+        return Needs(**FP4_NEEDS)
 
     def prepare(self, *, head_dim: int, device) -> Any:
         return None
@@ -106,7 +106,7 @@ class Mxfp4Indexer:
         return Mxfp4KeyLayout(head_dim=head_dim)
 
     def queries(self, q, prepared=None):
-        return Fp4SimIndexer().queries(q, prepared)
+        return fp4_sim(q)
 
     def keys(self, rows, prepared=None):
-        return Fp4SimIndexer().keys(rows, prepared)
+        return fp4_sim(rows)
