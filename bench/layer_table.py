@@ -2,6 +2,7 @@
 
   python bench/layer_table.py --cases 64x2@8192 64x2@65536 --backends "flashmla + deepgemm_fp8"
   python bench/layer_table.py --no-prefill deployment=h200 model=dsv4_pro
+  python bench/layer_table.py --cases 64x2@131072 --layer-types c4a --indexers deepgemm_fp8 mxfp4 --no-prefill
 """
 from __future__ import annotations
 
@@ -24,12 +25,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", type=case, default=DECODE_CASES)
     ap.add_argument("--backends", nargs="*", default=None, help="labels, e.g. 'flashmla + deepgemm_fp8'")
+    ap.add_argument("--indexers", nargs="*", default=None, help="indexer options for the ratio-4 layer, e.g. mxfp4")
+    ap.add_argument("--layer-types", nargs="*", default=None, help="e.g. c4a (default: swa c4a c128a)")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
     a = ap.parse_args()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         job = make_job(compose(config_name="config", overrides=a.overrides or ["deployment=h200"]))
-    print(bench_layer_step(job, a.cases, labels=a.backends, prefill=not a.no_prefill,
+    print(bench_layer_step(job, a.cases, labels=a.backends, indexers=a.indexers, layer_types=a.layer_types,
+                           prefill=not a.no_prefill,
                            echo=lambda line: print("  row:", line, flush=True)))
 
 

@@ -1,9 +1,11 @@
 """The ratio-4 layer's indexer on a GPU: scores (float32 keys with tf32x3 products, bf16 keys with a bf16
-product, FP4 records -- indexer=mxfp4 -- decoded to bf16 as they are read) and the top-k lists (our radix
-select at several launch shapes, torch.topk beside it), each timed alone in a CUDA graph on a decode step
-of 64 requests x 2 tokens (64 heads of 128 dims, K = 512) at 8k and 64k contexts (or those given). Every
-variant is checked against its reference before it is timed: the FP4 records' scores equal, bit for bit,
-those of bf16 rows holding the values the records decode to.
+product, FP4 records -- indexer=mxfp4 -- and fp8 records -- indexer=triton_fp8 -- decoded to bf16 as they
+are read, and the fp8 records scored by DeepGEMM -- indexer=deepgemm_fp8 -- where it runs) and the top-k
+lists (our radix select at several launch shapes, torch.topk beside it), each timed alone in a CUDA graph
+on a decode step of 64 requests x 2 tokens (64 heads of 128 dims, K = 512) at 8k and 64k contexts (or
+those given), then scores + top-k together per kind of keys. Every variant is checked against its
+reference before it is timed: our kernel's scores of records equal, bit for bit, those of bf16 rows holding
+the values the records decode to (DeepGEMM's: their relative error is shown).
 
   python bench/tune_indexer.py
   python bench/tune_indexer.py --contexts 8192 131072 --shipped     # the shipped launch shapes only
@@ -20,7 +22,7 @@ from dsv4.kernels.indexer_logits import indexer_logits
 from dsv4.kernels.topk_lists import topk_lists
 from dsv4.reference import rel_err
 from dsv4.report import table
-from dsv4.strategies import Mxfp4KeyLayout, PlainRowLayout
+from dsv4.strategies import Fp8KeyLayout, Mxfp4KeyLayout, PlainRowLayout
 
 NREQ, TOKENS, HEADS, DIM, K, BS = 64, 2, 64, 128, 512, 64
 SCORE_SHAPES = [dict(), dict(stages=1), dict(num_warps=8), dict(blocks_per_program=8), dict(stages=3)]
@@ -44,9 +46,10 @@ def case(context: int, dtype):
     return q, w, keys, pages, req, counts, int(counts.max())
 
 
-def fp4_keys(keys):
-    """`keys` as FP4 records, and bf16 rows of the values the records hold (their reference)."""
-    lay, slots = Mxfp4KeyLayout(head_dim=DIM), torch.arange(keys.num_slots, device="cuda")
+def record_keys(keys, lay):
+    """`keys` as records of `lay` (FP4 or fp8 pages), and bf16 rows of the values the records hold (their
+    reference)."""
+    slots = torch.arange(keys.num_slots, device="cuda")
     pages = lay.allocate(num_blocks=keys.data.shape[0], block_size=BS, head_dim=DIM, device="cuda")
     for s0 in range(0, keys.num_slots, 1 << 18):                  # packed in pieces: bounded temporaries
         part = slots[s0:s0 + (1 << 18)]
@@ -59,6 +62,35 @@ def fp4_keys(keys):
             PagedCache(name="indexer", layout=keys.layout, data=rows, block_size=BS, head_dim=DIM))
 
 
+def deepgemm():
+    """deepgemm_fp8's scoring, or None where DeepGEMM cannot run here."""
+    try:
+        import deep_gemm  # noqa: F401
+
+        from dsv4.strategies.fp8_keys import deepgemm_scores
+    except Exception:  # noqa: BLE001 -- a broken install is as absent
+        return None
+    major = torch.cuda.get_device_capability()[0]
+    return deepgemm_scores if major in (9, 10) else None
+
+
+def vendor_scorer(vendor):
+    """A vendor's scoring called as indexer_logits is (head weights unscaled)."""
+    def scores(q, w, keys, pages, req, counts, *, width):
+        return vendor(q, w, keys, pages, req, counts, width=width, w_scale=1.0)
+    return scores
+
+
+# keys as each indexer option stores them: (name, plain row dtype or record layout, scoring)
+def key_kinds():
+    kinds = [("float32", torch.float32, None), ("bfloat16", torch.bfloat16, None),
+             ("mxfp4", Mxfp4KeyLayout(head_dim=DIM), None), ("fp8", Fp8KeyLayout(head_dim=DIM), None)]
+    dg = deepgemm()
+    if dg is not None:
+        kinds.append(("fp8 deepgemm", Fp8KeyLayout(head_dim=DIM), dg))
+    return kinds
+
+
 def main() -> None:
     import argparse
 
@@ -67,29 +99,37 @@ def main() -> None:
     ap.add_argument("--shipped", action="store_true", help="the shipped launch shapes only")
     a = ap.parse_args()
     shapes = SCORE_SHAPES[:1] if a.shipped else SCORE_SHAPES
-    rows, topk_rows = [], []
+    rows, topk_rows, step_rows = [], [], []
     for context in a.contexts:
         ref = None
-        for dtype in (torch.float32, torch.bfloat16, "mxfp4"):
-            q, w, keys, pages, req, counts, width = case(context, torch.bfloat16 if dtype == "mxfp4" else dtype)
-            twin = None
-            if dtype == "mxfp4":
-                keys, twin = fp4_keys(keys)
-            base = indexer_logits(q, w, keys, pages, req, counts, width=width)
-            if twin is not None:
-                if not torch.equal(base, indexer_logits(q, w, twin, pages, req, counts, width=width)):
-                    raise SystemExit(f"FP4 records at context {context}: scores differ from their bf16 values'")
+        for name, kind, vendor in key_kinds():
+            plain = isinstance(kind, torch.dtype)
+            q, w, keys, pages, req, counts, width = case(context, kind if plain else torch.bfloat16)
+            ours = indexer_logits
+            if not plain:
+                keys, twin = record_keys(keys, kind)
+                base = indexer_logits(q, w, twin, pages, req, counts, width=width)
+                if vendor is None and not torch.equal(base, indexer_logits(q, w, keys, pages, req, counts,
+                                                                           width=width)):
+                    raise SystemExit(f"{name} records at context {context}: scores differ from their bf16 values'")
                 del twin
-            if dtype == torch.float32:
+            else:
+                base = indexer_logits(q, w, keys, pages, req, counts, width=width)
+            if name == "float32":
                 ref = base
-            for shape in shapes:
-                out = indexer_logits(q, w, keys, pages, req, counts, width=width, **shape)
+            if vendor is not None:
+                ours = vendor_scorer(vendor)
+            for shape in shapes[:1] if vendor is not None else shapes:
+                out = ours(q, w, keys, pages, req, counts, width=width, **shape)
                 fin = torch.isfinite(base)
                 err = rel_err(out[fin], base[fin])
-                us = graph_time_us(lambda: indexer_logits(q, w, keys, pages, req, counts, width=width, **shape))
-                key_bytes = keys.page_bytes // BS if dtype == "mxfp4" else keys.data.element_size() * DIM
-                rows.append([context, str(dtype).split(".")[-1], str(shape or "shipped"), us,
-                             key_bytes * NREQ * width / us / 1e3, err, rel_err(out[fin], ref[fin])])
+                us = graph_time_us(lambda: ours(q, w, keys, pages, req, counts, width=width, **shape))
+                key_bytes = keys.page_bytes // BS
+                rows.append([context, name, str(shape or "shipped"), us, key_bytes * NREQ * width / us / 1e3, err,
+                             rel_err(out[fin], ref[fin])])
+            step_us = graph_time_us(lambda: topk_lists(ours(q, w, keys, pages, req, counts, width=width), counts,
+                                                       pages, req, topk=K, block_size=BS))
+            step_rows.append([context, name, step_us])
         scores = ref
         topk_us = graph_time_us(lambda: scores.topk(K, dim=-1))
         want = scores.topk(K, dim=-1).indices.sort(dim=-1).values.int()
@@ -99,11 +139,14 @@ def main() -> None:
             ok = bool((lens == K).all()) and torch.equal(local.sort(dim=-1).values, want)
             us = graph_time_us(lambda: topk_lists(scores, counts, pages, req, topk=K, block_size=BS, **shape))
             topk_rows.append([context, f"topk_lists {shape or 'shipped'}", us, ok])
-    print(f"indexer scores, {NREQ} requests x {TOKENS} tokens, {HEADS} heads x {DIM}, CUDA graph (µs):")
+    print(f"indexer scores, {NREQ} requests x {TOKENS} tokens, {HEADS} heads x {DIM}, CUDA graph (µs; records:"
+          " rel err vs bf16 rows of their values):")
     print(table(["context", "keys", "launch", "µs", "key GB/s", "rel err vs shipped", "rel err vs float32 keys"],
                 rows))
     print(f"\ntop-{K} lists over the float32-key scores, {NREQ * TOKENS} rows (same set as torch.topk):")
     print(table(["context", "kernel", "µs", "same set"], topk_rows))
+    print(f"\nscores + top-{K} lists in one graph, by the keys each indexer option stores (µs):")
+    print(table(["context", "keys", "µs"], step_rows))
 
 
 if __name__ == "__main__":

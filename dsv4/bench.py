@@ -265,6 +265,7 @@ def bench_tp_step(job, ranks) -> str | None:
 
 def run_bench(job, ranks=None) -> None:
     from dsv4.errors import ConfigError
+    from dsv4.indexer_bench import CONTEXTS, NREQ, TOKENS, bench_indexer
     from dsv4.layer_bench import bench_layer_step
 
     if job.device.platform != "cuda" or not torch.cuda.is_available():
@@ -282,3 +283,9 @@ def run_bench(job, ranks=None) -> None:
     print("\nsparse MQA decode, fp8_ds_mla pages (153 MB per cache), full index lists:\n" + bench_mqa(job))
     print("\no_proj, G=8 groups of 8 heads, 4096 -> 1024 per group, then wo_b:\n" + bench_o_proj(job))
     print("\nwhole layer, one layer of each type:\n" + bench_layer_step(job))
+    print(f"\nthe indexer: scores and top-{job.spec.index_topk} of {NREQ} requests x {TOKENS} tokens by each option, "
+          "in CUDA graphs:\n" + bench_indexer(job))
+    names = [ix.name for ix in available_options(job, "indexer")]
+    print("\nthe ratio-4 layer with each indexer option:\n"
+          + bench_layer_step(job, [(NREQ, TOKENS, c) for c in CONTEXTS[::2]], indexers=names, layer_types=("c4a",),
+                             prefill=False))

@@ -247,17 +247,35 @@ def prefill_row(job, backend: Backend, layer: int) -> list:
     return [job.spec.layer_type(layer), backend.label, PREFILL_TOKENS, us / 1e3, PREFILL_TOKENS / us * 1e6]
 
 
-def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, prefill: bool = True, echo=None) -> str:
+def layer_backends(job, layer: int, labels, indexers) -> list[Backend]:
+    """The backends to time `layer` with: those whose labels are in `labels` (None: all); at ratio 4 each
+    with every indexer option named in `indexers` (None: the job's), elsewhere with the job's (it has no
+    indexer)."""
+    out = []
+    for b in backends(job):
+        if labels is not None and b.label not in labels:
+            continue
+        if indexers is None or job.spec.compress_ratio(layer) != 4:
+            out.append(b)
+        else:
+            out += [Backend(label=b.label, combo=replace(b.combo, indexer=option("indexer", name))) for name in indexers]
+    return out
+
+
+def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, indexers=None, layer_types=None, prefill: bool = True,
+                     echo=None) -> str:
     """The decode table over `cases` ((requests, tokens per request, context)), the components of the
-    first case, and the prefill; for the backends whose labels are in `labels` (default: all). A row that
-    fails says so and the others still run. `echo(line)` is called with each row as it is measured."""
+    first case, and the prefill; for the backends whose labels are in `labels` (default: all), the ratio-4
+    layer with each indexer option in `indexers` (default: the job's), the layer types in `layer_types`
+    (default: all). A row that fails says so and the others still run. `echo(line)` is called with each
+    row as it is measured."""
     import traceback
 
     rows, parts_rows, pre = [], [], []
-    for backend in backends(job):
-        if labels is not None and backend.label not in labels:
-            continue
-        for layer in job.spec.one_layer_per_type():
+    layers = [l for l in job.spec.one_layer_per_type() if layer_types is None or job.spec.layer_type(l) in layer_types]
+    for layer in layers:
+        for backend in layer_backends(job, layer, labels, indexers):
+            ix = backend.combo.indexer.name if job.spec.compress_ratio(layer) == 4 else "-"
             for nreq, tokens, context in cases:
                 try:
                     row, parts = decode_row(job, backend, layer, nreq, tokens, context)
@@ -266,27 +284,31 @@ def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, prefill: bool = Tr
                     row, parts = [job.spec.layer_type(layer), backend.label, nreq, tokens, context,
                                   f"error: {type(e).__name__}: {str(e)[:80]}"] + [None] * 10, {}
                     torch.cuda.empty_cache()
+                row.insert(2, ix)
                 rows.append(row)
                 if echo is not None:
                     echo(" | ".join(map(str, row)))
                 if (nreq, tokens, context) == cases[0]:
-                    parts_rows += [[row[0], backend.label, name, us] for name, us in parts.items()]
+                    parts_rows += [[row[0], backend.label, ix, name, us] for name, us in parts.items()]
             if prefill:
                 try:
-                    pre.append(prefill_row(job, backend, layer))
+                    row = prefill_row(job, backend, layer)
                 except Exception as e:
                     traceback.print_exc()
-                    pre.append([job.spec.layer_type(layer), backend.label, PREFILL_TOKENS, None,
-                                f"error: {type(e).__name__}: {str(e)[:80]}"])
+                    row = [job.spec.layer_type(layer), backend.label, PREFILL_TOKENS, None,
+                           f"error: {type(e).__name__}: {str(e)[:80]}"]
+                row.insert(2, ix)
+                pre.append(row)
                 torch.cuda.empty_cache()
     return "\n\n".join([
         "decode step, CUDA-graph replay of the second layer of its type (median µs; the first also makes the "
         "type's per-step kernel plan: + first of type), with what it costs eagerly and its parts alone:\n" + table(
-            ["layer", "backend", "requests", "tokens/req", "context", "replay µs", "+ first of type", "eager µs",
+            ["layer", "backend", "indexer", "requests", "tokens/req", "context", "replay µs", "+ first of type", "eager µs",
              "eager/replay", "eager host µs", "plan µs", "components µs", "replay/components", "floor µs",
              "floor/replay", "replay == eager"],
-            rows, left=(0, 1)),
+            rows, left=(0, 1, 2)),
         f"components of the first case ({cases[0][0]} requests x {cases[0][1]} tokens, {cases[0][2]} context), "
-        "each alone in a CUDA graph:\n" + table(["layer", "backend", "component", "µs"], parts_rows, left=(0, 1, 2)),
+        "each alone in a CUDA graph:\n" + table(["layer", "backend", "indexer", "component", "µs"], parts_rows,
+                                                 left=(0, 1, 2, 3)),
         f"prefill of one {PREFILL_TOKENS}-token request, eager (median of 2 after a warm-up):\n"
-        + table(["layer", "backend", "tokens", "ms", "tokens/s"], pre, left=(0, 1)) if pre else ""])
+        + table(["layer", "backend", "indexer", "tokens", "ms", "tokens/s"], pre, left=(0, 1, 2)) if pre else ""])

@@ -83,7 +83,7 @@ def indexer_kind(dtype: str, indexer=None) -> str:
         from dsv4.strategies.indexer import ExactIndexer
         indexer = ExactIndexer()
     row = indexer.key_layout(dtype=dtype, head_dim=128).kv_row_dtype
-    return {"float32": "float32", "bfloat16": "bf16", "mxfp4": "mxfp4"}[row]
+    return {"float32": "float32", "bfloat16": "bf16", "mxfp4": "mxfp4", "fp8": "fp8"}[row]
 
 
 def summary_lines(spec: ModelSpec, layout, dtype: str, indexer=None) -> list[str]:

@@ -173,7 +173,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
                     + [m["kv_bytes_per_token"] + m["indexer_bytes_per_token"], m["swa_bytes_per_request"] / 1024])
     per_layer = list(metrics.values())
     budget = c.error_budget
-    wrong = verdict(metrics, budget=budget, gap=SELECTION_GAP[c.dtype])
+    wrong = verdict(metrics, budget=budget, gap=SELECTION_GAP[c.dtype, c.indexer.oracle_numerics])
     errs = [m["rel_err"] for m in per_layer]
     metrics["max_rel_err"] = float("nan") if any(e != e for e in errs) else max(errs)
     metrics["error_budget"] = budget

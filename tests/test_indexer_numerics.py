@@ -285,3 +285,127 @@ def test_a_run_reports_its_recall_against_both_numerics(compose_cfg, tmp_path, n
     row = json.loads((tmp_path / "result.json").read_text())
     assert row[f"metrics.topk_recall_vs_{own}"] == row[f"metrics.c4a.topk_recall_vs_{own}"] >= 0.999
     assert 0.5 < row[f"metrics.topk_recall_vs_{other}"] < 0.99
+
+
+# ---- fp8 records (deepgemm_fp8, triton_fp8) -------------------------------------------------------
+def e4m3_by_hand(v: float) -> int:
+    """The OCP e4m3fn byte nearest v (|v| <= 448) from the format's definition: sign bit 7, exponent bits
+    3-6 (bias 7; 0 subnormal: m/8 · 2^-6), mantissa bits 0-2; code 0x7f is NaN, so 448 is the largest; a
+    tie to the even code; a negative value that rounds to zero keeps its sign."""
+    def value(code: int) -> float:
+        e, m = code >> 3, code & 7
+        return m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+
+    a = abs(v)
+    best = min(range(127), key=lambda c: (abs(a - value(c)), c % 2))
+    return (0x80 if math.copysign(1.0, v) < 0 else 0) | best
+
+
+def fp8_record_by_hand(row: list[float]) -> bytes:
+    """One key's fp8 record: the bf16-rounded values' scale 2^k, k = ceil(log2(max(amax, 1e-4) / 448)) with
+    the division in float32; each value / 2^k clamped to ±448 and rounded to e4m3; the Di bytes, then the
+    scale's four float32 bytes (little-endian)."""
+    import struct
+
+    import numpy as np
+
+    amax = max(max(abs(v) for v in row), float(np.float32(1e-4)))
+    m, e = math.frexp(float(np.float32(amax) / np.float32(448.0)))
+    k = e - 1 if m == 0.5 else e
+    data = bytes(e4m3_by_hand(max(-448.0, min(448.0, v / 2.0 ** k))) for v in row)
+    return data + struct.pack("<f", 2.0 ** k)
+
+
+def test_fp8_key_records_byte_for_byte():
+    """Random keys over 12 decades, zeros, signed zeros, ties of the e4m3 grid, values past 448 times the
+    scale: each record equals the hand-made one; FP4-simulated keys (what the options store) come back
+    exactly."""
+    from dsv4.strategies import Fp8KeyLayout
+    from dsv4.strategies.indexer import fp4_sim
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(24, 128, generator=g) * torch.exp(torch.randn(24, 1, generator=g) * 6)
+    x[0] = 0
+    x[1, :32] = -0.0
+    x[1, 32:] = torch.tensor([448.0, 9.0, 4.5, 17.0, -0.0078125 * 1.5, 2.0 ** -10, -(2.0 ** -10) * 3, 1e-6] * 12)
+    x[2] = 3e38
+    x[3, ::2] = -x[3, ::2].abs()
+    rows = x.bfloat16().float()
+    lay = Fp8KeyLayout(head_dim=128)
+    data, scales = lay.pack(rows)
+    assert lay.bytes_per_token(128) == 132 and data.shape == (24, 128) and scales.shape == (24, 4)
+    for i in range(24):
+        assert bytes(data[i].tolist()) + bytes(scales[i].tolist()) == fp8_record_by_hand(rows[i].tolist()), i
+    keys = fp4_sim(torch.randn(64, 128, generator=g) * 3)
+    assert torch.equal(lay.unpack(*lay.pack(keys)), keys)
+
+
+def test_fp8_pages_hold_codes_then_scales():
+    """A page of B records, DeepGEMM's paged layout: key t's bytes at t·128, its scale at B·128 + 4t; a
+    skipped slot (-1) writes nothing; a read of -1 is zeros."""
+    from dsv4.strategies import Fp8KeyLayout
+
+    B, lay = 4, Fp8KeyLayout(head_dim=128)
+    cache = lay.allocate(num_blocks=3, block_size=B, head_dim=128, device="cpu")
+    assert cache.shape == (3, B * 132) and cache.dtype == torch.uint8
+    rows = torch.randn(3, 128, generator=torch.Generator().manual_seed(12))
+    lay.write(cache, torch.tensor([6, -1, 9]), rows, block_size=B)
+    data, scales = lay.pack(rows)
+    for i, slot in ((0, 6), (2, 9)):
+        page, t = divmod(slot, B)
+        assert torch.equal(cache[page, t * 128:(t + 1) * 128], data[i])
+        assert torch.equal(cache[page, B * 128 + t * 4:B * 128 + (t + 1) * 4], scales[i])
+    assert int(cache.count_nonzero()) == int(data[[0, 2]].count_nonzero() + scales[[0, 2]].count_nonzero())
+    back = lay.read(cache, torch.tensor([9, -1, 6]), block_size=B)
+    assert torch.equal(back[1], torch.zeros(128)) and torch.equal(back[0], lay.unpack(data[2], scales[2]))
+
+
+def test_triton_fp8_layer_selects_what_fp4_sim_selects():
+    """indexer=triton_fp8 (132-byte records of the FP4-simulated keys) through the paged layer: fp4_sim's
+    outputs and top-k lists, token for token (the records hold its keys exactly)."""
+    from dsv4.strategies import TritonFp8Indexer
+
+    spec, _, X, outs, topk = run_layer(Fp4SimIndexer(), seed=9)
+    *_, outs2, topk2 = run_layer(TritonFp8Indexer(), seed=9)
+    for layer in outs:
+        for rid in X:
+            assert torch.equal(outs[layer][rid], outs2[layer][rid])
+            if layer in topk:
+                assert torch.equal(topk[layer][rid], topk2[layer][rid])
+    eng, _ = make_engine(spec, indexer=TritonFp8Indexer(), seed=9)
+    keys = next(c.indexer_keys for c in eng.pools[0].layers.values() if c.indexer_keys is not None)
+    assert keys.data.dtype == torch.uint8 and keys.page_bytes == keys.block_size * 132
+
+
+def test_check_refuses_deepgemm_fp8_where_it_cannot_run():
+    """deepgemm_fp8: CUDA sm90/sm100 only (fix: triton_fp8), 128-dim keys, the index heads its kernel takes
+    on the arch, pages of the keys it reads (fix: the pool's page size)."""
+    from dsv4.compat import Combination
+    from dsv4.strategies import DeepGemmFp8Indexer, NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
+
+    def problems(device, page_keys=64, **spec):
+        c = Combination(spec=tiny_spec(**spec), mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(),
+                        head_padding=NoHeadPadding(), cache_layout=PlainRowLayout(name="bf16", dtype="bfloat16"),
+                        indexer=DeepGemmFp8Indexer(), index_page_keys=page_keys)
+        return [p for p in check(c, device) if p.group == "indexer"]
+
+    h200, b200 = DeviceInfo(platform="cuda", arch="sm90"), DeviceInfo(platform="cuda", arch="sm100")
+    assert problems(h200, index_n_heads=64) == [] and problems(b200, index_n_heads=8) == []
+    for device in (DeviceInfo(platform="cpu"), DeviceInfo(platform="cuda", arch="sm80")):
+        (p,) = problems(device, index_n_heads=64)
+        assert p.fix == "indexer=triton_fp8"
+    (p,) = problems(h200, index_n_heads=8)
+    assert "index_n_heads in [32, 64]" in p.reason and p.supported == ("32", "64")
+    (p,) = problems(h200, index_n_heads=64, index_head_dim=64)
+    assert "index_head_dim = 128" in p.reason
+    (p,) = problems(h200, page_keys=32, index_n_heads=64)
+    assert p.fix == "workload.kv_pool.compressed_block_tokens=256"
+    assert problems(b200, page_keys=32, index_n_heads=64) == []
+
+
+def test_fp8_memory_accounting_counts_its_records():
+    from dsv4.memory import indexer_entry_bytes, indexer_kind
+    from dsv4.strategies import DeepGemmFp8Indexer, TritonFp8Indexer
+
+    for ix in (DeepGemmFp8Indexer(), TritonFp8Indexer()):
+        assert indexer_kind("bfloat16", ix) == "fp8" and indexer_entry_bytes("fp8", 128) == 132

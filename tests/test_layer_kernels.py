@@ -57,6 +57,11 @@ def dev(x):
     return x.to(DEVICE, copy=True)
 
 
+def bits(x):
+    """x's bit patterns (an integer view of its element size): equal only where every bit is, -0.0 too."""
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
 def rope_rows(T: int, g) -> RopeRows:
     ang = torch.rand(T, 32, generator=g, dtype=torch.float64) * 1000
     return RopeRows(cos=ang.cos().float(), sin=ang.sin().float())
@@ -444,15 +449,15 @@ def test_front_kernel_rotates_the_indexer_queries_in_the_same_launch(iq_dtype):
 
 
 @pytest.mark.parametrize("nan", [False, True], ids=["finite", "a NaN entry"])
-@pytest.mark.parametrize("keys", ["mxfp4", "bf16", "float32"])
+@pytest.mark.parametrize("keys", ["mxfp4", "fp8", "bf16", "float32"])
 def test_compress_kernel_stores_fp4_keys(keys, nan):
     """The indexer's compressor with the published FP4 numerics in the kernel (fp4=True): the cache holds
     exactly what the torch path stores -- its entries, rotated and FP4-simulated by the strategy, written by
-    the layout (mxfp4 records byte for byte, or bf16 / float32 rows) --, with the same state rows and faults;
+    the layout (mxfp4 or fp8 records byte for byte, or bf16 / float32 rows) --, with the same state rows and faults;
     an entry that is not finite is refused and flagged before the numerics, as there."""
-    from dsv4.kernels.cache_write import fp4_record_store
+    from dsv4.kernels.cache_write import fp4_record_store, fp8_key_store
     from dsv4.kernels.compress import CompressJob, compress_kernels
-    from dsv4.strategies import Fp4SimIndexer, Mxfp4KeyLayout
+    from dsv4.strategies import Fp4SimIndexer, Fp8KeyLayout, Mxfp4KeyLayout
 
     R, D = 4, 128
     plan, blocks = step_plan(SPANS[R], seed=81)
@@ -463,7 +468,7 @@ def test_compress_kernel_stores_fp4_keys(keys, nan):
     if nan:
         scores[closing, D + 5] = float("nan")             # its own candidate, which the entry it closes pools
     state = torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(84))
-    lay = Mxfp4KeyLayout(head_dim=D) if keys == "mxfp4" else STORE_LAYOUTS[keys]
+    lay = {"mxfp4": Mxfp4KeyLayout(head_dim=D), "fp8": Fp8KeyLayout(head_dim=D)}.get(keys) or STORE_LAYOUTS[keys]
     pages = random_cache(lay, plan.entries[R].table.pages.numel(), bs, D, gen(85))
     rot = plan.rope_rows(ROPE, shift=R)
     # the torch path: entries, the strategy's keys, the layout's write
@@ -473,14 +478,15 @@ def test_compress_kernel_stores_fp4_keys(keys, nan):
     want = pages.clone()
     lay.write(want, store, Fp4SimIndexer().keys(rows), block_size=bs)
     got, faults, got_state = dev(pages), dev(torch.ones(3, T, dtype=torch.bool)), dev(state)
-    into = fp4_record_store(got, bs, D) if keys == "mxfp4" else row_store(keys, got, bs)
+    into = {"mxfp4": fp4_record_store, "fp8": fp8_key_store}[keys](got, bs, D) if keys in ("mxfp4", "fp8") \
+        else row_store(keys, got, bs)
     job = CompressJob(scores=dev(scores), ape=dev(comp.ape), norm=dev(comp.norm), state=got_state, head_dim=D,
                       fault_row=2, into=into, fp4=True)
     compress_kernels([job], dev(rot.cos), dev(rot.sin), dev(plan.positions), dev(plan.step_start),
                      dev(plan.token_request), dev(plan.state[R].write_slots), dev(plan.entries[R].close_slots),
                      dev(plan.state[R].table.pages), faults, ratio=R, state_block=8, eps=EPS)
     assert int((store >= 0).sum()) >= 3 and bool(ref_faults[2, closing]) == nan
-    assert torch.equal(got.cpu(), want) and not torch.equal(want, pages)
+    assert torch.equal(bits(got.cpu()), bits(want)) and not torch.equal(want, pages)     # -0.0 too
     assert torch.equal(faults[2].cpu(), ref_faults[2])
     assert torch.equal(got_state.cpu().view(torch.int32), ref_state.data.view(torch.int32))   # NaN rows too
 
@@ -513,6 +519,8 @@ def test_front_kernel_makes_fp4_indexer_queries(iq_dtype):
     got, want = got.cpu(), want.cpu()
     assert got.dtype == iq_dtype and torch.equal(torch.isnan(got), torch.isnan(want))
     assert bool(torch.isnan(want[1, 2]).any()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(torch.signbit(got).masked_fill(torch.isnan(got), False),
+                       torch.signbit(want).masked_fill(torch.isnan(want), False))          # -0.0 too
 
 
 def test_two_compressors_in_one_launch_as_in_two():
@@ -638,11 +646,13 @@ def test_indexer_logits(heads, dim, launch, dtype):
     assert bool(torch.isinf(out[plan.num_tokens - 3:]).all())             # padding rows see nothing
 
 
-def mxfp4_twin(keys):
-    """The same keys as FP4 records (Mxfp4KeyLayout pages) and as bf16 rows of the values they hold."""
-    from dsv4.strategies import Mxfp4KeyLayout
+def record_twin(keys, record: str = "mxfp4"):
+    """The same keys as records (Mxfp4KeyLayout's FP4 or Fp8KeyLayout's fp8 pages) and as bf16 rows of the
+    values they hold."""
+    from dsv4.strategies import Fp8KeyLayout, Mxfp4KeyLayout
 
-    lay, bs, dim = Mxfp4KeyLayout(head_dim=keys.head_dim), keys.block_size, keys.head_dim
+    bs, dim = keys.block_size, keys.head_dim
+    lay = (Mxfp4KeyLayout if record == "mxfp4" else Fp8KeyLayout)(head_dim=dim)
     pages = lay.allocate(num_blocks=keys.data.shape[0], block_size=bs, head_dim=dim, device="cpu")
     slots = torch.arange(keys.num_slots)
     lay.write(pages, slots, keys.read(slots), block_size=bs)
@@ -653,14 +663,16 @@ def mxfp4_twin(keys):
     return rec, rows
 
 
+@pytest.mark.parametrize("record", ["mxfp4", "fp8"])
 @pytest.mark.parametrize("launch", LAUNCHES[:2], ids=["bn16x2", "planned"])
-def test_indexer_logits_reads_fp4_records(launch):
-    """Keys as 68-byte FP4 records: the kernel decodes them to the bf16 values they hold, so at the planned
+def test_indexer_logits_reads_key_records(launch, record):
+    """Keys as 68-byte FP4 or 132-byte fp8 records: the kernel decodes them to the bf16 values they hold
+    (fp8 records of keys that are not FP4-simulated: e4m3 values, exact in bf16), so at the planned
     launch its scores equal its scores of bf16 rows of those values bit for bit (at another launch shape on
     a GPU the tensor cores may sum the same exact products in another order: equal within float32
     rounding), and the torch path's."""
     q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, 8, 128, holes=[(2, 1)], seed=17)
-    rec, rows = mxfp4_twin(keys)
+    rec, rows = record_twin(keys, record)
     out = run_indexer(q, w, rec, plan, idx, **launch)
     as_rows = run_indexer(q, w, rows, plan, idx, **launch)
     if launch:
@@ -681,8 +693,9 @@ def test_indexer_logits_decode_sized():
         q, w, keys, plan, idx = indexer_case([(s, 2) for s in starts], 64, 128, bs=64, pad=0, seed=41, dtype=dtype)
         ref = idx.scores(q, w, keys, plan)
         assert_scores(run_indexer(q, w, keys, plan, idx), ref, tol=2e-6)
-    rec, rows = mxfp4_twin(keys)                                   # FP4 records: as bf16 rows of their values
-    assert torch.equal(run_indexer(q, w, rec, plan, idx), run_indexer(q, w, rows, plan, idx))
+    for record in ("mxfp4", "fp8"):                                # records: as bf16 rows of their values
+        rec, rows = record_twin(keys, record)
+        assert torch.equal(run_indexer(q, w, rec, plan, idx), run_indexer(q, w, rows, plan, idx))
 
 
 # ---- empty steps ------------------------------------------------------------------------------------
@@ -785,3 +798,23 @@ def test_topk_lists(launch):
         assert bool((local[t, k:] == -1).all()) and bool((slots[t, k:] == -1).all())
     assert torch.equal(slots, PageTable(block_size=bs, pages=pages).slots(req, local))
     assert bool((slots == -1).sum() > (local == -1).sum())      # the entry without a page
+
+
+def test_fp8_queries_kernel_is_the_torch_path():
+    """deepgemm_fp8's queries in one launch: the e4m3 bytes and the folded head weights of fp8_queries,
+    bit for bit (FP4-simulated queries, raw ones over many decades, a zero head; strided weight rows)."""
+    from dsv4.kernels.fp8_queries import fp8_queries_kernel
+    from dsv4.strategies.fp8_keys import fp8_queries
+    from dsv4.strategies.indexer import fp4_sim
+
+    g, T, H, D = gen(91), 6, 5, 128
+    q = torch.randn(T, H, D, generator=g) * torch.exp(torch.randn(T, H, 1, generator=g) * 4)
+    q[0] = fp4_sim(q[0])
+    q[1, 2] = 0
+    w = torch.randn(T, 2 * H, generator=g)[:, 1:H + 1]
+    for qq in (q, q.bfloat16()):
+        got_q, got_w = fp8_queries_kernel(dev(qq), dev(w), 0.25)
+        want_q, want_w = fp8_queries(qq, w, 0.25)
+        assert got_q.shape == (T, 1, H, D) and got_q.dtype == torch.float8_e4m3fn
+        assert torch.equal(got_q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(bits(got_w.cpu()), bits(want_w))

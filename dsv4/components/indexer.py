@@ -3,8 +3,8 @@ batched over every token of a step.
 
 score[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · k_j), w = weights_proj(x) · Di^-½ · Hi^-½, over the compressed
 entries j < (p+1)//4 of the token's request (its keys on the ratio-4 entry pages), accumulated in float32.
-The keys are stored as the `indexer` option says (its `key_layout`: rows in the activation dtype, or packed
-FP4 records) and the queries are rounded to their dtype before the product (`score_dtype`): exact float32
+The keys are stored as the `indexer` option says (its `key_layout`: rows in the activation dtype, packed
+FP4 records or fp8 records) and the queries are rounded to their dtype before the product (`score_dtype`): exact float32
 for float32 keys, a bf16 product for bf16 keys and FP4 records (the published code's). The selection is
 the local entry indices of the top min(K, visible) scores, -1 padded to K, the valid ones first (so their
 count is the list's length); their order carries no meaning.
@@ -12,9 +12,9 @@ What the queries and keys are before they are scored and stored is the `indexer`
 (`numerics`, dsv4/strategies/indexer.py): as computed (`exact`), or Hadamard-rotated and FP4-simulated
 as the published code trains and runs them (`fp4_sim`).
 
-Scores are one call over the step and the top-k another: our Triton kernels on a GPU
-(dsv4/kernels/indexer_logits.py, dsv4/kernels/topk_lists.py); torch here, which is the CPU path and the
-kernels' specification.
+Scores are one call over the step and the top-k another: on a GPU the strategy's scoring kernel (ours,
+dsv4/kernels/indexer_logits.py, or DeepGEMM's) and our top-k (dsv4/kernels/topk_lists.py); torch here,
+which is the CPU path and the kernels' specification.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class Indexer:
     @staticmethod
     def score_dtype(keys):
         """The dtype the queries are rounded to before they are scored against `keys` (a PagedCache): the
-        keys' own, or bf16 for packed FP4 records (uint8 pages; their values are bf16 values)."""
+        keys' own, or bf16 for FP4 and fp8 records (uint8 pages; their values are bf16 values)."""
         import torch
 
         return torch.bfloat16 if keys.data.dtype == torch.uint8 else keys.data.dtype
@@ -71,14 +71,13 @@ class Indexer:
 
     def scores(self, q, w, keys, plan):
         """[T, width] float32 scores of every entry slot of each token's request; -inf where not visible
-        (j >= count). q [T, Hi, Di] float32 (rounded here to the keys' dtype) or already in it, w [T, Hi]
+        (j >= count) -- which a vendor kernel may leave unwritten: `lists` reads the visible ones only. q [T, Hi, Di] float32 (rounded here to the keys' dtype) or already in it, w [T, Hi]
         float32 the head weights (weights_proj's output, scaled here by `weight_scale`), keys: the
         PagedCache of indexer keys."""
         ents = plan.entries[4]
-        if q.is_cuda:
-            from dsv4.kernels.indexer_logits import indexer_logits
-            return indexer_logits(q, w, keys, ents.table.pages, plan.token_request, ents.counts, width=ents.width,
-                                  w_scale=self.weight_scale)
+        if q.is_cuda:                           # the strategy's kernel (its rows may be wider than `width`)
+            return self.numerics.scores(q, w, keys, ents.table.pages, plan.token_request, ents.counts,
+                                        width=ents.width, w_scale=self.weight_scale)
         import torch
 
         q = q.to(self.score_dtype(keys)).float()

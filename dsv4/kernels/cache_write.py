@@ -33,6 +33,9 @@ NOPE, TILE = tl.constexpr(NOPE_DIMS), tl.constexpr(64)                        # 
 DATA_BYTES, SCALE_BYTES = tl.constexpr(576), tl.constexpr(8)                 # a record's two regions
 # RowStore kinds: how a kernel that makes rows stores them itself
 FP8_DS_MLA, FP8_DS_MLA_FNUZ, PLAIN_ROWS, FP4_RECORD = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3), tl.constexpr(4)
+FP8_KEY_RECORD = tl.constexpr(5)
+STORE_KINDS = {FP8_DS_MLA.value: "fp8_ds_mla", FP8_DS_MLA_FNUZ.value: "fp8_ds_mla_fnuz", PLAIN_ROWS.value: "plain",
+               FP4_RECORD.value: "mxfp4", FP8_KEY_RECORD.value: "fp8 keys"}
 
 
 @triton.jit
@@ -83,17 +86,38 @@ def fp8_ds_mla_record(x, slot, u8_ptr, bf_ptr, w64_ptr, page_stride, BS: tl.cons
 
 
 @triton.jit
+def fp8_key_record(x, slot, u8_ptr, page_stride, BS: tl.constexpr, N: tl.constexpr, SOFT: tl.constexpr):
+    """Store row x [N] float32 as the fp8 key record of `slot` (dsv4/strategies/fp8_keys.py): the
+    bf16-rounded row's e4m3 bytes over its scale 2^ceil(log2(max(amax, 1e-4) / 448)) at page·page_stride
+    + t·N, the scale's float32 bytes at page·page_stride + BS·N + 4t."""
+    x = widen(round_to(x, tl.bfloat16, SOFT), SOFT)
+    amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-4)
+    bits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)             # the scale's biased exponent
+    y = x * ((254 - e) << 23).to(tl.float32, bitcast=True)                         # x / 2^(e-127), exactly
+    q = e4m3_bits(tl.minimum(tl.maximum(y, -448.0), 448.0))
+    page = (slot // BS).to(tl.int64)
+    t = slot % BS
+    base = page * page_stride
+    tl.store(u8_ptr + base + t * N + tl.arange(0, N), q)
+    b = tl.arange(0, 4)
+    tl.store(u8_ptr + base + BS * N + t * 4 + b, (((e << 23) >> (8 * b)) & 0xFF).to(tl.uint8))
+
+
+@triton.jit
 def store_row(y, slot, ok, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D: tl.constexpr,
               BS: tl.constexpr, KIND: tl.constexpr, SOFT: tl.constexpr):
     """A row-making kernel's own store of its float32 row y [D] at `slot` of a cache (RowStore), when `ok`
     and the slot is in the cache: an fp8_ds_mla record (OCP or FNUZ bytes), a plain row in the cache's
-    dtype, or (FP4-simulated rows) an mxfp4 key record."""
+    dtype, (FP4-simulated rows) an mxfp4 key record, or an fp8 key record."""
     if ok & (slot >= 0) & (slot < n_slots):
         if KIND == PLAIN_ROWS:
             dims = tl.arange(0, D)
             tl.store(cache_ptr + slot.to(tl.int64) * D + dims, round_to(y, cache_ptr.dtype.element_ty, SOFT))
         elif KIND == FP4_RECORD:
             fp4_record(y, slot, cache_ptr, page_stride, BS, D)
+        elif KIND == FP8_KEY_RECORD:
+            fp8_key_record(y, slot, cache_ptr, page_stride, BS, D, SOFT)
         else:
             fp8_ds_mla_record(tl.reshape(y, [8, TILE]), slot, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride,
                               BS, KIND == FP8_DS_MLA_FNUZ, SOFT)
@@ -167,7 +191,7 @@ class RowStore:
     """A cache as our row-making kernels (the SWA rows, the compressors' entries) store into it directly,
     with no row tensor in between: the kind of record and the views of its storage they write through.
     Made once per cache (PagedCache) by its layout's `kernel_store`."""
-    kind: int                  # FP8_DS_MLA | FP8_DS_MLA_FNUZ | PLAIN_ROWS | FP4_RECORD
+    kind: int                  # a STORE_KINDS key
     block_size: int
     data: Any                  # uint8 pages (fp8 and FP4 kinds) or the plain [pages, B, D] rows
     bf16: Any                  # fp8 kinds: the pages as bf16 (the RoPE dims); otherwise `data`
@@ -199,14 +223,18 @@ def fp4_record_store(pages, block_size: int, dim: int) -> RowStore:
                     page_stride=pages.shape[1], num_slots=pages.shape[0] * block_size, dim=dim)
 
 
+def fp8_key_store(pages, block_size: int, dim: int) -> RowStore:
+    return RowStore(kind=FP8_KEY_RECORD.value, block_size=block_size, data=pages, bf16=pages, words=pages,
+                    page_stride=pages.shape[1], num_slots=pages.shape[0] * block_size, dim=dim)
+
+
 def check_store(into, dim: int, *, fp4: bool = False) -> None:
     """Refuse a RowStore that cannot take rows of `dim` values (None: nothing to check), and an FP4 record
     store for rows that are not FP4-simulated (`fp4`: the kernel simulates FP4 on them first)."""
     if into is None:
         return
     if dim != into.dim:
-        kind = {PLAIN_ROWS.value: "plain", FP4_RECORD.value: "mxfp4"}.get(into.kind, "fp8_ds_mla")
-        raise ValueError(f"a cache of {into.dim}-value rows ({kind}) cannot store rows of {dim}")
+        raise ValueError(f"a cache of {into.dim}-value rows ({STORE_KINDS[into.kind]}) cannot store rows of {dim}")
     if into.kind == FP4_RECORD.value and not fp4:
         raise ValueError("an mxfp4 key cache stores FP4-simulated rows only (the indexer's fp4 numerics)")
 

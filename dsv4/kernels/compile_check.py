@@ -11,7 +11,7 @@ Each argument is TARGET/WHAT; TARGET is cuda:<sm> or hip:<gfx arch>; WHAT is a k
 conversion where sparse_mqa would use it, NVIDIA sm89+), `o_proj` (o_proj=triton_fp8's grouped e4m3
 product, NVIDIA sm89+ only), `hopper` (triton_sparse's one-pass Gluon kernel, sm90 only) or `layer` (the
 layer's front, compressor, cache-writer and indexer kernels: layer_front, compress, cache_write,
-indexer_logits, topk_lists). Exits non-zero if any kernel fails to compile.
+indexer_logits, topk_lists, fp8_queries). Exits non-zero if any kernel fails to compile.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def _compile_layer(gpu) -> None:
     its planned launches (float32 and bf16 keys), its top-k lists."""
     import triton.language as tl
 
-    from dsv4.kernels import cache_write, compress, indexer_logits, layer_front, topk_lists
+    from dsv4.kernels import cache_write, compress, fp8_queries, indexer_logits, layer_front, topk_lists
 
     def types(table):
         return lambda a: table.get(a, "fp32" if a in ("eps", "w_scale") else "i32")
@@ -159,10 +159,10 @@ def _compile_layer(gpu) -> None:
                 f"out{n}_ptr": "*fp32", **{k.replace("cache", f"cache{n}"): v for k, v in cache.items()}}
         return {f"D{n}": dim, f"BLOCK{n}": min(1024, 2 * coff * dim), f"KIND{n}": kind, f"BS{n}": 64}, ptrs
 
-    # the indexer's keys: plain rows (exact or fp4_sim numerics) or mxfp4 records (FP4 numerics)
+    # the indexer's keys: plain rows (exact or fp4_sim numerics), mxfp4 or fp8 records (FP4 numerics)
     indexer_stores = [(k, c, False) for k, c in STORES[:1] + STORES[3:]] + [(k, c, True) for k, c in STORES[3:]]
-    indexer_stores.append((cache_write.FP4_RECORD.value, {"cache_ptr": "*u8", "cache_bf_ptr": "*u8",
-                                                          "cache_w64_ptr": "*u8"}, True))
+    u8 = {"cache_ptr": "*u8", "cache_bf_ptr": "*u8", "cache_w64_ptr": "*u8"}
+    indexer_stores += [(cache_write.FP4_RECORD.value, u8, True), (cache_write.FP8_KEY_RECORD.value, u8, True)]
     pairs = [((4, 512, k, c, False), None) for k, c in STORES[:2]]
     pairs += [((4, 128, k, c, fp4), None) for k, c, fp4 in indexer_stores]
     pairs += [((128, 512, k, c, False), None) for k, c in STORES[:3]]
@@ -183,10 +183,15 @@ def _compile_layer(gpu) -> None:
     for name in ("*fp32", "*bf16"):
         _compile(cache_write._write_rows_kernel, dict(BLOCK=512, SOFT=False),
                  types({"rows_ptr": "*fp32", "slot_ptr": "*i32", "cache_ptr": name}), {"row_stride", "D"}, gpu, 4)
+    for name in ("*bf16", "*fp32"):                      # deepgemm_fp8's queries
+        _compile(fp8_queries._fp8_queries_kernel, dict(HP=64, DP=128),
+                 types({"q_ptr": name, "w_ptr": "*fp32", "q8_ptr": "*u8", "wq_ptr": "*fp32", "w_scale": "fp32"}),
+                 {"H", "D"}, gpu, 4)
     il = indexer_logits
-    # the planned decode and prefill shapes, over plain rows; and bf16's over FP4 records
+    # the planned decode and prefill shapes, over plain rows; and bf16's over FP4 and fp8 records
     shapes = [(dtype, plan, 0) for (dtype, _size), plan in il.LAUNCH.items()]
-    shapes += [("mxfp4", plan, 1) for (dtype, _size), plan in il.LAUNCH.items() if dtype == "bfloat16"]
+    shapes += [(kind, plan, il.RECORDS[kind]) for (dtype, _size), plan in il.LAUNCH.items() if dtype == "bfloat16"
+               for kind in il.RECORDS]
     for dtype, plan, record in shapes:
         name, prec = ("*fp32", il.INPUT_PRECISION[gpu.backend]) if dtype == "float32" else ("*bf16", "bf16")
         _compile(il._indexer_kernel, dict(BS=64, TG=il.TOKENS_PER_PROGRAM, HP=64, DP=128, BN=plan.block_n,

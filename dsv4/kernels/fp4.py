@@ -48,8 +48,10 @@ def fp4_blocks(x, R: tl.constexpr, N: tl.constexpr):
     fl = tl.floor(q)
     up = (q - fl > 0.5) | ((q - fl == 0.5) & ((fl.to(tl.int32) & 1) == 1))
     r = (fl + up.to(tl.float32)) * step
-    negative = v.to(tl.int32, bitcast=True) < 0                             # the sign bit (also of -0.0)
-    return tl.where(negative, -r, r), s
+    # the sign bit of v (also of -0.0) set by integer arithmetic: a compiled float negation or select of
+    # a zero may give +0.0, where torch's copysign keeps the sign
+    sign = v.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True), s
 
 
 @triton.jit

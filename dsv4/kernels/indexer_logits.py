@@ -39,6 +39,7 @@ import triton.language as tl
 from dsv4.kernels.launch import as_dense, as_i32, cdiv, launch, next_pow2, rows_dense
 
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
+RECORDS = {"mxfp4": 1, "fp8": 2}   # uint8 key pages: RECORD by the layout's kv_row_dtype
 TOKENS_PER_PROGRAM = 2          # TG: a decode request's two tokens (MTP) share each key block
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,8 @@ def _keys(k_ptr, pages_ptr, req, P, n_slots, cols, limit, DI, BS: tl.constexpr, 
           RECORD: tl.constexpr):
     """Keys [BN, DP] of entries `cols` of request `req`: 0 for entries at or past `limit`, without a page
     (as the torch path reads them: zero rows) and for dims past DI. RECORD 0: plain rows in the keys'
-    dtype; 1: FP4 records (dsv4/strategies/mxfp4.py) decoded to bf16, exactly."""
+    dtype; 1: FP4 records (dsv4/strategies/mxfp4.py), 2: fp8 records (dsv4/strategies/fp8_keys.py), both
+    decoded to bf16 (exactly, for FP4-simulated keys)."""
     logical = cols // BS
     ok = (cols < limit) & (logical < P)
     page = tl.load(pages_ptr + req * P + logical, mask=ok, other=-1)
@@ -83,6 +85,17 @@ def _keys(k_ptr, pages_ptr, req, P, n_slots, cols, limit, DI, BS: tl.constexpr, 
     m = ok[:, None] & (d < DI)[None, :]
     if RECORD == 0:
         keys = tl.load(k_ptr + slot[:, None] * DI + d[None, :], mask=m, other=0.0)
+    elif RECORD == 2:
+        # page p: its keys' DI e4m3 bytes each, then their float32 scales (4 bytes each, little-endian)
+        base = page.to(tl.int64) * (BS * (DI + 4))
+        t = cols % BS
+        byte = tl.load(k_ptr + (base + t * DI)[:, None] + d[None, :], mask=m, other=0).to(tl.uint16)
+        # e4m3 as float16 bits (sign, then exponent and mantissa shifted in): the value times 2^-8
+        half = (((byte & 0x7F) << 7) | ((byte & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        sb = tl.load(k_ptr + (base + BS * DI + t * 4)[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None],
+                     other=0).to(tl.int32)
+        scale = tl.sum(sb << (8 * tl.arange(0, 4))[None, :], 1).to(tl.float32, bitcast=True)
+        keys = (half * (scale * 256.0)[:, None]).to(tl.bfloat16)
     else:
         # page p: its keys' codes (DI/2 bytes each, the even dim in the low nibble), then their scale bytes
         # (one per 32 dims, 2^(e - 127))
@@ -218,8 +231,8 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
                    blocks_per_program: int = 0, num_warps: int = 0, stages: int = 0):
     """[T, width] float32 indexer scores: q [T, Hi, Di] (float32, or already in the keys' dtype), w [T, Hi]
     float32 head weights (rows may be strided) times `w_scale`, `keys` a PagedCache of float32 or bf16
-    rows ([num_blocks, bs, Di] data) or of FP4 records (uint8 [num_blocks, bs·(Di/2 + Di/32)], scored as
-    bf16 keys), pages [B, P] int32
+    rows ([num_blocks, bs, Di] data), of FP4 records (uint8 [num_blocks, bs·(Di/2 + Di/32)]) or of fp8
+    records (uint8 [num_blocks, bs·(Di + 4)]), records scored as bf16 keys, pages [B, P] int32
     (the entries table), token_request [T] int64, counts [T] int32. Entries j < counts[t] score
     Σ_h w·ReLU(q·k_j) (0 where the entry has no page: the torch path reads a zero key), the rest −inf.
     Sync-free; grid (T / TOKENS_PER_PROGRAM, width / (block_n · blocks_per_program)); launch shapes left
@@ -228,13 +241,14 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
 
     T, H, DI = q.shape
     data = keys.data
-    record = int(data.dtype == torch.uint8)                 # FP4 records (dsv4/strategies/mxfp4.py)
-    if record:
-        if DI % 64 or data.dim() != 2 or data.shape[1] != keys.block_size * (DI // 2 + DI // 32):
-            raise ValueError(f"indexer_logits: FP4 key pages {tuple(data.shape)} do not hold {keys.block_size} "
-                             f"records of {DI} dims (a multiple of 64)")
+    record = RECORDS.get(keys.layout.kv_row_dtype, 0) if data.dtype == torch.uint8 else 0
+    if data.dtype == torch.uint8:
+        per_key = DI // 2 + DI // 32 if record == 1 else DI + 4
+        if not record or DI % 64 or data.dim() != 2 or data.shape[1] != keys.block_size * per_key:
+            raise ValueError(f"indexer_logits: key pages {tuple(data.shape)} ({keys.layout.kv_row_dtype}) do not "
+                             f"hold {keys.block_size} FP4 or fp8 records of {DI} dims (a multiple of 64)")
     elif data.dtype not in (torch.float32, torch.bfloat16) or data.shape[-1] != DI:
-        raise ValueError(f"indexer_logits reads float32 or bf16 keys of {DI} dims or FP4 records, not "
+        raise ValueError(f"indexer_logits reads float32 or bf16 keys of {DI} dims or FP4 or fp8 records, not "
                          f"{data.dtype} [{data.shape[-1]}]")
     key_dtype = torch.bfloat16 if record else data.dtype    # the dtype the queries are rounded to
     out = torch.empty(T, width, dtype=torch.float32, device=q.device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_i32, launch
+from dsv4.kernels.launch import as_i32, launch, rows_dense
 
 # H200, 128 rows (64 requests x 2 tokens) of 2,048 and 16,384 columns, K = 512 (bench/tune_indexer.py)
 BLOCK, RADIX, NUM_WARPS = 2048, 4, 16
@@ -31,10 +31,10 @@ def _keys(scores_ptr, row, cols, n):
 
 
 @triton.jit
-def _topk_lists_kernel(scores_ptr, width, cnt_ptr, pages_ptr, pages_stride, n_pages, req_ptr, local_ptr, slots_ptr,
+def _topk_lists_kernel(scores_ptr, row_stride, width, cnt_ptr, pages_ptr, pages_stride, n_pages, req_ptr, local_ptr, slots_ptr,
                        lens_ptr, K, BS, BLOCK: tl.constexpr, RADIX: tl.constexpr):
     t = tl.program_id(0)
-    row = t.to(tl.int64) * width
+    row = t.to(tl.int64) * row_stride
     n = tl.minimum(tl.load(cnt_ptr + t), width)
     r = tl.load(req_ptr + t).to(tl.int64)
     NB: tl.constexpr = 1 << RADIX
@@ -87,7 +87,8 @@ def _topk_lists_kernel(scores_ptr, width, cnt_ptr, pages_ptr, pages_stride, n_pa
 
 def topk_lists(scores, counts, pages, token_request, *, topk: int, block_size: int, block: int = 0, radix: int = 0,
                num_warps: int = 0):
-    """scores [T, width] float32 (entries j < counts[t] visible), counts [T] int32, pages [B, P] int32,
+    """scores [T, width] float32 (entries j < counts[t] visible, the rest never read; rows may be
+    strided, as DeepGEMM pads them), counts [T] int32, pages [B, P] int32,
     token_request [T] -> (local [T, topk] int32, slots [T, topk] int32, lens [T] int32). Sync-free; one
     program per token; launch shapes left at 0 are the module's (RADIX must divide 32)."""
     import torch
@@ -102,7 +103,8 @@ def topk_lists(scores, counts, pages, token_request, *, topk: int, block_size: i
         raise ValueError(f"topk_lists: radix {radix} must divide 32")
     if T:
         pages = as_i32(pages)
-        launch(_topk_lists_kernel, (T,), as_dense(scores), width, as_i32(counts), pages, pages.stride(0),
+        scores = rows_dense(scores)
+        launch(_topk_lists_kernel, (T,), scores, scores.stride(0), width, as_i32(counts), pages, pages.stride(0),
                pages.shape[1], token_request, local, slots, lens, topk, block_size, BLOCK=block or BLOCK,
                RADIX=radix, num_warps=num_warps or NUM_WARPS)
     return local, slots, lens

@@ -124,6 +124,14 @@ def fp4_sim(x):
     return fp4_qdq(rotate(x)).float()
 
 
+def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float):
+    """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): rows of the keys' dtype,
+    FP4 or fp8 records."""
+    from dsv4.kernels.indexer_logits import indexer_logits
+
+    return indexer_logits(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale)
+
+
 # what the rotation and the blocks need of the model, and the fix where it has other shapes
 FP4_NEEDS = {"model_multiples": (("index_head_dim", FP4_BLOCK),), "model_powers_of_two": ("index_head_dim",),
              "fix": "indexer=exact"}
@@ -145,6 +153,8 @@ class ExactIndexer:
     transforms: ClassVar[bool] = False        # queries and keys are scored as the layer computes them
     fp4: ClassVar[bool] = False               # the transforms are the published FP4 ones (dsv4/kernels/fp4.py)
     oracle_numerics: ClassVar[str] = "exact"  # what the oracle recomputes the indexer with (reference.py)
+
+    scores = staticmethod(triton_scores)
 
     def needs(self, device) -> Needs:
         return Needs()
@@ -169,6 +179,8 @@ class Fp4SimIndexer:
     transforms: ClassVar[bool] = True
     fp4: ClassVar[bool] = True                # which the layer's kernels apply themselves on a GPU
     oracle_numerics: ClassVar[str] = "fp4"
+
+    scores = staticmethod(triton_scores)
 
     def needs(self, device) -> Needs:
         return Needs(**FP4_NEEDS)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dsv4.strategies.fp8_layouts import read_records, write_records
-from dsv4.strategies.indexer import FP4_BLOCK, FP4_NEEDS, fp4_decode, fp4_encode, fp4_sim
+from dsv4.strategies.indexer import FP4_BLOCK, FP4_NEEDS, fp4_decode, fp4_encode, fp4_sim, triton_scores
 from dsv4.strategies.protocols import Needs
 
 
@@ -95,6 +95,8 @@ class Mxfp4Indexer:
     transforms: ClassVar[bool] = True
     fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
+
+    scores = staticmethod(triton_scores)
 
     def needs(self, device) -> Needs:
         return Needs(**FP4_NEEDS)

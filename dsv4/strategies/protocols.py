@@ -29,6 +29,8 @@ class Needs:
     model_multiples: tuple[tuple[str, int], ...] = ()   # (ModelSpec field, what it must be a multiple of)
     model_values: tuple[tuple[str, int], ...] = ()      # (ModelSpec field, the value it must equal)
     model_powers_of_two: tuple[str, ...] = ()           # ModelSpec fields that must be powers of two
+    model_choices: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (ModelSpec field, the values it may take)
+    index_page_keys: frozenset[int] = frozenset()       # indexer keys per ratio-4 entry page it reads
     # e4m3 flavours of fp8 cache bytes: for a kernel, the ones it decodes them as on this device; for a
     # cache layout, the one it stores. "ocp" = float8_e4m3fn (bias 7, max 448), "fnuz" =
     # float8_e4m3fnuz (bias 8, max 240, no -0: byte 0x80 is NaN). Read as FNUZ a byte is worth half what
@@ -99,7 +101,8 @@ class IndexerStrategy(Protocol):
     keys become before they are scored and stored. `prepare` makes what the transforms need once, on
     the device; `transforms` says whether they change anything, `fp4` whether they are the published
     rotation and FP4 simulation, which the layer's kernels apply themselves on a GPU (dsv4/kernels/fp4.py;
-    other transforms run as `queries` and `keys`)."""
+    other transforms run as `queries` and `keys`). It owns its keys' record (`key_layout`) and, on a GPU,
+    the kernel that scores them (`scores`)."""
     name: str
     error_budget: float
     transforms: bool
@@ -111,6 +114,11 @@ class IndexerStrategy(Protocol):
     def key_layout(self, *, dtype: str, head_dim: int) -> CacheLayout: ...   # how its keys are stored
     def queries(self, q: Tensor, prepared: Any) -> Tensor: ...     # [T, Hi, Di] float32 -> float32
     def keys(self, rows: Tensor, prepared: Any) -> Tensor: ...     # [T, Di] float32 -> float32
+    # on a GPU: the step's scores [T, >= width] float32 of q [T, Hi, Di] over each token's request's keys
+    # (a PagedCache in its key_layout, through the entries table `pages`), entries j < counts[t] visible;
+    # the top-k reads only those
+    def scores(self, q: Tensor, w: Tensor, keys: PagedCache, pages: Tensor, token_request: Tensor,
+               counts: Tensor, *, width: int, w_scale: float) -> Tensor: ...
 
 
 @runtime_checkable

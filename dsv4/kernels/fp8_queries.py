@@ -1,0 +1,42 @@
+"""indexer=deepgemm_fp8's queries in one launch (dsv4.strategies.fp8_keys.fp8_queries is the torch
+specification): each head of q [T, Hi, Di] divided by its power-of-two scale 2^ceil(log2(max(amax, 1e-4) /
+448)) and rounded to e4m3 (as torch converts), and the head weights times w_scale and that scale."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dsv4.kernels.cache_write import e4m3_bits
+from dsv4.kernels.launch import as_dense, launch, next_pow2, rows_dense
+
+
+@triton.jit
+def _fp8_queries_kernel(q_ptr, w_ptr, w_stride, w_scale, q8_ptr, wq_ptr, H, D, HP: tl.constexpr, DP: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HP)
+    d = tl.arange(0, DP)
+    m = (h < H)[:, None] & (d < D)[None, :]
+    at = (t * H + h)[:, None] * D + d[None, :]
+    x = tl.load(q_ptr + at, mask=m, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-4)
+    bits = tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)          # the scale's biased exponent
+    y = x * (((254 - e) << 23).to(tl.float32, bitcast=True))[:, None]            # x / scale, exactly
+    tl.store(q8_ptr + at, e4m3_bits(tl.minimum(tl.maximum(y, -448.0), 448.0)), mask=m)
+    wv = tl.load(w_ptr + t * w_stride + h, mask=h < H, other=0.0)
+    tl.store(wq_ptr + t * H + h, (wv * w_scale) * (e << 23).to(tl.float32, bitcast=True), mask=h < H)
+
+
+def fp8_queries_kernel(q, w, w_scale: float):
+    """q [T, Hi, Di] (float32 or bf16), w [T, Hi] float32 (rows may be strided) -> (q8 [T, 1, Hi, Di]
+    float8_e4m3fn, wq [T, Hi] float32), as `fp8_queries`."""
+    import torch
+
+    T, H, D = q.shape
+    q8 = torch.empty(T, 1, H, D, dtype=torch.uint8, device=q.device)
+    wq = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T:
+        w = rows_dense(w if w.dtype == torch.float32 else w.float())
+        launch(_fp8_queries_kernel, (T,), as_dense(q), w, w.stride(0), w_scale, q8, wq, H, D, HP=next_pow2(H),
+               DP=next_pow2(D))
+    return q8.view(torch.float8_e4m3fn), wq

@@ -1,0 +1,199 @@
+"""indexer=deepgemm_fp8 and indexer=triton_fp8: `fp4_sim`'s numerics, the keys stored as fp8 records.
+
+One key of Di dims is Di e4m3 bytes and one float32 scale (132 B for the 128-dim keys of DSV4): the
+bf16-rounded key divided by its scale 2^ceil(log2(max(amax, 1e-4) / 448)) -- a power of two, as the
+fp8_ds_mla records' --, rounded to e4m3. A page of B keys holds its B code rows first, then its B scales:
+DeepGEMM's paged fp8 indexer cache ([num_blocks, B, 1, Di + 4] as `fp8_paged_mqa_logits` reads it, B = 64
+on sm90). The keys being FP4-simulated (e2m1 values times a power of two per 32 dims), the power-of-two
+scale keeps them exactly wherever a block's scale is within 2^-13 of the key's largest -- every key the
+model makes in practice -- so both options score `fp4_sim`'s keys.
+
+The queries are `fp4_sim`'s too. `deepgemm_fp8` rounds each head to e4m3 with its own power-of-two scale
+(exact for FP4 values, as for the keys) and folds the scale into the head's weight (ReLU(s·x) = s·ReLU(x),
+s > 0); DeepGEMM's fp8 tensor-core products then sum them in its own order and precision, so near-ties
+may rank differently than under `fp4_sim`. `triton_fp8` decodes the records to their bf16 values as it
+reads them and scores them as `mxfp4` does, for GPUs without DeepGEMM.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from dsv4.strategies.fp8_layouts import E4M3_MAX, read_records, write_records
+from dsv4.strategies.indexer import FP4_NEEDS, fp4_sim, pow2_ceil, triton_scores
+from dsv4.strategies.protocols import Needs
+
+AMAX_MIN = 1e-4                 # the smallest amax a scale is taken from (a zero key: scale 2^-22)
+DEEPGEMM_PAGES = {"sm90": (64,), "sm100": (32, 64)}               # keys per page it reads, per arch
+DEEPGEMM_HEADS = {"sm90": (32, 64), "sm100": (8, 16, 32, 64)}       # index heads it takes, per arch
+
+
+def fp8_scales(x, dim: int = -1):
+    """x float32 -> its power-of-two fp8 scales 2^ceil(log2(max(amax, 1e-4) / 448)) over `dim` (kept)."""
+    return pow2_ceil(x.abs().amax(dim, keepdim=True).clamp_min(AMAX_MIN) / E4M3_MAX)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fp8KeyLayout:
+    """uint8 pages [num_blocks, B·(Di + 4)] of fp8 key records (the module docstring)."""
+    name: str = "fp8"
+    error_budget: ClassVar[float] = 0.0      # the values of FP4-simulated keys, exactly
+    head_dim: int = 128
+
+    @property
+    def kv_row_dtype(self) -> str:
+        return "fp8"
+
+    @property
+    def data_bytes(self) -> int:
+        return self.head_dim
+
+    @property
+    def scale_bytes(self) -> int:
+        return 4
+
+    def needs(self, device) -> Needs:
+        return Needs()
+
+    def bytes_per_token(self, head_dim: int) -> int:
+        if head_dim != self.head_dim:
+            raise ValueError(f"fp8 keys of {self.head_dim} dims cannot hold rows of {head_dim}")
+        return self.data_bytes + self.scale_bytes
+
+    def page_bytes(self, block_size: int, head_dim: int) -> int:
+        return block_size * self.bytes_per_token(head_dim)
+
+    def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str):
+        import torch
+
+        return torch.zeros(num_blocks, self.page_bytes(block_size, head_dim), dtype=torch.uint8, device=device)
+
+    def pack(self, rows):
+        """[N, Di] -> (e4m3 bytes [N, Di] uint8, the float32 scales' bytes [N, 4] uint8), from the
+        bf16-rounded rows."""
+        import torch
+
+        x = rows.bfloat16().float()
+        s = fp8_scales(x)
+        q = (x / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        return q.view(torch.uint8), s.flatten().contiguous().view(torch.uint8).view(*s.shape[:-1], 4)
+
+    def unpack(self, data, scales):
+        """(data [..., Di], scales [..., 4]) -> [..., Di] float32."""
+        import torch
+
+        return data.contiguous().view(torch.float8_e4m3fn).float() * scales.contiguous().view(torch.float32)
+
+    def write(self, cache, slots, rows, *, block_size: int) -> None:
+        write_records(self, cache, slots, rows, block_size=block_size)
+
+    def read(self, cache, slots, *, block_size: int):
+        return read_records(self, cache, slots, block_size=block_size, data_bytes=self.data_bytes,
+                            scale_bytes=self.scale_bytes)
+
+    def kernel_store(self, cache, block_size: int):
+        """On a GPU, the compress kernel stores the keys as these records (dsv4/kernels/cache_write.py)."""
+        if not cache.is_cuda:
+            return None
+        from dsv4.kernels.cache_write import fp8_key_store
+        return fp8_key_store(cache, block_size, self.head_dim)
+
+
+def deepgemm_pages(cache):
+    """The [num_blocks, B, 1, Di + 4] uint8 view fp8_paged_mqa_logits reads of a PagedCache of fp8 keys."""
+    B, data = cache.block_size, cache.data
+    return data.view(data.shape[0], B, 1, data.shape[1] // B)
+
+
+def fp8_queries(q, w, w_scale: float):
+    """q [T, Hi, Di] (FP4-simulated values) and head weights w [T, Hi] -> (q in e4m3 [T, 1, Hi, Di], each
+    head divided by its power-of-two scale; the weights times w_scale and that scale [T, Hi] float32). The
+    specification of the GPU's one launch (dsv4/kernels/fp8_queries.py)."""
+    import torch
+
+    qf = q.float()
+    s = fp8_scales(qf)
+    q8 = (qf / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).unsqueeze(1)
+    return q8, (w.float() * w_scale) * s.squeeze(-1)
+
+
+def deepgemm_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float):
+    """[T, width] float32 scores by deep_gemm.fp8_paged_mqa_logits, every token its own batch row (next_n
+    = 1: sm90 takes at most 2 tokens per row, and a step's tokens per request vary), its request's block
+    table row (a padding token, request -1: any row, as it sees nothing), and its count of visible entries;
+    entries at or past the count may hold anything (the top-k reads each row's first `count`). The schedule
+    is made from the counts in the same stream (no sync)."""
+    import deep_gemm
+
+    from dsv4.kernels.fp8_queries import fp8_queries_kernel
+
+    q8, wq = fp8_queries_kernel(q, w, w_scale)
+    # every row at least one entry (a step of padding alone, as a graph capture runs, faults the kernel),
+    # through pages that exist (page 0 for a missing one): what such rows score is never read
+    lens = counts.clamp(min=1).view(-1, 1).int()
+    table = pages.index_select(0, token_request.clamp(min=0)).clamp(min=0).int()
+    sched = deep_gemm.get_paged_mqa_logits_metadata(lens, keys.block_size, deep_gemm.get_num_sms())
+    return deep_gemm.fp8_paged_mqa_logits(q8, deepgemm_pages(keys), wq, lens, table, sched, width,
+                                          clean_logits=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeepGemmFp8Indexer:
+    """fp4_sim's queries and keys; keys stored as Fp8KeyLayout records, scored by DeepGEMM (sm90, sm100;
+    package sgl-deep-gemm)."""
+    name: str = "deepgemm_fp8"
+    # near-ties ranked in DeepGEMM's summation order may swap an entry of the top-k: the layer's output
+    # moves by the swapped rows' share
+    error_budget: ClassVar[float] = 1e-2
+    transforms: ClassVar[bool] = True
+    fp4: ClassVar[bool] = True
+    oracle_numerics: ClassVar[str] = "fp4"
+
+    def needs(self, device) -> Needs:
+        heads = DEEPGEMM_HEADS.get(device.arch, DEEPGEMM_HEADS["sm90"])
+        return Needs(platforms=frozenset({"cuda"}), archs=frozenset(DEEPGEMM_HEADS),
+                     modules=(("deep_gemm", "sgl-deep-gemm"),),
+                     model_values=(("index_head_dim", 128),), model_choices=(("index_n_heads", heads),),
+                     index_page_keys=frozenset(DEEPGEMM_PAGES.get(device.arch, DEEPGEMM_PAGES["sm90"])),
+                     model_multiples=FP4_NEEDS["model_multiples"], model_powers_of_two=FP4_NEEDS["model_powers_of_two"],
+                     fix="indexer=triton_fp8")
+
+    def prepare(self, *, head_dim: int, device) -> Any:
+        return None
+
+    def key_layout(self, *, dtype: str, head_dim: int):
+        return Fp8KeyLayout(head_dim=head_dim)
+
+    def queries(self, q, prepared=None):
+        return fp4_sim(q)
+
+    def keys(self, rows, prepared=None):
+        return fp4_sim(rows)
+
+    scores = staticmethod(deepgemm_scores)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TritonFp8Indexer:
+    """fp4_sim's queries and keys; keys stored as Fp8KeyLayout records, scored by our Triton kernel."""
+    name: str = "triton_fp8"
+    error_budget: ClassVar[float] = 0.0       # the values of fp4_sim's keys, scored as mxfp4's
+    transforms: ClassVar[bool] = True
+    fp4: ClassVar[bool] = True
+    oracle_numerics: ClassVar[str] = "fp4"
+    scores = staticmethod(triton_scores)
+
+    def needs(self, device) -> Needs:
+        return Needs(**FP4_NEEDS)
+
+    def prepare(self, *, head_dim: int, device) -> Any:
+        return None
+
+    def key_layout(self, *, dtype: str, head_dim: int):
+        return Fp8KeyLayout(head_dim=head_dim)
+
+    def queries(self, q, prepared=None):
+        return fp4_sim(q)
+
+    def keys(self, rows, prepared=None):
+        return fp4_sim(rows)
