@@ -226,8 +226,9 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
     keys = c.index_page_keys
     if n.index_page_keys and keys is not None and keys not in n.index_page_keys:
         want = min(n.index_page_keys)
-        out.append(Problem(group=group, value=name, reason=f"reads indexer key pages of {sorted(n.index_page_keys)} "
-                           f"keys; the pool's ratio-4 pages hold {keys}", supported=tuple(map(str, sorted(n.index_page_keys))),
+        pages = sorted(n.index_page_keys)
+        out.append(Problem(group=group, value=name, reason=f"reads indexer key pages of {pages} keys; the "
+                           f"pool's ratio-4 pages hold {keys}", supported=tuple(map(str, pages)),
                            fix=f"workload.kv_pool.compressed_block_tokens={4 * want}"))
     if here is not None and device.platform == here:
         for module, dist in n.modules:

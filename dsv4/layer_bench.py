@@ -258,7 +258,8 @@ def layer_backends(job, layer: int, labels, indexers) -> list[Backend]:
         if indexers is None or job.spec.compress_ratio(layer) != 4:
             out.append(b)
         else:
-            out += [Backend(label=b.label, combo=replace(b.combo, indexer=option("indexer", name))) for name in indexers]
+            out += [Backend(label=b.label, combo=replace(b.combo, indexer=option("indexer", name)))
+                    for name in indexers]
     return out
 
 
@@ -272,7 +273,8 @@ def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, indexers=None, lay
     import traceback
 
     rows, parts_rows, pre = [], [], []
-    layers = [l for l in job.spec.one_layer_per_type() if layer_types is None or job.spec.layer_type(l) in layer_types]
+    layers = [l for l in job.spec.one_layer_per_type()
+              if layer_types is None or job.spec.layer_type(l) in layer_types]
     for layer in layers:
         for backend in layer_backends(job, layer, labels, indexers):
             ix = backend.combo.indexer.name if job.spec.compress_ratio(layer) == 4 else "-"
@@ -303,8 +305,8 @@ def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, indexers=None, lay
     return "\n\n".join([
         "decode step, CUDA-graph replay of the second layer of its type (median µs; the first also makes the "
         "type's per-step kernel plan: + first of type), with what it costs eagerly and its parts alone:\n" + table(
-            ["layer", "backend", "indexer", "requests", "tokens/req", "context", "replay µs", "+ first of type", "eager µs",
-             "eager/replay", "eager host µs", "plan µs", "components µs", "replay/components", "floor µs",
+            ["layer", "backend", "indexer", "requests", "tokens/req", "context", "replay µs", "+ first of type",
+             "eager µs", "eager/replay", "eager host µs", "plan µs", "components µs", "replay/components", "floor µs",
              "floor/replay", "replay == eager"],
             rows, left=(0, 1, 2)),
         f"components of the first case ({cases[0][0]} requests x {cases[0][1]} tokens, {cases[0][2]} context), "

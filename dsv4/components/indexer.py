@@ -4,10 +4,10 @@ batched over every token of a step.
 score[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · k_j), w = weights_proj(x) · Di^-½ · Hi^-½, over the compressed
 entries j < (p+1)//4 of the token's request (its keys on the ratio-4 entry pages), accumulated in float32.
 The keys are stored as the `indexer` option says (its `key_layout`: rows in the activation dtype, packed
-FP4 records or fp8 records) and the queries are rounded to their dtype before the product (`score_dtype`): exact float32
-for float32 keys, a bf16 product for bf16 keys and FP4 records (the published code's). The selection is
-the local entry indices of the top min(K, visible) scores, -1 padded to K, the valid ones first (so their
-count is the list's length); their order carries no meaning.
+FP4 records or fp8 records) and the queries are rounded to their dtype before the product (`score_dtype`):
+exact float32 for float32 keys, a bf16 product for bf16 keys and records (the published code's). The
+selection is the local entry indices of the top min(K, visible) scores, -1 padded to K, the valid ones
+first (so their count is the list's length); their order carries no meaning.
 What the queries and keys are before they are scored and stored is the `indexer` strategy's
 (`numerics`, dsv4/strategies/indexer.py): as computed (`exact`), or Hadamard-rotated and FP4-simulated
 as the published code trains and runs them (`fp4_sim`).
@@ -71,9 +71,10 @@ class Indexer:
 
     def scores(self, q, w, keys, plan):
         """[T, width] float32 scores of every entry slot of each token's request; -inf where not visible
-        (j >= count) -- which a vendor kernel may leave unwritten: `lists` reads the visible ones only. q [T, Hi, Di] float32 (rounded here to the keys' dtype) or already in it, w [T, Hi]
-        float32 the head weights (weights_proj's output, scaled here by `weight_scale`), keys: the
-        PagedCache of indexer keys."""
+        (j >= count) -- which a vendor kernel may leave unwritten: `lists` reads the visible ones only.
+        q [T, Hi, Di] float32 (rounded here to the keys' dtype) or already in it, w [T, Hi] float32 the
+        head weights (weights_proj's output, scaled here by `weight_scale`), keys: the PagedCache of
+        indexer keys."""
         ents = plan.entries[4]
         if q.is_cuda:                           # the strategy's kernel (its rows may be wider than `width`)
             return self.numerics.scores(q, w, keys, ents.table.pages, plan.token_request, ents.counts,

@@ -124,12 +124,16 @@ def deepgemm_scores(q, w, keys, pages, token_request, counts, *, width: int, w_s
     entries at or past the count may hold anything (the top-k reads each row's first `count`). The schedule
     is made from the counts in the same stream (no sync)."""
     import deep_gemm
+    import torch
 
     from dsv4.kernels.fp8_queries import fp8_queries_kernel
 
+    if not width or not q.shape[0]:
+        return torch.empty(q.shape[0], width, dtype=torch.float32, device=q.device)
     q8, wq = fp8_queries_kernel(q, w, w_scale)
-    # every row at least one entry (a step of padding alone, as a graph capture runs, faults the kernel),
-    # through pages that exist (page 0 for a missing one): what such rows score is never read
+    # every row at least one entry, through pages that exist (page 0 for a missing one): a step of padding
+    # rows alone (a graph capture's warm-up) made the kernel fault on the H200 without; what such rows
+    # score is never read
     lens = counts.clamp(min=1).view(-1, 1).int()
     table = pages.index_select(0, token_request.clamp(min=0)).clamp(min=0).int()
     sched = deep_gemm.get_paged_mqa_logits_metadata(lens, keys.block_size, deep_gemm.get_num_sms())
