@@ -283,9 +283,9 @@ def run_bench(job, ranks=None) -> None:
     print("\nsparse MQA decode, fp8_ds_mla pages (153 MB per cache), full index lists:\n" + bench_mqa(job))
     print("\no_proj, G=8 groups of 8 heads, 4096 -> 1024 per group, then wo_b:\n" + bench_o_proj(job))
     print("\nwhole layer, one layer of each type:\n" + bench_layer_step(job))
+    indexers = available_options(job, "indexer")
     print(f"\nthe indexer: scores and top-{job.spec.index_topk} of {NREQ} requests x {TOKENS} tokens by each option, "
-          "in CUDA graphs:\n" + bench_indexer(job))
-    names = [ix.name for ix in available_options(job, "indexer")]
+          "in CUDA graphs:\n" + bench_indexer(job, indexers))
     print("\nthe ratio-4 layer with each indexer option:\n"
-          + bench_layer_step(job, [(NREQ, TOKENS, c) for c in CONTEXTS[::2]], indexers=names, layer_types=("c4a",),
-                             prefill=False))
+          + bench_layer_step(job, [(NREQ, TOKENS, c) for c in CONTEXTS[::2]], indexers=[ix.name for ix in indexers],
+                             layer_types=("c4a",), prefill=False))

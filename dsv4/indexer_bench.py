@@ -96,10 +96,11 @@ def option_rows(ix, spec, context: int) -> list:
     return row
 
 
-def bench_indexer(job) -> str:
-    """The table (module docstring), every option check() accepts here, with the job's model."""
+def bench_indexer(job, options=None) -> str:
+    """The table (module docstring) for `options` (default: every option check() accepts here), with the
+    job's model."""
     rows = []
-    for ix in available_options(job, "indexer"):
+    for ix in options if options is not None else available_options(job, "indexer"):
         for context in CONTEXTS:
             rows.append(option_rows(ix, job.spec, context))
     return table(["context", "indexer", "key B/entry", "scores µs", "scores + top-k µs", "rel err vs bf16 rows",

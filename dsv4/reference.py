@@ -13,6 +13,7 @@ selection (`topk`) and the selection graded separately (`grade_selection`).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping
 
@@ -28,9 +29,7 @@ def _fp4_indexer(x):
     2^ceil(log2(max(amax, 6·2^-126) / 6)), each value/scale to the nearest e2m1 magnitude, a tie to the
     even code), as float32. The Hadamard entries are (-1)^popcount(i & j) (Sylvester's order)."""
     n = x.shape[-1]
-    i = torch.arange(n)
-    h = 1.0 - 2.0 * _popcount(i[:, None] & i[None, :]).remainder(2).double()
-    y = ((x.to(torch.bfloat16).double() @ h) * n ** -0.5).float().to(torch.bfloat16).float()
+    y = ((x.to(torch.bfloat16).double() @ _hadamard(n)) * n ** -0.5).float().to(torch.bfloat16).float()
     b = y.unflatten(-1, (-1, 32))
     amax = b.abs().amax(-1, keepdim=True).clamp_min(6 * 2.0 ** -126) * torch.tensor(1 / 6, dtype=torch.float32)
     scale = torch.exp2(torch.ceil(torch.log2(amax.double()))).float()
@@ -39,6 +38,13 @@ def _fp4_indexer(x):
     dist = (v.abs().double()[..., None] - grid).abs() + torch.arange(8) % 2 * 1e-12   # a tie goes to the even code
     mag = grid[dist.argmin(-1)].float()
     return (torch.where(v < 0, -mag, mag) * scale).flatten(-2).to(torch.bfloat16).float()
+
+
+@functools.cache
+def _hadamard(n: int):
+    """The n x n Hadamard matrix (-1)^popcount(i & j), float64 (made once per n)."""
+    i = torch.arange(n)
+    return 1.0 - 2.0 * _popcount(i[:, None] & i[None, :]).remainder(2).double()
 
 
 def _popcount(t):
@@ -133,7 +139,8 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
     """One request's whole history x [L, hidden] at positions 0..L-1.
 
     Returns `out` [L, hidden]; for ratio 4 also `scores` [L, n] (the indexer's, -inf where not
-    visible) and `topk` [L, K] (the selection attended over: `topk` if given, else the oracle's own).
+    visible), `scores_by` (those scores under each of INDEXER_NUMERICS, `scores` among them) and `topk`
+    [L, K] (the selection attended over: `topk` if given, else the oracle's own).
     """
     if indexer_numerics not in INDEXER_NUMERICS:
         raise ValueError(f"indexer_numerics={indexer_numerics!r} is not one of {INDEXER_NUMERICS}")
@@ -164,16 +171,18 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
             kidx = _compress(x, w[c + "wkv.weight"], w[c + "wgate.weight"], w[c + "ape"],
                              w[c + "norm.weight"], 4, Di, f, eps)
             iq = _rope((qr @ w["indexer.wq_b.weight"].T).view(L, Hi, Di), pos[:, None], f)
-            if indexer_numerics == "fp4":
-                iq, kidx = _fp4_indexer(iq), _fp4_indexer(kidx)
             hw = (x @ w["indexer.weights_proj.weight"].T) * Di ** -0.5 * Hi ** -0.5
-            scores = (torch.einsum("lhd,nd->lhn", iq, kidx).relu() * hw[..., None]).sum(1)
-            scores = scores.masked_fill(~visible, -math.inf)
+            by = {}                     # the scores under each numerics the oracle offers (for grading)
+            for numerics in INDEXER_NUMERICS:
+                qn, kn = (_fp4_indexer(iq), _fp4_indexer(kidx)) if numerics == "fp4" else (iq, kidx)
+                sc = (torch.einsum("lhd,nd->lhn", qn, kn).relu() * hw[..., None]).sum(1)
+                by[numerics] = sc.masked_fill(~visible, -math.inf)
+            scores = by[indexer_numerics]
             topk = _own_topk(scores, K) if topk is None else torch.as_tensor(topk).long()
             chosen = torch.zeros(L, n + 1, dtype=torch.bool)
             chosen.scatter_(1, torch.where(topk >= 0, topk, n), True)
             visible = chosen[:, :n]
-            res |= {"scores": scores, "topk": topk}
+            res |= {"scores": scores, "scores_by": by, "topk": topk}
         keys = torch.cat((raw, comp))
         mask = torch.cat((mask, visible), 1)
     logits = torch.einsum("lhd,nd->lhn", q, keys) * D ** -0.5
@@ -193,12 +202,13 @@ def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], h
     """Recompute every token of a run (tokens in any order, grouped by `request_index`).
 
     Each request's tokens must be its whole history 0..L-1. Returns `out` [T, hidden] aligned with
-    the inputs and, for ratio 4, `scores` (list per request) and the oracle's own `topk` [T, K].
+    the inputs and, for ratio 4, `scores` ({request: (rows, scores)}), `scores_by` (the same under each
+    of INDEXER_NUMERICS) and the oracle's own `topk` [T, K].
     """
     T = hidden.shape[0]
     out = torch.zeros(T, hidden.shape[1])
     own_topk = torch.full((T, model["index_topk"]), -1, dtype=torch.int64) if ratio == 4 else None
-    scores = {}
+    scores, scores_by = {}, {numerics: {} for numerics in INDEXER_NUMERICS}
     for r in torch.unique(request_index).tolist():
         rows = torch.nonzero(request_index == r).squeeze(1)
         rows = rows[torch.argsort(positions[rows])]
@@ -210,8 +220,10 @@ def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], h
         out[rows] = res["out"]
         if ratio == 4:
             scores[r] = (rows, res["scores"])
+            for numerics, sc in res["scores_by"].items():
+                scores_by[numerics][r] = (rows, sc)
             own_topk[rows] = _own_topk(res["scores"], model["index_topk"])
-    return {"out": out, "scores": scores, "topk": own_topk}
+    return {"out": out, "scores": scores, "scores_by": scores_by, "topk": own_topk}
 
 
 def _own_topk(scores, K: int):

@@ -151,12 +151,9 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
             # the selection against each numerics the oracle offers: the model's weights as computed
             # (exact) and the published FP4 numerics
             for numerics in ref.INDEXER_NUMERICS:
-                grades = g
-                if numerics != c.indexer.oracle_numerics:
-                    other = ref.oracle_outputs(*args, kv_row_dtype=row_dtype, kv_scale=kv_scale, topk=given,
-                                               indexer_numerics=numerics)
-                    grades = [ref.grade_selection(topk[rows_], sc, spec.index_topk) for rows_, sc in
-                              other["scores"].values()]
+                grades = g if numerics == c.indexer.oracle_numerics else [
+                    ref.grade_selection(topk[rows_], sc, spec.index_topk) for rows_, sc in
+                    o["scores_by"][numerics].values()]
                 m[f"topk_recall_vs_{numerics}"] = sum(x["recall"] for x in grades) / len(grades)
         pre_s, dec_s = rec_raw.seconds.get(("prefill", l), 0.0), rec_raw.seconds.get(("decode", l), 0.0)
         m["prefill_tok_s"] = rec_raw.tokens.get("prefill", 0) / pre_s if pre_s else None

@@ -5,6 +5,7 @@ indexer=mxfp4: its 68-byte key records byte for byte against a packer written he
 definition, and the layer choosing what fp4_sim chooses."""
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -220,41 +221,59 @@ def test_mxfp4_records_byte_for_byte():
     assert len(finite) == 39 and torch.equal(lay.unpack(*lay.pack(finite)), finite)
 
 
+def written_pages(lay, B: int, seed: int):
+    """Three random rows written at slots 6, -1 and 9 of three pages of B records of `lay`: key t's data
+    bytes at t·D, its scale bytes at B·D + t·S (D, S: the record's data and scale bytes), nothing else
+    written. -> (cache, rows, their packed data and scales)."""
+    D, S = lay.data_bytes, lay.scale_bytes
+    cache = lay.allocate(num_blocks=3, block_size=B, head_dim=128, device="cpu")
+    assert cache.shape == (3, B * (D + S)) and cache.dtype == torch.uint8
+    rows = torch.randn(3, 128, generator=torch.Generator().manual_seed(seed))
+    lay.write(cache, torch.tensor([6, -1, 9]), rows, block_size=B)
+    data, scales = lay.pack(rows)
+    for i, slot in ((0, 6), (2, 9)):
+        page, t = divmod(slot, B)
+        assert torch.equal(cache[page, t * D:(t + 1) * D], data[i])
+        assert torch.equal(cache[page, B * D + t * S:B * D + (t + 1) * S], scales[i])
+    assert int(cache.count_nonzero()) == int(data[[0, 2]].count_nonzero() + scales[[0, 2]].count_nonzero())
+    return cache, rows, data, scales
+
+
 def test_mxfp4_pages_hold_codes_then_scales():
     """A page of B records: key t's codes at t·64, its scales at B·64 + t·4; a skipped slot (-1) writes
     nothing; a read of -1 is zeros."""
     B, lay = 4, Mxfp4KeyLayout(head_dim=128)
-    cache = lay.allocate(num_blocks=3, block_size=B, head_dim=128, device="cpu")
-    assert cache.shape == (3, B * 68) and cache.dtype == torch.uint8
-    g = torch.Generator().manual_seed(8)
-    rows = torch.randn(3, 128, generator=g)
-    slots = torch.tensor([6, -1, 9])
-    lay.write(cache, slots, rows, block_size=B)
-    data, scales = lay.pack(rows)
-    for i, slot in ((0, 6), (2, 9)):
-        page, t = divmod(slot, B)
-        assert torch.equal(cache[page, t * 64:(t + 1) * 64], data[i])
-        assert torch.equal(cache[page, B * 64 + t * 4:B * 64 + (t + 1) * 4], scales[i])
-    assert int(cache.count_nonzero()) == int(data[[0, 2]].count_nonzero() + scales[[0, 2]].count_nonzero())
+    assert (lay.data_bytes, lay.scale_bytes) == (64, 4)
+    cache, rows, _, _ = written_pages(lay, B, seed=8)
     back = lay.read(cache, torch.tensor([9, -1, 6]), block_size=B)
     assert torch.equal(back[0], fp4_qdq(rows[2]).float()) and bool((back[1] == 0).all())
     assert torch.equal(back[2], fp4_qdq(rows[0]).float())
 
 
-def test_mxfp4_layer_selects_what_fp4_sim_selects():
+@functools.cache
+def fp4_sim_run(seed: int):
+    return run_layer(Fp4SimIndexer(), seed=seed)
+
+
+@pytest.mark.parametrize("option,record_bytes", [("mxfp4", 68), ("triton_fp8", 132)])
+def test_record_layer_selects_what_fp4_sim_selects(option, record_bytes):
     """The same weights and tokens through the paged layer with indexer=fp4_sim (bf16-valued float32 keys)
-    and indexer=mxfp4 (68-byte records): the same outputs and top-k lists, token for token; the records
-    are 68 bytes per entry in the pool."""
-    spec, _, X, outs, topk = run_layer(Fp4SimIndexer(), seed=9)
-    *_, outs2, topk2 = run_layer(Mxfp4Indexer(), seed=9)
+    and with an option that stores the same keys as records (mxfp4's 68-byte FP4 records, triton_fp8's
+    132-byte fp8 records, which hold them exactly): the same outputs and top-k lists, token for token; the
+    records take their bytes per entry in the pool."""
+    from dsv4.strategies import TritonFp8Indexer
+
+    indexer = {"mxfp4": Mxfp4Indexer, "triton_fp8": TritonFp8Indexer}[option]()
+    spec, _, X, outs, topk = fp4_sim_run(9)
+    *_, outs2, topk2 = run_layer(indexer, seed=9)
     for layer in outs:
         for rid in X:
             assert torch.equal(outs[layer][rid], outs2[layer][rid])
             if layer in topk:
                 assert torch.equal(topk[layer][rid], topk2[layer][rid])
-    eng, _ = make_engine(spec, indexer=Mxfp4Indexer(), seed=9)
+    eng, _ = make_engine(spec, indexer=indexer, seed=9)
     keys = next(c.indexer_keys for c in eng.pools[0].layers.values() if c.indexer_keys is not None)
-    assert keys.data.dtype == torch.uint8 and keys.page_bytes == keys.block_size * 68
+    assert keys.data.dtype == torch.uint8 and keys.page_bytes == keys.block_size * record_bytes
 
 
 def test_mxfp4_memory_accounting_counts_its_records():
@@ -346,35 +365,10 @@ def test_fp8_pages_hold_codes_then_scales():
     from dsv4.strategies import Fp8KeyLayout
 
     B, lay = 4, Fp8KeyLayout(head_dim=128)
-    cache = lay.allocate(num_blocks=3, block_size=B, head_dim=128, device="cpu")
-    assert cache.shape == (3, B * 132) and cache.dtype == torch.uint8
-    rows = torch.randn(3, 128, generator=torch.Generator().manual_seed(12))
-    lay.write(cache, torch.tensor([6, -1, 9]), rows, block_size=B)
-    data, scales = lay.pack(rows)
-    for i, slot in ((0, 6), (2, 9)):
-        page, t = divmod(slot, B)
-        assert torch.equal(cache[page, t * 128:(t + 1) * 128], data[i])
-        assert torch.equal(cache[page, B * 128 + t * 4:B * 128 + (t + 1) * 4], scales[i])
-    assert int(cache.count_nonzero()) == int(data[[0, 2]].count_nonzero() + scales[[0, 2]].count_nonzero())
+    assert (lay.data_bytes, lay.scale_bytes) == (128, 4)
+    cache, _, data, scales = written_pages(lay, B, seed=12)
     back = lay.read(cache, torch.tensor([9, -1, 6]), block_size=B)
     assert torch.equal(back[1], torch.zeros(128)) and torch.equal(back[0], lay.unpack(data[2], scales[2]))
-
-
-def test_triton_fp8_layer_selects_what_fp4_sim_selects():
-    """indexer=triton_fp8 (132-byte records of the FP4-simulated keys) through the paged layer: fp4_sim's
-    outputs and top-k lists, token for token (the records hold its keys exactly)."""
-    from dsv4.strategies import TritonFp8Indexer
-
-    spec, _, X, outs, topk = run_layer(Fp4SimIndexer(), seed=9)
-    *_, outs2, topk2 = run_layer(TritonFp8Indexer(), seed=9)
-    for layer in outs:
-        for rid in X:
-            assert torch.equal(outs[layer][rid], outs2[layer][rid])
-            if layer in topk:
-                assert torch.equal(topk[layer][rid], topk2[layer][rid])
-    eng, _ = make_engine(spec, indexer=TritonFp8Indexer(), seed=9)
-    keys = next(c.indexer_keys for c in eng.pools[0].layers.values() if c.indexer_keys is not None)
-    assert keys.data.dtype == torch.uint8 and keys.page_bytes == keys.block_size * 132
 
 
 def test_check_refuses_deepgemm_fp8_where_it_cannot_run():

@@ -98,10 +98,8 @@ class DSV4Attention(torch.nn.Module):
         iq_dtype = idx.score_dtype(caches.indexer_keys) if idx is not None else None
         q, iq = front_rows((qr @ self.wq_b.T).view(T, H, self.spec.head_dim), kv_raw, self.kv_norm, rot,
                            plan.swa.write_slots, faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
-                           dtype=self.dtype, iq=iq_raw if front_iq else None,
-                           iq_dtype=iq_dtype if front_iq else None,
-                           iq_numerics=idx.numerics if front_iq else None,
-                           iq_prepared=idx.prepared if front_iq else None)
+                           dtype=self.dtype, iq=iq_raw if front_iq else None, iq_dtype=iq_dtype,
+                           iq_fp4=front_iq and idx.numerics.transforms)
 
         topk, extra = None, {}
         if self.compressor is not None:

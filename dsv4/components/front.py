@@ -49,28 +49,19 @@ def kv_rows(kv, weight, rot: RopeRows, slots, faults, *, eps: float, dtype):
 
 
 def front_rows(q, kv, weight, rot: RopeRows, slots, faults, cache, *, padded_heads: int, eps: float, dtype,
-               iq=None, iq_dtype=None, iq_numerics=None, iq_prepared=None):
-    """The front of the layer: `q_rows` of q and (if given) the indexer's queries iq -- `rotate_rows`, then
-    the numerics of its strategy `iq_numerics` with what its `prepare` made, `iq_prepared` (None or one
-    without transforms: none; on a GPU only the published FP4 ones) -- into `iq_dtype`, returned as (q rows, iq rows or None), and `kv_rows` of kv,
-    stored into `cache` (a PagedCache) at their slots. On a GPU one kernel does all three and stores the
-    KV rows itself where the cache's layout has a kernel store; otherwise they go through the layout's
-    `write`."""
-    transform = iq_numerics is not None and iq_numerics.transforms
+               iq=None, iq_dtype=None, iq_fp4: bool = False):
+    """The front of the layer: `q_rows` of q and `kv_rows` of kv, stored into `cache` (a PagedCache) at their
+    slots; -> (q rows, the indexer's queries or None). On a GPU one kernel does both and, given the
+    indexer's queries iq, makes them too (RoPE, then with `iq_fp4` the published FP4 numerics, into
+    `iq_dtype`); it stores the KV rows itself where the cache's layout has a kernel store, otherwise they
+    go through the layout's `write`. On the CPU the indexer's queries are left to `Indexer.queries`."""
     if q.is_cuda:
         from dsv4.kernels.layer_front import front_kernel
-        if transform and not iq_numerics.fp4:
-            raise ValueError(f"front_rows: the front kernel applies no indexer numerics {iq_numerics.name}")
         q_out, rows, iq_out = front_kernel(q, kv, weight, rot.cos, rot.sin, slots, faults, padded_heads=padded_heads,
                                            eps=eps, dtype=dtype, into=cache.store, iq=iq, iq_dtype=iq_dtype,
-                                           iq_fp4=transform)
+                                           iq_fp4=iq_fp4)
     else:
-        q_out = q_rows(q, rot, padded_heads=padded_heads, eps=eps, dtype=dtype)
-        iq_out = None
-        if iq is not None:
-            iq_out = rotate_rows(iq, rot, None if transform else iq_dtype)
-            if transform:
-                iq_out = iq_numerics.queries(iq_out, iq_prepared).to(iq_dtype or iq_out.dtype)
+        q_out, iq_out = q_rows(q, rot, padded_heads=padded_heads, eps=eps, dtype=dtype), None
         rows = kv_rows(kv, weight, rot, slots, faults, eps=eps, dtype=dtype)
     if rows is not None:
         cache.write(rows[1], rows[0])

@@ -218,14 +218,18 @@ def plain_rows_store(cache, block_size: int) -> RowStore:
                     num_slots=cache.numel() // cache.shape[-1], dim=cache.shape[-1])
 
 
-def fp4_record_store(pages, block_size: int, dim: int) -> RowStore:
-    return RowStore(kind=FP4_RECORD.value, block_size=block_size, data=pages, bf16=pages, words=pages,
+def _key_records(kind: int, pages, block_size: int, dim: int) -> RowStore:
+    """uint8 pages of indexer key records (one view: the kernels store bytes)."""
+    return RowStore(kind=kind, block_size=block_size, data=pages, bf16=pages, words=pages,
                     page_stride=pages.shape[1], num_slots=pages.shape[0] * block_size, dim=dim)
+
+
+def fp4_record_store(pages, block_size: int, dim: int) -> RowStore:
+    return _key_records(FP4_RECORD.value, pages, block_size, dim)
 
 
 def fp8_key_store(pages, block_size: int, dim: int) -> RowStore:
-    return RowStore(kind=FP8_KEY_RECORD.value, block_size=block_size, data=pages, bf16=pages, words=pages,
-                    page_stride=pages.shape[1], num_slots=pages.shape[0] * block_size, dim=dim)
+    return _key_records(FP8_KEY_RECORD.value, pages, block_size, dim)
 
 
 def check_store(into, dim: int, *, fp4: bool = False) -> None:

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, next_pow2, rows_dense
 from dsv4.kernels.cache_write import row_outputs, store_row
-from dsv4.kernels.fp4 import fp4_sim
+from dsv4.kernels.fp4 import FP4_MAX_DIM, fp4_sim
 from dsv4.kernels.layer_front import ROPE, ROPE_DIM, _rotate
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND
 
@@ -203,8 +203,9 @@ def compress_kernels(jobs, cos, sin, positions, step_start, token_request, keep_
                              f"tokens")
         if tuple(job.ape.shape) != (ratio, coff * D):
             raise ValueError(f"compress_kernel: ape {tuple(job.ape.shape)} is not [{ratio}, {coff * D}]")
-        if job.fp4 and D > 4096:
-            raise ValueError(f"compress_kernel: FP4 numerics on rows of {D} dims (a power of two, 32 to 4096)")
+        if job.fp4 and D > FP4_MAX_DIM:
+            raise ValueError(f"compress_kernel: FP4 numerics on rows of {D} dims (a power of two, 32 to "
+                             f"{FP4_MAX_DIM})")
         rows, store, (out, st, *cache), kind, bs = row_outputs("compress_kernel", job.into, faults, job.fault_row, T,
                                                               D, job.scores.device, fp4=job.fp4)
         results.append(None if job.into is not None else (rows, store))

@@ -15,6 +15,8 @@ import triton.language as tl
 
 from dsv4.kernels.rounding import round_to, widen
 
+FP4_MAX_DIM = 4096            # the widest row `hadamard` rotates (its 12 butterfly stages)
+
 
 @triton.jit
 def hadamard(y, R: tl.constexpr, N: tl.constexpr):

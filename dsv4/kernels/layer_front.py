@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.cache_write import row_outputs, store_row
-from dsv4.kernels.fp4 import fp4_sim
+from dsv4.kernels.fp4 import FP4_MAX_DIM, fp4_sim
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, cdiv, launch, next_pow2, rows_dense
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, round_to, widen
 
@@ -199,8 +199,8 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
     if iq is not None:
         hi, di = iq.shape[1], iq.shape[2]
         _check_dim(di)
-        if iq_fp4 and di > 4096:
-            raise ValueError(f"front_kernel: FP4 numerics on query heads of {di} dims (at most 4096)")
+        if iq_fp4 and di > FP4_MAX_DIM:
+            raise ValueError(f"front_kernel: FP4 numerics on query heads of {di} dims (at most {FP4_MAX_DIM})")
         if iq.shape[0] != T:
             raise ValueError(f"front_kernel: indexer queries {tuple(iq.shape)} for {T} tokens")
         iq = as_f32(iq)

@@ -17,10 +17,11 @@ reads them and scores them as `mxfp4` does, for GPUs without DeepGEMM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from dsv4.strategies.fp8_layouts import E4M3_MAX, read_records, write_records
-from dsv4.strategies.indexer import FP4_NEEDS, fp4_sim, pow2_ceil, triton_scores
+from dsv4.strategies import key_records
+from dsv4.strategies.fp8_layouts import E4M3_MAX
+from dsv4.strategies.indexer import FP4_NEEDS, fp4_keys, fp4_queries, no_prepare, pow2_ceil, triton_scores
 from dsv4.strategies.protocols import Needs
 
 AMAX_MIN = 1e-4                 # the smallest amax a scale is taken from (a zero key: scale 2^-22)
@@ -52,21 +53,9 @@ class Fp8KeyLayout:
     def scale_bytes(self) -> int:
         return 4
 
-    def needs(self, device) -> Needs:
-        return Needs()
-
-    def bytes_per_token(self, head_dim: int) -> int:
-        if head_dim != self.head_dim:
-            raise ValueError(f"fp8 keys of {self.head_dim} dims cannot hold rows of {head_dim}")
-        return self.data_bytes + self.scale_bytes
-
-    def page_bytes(self, block_size: int, head_dim: int) -> int:
-        return block_size * self.bytes_per_token(head_dim)
-
-    def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str):
-        import torch
-
-        return torch.zeros(num_blocks, self.page_bytes(block_size, head_dim), dtype=torch.uint8, device=device)
+    # the record layouts' shared methods (dsv4/strategies/key_records.py)
+    needs, bytes_per_token, page_bytes = key_records.needs, key_records.bytes_per_token, key_records.page_bytes
+    allocate, write, read = key_records.allocate, key_records.write, key_records.read
 
     def pack(self, rows):
         """[N, Di] -> (e4m3 bytes [N, Di] uint8, the float32 scales' bytes [N, 4] uint8), from the
@@ -83,13 +72,6 @@ class Fp8KeyLayout:
         import torch
 
         return data.contiguous().view(torch.float8_e4m3fn).float() * scales.contiguous().view(torch.float32)
-
-    def write(self, cache, slots, rows, *, block_size: int) -> None:
-        write_records(self, cache, slots, rows, block_size=block_size)
-
-    def read(self, cache, slots, *, block_size: int):
-        return read_records(self, cache, slots, block_size=block_size, data_bytes=self.data_bytes,
-                            scale_bytes=self.scale_bytes)
 
     def kernel_store(self, cache, block_size: int):
         """On a GPU, the compress kernel stores the keys as these records (dsv4/kernels/cache_write.py)."""
@@ -152,6 +134,8 @@ class DeepGemmFp8Indexer:
     transforms: ClassVar[bool] = True
     fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
+    scores, prepare = staticmethod(deepgemm_scores), no_prepare
+    queries, keys = fp4_queries, fp4_keys
 
     def needs(self, device) -> Needs:
         heads = DEEPGEMM_HEADS.get(device.arch, DEEPGEMM_HEADS["sm90"])
@@ -162,19 +146,8 @@ class DeepGemmFp8Indexer:
                      model_multiples=FP4_NEEDS["model_multiples"], model_powers_of_two=FP4_NEEDS["model_powers_of_two"],
                      fix="indexer=triton_fp8")
 
-    def prepare(self, *, head_dim: int, device) -> Any:
-        return None
-
     def key_layout(self, *, dtype: str, head_dim: int):
         return Fp8KeyLayout(head_dim=head_dim)
-
-    def queries(self, q, prepared=None):
-        return fp4_sim(q)
-
-    def keys(self, rows, prepared=None):
-        return fp4_sim(rows)
-
-    scores = staticmethod(deepgemm_scores)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,19 +158,12 @@ class TritonFp8Indexer:
     transforms: ClassVar[bool] = True
     fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
-    scores = staticmethod(triton_scores)
+    scores, prepare = staticmethod(triton_scores), no_prepare
+    queries, keys = fp4_queries, fp4_keys
 
     def needs(self, device) -> Needs:
         return Needs(**FP4_NEEDS)
 
-    def prepare(self, *, head_dim: int, device) -> Any:
-        return None
-
     def key_layout(self, *, dtype: str, head_dim: int):
         return Fp8KeyLayout(head_dim=head_dim)
 
-    def queries(self, q, prepared=None):
-        return fp4_sim(q)
-
-    def keys(self, rows, prepared=None):
-        return fp4_sim(rows)

@@ -132,6 +132,22 @@ def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_sca
     return indexer_logits(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale)
 
 
+def no_prepare(self, *, head_dim: int, device) -> Any:
+    """An option's `prepare` when its transforms need nothing made on the device."""
+    return None
+
+
+def fp4_queries(self, q, prepared=None):
+    """The FP4 options' `queries`: RoPE'd queries [..., Di] -> rotated, FP4-simulated, float32 (bf16 values)."""
+    return fp4_sim(q)
+
+
+def fp4_keys(self, rows, prepared=None):
+    """The FP4 options' `keys`: closed keys [N, Di] after norm and RoPE -> rotated, FP4-simulated, float32
+    (bf16 values)."""
+    return fp4_sim(rows)
+
+
 # what the rotation and the blocks need of the model, and the fix where it has other shapes
 FP4_NEEDS = {"model_multiples": (("index_head_dim", FP4_BLOCK),), "model_powers_of_two": ("index_head_dim",),
              "fix": "indexer=exact"}
@@ -154,13 +170,10 @@ class ExactIndexer:
     fp4: ClassVar[bool] = False               # the transforms are the published FP4 ones (dsv4/kernels/fp4.py)
     oracle_numerics: ClassVar[str] = "exact"  # what the oracle recomputes the indexer with (reference.py)
 
-    scores = staticmethod(triton_scores)
+    scores, prepare = staticmethod(triton_scores), no_prepare
 
     def needs(self, device) -> Needs:
         return Needs()
-
-    def prepare(self, *, head_dim: int, device) -> Any:
-        return None
 
     def key_layout(self, *, dtype: str, head_dim: int):
         return plain_keys(dtype)
@@ -180,21 +193,12 @@ class Fp4SimIndexer:
     fp4: ClassVar[bool] = True                # which the layer's kernels apply themselves on a GPU
     oracle_numerics: ClassVar[str] = "fp4"
 
-    scores = staticmethod(triton_scores)
+    scores, prepare = staticmethod(triton_scores), no_prepare
+    queries, keys = fp4_queries, fp4_keys
 
     def needs(self, device) -> Needs:
         return Needs(**FP4_NEEDS)
 
-    def prepare(self, *, head_dim: int, device) -> Any:
-        return None
-
     def key_layout(self, *, dtype: str, head_dim: int):
         return plain_keys(dtype)
 
-    def queries(self, q, prepared=None):
-        """RoPE'd queries [..., Di] -> rotated, FP4-simulated, float32 (bf16 values)."""
-        return fp4_sim(q)
-
-    def keys(self, rows, prepared=None):
-        """Closed keys [N, Di] after norm and RoPE -> rotated, FP4-simulated, float32 (bf16 values)."""
-        return fp4_sim(rows)

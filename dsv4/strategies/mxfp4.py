@@ -12,10 +12,19 @@ compress kernel writes the records (dsv4/kernels/fp4.py) and our Triton scoring 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from dsv4.strategies.fp8_layouts import read_records, write_records
-from dsv4.strategies.indexer import FP4_BLOCK, FP4_NEEDS, fp4_decode, fp4_encode, fp4_sim, triton_scores
+from dsv4.strategies import key_records
+from dsv4.strategies.indexer import (
+    FP4_BLOCK,
+    FP4_NEEDS,
+    fp4_decode,
+    fp4_encode,
+    fp4_keys,
+    fp4_queries,
+    no_prepare,
+    triton_scores,
+)
 from dsv4.strategies.protocols import Needs
 
 
@@ -43,21 +52,9 @@ class Mxfp4KeyLayout:
     def scale_bytes(self) -> int:
         return self.head_dim // self.block
 
-    def needs(self, device) -> Needs:
-        return Needs()
-
-    def bytes_per_token(self, head_dim: int) -> int:
-        if head_dim != self.head_dim:
-            raise ValueError(f"mxfp4 keys of {self.head_dim} dims cannot hold rows of {head_dim}")
-        return self.data_bytes + self.scale_bytes
-
-    def page_bytes(self, block_size: int, head_dim: int) -> int:
-        return block_size * self.bytes_per_token(head_dim)
-
-    def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str):
-        import torch
-
-        return torch.zeros(num_blocks, self.page_bytes(block_size, head_dim), dtype=torch.uint8, device=device)
+    # the record layouts' shared methods (dsv4/strategies/key_records.py)
+    needs, bytes_per_token, page_bytes = key_records.needs, key_records.bytes_per_token, key_records.page_bytes
+    allocate, write, read = key_records.allocate, key_records.write, key_records.read
 
     def pack(self, rows):
         """[N, Di] -> (codes [N, Di/2] uint8, scales [N, Di/32] uint8): rows FP4-quantized as fp4_sim does
@@ -71,13 +68,6 @@ class Mxfp4KeyLayout:
 
         codes = torch.stack((data & 15, data >> 4), -1).flatten(-2)
         return fp4_decode(codes, scales, self.block)
-
-    def write(self, cache, slots, rows, *, block_size: int) -> None:
-        write_records(self, cache, slots, rows, block_size=block_size)
-
-    def read(self, cache, slots, *, block_size: int):
-        return read_records(self, cache, slots, block_size=block_size, data_bytes=self.data_bytes,
-                            scale_bytes=self.scale_bytes)
 
     def kernel_store(self, cache, block_size: int):
         """On a GPU, the compress kernel stores FP4-simulated keys as these records (dsv4/kernels/fp4.py)."""
@@ -96,19 +86,12 @@ class Mxfp4Indexer:
     fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
 
-    scores = staticmethod(triton_scores)
+    scores, prepare = staticmethod(triton_scores), no_prepare
+    queries, keys = fp4_queries, fp4_keys
 
     def needs(self, device) -> Needs:
         return Needs(**FP4_NEEDS)
 
-    def prepare(self, *, head_dim: int, device) -> Any:
-        return None
-
     def key_layout(self, *, dtype: str, head_dim: int):
         return Mxfp4KeyLayout(head_dim=head_dim)
 
-    def queries(self, q, prepared=None):
-        return fp4_sim(q)
-
-    def keys(self, rows, prepared=None):
-        return fp4_sim(rows)
