@@ -63,7 +63,8 @@ def as_bf16_rows(keys):
 
 
 def option_rows(ix, spec, context: int) -> list:
-    """[context, option, key B/entry, scores µs, scores + top-k µs, rel err vs bf16 rows, same top-k set]."""
+    """[context, option, key B/entry, step plan µs (made once per step for the step's ratio-4 layers; 0:
+    none), scores µs, scores + top-k µs, rel err vs bf16 rows, same top-k set]."""
     from dsv4.strategies.indexer import triton_scores
 
     Hi, Di, K = spec.index_n_heads, spec.index_head_dim, spec.index_topk
@@ -76,8 +77,13 @@ def option_rows(ix, spec, context: int) -> list:
     width = pages.shape[1] * BS
     scale = Di ** -0.5 * Hi ** -0.5
 
+    def plan():
+        return ix.plan(token_request=req, counts=counts, pages=pages, block_size=BS)
+
+    ip = plan()                     # the step's, shared by its ratio-4 layers
+
     def scores():
-        return ix.scores(q, w, keys, pages, req, counts, width=width, w_scale=scale)
+        return ix.scores(q, w, keys, pages, req, counts, width=width, w_scale=scale, plan=ip)
 
     def step():
         return topk_lists(scores(), counts, pages, req, topk=K, block_size=BS)
@@ -86,11 +92,14 @@ def option_rows(ix, spec, context: int) -> list:
     ref = triton_scores(q, w, keys if keys.data.dtype != torch.uint8 else as_bf16_rows(keys), pages, req, counts,
                         width=width, w_scale=scale)
     vis = torch.arange(width, device="cuda")[None, :] < counts[:, None]
+    out = out[:, :width]
     err = rel_err(out[vis], ref[vis])
     local, _, _ = step()
     want = out.masked_fill(~vis, float("-inf")).topk(min(K, width), dim=-1).indices.sort(dim=-1).values
     same = torch.equal(local[:, :want.shape[1]].sort(dim=-1).values.long(), want)
-    row = [context, ix.name, layout.bytes_per_token(Di), graph_time_us(scores), graph_time_us(step), err, same]
+    plan_us = graph_time_us(plan) if ip is not None else 0.0
+    row = [context, ix.name, layout.bytes_per_token(Di), plan_us, graph_time_us(scores), graph_time_us(step), err,
+           same]
     del keys, out, ref
     torch.cuda.empty_cache()
     return row
@@ -103,5 +112,5 @@ def bench_indexer(job, options=None) -> str:
     for ix in options if options is not None else available_options(job, "indexer"):
         for context in CONTEXTS:
             rows.append(option_rows(ix, job.spec, context))
-    return table(["context", "indexer", "key B/entry", "scores µs", "scores + top-k µs", "rel err vs bf16 rows",
-                  "top-k == torch.topk"], rows, left=(1,))
+    return table(["context", "indexer", "key B/entry", "step plan µs", "scores µs", "scores + top-k µs",
+                  "rel err vs bf16 rows", "top-k == torch.topk"], rows, left=(1,))

@@ -371,6 +371,20 @@ def test_fp8_pages_hold_codes_then_scales():
     assert torch.equal(back[1], torch.zeros(128)) and torch.equal(back[0], lay.unpack(data[2], scales[2]))
 
 
+def test_deepgemm_plan_rows():
+    """deepgemm_fp8's step plan: each token's count of visible entries (at least 1: a row of padding
+    alone made DeepGEMM fault) and its request's entries table, missing pages as page 0."""
+    from dsv4.strategies.fp8_keys import token_rows
+
+    req = torch.tensor([0, 1, 1, 2, 2, 2])
+    counts = torch.tensor([5, 7, 8, 0, 1, 2], dtype=torch.int32)
+    pages = torch.tensor([[4, -1], [5, 6], [7, 8]], dtype=torch.int32)
+    lens, table = token_rows(token_request=req, counts=counts, pages=pages)
+    assert lens.dtype == table.dtype == torch.int32
+    assert lens.tolist() == [[5], [7], [8], [1], [1], [2]]
+    assert table.tolist() == [[4, 0], [5, 6], [5, 6], [7, 8], [7, 8], [7, 8]]
+
+
 def test_check_refuses_deepgemm_fp8_where_it_cannot_run():
     """deepgemm_fp8: CUDA sm90/sm100 only (fix: triton_fp8), 128-dim keys, the index heads its kernel takes
     on the arch, pages of the keys it reads (fix: the pool's page size)."""

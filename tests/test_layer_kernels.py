@@ -762,10 +762,11 @@ def test_rotate_rows():
     assert torch.equal(got[..., :64], x[..., :64])
 
 
-TOPK_LAUNCHES = [dict(), dict(block=16, radix=4, num_warps=4), dict(block=64, radix=2, num_warps=4)]
+TOPK_LAUNCHES = [dict(), dict(block=16, radix=4, num_warps=4), dict(block=64, radix=2, num_warps=4),
+                 dict(block=32, radix=8, num_warps=4)]
 
 
-@pytest.mark.parametrize("launch", TOPK_LAUNCHES, ids=["planned", "b16r4", "b64r2"])
+@pytest.mark.parametrize("launch", TOPK_LAUNCHES, ids=["planned", "b16r4", "b64r2", "b32r8"])
 def test_topk_lists(launch):
     """The radix select against torch.topk: the same set of the best min(K, visible) entries (scores drawn
     without ties; one row of ties at the K-th score takes the lowest indices), slots through the table

@@ -111,7 +111,8 @@ class DSV4Attention(torch.nn.Module):
             if idx is not None:
                 if iq is None:
                     iq = idx.queries(iq_raw.flatten(1), rot, iq_dtype)
-                topk, lists, lens = idx.lists(idx.scores(iq, scores[2], caches.indexer_keys, plan), plan)
+                ip = plan.indexer_plans.get(self.layer_type)
+                topk, lists, lens = idx.lists(idx.scores(iq, scores[2], caches.indexer_keys, plan, ip), plan)
             else:
                 ents = plan.entries[self.ratio]
                 lists, lens = ents.visible, ents.counts

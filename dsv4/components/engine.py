@@ -252,11 +252,20 @@ class Engine:
                     tokens=plan.num_tokens, layer_type=m.layer_type,
                     previous=None if fresh else self._kernel_plans.get(key))
 
+    def indexer_plans(self, plan: StepPlan, rank: int) -> None:
+        """Each ratio-4 layer type's indexer plan (device tensors from the step plan's, no sync: a graph's
+        plan captures it), made once per step and shared by that type's layers."""
+        for ranks in self.layers.values():
+            m = ranks[rank]
+            if m.indexer is not None and m.layer_type not in plan.indexer_plans:
+                plan.indexer_plans[m.layer_type] = m.indexer.plan(plan)
+
     def _forward(self, x, segs, timer, on_layer):
         plans = []
         for r, pool in enumerate(self.pools):
             plan = self.build_plan(pool, self.plan_inputs(pool, segs), num_tokens=x.shape[0])
             self.kernel_plans(plan, r)
+            self.indexer_plans(plan, r)
             plans.append(plan)
         return self.run_layers(lambda layer, r: self.layers[layer][r](x, plans[r], self.pools[r].layers[layer]),
                                timer, on_layer)

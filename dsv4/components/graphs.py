@@ -96,6 +96,7 @@ class StepGraphs:
         for r in range(nranks):
             plan = self._static_plan(engine, r, size, inputs[r])
             engine.kernel_plans(plan, r, fresh=True)
+            engine.indexer_plans(plan, r)
             for layer, ranks in engine.layers.items():
                 ranks[r](x, plan, engine.pools[r].layers[layer])
         torch.cuda.synchronize()
@@ -108,6 +109,7 @@ class StepGraphs:
             with torch.cuda.graph(plan_graph, pool=self.pool, stream=stream):
                 for r in range(nranks):
                     plans.append(self._static_plan(engine, r, size, inputs[r]))
+                    engine.indexer_plans(plans[r], r)
             for r in range(nranks):
                 engine.kernel_plans(plans[r], r, fresh=True)
             cap = _Captured(size=size, x=x, inputs=inputs, plans=plans, plan_graph=plan_graph)

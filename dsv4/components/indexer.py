@@ -69,16 +69,25 @@ class Indexer:
         return CompressPart(self.compressor, scores, state, fault_row, cache, numerics=self.numerics,
                             prepared=self.prepared)
 
-    def scores(self, q, w, keys, plan):
+    def plan(self, plan):
+        """The strategy's per-step plan (IndexerStrategy.plan) from the step plan's; None on the CPU."""
+        if plan.device.type != "cuda":
+            return None
+        ents = plan.entries[4]
+        return self.numerics.plan(token_request=plan.token_request, counts=ents.counts, pages=ents.table.pages,
+                                  block_size=ents.table.block_size)
+
+    def scores(self, q, w, keys, plan, index_plan=None):
         """[T, width] float32 scores of every entry slot of each token's request; -inf where not visible
         (j >= count) -- which a vendor kernel may leave unwritten: `lists` reads the visible ones only.
         q [T, Hi, Di] float32 (rounded here to the keys' dtype) or already in it, w [T, Hi] float32 the
         head weights (weights_proj's output, scaled here by `weight_scale`), keys: the PagedCache of
-        indexer keys."""
+        indexer keys. On a GPU: the strategy's kernel, given the step's `index_plan` (`plan`), its rows
+        maybe wider than `width`."""
         ents = plan.entries[4]
-        if q.is_cuda:                           # the strategy's kernel (its rows may be wider than `width`)
+        if q.is_cuda:                           # the strategy's kernel
             return self.numerics.scores(q, w, keys, ents.table.pages, plan.token_request, ents.counts,
-                                        width=ents.width, w_scale=self.weight_scale)
+                                        width=ents.width, w_scale=self.weight_scale, plan=index_plan)
         import torch
 
         q = q.to(self.score_dtype(keys)).float()

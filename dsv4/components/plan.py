@@ -87,6 +87,7 @@ class StepPlan:
     state: dict[int, StateRows]
     entries: dict[int, EntryRows]
     kernel_plans: dict[str, Any] = field(default_factory=dict)    # layer type -> its MQA kernel's plan()
+    indexer_plans: dict[str, Any] = field(default_factory=dict)   # layer type -> its indexer's plan()
     _rope: dict = field(default_factory=dict)
 
     @property

@@ -202,7 +202,7 @@ def _compile_layer(gpu) -> None:
                  {"H", "DI", "width", "w_stride"}, gpu,
                  plan.num_warps)
     tk = topk_lists
-    _compile(tk._topk_lists_kernel, dict(BLOCK=tk.BLOCK, RADIX=tk.RADIX),
+    _compile(tk._topk_lists_kernel, dict(BLOCK=tk.BLOCK, RADIX=tk.RADIX, KP=512),
              types({"scores_ptr": "*fp32", "cnt_ptr": "*i32", "pages_ptr": "*i32", "req_ptr": "*i64",
                     "local_ptr": "*i32", "slots_ptr": "*i32", "lens_ptr": "*i32"}), {"width", "pages_stride"}, gpu,
              tk.NUM_WARPS)

@@ -17,11 +17,11 @@ reads them and scores them as `mxfp4` does, for GPUs without DeepGEMM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from dsv4.strategies import key_records
 from dsv4.strategies.fp8_layouts import E4M3_MAX
-from dsv4.strategies.indexer import FP4_NEEDS, fp4_keys, fp4_queries, no_prepare, pow2_ceil, triton_scores
+from dsv4.strategies.indexer import FP4_NEEDS, fp4_keys, fp4_queries, no_plan, no_prepare, pow2_ceil, triton_scores
 from dsv4.strategies.protocols import Needs
 
 AMAX_MIN = 1e-4                 # the smallest amax a scale is taken from (a zero key: scale 2^-22)
@@ -99,12 +99,40 @@ def fp8_queries(q, w, w_scale: float):
     return q8, (w.float() * w_scale) * s.squeeze(-1)
 
 
-def deepgemm_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float):
-    """[T, width] float32 scores by deep_gemm.fp8_paged_mqa_logits, every token its own batch row (next_n
-    = 1: sm90 takes at most 2 tokens per row, and a step's tokens per request vary), its request's block
-    table row (a padding token, request -1: any row, as it sees nothing), and its count of visible entries;
-    entries at or past the count may hold anything (the top-k reads each row's first `count`). The schedule
-    is made from the counts in the same stream (no sync)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeepGemmPlan:
+    """One step's inputs of fp8_paged_mqa_logits besides the queries and keys, made once and shared by the
+    step's ratio-4 layers: every token its own batch row (next_n = 1; pairing a request's two tokens as
+    next_n = 2 measured slower on the H200, 113 µs against 83 at 128k, bench/tune_indexer.py)."""
+    lens: Any               # [T, 1] int32: entries each token sees, >= 1
+    table: Any              # [T, P] int32: its request's entries table (page 0 for a missing page)
+    schedule: Any           # get_paged_mqa_logits_metadata over `lens`
+
+
+def token_rows(*, token_request, counts, pages):
+    """DeepGemmPlan's lens and table from each token's request [T], its visible entries [T] and the
+    entries tables [B, P]: torch on the device, no sync (a CUDA graph captures it)."""
+    # every row at least one entry, through pages that exist: a step of padding rows alone (a graph
+    # capture's warm-up) made the kernel fault on the H200 without; what such rows score is never read
+    lens = counts.clamp(min=1).view(-1, 1).int()
+    return lens, pages.index_select(0, token_request.clamp(min=0)).clamp(min=0).int()
+
+
+def deepgemm_plan(*, token_request, counts, pages, block_size: int) -> DeepGemmPlan:
+    """The step's DeepGemmPlan (`token_rows` and DeepGEMM's schedule over them, in the same stream)."""
+    import deep_gemm
+
+    lens, table = token_rows(token_request=token_request, counts=counts, pages=pages)
+    return DeepGemmPlan(lens=lens, table=table,
+                        schedule=deep_gemm.get_paged_mqa_logits_metadata(lens, block_size, deep_gemm.get_num_sms()))
+
+
+def deepgemm_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float,
+                    plan: DeepGemmPlan | None = None):
+    """[T, >= width] float32 scores by deep_gemm.fp8_paged_mqa_logits, every token its own batch row, its
+    request's block table row and its count of visible entries (the step's DeepGemmPlan; made here for a
+    call without one); entries at or past the count may hold anything (the top-k reads each row's first
+    `count`)."""
     import deep_gemm
     import torch
 
@@ -112,15 +140,11 @@ def deepgemm_scores(q, w, keys, pages, token_request, counts, *, width: int, w_s
 
     if not width or not q.shape[0]:
         return torch.empty(q.shape[0], width, dtype=torch.float32, device=q.device)
+    if plan is None:
+        plan = deepgemm_plan(token_request=token_request, counts=counts, pages=pages, block_size=keys.block_size)
     q8, wq = fp8_queries_kernel(q, w, w_scale)
-    # every row at least one entry, through pages that exist (page 0 for a missing one): a step of padding
-    # rows alone (a graph capture's warm-up) made the kernel fault on the H200 without; what such rows
-    # score is never read
-    lens = counts.clamp(min=1).view(-1, 1).int()
-    table = pages.index_select(0, token_request.clamp(min=0)).clamp(min=0).int()
-    sched = deep_gemm.get_paged_mqa_logits_metadata(lens, keys.block_size, deep_gemm.get_num_sms())
-    return deep_gemm.fp8_paged_mqa_logits(q8, deepgemm_pages(keys), wq, lens, table, sched, width,
-                                          clean_logits=False)
+    return deep_gemm.fp8_paged_mqa_logits(q8, deepgemm_pages(keys), wq, plan.lens, plan.table, plan.schedule,
+                                          width, clean_logits=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,6 +173,9 @@ class DeepGemmFp8Indexer:
     def key_layout(self, *, dtype: str, head_dim: int):
         return Fp8KeyLayout(head_dim=head_dim)
 
+    def plan(self, *, token_request, counts, pages, block_size: int) -> DeepGemmPlan:
+        return deepgemm_plan(token_request=token_request, counts=counts, pages=pages, block_size=block_size)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TritonFp8Indexer:
@@ -158,7 +185,7 @@ class TritonFp8Indexer:
     transforms: ClassVar[bool] = True
     fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
-    scores, prepare = staticmethod(triton_scores), no_prepare
+    scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
     queries, keys = fp4_queries, fp4_keys
 
     def needs(self, device) -> Needs:

@@ -124,9 +124,9 @@ def fp4_sim(x):
     return fp4_qdq(rotate(x)).float()
 
 
-def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float):
+def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, plan=None):
     """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): rows of the keys' dtype,
-    FP4 or fp8 records."""
+    FP4 or fp8 records; row t is token t's."""
     from dsv4.kernels.indexer_logits import indexer_logits
 
     return indexer_logits(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale)
@@ -134,6 +134,11 @@ def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_sca
 
 def no_prepare(self, *, head_dim: int, device) -> Any:
     """An option's `prepare` when its transforms need nothing made on the device."""
+    return None
+
+
+def no_plan(self, *, token_request, counts, pages, block_size: int) -> None:
+    """An option's `plan` when its scoring needs nothing made per step."""
     return None
 
 
@@ -170,7 +175,7 @@ class ExactIndexer:
     fp4: ClassVar[bool] = False               # the transforms are the published FP4 ones (dsv4/kernels/fp4.py)
     oracle_numerics: ClassVar[str] = "exact"  # what the oracle recomputes the indexer with (reference.py)
 
-    scores, prepare = staticmethod(triton_scores), no_prepare
+    scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
 
     def needs(self, device) -> Needs:
         return Needs()
@@ -193,7 +198,7 @@ class Fp4SimIndexer:
     fp4: ClassVar[bool] = True                # which the layer's kernels apply themselves on a GPU
     oracle_numerics: ClassVar[str] = "fp4"
 
-    scores, prepare = staticmethod(triton_scores), no_prepare
+    scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
     queries, keys = fp4_queries, fp4_keys
 
     def needs(self, device) -> Needs:

@@ -22,6 +22,7 @@ from dsv4.strategies.indexer import (
     fp4_encode,
     fp4_keys,
     fp4_queries,
+    no_plan,
     no_prepare,
     triton_scores,
 )
@@ -86,7 +87,7 @@ class Mxfp4Indexer:
     fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
 
-    scores, prepare = staticmethod(triton_scores), no_prepare
+    scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
     queries, keys = fp4_queries, fp4_keys
 
     def needs(self, device) -> Needs:

@@ -114,11 +114,14 @@ class IndexerStrategy(Protocol):
     def key_layout(self, *, dtype: str, head_dim: int) -> CacheLayout: ...   # how its keys are stored
     def queries(self, q: Tensor, prepared: Any) -> Tensor: ...     # [T, Hi, Di] float32 -> float32
     def keys(self, rows: Tensor, prepared: Any) -> Tensor: ...     # [T, Di] float32 -> float32
+    # once per step on a GPU, shared by the step's ratio-4 layers: what `scores` needs made per step
+    # (DeepGEMM's lens, block table rows and schedule), or None
+    def plan(self, *, token_request: Tensor, counts: Tensor, pages: Tensor, block_size: int) -> Any: ...
     # on a GPU: the step's scores [T, >= width] float32 of q [T, Hi, Di] over each token's request's keys
     # (a PagedCache in its key_layout, through the entries table `pages`), entries j < counts[t] visible;
-    # the top-k reads only those
+    # the top-k reads only those. `plan`: what plan() gave for the step (None: the call makes its own)
     def scores(self, q: Tensor, w: Tensor, keys: PagedCache, pages: Tensor, token_request: Tensor,
-               counts: Tensor, *, width: int, w_scale: float) -> Tensor: ...
+               counts: Tensor, *, width: int, w_scale: float, plan: Any = None) -> Tensor: ...
 
 
 @runtime_checkable
