@@ -126,7 +126,7 @@ def fp4_sim(x):
 
 def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, plan=None):
     """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): rows of the keys' dtype,
-    FP4 or fp8 records; row t is token t's."""
+    FP4 or fp8 records (no per-step plan)."""
     from dsv4.kernels.indexer_logits import indexer_logits
 
     return indexer_logits(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale)
