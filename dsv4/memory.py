@@ -26,7 +26,7 @@ def compressor_state_bytes(ratio: int, dim: int) -> int:
 
 
 def indexer_entry_bytes(kind: str, index_head_dim: int) -> int:
-    """Bytes of one indexer key: ours (exact float32), or vLLM's records (§3.4)."""
+    """Bytes of one indexer key of each kind: plain float32 or bf16 rows, fp8 or mxfp4 records (§3.4)."""
     return {"float32": 4 * index_head_dim, "bf16": 2 * index_head_dim,
             "fp8": index_head_dim + 4, "mxfp4": index_head_dim // 2 + index_head_dim // 32}[kind]
 

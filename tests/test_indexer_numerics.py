@@ -1,8 +1,10 @@
 """indexer=fp4_sim: the published indexer numerics (Hadamard rotation, FP4 e2m1 with power-of-two block
 scales), against independent implementations written here from the formats' definitions, and through the
 layer against the oracle, which applies them too; check() refuses the shapes they cannot take.
-indexer=mxfp4: its 68-byte key records byte for byte against a packer written here from the format's
-definition, and the layer choosing what fp4_sim chooses."""
+indexer=mxfp4 and the fp8 records of triton_fp8 / deepgemm_fp8: the 68- and 132-byte key records byte for
+byte against packers written here from the formats' definitions, their pages, memory accounting and
+check() rules, deepgemm_fp8's step plan rows, the layer choosing what fp4_sim chooses, and the selection's
+recall under each numerics."""
 from __future__ import annotations
 
 import functools
@@ -18,6 +20,7 @@ from dsv4.device import DeviceInfo
 from dsv4.strategies import ExactIndexer, Fp4SimIndexer, Mxfp4Indexer, Mxfp4KeyLayout
 from dsv4.strategies.indexer import e2m1, fp4_qdq, pow2_ceil, rotate
 from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
+from tests.test_cache_layouts import e4m3_byte      # OCP e4m3fn from the format's definition
 
 
 def e2m1_values() -> list[float]:
@@ -194,13 +197,19 @@ def record_by_hand(row: list[float]) -> bytes:
     return data + bytes(scales)
 
 
+def keys_over_decades(n: int, *, seed: int):
+    """(the generator, n random 128-dim keys over 12 decades: key 0 zeros, key 1's first 32 dims -0.0)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 128, generator=g) * torch.exp(torch.randn(n, 1, generator=g) * 6)
+    x[0] = 0
+    x[1, :32] = -0.0
+    return g, x
+
+
 def test_mxfp4_records_byte_for_byte():
     """Random keys over 12 decades, zeros, signed zeros, values on, between and at the ties of the grid, the
     largest and smallest scales: each record equals the hand-made one and decodes to fp4_sim's values."""
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(40, 128, generator=g) * torch.exp(torch.randn(40, 1, generator=g) * 6)
-    x[0] = 0
-    x[1, :32] = -0.0
+    g, x = keys_over_decades(40, seed=7)
     x[1, 32:64] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25] * 4)    # ties at scale 1 (amax 5)
     x[1, 64:] = -1e-3 * torch.arange(64.0)
     x[2] = 3e38
@@ -307,19 +316,6 @@ def test_a_run_reports_its_recall_against_both_numerics(compose_cfg, tmp_path, n
 
 
 # ---- fp8 records (deepgemm_fp8, triton_fp8) -------------------------------------------------------
-def e4m3_by_hand(v: float) -> int:
-    """The OCP e4m3fn byte nearest v (|v| <= 448) from the format's definition: sign bit 7, exponent bits
-    3-6 (bias 7; 0 subnormal: m/8 · 2^-6), mantissa bits 0-2; code 0x7f is NaN, so 448 is the largest; a
-    tie to the even code; a negative value that rounds to zero keeps its sign."""
-    def value(code: int) -> float:
-        e, m = code >> 3, code & 7
-        return m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
-
-    a = abs(v)
-    best = min(range(127), key=lambda c: (abs(a - value(c)), c % 2))
-    return (0x80 if math.copysign(1.0, v) < 0 else 0) | best
-
-
 def fp8_record_by_hand(row: list[float]) -> bytes:
     """One key's fp8 record: the bf16-rounded values' scale 2^k, k = ceil(log2(max(amax, 1e-4) / 448)) with
     the division in float32; each value / 2^k clamped to ±448 and rounded to e4m3; the Di bytes, then the
@@ -331,7 +327,7 @@ def fp8_record_by_hand(row: list[float]) -> bytes:
     amax = max(max(abs(v) for v in row), float(np.float32(1e-4)))
     m, e = math.frexp(float(np.float32(amax) / np.float32(448.0)))
     k = e - 1 if m == 0.5 else e
-    data = bytes(e4m3_by_hand(max(-448.0, min(448.0, v / 2.0 ** k))) for v in row)
+    data = bytes(e4m3_byte(max(-448.0, min(448.0, v / 2.0 ** k))) for v in row)
     return data + struct.pack("<f", 2.0 ** k)
 
 
@@ -342,10 +338,7 @@ def test_fp8_key_records_byte_for_byte():
     from dsv4.strategies import Fp8KeyLayout
     from dsv4.strategies.indexer import fp4_sim
 
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(24, 128, generator=g) * torch.exp(torch.randn(24, 1, generator=g) * 6)
-    x[0] = 0
-    x[1, :32] = -0.0
+    g, x = keys_over_decades(24, seed=11)
     x[1, 32:] = torch.tensor([448.0, 9.0, 4.5, 17.0, -0.0078125 * 1.5, 2.0 ** -10, -(2.0 ** -10) * 3, 1e-6] * 12)
     x[2] = 3e38
     x[3, ::2] = -x[3, ::2].abs()
@@ -416,4 +409,5 @@ def test_fp8_memory_accounting_counts_its_records():
     from dsv4.strategies import DeepGemmFp8Indexer, TritonFp8Indexer
 
     for ix in (DeepGemmFp8Indexer(), TritonFp8Indexer()):
-        assert indexer_kind("bfloat16", ix) == "fp8" and indexer_entry_bytes("fp8", 128) == 132
+        assert indexer_kind("bfloat16", ix) == "fp8"
+    assert indexer_entry_bytes("fp8", 128) == 132

@@ -9,7 +9,9 @@ real components (StepPlan.build on small page tables, Compressor, Indexer, the c
 - cache_write: fp8_ds_mla records (OCP and FNUZ) byte for byte on pages of 1, 2, 3 and 64 rows, with
   zero rows, huge values, e4m3 ties and subnormals, skipped slots (untouched bytes stay); plain rows;
 - indexer_logits: decode- and prefill-like groups, groups spanning two requests, padding, a visible
-  entry without a page, several launch shapes; keys as FP4 records;
+  entry without a page, several launch shapes; keys as FP4 and fp8 records; the front kernel's indexer
+  queries and the compress kernel's FP4 keys (the published numerics), both compressors of a ratio-4
+  layer in one launch; deepgemm_fp8's query kernel; the top-k lists;
 - every launcher with T = 0.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 (tiny shapes); on a GPU they are compiled (tests
@@ -679,8 +681,9 @@ def test_indexer_logits_reads_key_records(launch, record):
         assert_scores(out, as_rows)
     else:
         assert torch.equal(out, as_rows)
-    assert_scores(out, idx.scores(q, w, rec, plan))
-    assert torch.equal(idx.scores(q, w, rec, plan), idx.scores(q, w, rows, plan))
+    of_records = idx.scores(q, w, rec, plan)
+    assert_scores(out, of_records)
+    assert torch.equal(of_records, idx.scores(q, w, rows, plan))
 
 
 @pytest.mark.skipif(not BIG, reason="decode-sized: GPU only")

@@ -18,6 +18,8 @@ which is the CPU path and the kernels' specification.
 """
 from __future__ import annotations
 
+from dsv4.components.compressor import CompressPart
+
 TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens at a time
 
 
@@ -64,8 +66,6 @@ class Indexer:
     def key_part(self, scores, state, fault_row: int, cache):
         """Its compressor's part of the layer's compress step (`compressor.compress_all`), its keys taking
         the strategy's numerics."""
-        from dsv4.components.compressor import CompressPart
-
         return CompressPart(self.compressor, scores, state, fault_row, cache, numerics=self.numerics,
                             prepared=self.prepared)
 

@@ -1,5 +1,6 @@
 """Cache writers as Triton kernels: the bytes `Fp8DsMlaLayout.write` / `Fp8DsMlaFnuzLayout.write` and
-`PlainRowLayout.write` store, without the host sync of their torch path (slots of -1 are skipped in the
+`PlainRowLayout.write` store, and the indexer's key records (`Mxfp4KeyLayout`, `Fp8KeyLayout`) as the
+compress kernel stores them, without the host sync of their torch path (slots of -1 are skipped in the
 kernel, not selected on the host).
 
 fp8_ds_mla record (dsv4.strategies.fp8_layouts): the row rounded to bf16; per 64 NoPE dims the scale

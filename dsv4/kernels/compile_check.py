@@ -127,8 +127,10 @@ STORES = ((0, {"cache_ptr": "*fp32", "cache_bf_ptr": "*fp32", "cache_w64_ptr": "
 def _compile_layer(gpu) -> None:
     """The layer's kernels as their launchers specialize them: bf16 and float32 activations, ratios 4
     (head_dim 512 and the indexer's 128) and 128, fp8_ds_mla records (OCP and FNUZ bytes) on pages of 64
-    and 3 rows, plain float32 and bf16 rows, the indexer with 64 heads of 128 dims on pages of 64 entries at
-    its planned launches (float32 and bf16 keys), its top-k lists."""
+    and 3 rows, plain float32 and bf16 rows, the indexer's keys also as mxfp4 and fp8 records (with the
+    FP4 numerics in the front and compress kernels, one compressor a launch or a layer's two), the indexer
+    with 64 heads of 128 dims on pages of 64 entries at its planned launches (float32 and bf16 keys, the
+    records), deepgemm_fp8's queries, the top-k lists."""
     import triton.language as tl
 
     from dsv4.kernels import cache_write, compress, fp8_queries, indexer_logits, layer_front, topk_lists

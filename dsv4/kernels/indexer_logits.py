@@ -11,8 +11,8 @@ within warps). A group whose tokens span two requests (rare: a request with an o
 makes one product per token, each with its own request's keys. Blocks at or past the group's largest
 count load nothing and compute nothing; they only write −inf.
 
-Precision follows the keys' dtype (the indexer option's `key_layout`). bf16 keys, and FP4 records (decoded
-to their bf16 values as they are read): the queries are rounded to bf16 and scored by one bf16 product
+Precision follows the keys' dtype (the indexer option's `key_layout`). bf16 keys, and FP4 and fp8 records
+(decoded to their bf16 values as they are read): the queries are rounded to bf16 and scored by one bf16 product
 accumulated in float32, as the published code scores its bf16 cache. float32 keys: the scores feed a top-k that is compared with a
 float32 oracle, so the products must be float32-accurate. INPUT_PRECISION["cuda"] = "tf32x3" splits each
 float32 operand into a tf32 head and a tf32 tail and sums three tensor-core products (error ~2^-21 relative, about float32's); plain "tf32"

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from dsv4.strategies import key_records
 from dsv4.strategies.fp8_layouts import E4M3_MAX
-from dsv4.strategies.indexer import FP4_NEEDS, fp4_keys, fp4_queries, no_plan, no_prepare, pow2_ceil, triton_scores
+from dsv4.strategies.indexer import FP4_NEEDS, fp4_keys, fp4_needs, fp4_queries, no_plan, no_prepare, pow2_ceil, triton_scores
 from dsv4.strategies.protocols import Needs
 
 AMAX_MIN = 1e-4                 # the smallest amax a scale is taken from (a zero key: scale 2^-22)
@@ -186,10 +186,7 @@ class TritonFp8Indexer:
     fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
     scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
-    queries, keys = fp4_queries, fp4_keys
-
-    def needs(self, device) -> Needs:
-        return Needs(**FP4_NEEDS)
+    queries, keys, needs = fp4_queries, fp4_keys, fp4_needs
 
     def key_layout(self, *, dtype: str, head_dim: int):
         return Fp8KeyLayout(head_dim=head_dim)

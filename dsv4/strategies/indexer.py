@@ -12,10 +12,12 @@
   stored as these values. The rotation is orthogonal, so q·k changes only by the quantization.
 
 - `mxfp4` (dsv4/strategies/mxfp4.py): `fp4_sim`'s numerics, the keys stored as packed FP4 records.
+- `triton_fp8`, `deepgemm_fp8` (dsv4/strategies/fp8_keys.py): `fp4_sim`'s numerics, the keys stored as fp8
+  records, scored by our kernel or by DeepGEMM.
 
 The published code also rounds the head weights and the scores to bf16; here both stay float32 (the
-scores' products and sums are the layer's scoring kernel's, for every option). Each option says how its
-keys are stored (`key_layout`).
+scores' products and sums are our scoring kernel's for every option but `deepgemm_fp8`, which sums in
+DeepGEMM's order and precision). Each option says how its keys are stored (`key_layout`).
 """
 from __future__ import annotations
 
@@ -158,6 +160,11 @@ FP4_NEEDS = {"model_multiples": (("index_head_dim", FP4_BLOCK),), "model_powers_
              "fix": "indexer=exact"}
 
 
+def fp4_needs(self, device) -> Needs:
+    """The FP4 options' `needs` where their scoring is ours: the rotation's and the blocks' alone."""
+    return Needs(**FP4_NEEDS)
+
+
 def plain_keys(dtype: str):
     """Keys as plain rows in the activation dtype: float32 activations keep exact keys; bf16 ones store
     bf16 keys, as the published inference code does (its indexer cache is a bf16 tensor scored by a
@@ -199,10 +206,7 @@ class Fp4SimIndexer:
     oracle_numerics: ClassVar[str] = "fp4"
 
     scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
-    queries, keys = fp4_queries, fp4_keys
-
-    def needs(self, device) -> Needs:
-        return Needs(**FP4_NEEDS)
+    queries, keys, needs = fp4_queries, fp4_keys, fp4_needs
 
     def key_layout(self, *, dtype: str, head_dim: int):
         return plain_keys(dtype)

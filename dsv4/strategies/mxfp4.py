@@ -17,16 +17,15 @@ from typing import ClassVar
 from dsv4.strategies import key_records
 from dsv4.strategies.indexer import (
     FP4_BLOCK,
-    FP4_NEEDS,
     fp4_decode,
     fp4_encode,
     fp4_keys,
+    fp4_needs,
     fp4_queries,
     no_plan,
     no_prepare,
     triton_scores,
 )
-from dsv4.strategies.protocols import Needs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,10 +87,7 @@ class Mxfp4Indexer:
     oracle_numerics: ClassVar[str] = "fp4"
 
     scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
-    queries, keys = fp4_queries, fp4_keys
-
-    def needs(self, device) -> Needs:
-        return Needs(**FP4_NEEDS)
+    queries, keys, needs = fp4_queries, fp4_keys, fp4_needs
 
     def key_layout(self, *, dtype: str, head_dim: int):
         return Mxfp4KeyLayout(head_dim=head_dim)
