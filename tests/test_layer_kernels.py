@@ -766,40 +766,45 @@ def test_rotate_rows():
 
 
 TOPK_LAUNCHES = [dict(), dict(block=16, radix=4, num_warps=4), dict(block=64, radix=2, num_warps=4),
-                 dict(block=32, radix=8, num_warps=4)]
+                 dict(block=32, radix=8, num_warps=4), dict(block=16, radix=4, num_warps=4, cap=64, sample=16),
+                 dict(block=16, radix=8, num_warps=2, cap=32, sample=32, warp_cols=16)]
 
 
-@pytest.mark.parametrize("launch", TOPK_LAUNCHES, ids=["planned", "b16r4", "b64r2", "b32r8"])
+@pytest.mark.parametrize("launch", TOPK_LAUNCHES, ids=["planned", "b16r4", "b64r2", "b32r8", "cap64", "cap32w2"])
 def test_topk_lists(launch):
-    """The radix select against torch.topk: the same set of the best min(K, visible) entries (scores drawn
-    without ties; one row of ties at the K-th score takes the lowest indices), slots through the table
-    (-1 where a visible entry has no page), -1 padding, counts; rows wider than a block."""
+    """The radix select against a stable sort: the best min(K, visible) entries, the lowest indices among
+    ties at the K-th score (scores over decades, all negative, 50 tied among 150), slots through the table
+    (-1 where a visible entry has no page), -1 padding, counts; rows wider than a block. With a small `cap`
+    every path runs: rows searched whole, rows searched over their sampled candidates, and rows whose
+    candidates do not hold the top K (a sample of the row's best entries only; 120 ties at the best) that
+    are searched whole after all."""
     from dsv4.components.plan import PageTable
     from dsv4.kernels.topk_lists import topk_lists
 
     g = torch.Generator().manual_seed(4)
-    T, width, K, bs = 8, 200, 16, 4
+    T, width, K, bs = 10, 200, 16, 4
     scores = torch.randn(T, width, generator=g) * 10.0 ** torch.randint(-3, 4, (T, 1), generator=g)
-    counts = torch.tensor([0, 3, 16, 17, 200, 122, 9, 150], dtype=torch.int32)
+    counts = torch.tensor([0, 3, 16, 17, 200, 122, 9, 150, 200, 200], dtype=torch.int32)
     scores[5] = -scores[5].abs()                     # every score negative
     scores[7, :150] = torch.where(torch.arange(150) % 3 == 0, 2.0, torch.rand(150, generator=g))  # 50 tied at 2
+    picked = torch.arange(16) * 200 // 16            # cap64's sample: the only good entries of row 8
+    scores[8] = torch.rand(width, generator=g)
+    scores[8, picked] = 100.0 + torch.arange(16.0)
+    scores[9] = torch.where(torch.rand(width, generator=g) < 0.6, 5.0, torch.rand(width, generator=g))
     scores = scores.masked_fill(torch.arange(width)[None] >= counts[:, None], float("-inf"))
     pages = torch.randperm(200, generator=g)[:2 * 50].view(2, 50).int()
     pages[1, 0] = -1                                 # row 3 takes 16 of its 17: some of entries 0-3
-    req = torch.tensor([0, 0, 1, 1, 1, 0, 1, 0])
+    req = torch.tensor([0, 0, 1, 1, 1, 0, 1, 0, 1, 0])
     local, slots, lens = topk_lists(scores.to(DEVICE), counts.to(DEVICE), pages.to(DEVICE), req.to(DEVICE),
                                     topk=K, block_size=bs, **launch)
     local, slots, lens = local.cpu(), slots.cpu(), lens.cpu()
     assert lens.tolist() == [min(K, int(c)) for c in counts]
+    order = torch.sort(-scores, dim=1, stable=True).indices         # best first, ties by index
     for t in range(T):
         k = int(lens[t])
-        got = local[t, :k]
-        if t == 7:
-            want = torch.arange(0, 48, 3)            # the first 16 of the tied best
-        else:
-            want = scores[t].topk(k).indices if k else got
-        assert torch.equal(got, want.sort().values.int()), t
+        assert torch.equal(local[t, :k], order[t, :k].sort().values.int()), t
         assert bool((local[t, k:] == -1).all()) and bool((slots[t, k:] == -1).all())
+    assert int((scores[9] == 5.0).sum()) > 64        # more ties than any cap's candidates
     assert torch.equal(slots, PageTable(block_size=bs, pages=pages).slots(req, local))
     assert bool((slots == -1).sum() > (local == -1).sum())      # the entry without a page
 

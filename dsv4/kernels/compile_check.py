@@ -204,10 +204,11 @@ def _compile_layer(gpu) -> None:
                  {"H", "DI", "width", "w_stride"}, gpu,
                  plan.num_warps)
     tk = topk_lists
-    _compile(tk._topk_lists_kernel, dict(BLOCK=tk.BLOCK, RADIX=tk.RADIX, KP=512),
+    _compile(tk._topk_lists_kernel, dict(BLOCK=tk.BLOCK, RADIX=tk.RADIX, KP=512, CAP=tk.MIN_CAP, SAMPLE=tk.SAMPLE,
+                                         NW=tk.NUM_WARPS, CW=tk.WARP_COLS),
              types({"scores_ptr": "*fp32", "cnt_ptr": "*i32", "pages_ptr": "*i32", "req_ptr": "*i64",
-                    "local_ptr": "*i32", "slots_ptr": "*i32", "lens_ptr": "*i32"}), {"width", "pages_stride"}, gpu,
-             tk.NUM_WARPS)
+                    "local_ptr": "*i32", "slots_ptr": "*i32", "lens_ptr": "*i32", "cand_ptr": "*i32",
+                    "ncand_ptr": "*i32"}), {"width", "pages_stride", "cand_stride"}, gpu, tk.NUM_WARPS)
 
 
 def main(argv: list[str]) -> int:
