@@ -249,7 +249,8 @@ def topk_lists(scores, counts, pages, token_request, *, topk: int, block_size: i
     strided, as DeepGEMM pads them), counts [T] int32, pages [B, P] int32,
     token_request [T] -> (local [T, topk] int32, slots [T, topk] int32, lens [T] int32). Sync-free; one
     program per token; launch shapes left at 0 are the module's (`radix`, dividing 32, is the whole-row
-    search's; `cap` at least 2·topk, at most 65,535; cap, sample, block and warp_cols powers of two)."""
+    search's; `cap` at least 2·topk; cap and sample at most 65,535; cap, sample, block and warp_cols powers
+    of two)."""
     import torch
 
     T, width = scores.shape
@@ -259,9 +260,9 @@ def topk_lists(scores, counts, pages, token_request, *, topk: int, block_size: i
     cap = cap or max(MIN_CAP, next_pow2(4 * topk))
     if 32 % radix:
         raise ValueError(f"topk_lists: radix {radix} must divide 32")
-    if not 2 * topk <= cap < 1 << 16 or any(v & (v - 1) for v in (cap, sample, block, cw)):
-        raise ValueError(f"topk_lists: cap {cap} (2·topk to 65,535), sample {sample}, block {block} and warp_cols "
-                         f"{cw} must be powers of two")
+    if not 2 * topk <= cap < 1 << 16 or sample >= 1 << 16 or any(v & (v - 1) for v in (cap, sample, block, cw)):
+        raise ValueError(f"topk_lists: cap {cap} (2·topk to 65,535), sample {sample} (at most 65,535), block "
+                         f"{block} and warp_cols {cw} must be powers of two")
     # one allocation: the candidates of rows wider than cap and their counts per warp (where some row may
     # need them), then the lists
     stride = nw * cdiv(cdiv(width, nw), cw) * cw if width > cap else 0
