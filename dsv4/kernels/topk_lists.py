@@ -21,8 +21,8 @@ in registers, two bits a pass, with a pass's four bin counts summed as one int64
 
 The lists are written by a running prefix sum over the searched keys: every key above the K-th's found
 prefix and the first ties at it. Rows of at most K visible entries take every entry. (Measured and left
-out on the H200: one scratch row per 4,096 columns filled by programs of their own, a second launch;
-prefetching the next block of the pass; a 256-bin histogram.)
+out on the H200: a row's candidates gathered by programs of their own, 4,096 columns each, and searched
+by a second launch; prefetching the pass's next block; a 256-bin histogram.)
 """
 from __future__ import annotations
 
@@ -147,11 +147,12 @@ def _write_lists(u, cols, live, thr, bits, need, taken, ties, out, out_slots, pa
 
 
 @triton.jit
-def _compact(scores_ptr, row, n, lo, cand, ncand, NW: tl.constexpr, CW: tl.constexpr):
+def _compact(scores_ptr, row, n, lo, cand, ncand, CAP: tl.constexpr, NW: tl.constexpr, CW: tl.constexpr):
     """The row cut into NW contiguous ranges of `span` columns, one per warp: each warp writes the indices
-    of its range's keys at or above lo, in order, from cand + w·span, and their count to ncand[w] (no step
-    across warps). -> span."""
+    of its range's keys at or above lo, in order, from cand + w·seg (seg = min(span, CAP): past CAP of
+    them the row is searched whole anyway), and their count to ncand[w]; no step crosses warps. -> seg."""
     span = tl.cdiv(tl.cdiv(n, NW), CW) * CW
+    seg = tl.minimum(span, CAP)
     w = tl.arange(0, NW)
     c = tl.zeros([NW], tl.int32)
     for j0 in range(0, span, CW):
@@ -159,14 +160,14 @@ def _compact(scores_ptr, row, n, lo, cand, ncand, NW: tl.constexpr, CW: tl.const
         live = cols < n
         sel = live & (_keys(scores_ptr, row, cols, live) >= lo)
         pos = c[:, None] + tl.cumsum(sel.to(tl.int32), 1) - 1
-        tl.store(cand + (w * span)[:, None] + pos, cols, mask=sel)
+        tl.store(cand + (w * seg)[:, None] + pos, cols, mask=sel & (pos < seg))
         c += tl.sum(sel.to(tl.int32), 1)
     tl.store(ncand + w, c)
-    return span
+    return seg
 
 
 @triton.jit
-def _search(scores_ptr, row, c, gather, cand, ncand, span, K, out, out_slots, pages_ptr, r, pages_stride, n_pages, BS,
+def _search(scores_ptr, row, c, gather, cand, ncand, seg, K, out, out_slots, pages_ptr, r, pages_stride, n_pages, BS,
             L: tl.constexpr, NW: tl.constexpr):
     """The top K of c keys held in registers (L lanes): the row's first c columns, or (gather) its
     candidates, warp range after warp range; the lists written. -> how many were taken."""
@@ -178,7 +179,7 @@ def _search(scores_ptr, row, c, gather, cand, ncand, span, K, out, out_slots, pa
         acc = tl.zeros([], tl.int32)
         for w in tl.static_range(NW):
             cw = tl.load(ncand + w)
-            src = tl.where((lanes >= acc) & (lanes < acc + cw), w * span + lanes - acc, src)
+            src = tl.where((lanes >= acc) & (lanes < acc + cw), w * seg + lanes - acc, src)
             acc += cw
         cols = tl.load(cand + src, mask=src >= 0, other=0)
     u = _keys(scores_ptr, row, cols, live)
@@ -206,26 +207,26 @@ def _topk_lists_kernel(scores_ptr, row_stride, width, cnt_ptr, pages_ptr, pages_
     ncand = ncand_ptr + t * NW
     gather = n > CAP                                # searched over its candidates
     c = n
-    span = tl.zeros([], tl.int32)
+    seg = tl.zeros([], tl.int32)
     if gather:
         # about 2K of the row's keys are at or above the sample's key of rank m
         picks = ((tl.arange(0, SAMPLE).to(tl.int64) * n) // SAMPLE).to(tl.int32)
         m = tl.minimum(tl.maximum((2 * K * SAMPLE) // n, 1), SAMPLE)
         lo, _, _ = _select(_keys(scores_ptr, row, picks, picks < n), picks < n, m)
-        span = _compact(scores_ptr, row, n, lo, cand, ncand, NW, CW)
+        seg = _compact(scores_ptr, row, n, lo, cand, ncand, CAP, NW, CW)
         tl.debug_barrier()                          # the candidates and their counts seen by every thread
         c = tl.zeros([], tl.int32)
         for w in tl.static_range(NW):
             c += tl.load(ncand + w)
     if ((c >= K) & (c <= CAP)) | (n <= CAP):        # the top K and their ties are among these c keys
         if c <= CAP // 4:                           # a pass costs what its lanes do: the fewest that hold c
-            taken = _search(scores_ptr, row, c, gather, cand, ncand, span, K, out, out_slots, pages_ptr, r,
+            taken = _search(scores_ptr, row, c, gather, cand, ncand, seg, K, out, out_slots, pages_ptr, r,
                             pages_stride, n_pages, BS, CAP // 4, NW)
         elif c <= CAP // 2:
-            taken = _search(scores_ptr, row, c, gather, cand, ncand, span, K, out, out_slots, pages_ptr, r,
+            taken = _search(scores_ptr, row, c, gather, cand, ncand, seg, K, out, out_slots, pages_ptr, r,
                             pages_stride, n_pages, BS, CAP // 2, NW)
         else:
-            taken = _search(scores_ptr, row, c, gather, cand, ncand, span, K, out, out_slots, pages_ptr, r,
+            taken = _search(scores_ptr, row, c, gather, cand, ncand, seg, K, out, out_slots, pages_ptr, r,
                             pages_stride, n_pages, BS, CAP, NW)
     else:                                           # a misleading sample, or a row full of ties: the whole row
         thr, need, bits = _select_row(scores_ptr, row, n, K, BLOCK, RADIX)
@@ -265,7 +266,7 @@ def topk_lists(scores, counts, pages, token_request, *, topk: int, block_size: i
                          f"{block} and warp_cols {cw} must be powers of two")
     # one allocation: the candidates of rows wider than cap and their counts per warp (where some row may
     # need them), then the lists
-    stride = nw * cdiv(cdiv(width, nw), cw) * cw if width > cap else 0
+    stride = nw * min(cdiv(cdiv(width, nw), cw) * cw, cap) if width > cap else 0
     c0 = T * (stride + (nw if stride else 0))
     buf = torch.empty(c0 + T * (2 * topk + 1), dtype=torch.int32, device=dev)
     local, slots = buf[c0:c0 + T * topk].view(T, topk), buf[c0 + T * topk:c0 + 2 * T * topk].view(T, topk)
