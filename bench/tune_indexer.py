@@ -18,6 +18,7 @@ import torch
 
 from dsv4.bench import graph_time_us
 from dsv4.components.kv_pool import PagedCache
+from dsv4.indexer_bench import as_bf16_rows, stored_keys
 from dsv4.kernels.indexer_logits import indexer_logits
 from dsv4.kernels.topk_lists import topk_lists
 from dsv4.reference import rel_err
@@ -49,17 +50,8 @@ def case(context: int, dtype):
 def record_keys(keys, lay):
     """`keys` as records of `lay` (FP4 or fp8 pages), and bf16 rows of the values the records hold (their
     reference)."""
-    slots = torch.arange(keys.num_slots, device="cuda")
-    pages = lay.allocate(num_blocks=keys.data.shape[0], block_size=BS, head_dim=DIM, device="cuda")
-    for s0 in range(0, keys.num_slots, 1 << 18):                  # packed in pieces: bounded temporaries
-        part = slots[s0:s0 + (1 << 18)]
-        lay.write(pages, part, keys.read(part), block_size=BS)
-    rows = torch.empty_like(keys.data)
-    for s0 in range(0, keys.num_slots, 1 << 18):
-        part = slots[s0:s0 + (1 << 18)]
-        rows.view(-1, DIM)[part] = lay.read(pages, part, block_size=BS).bfloat16()
-    return (PagedCache(name="indexer", layout=lay, data=pages, block_size=BS, head_dim=DIM),
-            PagedCache(name="indexer", layout=keys.layout, data=rows, block_size=BS, head_dim=DIM))
+    records = stored_keys(lay, keys.data.float())
+    return records, as_bf16_rows(records)
 
 
 def deepgemm():

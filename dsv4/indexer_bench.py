@@ -41,10 +41,10 @@ def decode_case(context: int, heads: int, dim: int, *, seed: int = 0):
 def stored_keys(layout, rows):
     """Float32 rows [pages, BS, Di] written through `layout` into a PagedCache, piece by piece."""
     n, dim = rows.shape[0] * BS, rows.shape[-1]
-    data = layout.allocate(num_blocks=rows.shape[0], block_size=BS, head_dim=dim, device="cuda")
+    data = layout.allocate(num_blocks=rows.shape[0], block_size=BS, head_dim=dim, device=rows.device)
     flat = rows.view(n, dim)
     for s0 in range(0, n, PIECE):
-        slots = torch.arange(s0, min(n, s0 + PIECE), device="cuda")
+        slots = torch.arange(s0, min(n, s0 + PIECE), device=rows.device)
         layout.write(data, slots, flat[slots], block_size=BS)
     return PagedCache(name="indexer_keys", layout=layout, data=data, block_size=BS, head_dim=dim)
 
@@ -53,10 +53,10 @@ def as_bf16_rows(keys):
     """A PagedCache of bf16 rows of the values `keys` hold (the reference of records)."""
     from dsv4.strategies import PlainRowLayout
 
-    n, dim = keys.num_slots, keys.head_dim
-    rows = torch.empty(n, dim, dtype=torch.bfloat16, device="cuda")
+    n, dim, dev = keys.num_slots, keys.head_dim, keys.data.device
+    rows = torch.empty(n, dim, dtype=torch.bfloat16, device=dev)
     for s0 in range(0, n, PIECE):
-        slots = torch.arange(s0, min(n, s0 + PIECE), device="cuda")
+        slots = torch.arange(s0, min(n, s0 + PIECE), device=dev)
         rows[slots] = keys.read(slots).bfloat16()
     return PagedCache(name="indexer_keys", layout=PlainRowLayout(name="bf16", dtype="bfloat16"),
                       data=rows.view(-1, BS, dim), block_size=BS, head_dim=dim)

@@ -56,6 +56,17 @@ def e4m3_bits(y):
 
 
 @triton.jit
+def pow2_e4m3(x, amax):
+    """x float32 over its power-of-two fp8 scale 2^ceil(log2(max(amax, 1e-4) / 448)) (amax: |x|'s largest,
+    broadcast against x), rounded to e4m3 -> (the bytes, the scale's biased float32 exponent e: the scale
+    is 2^(e - 127)); x / scale is exact."""
+    bits = tl.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32)).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)                          # 2^(127 - e)
+    return e4m3_bits(tl.minimum(tl.maximum(x * inv, -448.0), 448.0)), e
+
+
+@triton.jit
 def fp8_ds_mla_record(x, slot, u8_ptr, bf_ptr, w64_ptr, page_stride, BS: tl.constexpr, FNUZ: tl.constexpr,
                       SOFT: tl.constexpr):
     """Store x [8, 64] (the row's 7 NoPE tiles and its RoPE dims; float32 or bf16) as the fp8_ds_mla record
@@ -92,11 +103,7 @@ def fp8_key_record(x, slot, u8_ptr, page_stride, BS: tl.constexpr, N: tl.constex
     bf16-rounded row's e4m3 bytes over its scale 2^ceil(log2(max(amax, 1e-4) / 448)) at page·page_stride
     + t·N, the scale's float32 bytes at page·page_stride + BS·N + 4t."""
     x = widen(round_to(x, tl.bfloat16, SOFT), SOFT)
-    amax = tl.maximum(tl.max(tl.abs(x), 0), 1e-4)
-    bits = tl.div_rn(amax, 448.0).to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)             # the scale's biased exponent
-    y = x * ((254 - e) << 23).to(tl.float32, bitcast=True)                         # x / 2^(e-127), exactly
-    q = e4m3_bits(tl.minimum(tl.maximum(y, -448.0), 448.0))
+    q, e = pow2_e4m3(x, tl.max(tl.abs(x), 0))
     page = (slot // BS).to(tl.int64)
     t = slot % BS
     base = page * page_stride

@@ -146,7 +146,8 @@ def _compile_layer(gpu) -> None:
         for kv in {name, "*fp32"}:                       # the SWA projection's output, or the float32 one
             for kind, cache in STORES:
                 _compile(layer_front._front_kernel, dict(D=512, BH=4, NQB=16, DI=128, BHI=8, NIB=8, DTYPE=dt,
-                                                         FP4=kind == cache_write.PLAIN_ROWS.value, FAULT_ROWS=3, KIND=kind, BS=64, SOFT=False),
+                                                         FP4=kind == cache_write.PLAIN_ROWS.value, FAULT_ROWS=3,
+                                                         KIND=kind, BS=64, SOFT=False),
                          types({**f32, **cache, "q_ptr": name, "qo_ptr": name, "kv_ptr": kv, "out_ptr": "*fp32",
                                 "iq_ptr": "*fp32", "iqo_ptr": name}),
                          {"kv_stride", "H", "PH", "HI"}, gpu, 4)

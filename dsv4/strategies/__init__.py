@@ -18,7 +18,7 @@ from dsv4.strategies.triton_sparse import TritonSparseMQA
 
 __all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8Indexer", "DeepGemmFp8OProj",
            "ExactIndexer", "FlashInferSparse", "FlashMLASparse", "Fp4SimIndexer", "Fp8DsMlaFnuzLayout",
-           "Fp8DsMlaLayout", "Fp8KeyLayout", "Fp8PerTensorLayout", "HeadPaddingPolicy", "IndexerStrategy", "MQAKernelStrategy", "Mxfp4Indexer",
-           "Mxfp4KeyLayout", "Needs",
-           "NoHeadPadding", "OProjStrategy", "OProjWeights", "PlainRowLayout", "ReferenceMQA", "ReferenceOProj",
-           "RocmBf16OProj", "SparseKV", "TorchFp8OProj", "TritonFp8Indexer", "TritonFp8OProj", "TritonSparseMQA"]
+           "Fp8DsMlaLayout", "Fp8KeyLayout", "Fp8PerTensorLayout", "HeadPaddingPolicy", "IndexerStrategy",
+           "MQAKernelStrategy", "Mxfp4Indexer", "Mxfp4KeyLayout", "Needs", "NoHeadPadding", "OProjStrategy",
+           "OProjWeights", "PlainRowLayout", "ReferenceMQA", "ReferenceOProj", "RocmBf16OProj", "SparseKV",
+           "TorchFp8OProj", "TritonFp8Indexer", "TritonFp8OProj", "TritonSparseMQA"]

@@ -21,7 +21,16 @@ from typing import Any, ClassVar
 
 from dsv4.strategies import key_records
 from dsv4.strategies.fp8_layouts import E4M3_MAX
-from dsv4.strategies.indexer import FP4_NEEDS, fp4_keys, fp4_needs, fp4_queries, no_plan, no_prepare, pow2_ceil, triton_scores
+from dsv4.strategies.indexer import (
+    FP4_NEEDS,
+    fp4_keys,
+    fp4_needs,
+    fp4_queries,
+    no_plan,
+    no_prepare,
+    pow2_ceil,
+    triton_scores,
+)
 from dsv4.strategies.protocols import Needs
 
 AMAX_MIN = 1e-4                 # the smallest amax a scale is taken from (a zero key: scale 2^-22)
@@ -29,9 +38,13 @@ DEEPGEMM_PAGES = {"sm90": (64,), "sm100": (32, 64)}               # keys per pag
 DEEPGEMM_HEADS = {"sm90": (32, 64), "sm100": (8, 16, 32, 64)}       # index heads it takes, per arch
 
 
-def fp8_scales(x, dim: int = -1):
-    """x float32 -> its power-of-two fp8 scales 2^ceil(log2(max(amax, 1e-4) / 448)) over `dim` (kept)."""
-    return pow2_ceil(x.abs().amax(dim, keepdim=True).clamp_min(AMAX_MIN) / E4M3_MAX)
+def pow2_e4m3(x):
+    """x float32 [..., Di] -> (x over its power-of-two fp8 scale, rounded to e4m3, and that scale [..., 1]
+    float32: 2^ceil(log2(max(amax, 1e-4) / 448)) over the last dim; x / scale is exact)."""
+    import torch
+
+    s = pow2_ceil(x.abs().amax(-1, keepdim=True).clamp_min(AMAX_MIN) / E4M3_MAX)
+    return (x / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,9 +75,7 @@ class Fp8KeyLayout:
         bf16-rounded rows."""
         import torch
 
-        x = rows.bfloat16().float()
-        s = fp8_scales(x)
-        q = (x / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        q, s = pow2_e4m3(rows.bfloat16().float())
         return q.view(torch.uint8), s.flatten().contiguous().view(torch.uint8).view(*s.shape[:-1], 4)
 
     def unpack(self, data, scales):
@@ -91,12 +102,8 @@ def fp8_queries(q, w, w_scale: float):
     """q [T, Hi, Di] (FP4-simulated values) and head weights w [T, Hi] -> (q in e4m3 [T, 1, Hi, Di], each
     head divided by its power-of-two scale; the weights times w_scale and that scale [T, Hi] float32). The
     specification of the GPU's one launch (dsv4/kernels/fp8_queries.py)."""
-    import torch
-
-    qf = q.float()
-    s = fp8_scales(qf)
-    q8 = (qf / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).unsqueeze(1)
-    return q8, (w.float() * w_scale) * s.squeeze(-1)
+    q8, s = pow2_e4m3(q.float())
+    return q8.unsqueeze(1), (w.float() * w_scale) * s.squeeze(-1)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
