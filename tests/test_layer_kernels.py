@@ -827,3 +827,31 @@ def test_fp8_queries_kernel_is_the_torch_path():
         assert got_q.shape == (T, 1, H, D) and got_q.dtype == torch.float8_e4m3fn
         assert torch.equal(got_q.cpu().view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(bits(got_w.cpu()), bits(want_w))
+
+
+def test_front_kernel_makes_fp8_indexer_queries():
+    """iq_dtype e4m3: the front's indexer queries as deepgemm_fp8 scores them -- RoPE, FP4 numerics, then
+    `fp8_queries` with the head weights (strided rows) -- bit for bit, beside the query and KV parts."""
+    from dsv4.components.front import rotate_rows
+    from dsv4.strategies import Fp4SimIndexer
+    from dsv4.strategies.fp8_keys import fp8_queries
+
+    g, T, Hi, Di = gen(87), 5, 6, 128
+    iq = torch.randn(T, Hi, Di, generator=g) * torch.exp(torch.randn(T, Hi, 1, generator=g) * 3)
+    iq[2, 1] = 0
+    w = torch.randn(T, 2 * Hi, generator=g)[:, 2:Hi + 2]
+    rot = rope_rows(T, g)
+    q = torch.randn(T, 3, 64, generator=g)
+    got_q, _, (q8, wq) = front_kernel(dev(q), None, None, dev(rot.cos), dev(rot.sin), None, None, padded_heads=4,
+                                      eps=EPS, dtype=torch.bfloat16, iq=dev(iq), iq_dtype=torch.float8_e4m3fn,
+                                      iq_fp4=True, iq_weights=dev(w), iq_w_scale=0.125)
+    rows = Fp4SimIndexer().queries(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin))))
+    want_q8, want_w = fp8_queries(rows.cpu().bfloat16(), w, 0.125)
+    assert q8.shape == (T, 1, Hi, Di) and q8.dtype == torch.float8_e4m3fn and wq.shape == (T, Hi)
+    assert torch.equal(q8.cpu().view(torch.uint8), want_q8.view(torch.uint8))
+    assert torch.equal(bits(wq.cpu()), bits(want_w))
+    assert torch.equal(got_q.cpu(), q_rows_kernel(dev(q), dev(rot.cos), dev(rot.sin), padded_heads=4, eps=EPS,
+                                                  dtype=torch.bfloat16).cpu())
+    with pytest.raises(ValueError, match="head weights"):
+        front_kernel(None, None, None, dev(rot.cos), dev(rot.sin), None, None, padded_heads=0, eps=EPS,
+                     dtype=torch.bfloat16, iq=dev(iq), iq_dtype=torch.float8_e4m3fn, iq_fp4=True)

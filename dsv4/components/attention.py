@@ -80,7 +80,8 @@ class DSV4Attention(torch.nn.Module):
 
     def forward(self, x, plan: StepPlan, caches: LayerCaches) -> LayerStepResult:
         T, H = x.shape[0], self.heads
-        if caches.swa.layout != self.cache_layout or caches.ratio != self.ratio:
+        if (caches.swa.layout is not self.cache_layout and caches.swa.layout != self.cache_layout) \
+                or caches.ratio != self.ratio:
             raise ValueError(f"layer {self.layer}: caches of a ratio-{caches.ratio} layer in cache_layout="
                              f"{caches.swa.layout.name}, built for ratio {self.ratio} and {self.cache_layout.name}")
         xa = x if x.dtype == self.dtype else x.to(self.dtype)
@@ -96,10 +97,14 @@ class DSV4Attention(torch.nn.Module):
             iq_raw = mm_f32(qr, self.idx_wq_b).view(T, idx.n_heads, idx.head_dim)
         front_iq = idx is not None and idx.front_queries
         iq_dtype = idx.score_dtype(caches.indexer_keys) if idx is not None else None
+        # a kernel that scores e4m3 queries gets them from the front, their scales in the head weights
+        fp8_iq = front_iq and idx.numerics.fp8_queries and x.is_cuda
         q, iq = front_rows((qr @ self.wq_b.T).view(T, H, self.spec.head_dim), kv_raw, self.kv_norm, rot,
                            plan.swa.write_slots, faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
-                           dtype=self.dtype, iq=iq_raw if front_iq else None, iq_dtype=iq_dtype,
-                           iq_fp4=front_iq and idx.numerics.transforms)
+                           dtype=self.dtype, iq=iq_raw if front_iq else None,
+                           iq_dtype=torch.float8_e4m3fn if fp8_iq else iq_dtype,
+                           iq_fp4=front_iq and idx.numerics.transforms, iq_weights=scores[2] if fp8_iq else None,
+                           iq_w_scale=idx.weight_scale if fp8_iq else 1.0)
 
         topk, extra = None, {}
         if self.compressor is not None:
@@ -111,8 +116,9 @@ class DSV4Attention(torch.nn.Module):
             if idx is not None:
                 if iq is None:
                     iq = idx.queries(iq_raw.flatten(1), rot, iq_dtype)
+                iq, iw = iq if fp8_iq else (iq, scores[2])
                 ip = plan.indexer_plans.get(self.layer_type)
-                topk, lists, lens = idx.lists(idx.scores(iq, scores[2], caches.indexer_keys, plan, ip), plan)
+                topk, lists, lens = idx.lists(idx.scores(iq, iw, caches.indexer_keys, plan, ip), plan)
             else:
                 ents = plan.entries[self.ratio]
                 lists, lens = ents.visible, ents.counts

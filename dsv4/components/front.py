@@ -49,17 +49,18 @@ def kv_rows(kv, weight, rot: RopeRows, slots, faults, *, eps: float, dtype):
 
 
 def front_rows(q, kv, weight, rot: RopeRows, slots, faults, cache, *, padded_heads: int, eps: float, dtype,
-               iq=None, iq_dtype=None, iq_fp4: bool = False):
+               iq=None, iq_dtype=None, iq_fp4: bool = False, iq_weights=None, iq_w_scale: float = 1.0):
     """The front of the layer: `q_rows` of q and `kv_rows` of kv, stored into `cache` (a PagedCache) at their
     slots; -> (q rows, the indexer's queries or None). On a GPU one kernel does both and, given the
     indexer's queries iq, makes them too (RoPE, then with `iq_fp4` the published FP4 numerics, into
-    `iq_dtype`); it stores the KV rows itself where the cache's layout has a kernel store, otherwise they
-    go through the layout's `write`. On the CPU the indexer's queries are left to `Indexer.queries`."""
+    `iq_dtype`; for e4m3, with their head weights `iq_weights` folded, as `front_kernel` says); it stores
+    the KV rows itself where the cache's layout has a kernel store, otherwise they go through the layout's
+    `write`. On the CPU the indexer's queries are left to `Indexer.queries`."""
     if q.is_cuda:
         from dsv4.kernels.layer_front import front_kernel
         q_out, rows, iq_out = front_kernel(q, kv, weight, rot.cos, rot.sin, slots, faults, padded_heads=padded_heads,
                                            eps=eps, dtype=dtype, into=cache.store, iq=iq, iq_dtype=iq_dtype,
-                                           iq_fp4=iq_fp4)
+                                           iq_fp4=iq_fp4, iq_weights=iq_weights, iq_w_scale=iq_w_scale)
     else:
         q_out, iq_out = q_rows(q, rot, padded_heads=padded_heads, eps=eps, dtype=dtype), None
         rows = kv_rows(kv, weight, rot, slots, faults, eps=eps, dtype=dtype)

@@ -83,7 +83,8 @@ class Indexer:
         q [T, Hi, Di] float32 (rounded here to the keys' dtype) or already in it, w [T, Hi] float32 the
         head weights (weights_proj's output, scaled here by `weight_scale`), keys: the PagedCache of
         indexer keys. On a GPU: the strategy's kernel, given the step's `index_plan` (`plan`), its rows
-        maybe wider than `width`."""
+        maybe wider than `width`; for a strategy with `fp8_queries`, q and w may be what its kernel takes
+        (e4m3 queries, their scales folded into w: the layer's front kernel makes them)."""
         ents = plan.entries[4]
         if q.is_cuda:                           # the strategy's kernel
             return self.numerics.scores(q, w, keys, ents.table.pages, plan.token_request, ents.counts,

@@ -136,7 +136,7 @@ def _compile_layer(gpu) -> None:
     from dsv4.kernels import cache_write, compress, fp8_queries, indexer_logits, layer_front, topk_lists
 
     def types(table):
-        return lambda a: table.get(a, "fp32" if a in ("eps", "w_scale") else "i32")
+        return lambda a: table.get(a, "fp32" if a in ("eps", "w_scale", "iw_scale") else "i32")
 
     f32 = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "w_ptr": "*fp32", "norm_ptr": "*fp32", "ape_ptr": "*fp32",
            "sc_ptr": "*fp32", "st_ptr": "*fp32", "pos_ptr": "*i32", "slot_ptr": "*i32", "start_ptr": "*i32",
@@ -145,12 +145,14 @@ def _compile_layer(gpu) -> None:
     for dt, name in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
         for kv in {name, "*fp32"}:                       # the SWA projection's output, or the float32 one
             for kind, cache in STORES:
+                fp8 = kind == cache_write.FP8_DS_MLA.value      # fp8_ds_mla rows with deepgemm_fp8's queries
                 _compile(layer_front._front_kernel, dict(D=512, BH=4, NQB=16, DI=128, BHI=8, NIB=8, DTYPE=dt,
-                                                         FP4=kind == cache_write.PLAIN_ROWS.value, FAULT_ROWS=3,
-                                                         KIND=kind, BS=64, SOFT=False),
+                                                         FP4=kind == cache_write.PLAIN_ROWS.value or fp8, FP8=fp8,
+                                                         FAULT_ROWS=3, KIND=kind, BS=64, SOFT=False),
                          types({**f32, **cache, "q_ptr": name, "qo_ptr": name, "kv_ptr": kv, "out_ptr": "*fp32",
-                                "iq_ptr": "*fp32", "iqo_ptr": name}),
-                         {"kv_stride", "H", "PH", "HI"}, gpu, 4)
+                                "iq_ptr": "*fp32", "iqo_ptr": "*u8" if fp8 else name, "iw_ptr": "*fp32",
+                                "iwq_ptr": "*fp32"}),
+                         {"kv_stride", "H", "PH", "HI", "iw_stride"}, gpu, 4)
             _compile(layer_front._norm_rows_kernel, dict(BLOCK=1024, SOFT=False),
                      types({**f32, "x_ptr": kv, "out_ptr": name}), {"x_stride", "N"}, gpu, 4)
         _compile(layer_front._rotate_rows_kernel, dict(D=128, BH=8, SOFT=False),
@@ -205,11 +207,12 @@ def _compile_layer(gpu) -> None:
                  {"H", "DI", "width", "w_stride"}, gpu,
                  plan.num_warps)
     tk = topk_lists
-    _compile(tk._topk_lists_kernel, dict(BLOCK=tk.BLOCK, RADIX=tk.RADIX, KP=512, CAP=tk.MIN_CAP, SAMPLE=tk.SAMPLE,
-                                         NW=tk.NUM_WARPS, CW=tk.WARP_COLS),
-             types({"scores_ptr": "*fp32", "cnt_ptr": "*i32", "pages_ptr": "*i32", "req_ptr": "*i64",
-                    "local_ptr": "*i32", "slots_ptr": "*i32", "lens_ptr": "*i32", "cand_ptr": "*i32",
-                    "ncand_ptr": "*i32"}), {"width", "pages_stride", "cand_stride"}, gpu, tk.NUM_WARPS)
+    for nw in (tk.NARROW_WARPS, tk.NUM_WARPS):
+        _compile(tk._topk_lists_kernel, dict(BLOCK=tk.BLOCK, RADIX=tk.RADIX, KP=512, CAP=tk.MIN_CAP, SAMPLE=tk.SAMPLE,
+                                             NW=nw, CW=tk.WARP_COLS),
+                 types({"scores_ptr": "*fp32", "cnt_ptr": "*i32", "pages_ptr": "*i32", "req_ptr": "*i64",
+                        "local_ptr": "*i32", "slots_ptr": "*i32", "lens_ptr": "*i32", "cand_ptr": "*i32",
+                        "ncand_ptr": "*i32"}), {"width", "pages_stride", "cand_stride"}, gpu, nw)
 
 
 def main(argv: list[str]) -> int:

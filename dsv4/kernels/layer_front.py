@@ -9,7 +9,8 @@
 - `rotate_rows_kernel`: RoPE alone on every head of float32 rows (the indexer's queries), stored in a
   given dtype;
 - `front_kernel`: the query heads, the indexer's query heads and the KV rows of a step as programs of one
-  grid (each part as the kernels above make it).
+  grid (each part as the kernels above make it; the indexer's queries also as deepgemm_fp8 scores them,
+  e4m3 over a power-of-two scale per head that goes into the head's weight).
 
 Inputs may be the float32 output of a wider product (a compressed layer's one product of x): they are
 rounded to the activation dtype first, as that product in the activation dtype would give them.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.cache_write import row_outputs, store_row
+from dsv4.kernels.cache_write import pow2_e4m3, row_outputs, store_row
 from dsv4.kernels.fp4 import FP4_MAX_DIM, fp4_sim
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, cdiv, launch, next_pow2, rows_dense
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, round_to, widen
@@ -107,10 +108,12 @@ def _kv_part(t, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, s
 
 
 @triton.jit
-def _rot_part(t, hb, x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr,
-              FP4: tl.constexpr):
+def _rot_part(t, hb, x_ptr, cos_ptr, sin_ptr, out_ptr, H, w_ptr, w_stride, w_scale, wq_ptr, D: tl.constexpr,
+              BH: tl.constexpr, SOFT: tl.constexpr, FP4: tl.constexpr, FP8: tl.constexpr):
     """Heads hb·BH.. of token t of x [T, H, D] (float32): RoPE, then (FP4) the indexer's published numerics
-    (dsv4/kernels/fp4.py), stored in out's dtype."""
+    (dsv4/kernels/fp4.py), stored in out's dtype; with FP8 rounded to bf16 and stored as e4m3 bytes over
+    each head's power-of-two scale, which goes into its head weight: wq[t, h] = w[t, h] · w_scale · scale
+    (deepgemm_fp8's queries, dsv4.strategies.fp8_keys.fp8_queries)."""
     h = hb * BH + tl.arange(0, BH)
     dims = tl.arange(0, D)
     at = (t.to(tl.int64) * H + h)[:, None] * D + dims[None, :]
@@ -120,22 +123,32 @@ def _rot_part(t, hb, x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: t
     y = tl.reshape(tl.join(ev, od), [BH, D])
     if FP4:
         y = fp4_sim(y, BH, D, SOFT)
-    tl.store(out_ptr + at, round_to(y, out_ptr.dtype.element_ty, SOFT), mask=(h < H)[:, None])
+    if FP8:
+        y = widen(round_to(y, tl.bfloat16, SOFT), SOFT)
+        q8, e = pow2_e4m3(y, tl.max(tl.abs(y), 1)[:, None])
+        tl.store(out_ptr + at, q8, mask=(h < H)[:, None])
+        wv = tl.load(w_ptr + t.to(tl.int64) * w_stride + h, mask=h < H, other=0.0)
+        scale = (tl.max(e, 1) << 23).to(tl.float32, bitcast=True)
+        tl.store(wq_ptr + t.to(tl.int64) * H + h, (wv * w_scale) * scale, mask=h < H)
+    else:
+        tl.store(out_ptr + at, round_to(y, out_ptr.dtype.element_ty, SOFT), mask=(h < H)[:, None])
 
 
 @triton.jit
-def _front_kernel(q_ptr, qo_ptr, H, PH, NQ, iq_ptr, iqo_ptr, HI, NI, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr,
-                  slot_ptr, out_ptr, store_ptr, faults_ptr, T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr,
-                  page_stride, n_slots, D: tl.constexpr, BH: tl.constexpr, NQB: tl.constexpr, DI: tl.constexpr,
-                  BHI: tl.constexpr, NIB: tl.constexpr, FP4: tl.constexpr, DTYPE: tl.constexpr,
-                  FAULT_ROWS: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr, SOFT: tl.constexpr):
+def _front_kernel(q_ptr, qo_ptr, H, PH, NQ, iq_ptr, iqo_ptr, HI, NI, iw_ptr, iw_stride, iw_scale, iwq_ptr, kv_ptr,
+                  kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr, T, eps, cache_ptr,
+                  cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D: tl.constexpr, BH: tl.constexpr,
+                  NQB: tl.constexpr, DI: tl.constexpr, BHI: tl.constexpr, NIB: tl.constexpr, FP4: tl.constexpr,
+                  FP8: tl.constexpr, DTYPE: tl.constexpr, FAULT_ROWS: tl.constexpr, KIND: tl.constexpr,
+                  BS: tl.constexpr, SOFT: tl.constexpr):
     """Programs 0..NQ-1: query heads (NQB programs per token); the next NI: the indexer's query heads
     (NIB per token); the next T: KV rows."""
     pid = tl.program_id(0)
     if pid < NQ:
         _q_part(pid // NQB, pid % NQB, q_ptr, cos_ptr, sin_ptr, qo_ptr, H, PH, eps, D, BH, SOFT)
     elif pid < NQ + NI:
-        _rot_part((pid - NQ) // NIB, (pid - NQ) % NIB, iq_ptr, cos_ptr, sin_ptr, iqo_ptr, HI, DI, BHI, SOFT, FP4)
+        _rot_part((pid - NQ) // NIB, (pid - NQ) % NIB, iq_ptr, cos_ptr, sin_ptr, iqo_ptr, HI, iw_ptr, iw_stride,
+                  iw_scale, iwq_ptr, DI, BHI, SOFT, FP4, FP8)
     else:
         _kv_part(pid - NQ - NI, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr,
                  T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D, DTYPE, FAULT_ROWS, KIND, BS,
@@ -160,7 +173,8 @@ def _norm_rows_kernel(x_ptr, x_stride, w_ptr, out_ptr, N, eps, BLOCK: tl.constex
 
 @triton.jit
 def _rotate_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr):
-    _rot_part(tl.program_id(0), tl.program_id(1), x_ptr, cos_ptr, sin_ptr, out_ptr, H, D, BH, SOFT, False)
+    _rot_part(tl.program_id(0), tl.program_id(1), x_ptr, cos_ptr, sin_ptr, out_ptr, H, x_ptr, 0, 1.0, x_ptr, D, BH,
+              SOFT, False, False)
 
 
 _TL = {"torch.float32": tl.float32, "torch.bfloat16": tl.bfloat16, "torch.float16": tl.float16}
@@ -172,12 +186,17 @@ def _check_dim(D: int) -> None:
 
 
 def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, eps: float, dtype, into=None,
-                 iq=None, iq_dtype=None, iq_fp4: bool = False, heads_per_program: int = 4, num_warps: int = 4):
+                 iq=None, iq_dtype=None, iq_fp4: bool = False, iq_weights=None, iq_w_scale: float = 1.0,
+                 heads_per_program: int = 4, num_warps: int = 4):
     """The front of the layer in one launch: `q_rows_kernel` on q [T, H, D], `kv_rows_kernel` on kv [T, D] and
     `rotate_rows_kernel` on the indexer's queries iq [T, Hi, Di] (float32, stored in `iq_dtype`; with
     `iq_fp4` then rotated and FP4-simulated as the published code does, dsv4/kernels/fp4.py); any may be
     None, the other arguments as theirs -> (q_rows_kernel's result, kv_rows_kernel's, the queries'; None for
-    an absent part). Each part's rows are separate programs of one grid."""
+    an absent part). Each part's rows are separate programs of one grid.
+
+    With `iq_dtype` float8_e4m3fn the queries come out as `fp8_keys.fp8_queries` makes them from the
+    bf16-rounded rows and the head weights `iq_weights` [T, Hi] float32 (rows may be strided) with
+    `iq_w_scale`: (e4m3 [T, 1, Hi, Di], the folded weights [T, Hi] float32)."""
     import torch
 
     if q is None and kv is None and iq is None:
@@ -196,6 +215,7 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
         nq = T * nqb if padded_heads else 0
         q = as_dense(q)
     iq_out, ni, nib, hi, di, bhi = None, 0, 1, 0, ROPE_DIM, 1
+    fp8, iw, iwq = iq is not None and iq_dtype == torch.float8_e4m3fn, some, some
     if iq is not None:
         hi, di = iq.shape[1], iq.shape[2]
         _check_dim(di)
@@ -204,7 +224,14 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
         if iq.shape[0] != T:
             raise ValueError(f"front_kernel: indexer queries {tuple(iq.shape)} for {T} tokens")
         iq = as_f32(iq)
-        iq_out = torch.empty(T, hi, di, dtype=iq_dtype or torch.float32, device=iq.device)
+        if fp8:
+            if iq_weights is None or iq_weights.shape != (T, hi) or iq_weights.dtype != torch.float32:
+                raise ValueError(f"front_kernel: fp8 indexer queries need their head weights, [{T}, {hi}] float32")
+            iw = rows_dense(iq_weights)
+            iwq = torch.empty(T, hi, dtype=torch.float32, device=iq.device)
+            iq_out = torch.empty(T, 1, hi, di, dtype=torch.uint8, device=iq.device)
+        else:
+            iq_out = torch.empty(T, hi, di, dtype=iq_dtype or torch.float32, device=iq.device)
         bhi = min(8, next_pow2(max(hi, 1)))
         nib = cdiv(hi, bhi)
         ni = T * nib
@@ -227,8 +254,11 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
     if nq + ni + tk:
         launch(_front_kernel, (nq + ni + tk,), q if q is not None else some, q_out if q_out is not None else some, H,
                padded_heads, nq, iq if iq is not None else some, iq_out if iq_out is not None else some, hi, ni,
-               *kv_args, D=D, BH=bh, NQB=nqb, DI=di, BHI=bhi, NIB=nib, FP4=bool(iq_fp4), DTYPE=_TL[str(dtype)],
-               FAULT_ROWS=fault_rows, KIND=kind, BS=bs, SOFT=SOFT_ROUND, num_warps=num_warps)
+               iw, iw.stride(0) if fp8 else 0, float(iq_w_scale), iwq, *kv_args, D=D, BH=bh, NQB=nqb, DI=di, BHI=bhi,
+               NIB=nib, FP4=bool(iq_fp4), FP8=fp8, DTYPE=_TL[str(dtype)], FAULT_ROWS=fault_rows, KIND=kind, BS=bs,
+               SOFT=SOFT_ROUND, num_warps=num_warps)
+    if fp8 and iq_out is not None:
+        iq_out = (iq_out.view(torch.float8_e4m3fn), iwq)
     return q_out, kv_out, iq_out
 
 

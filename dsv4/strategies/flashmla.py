@@ -5,10 +5,11 @@ directly: the SWA cache through `indices`/`topk_length`, the compressed cache as
 through `extra_indices_in_kvcache`/`extra_topk_length`, with the attention sink (DSV4_SPEC §4.2). The
 tile-scheduler metadata is the strategy's per-step plan: made empty once per layer type per step
 (`plan`), filled by the first call and reused by the other layers of that type in the step (the API
-requires identical shapes and lengths, which layers of one type in one step have); so are the padded
-index lists of ratio-128 layers. In a CUDA graph the first layer's captured call recomputes both on
-every replay. On sm90 the kernels are the package's
-legacy ones.
+requires identical shapes and lengths, which layers of one type in one step have); so are the index
+lists the type's layers share, padded to the kernel's width (the SWA windows; ratio-128 layers' entries).
+In a CUDA graph the first layer's captured call recomputes both on every replay. The page views of a
+layer's caches are made once (kept in what `prepare` gave the layer). On sm90 the kernels are the
+package's legacy ones.
 
 Prefill tokens go through the same decode kernel by default: it reads the fp8 pages in place, while
 `flash_mla_sparse_fwd` first needs the referenced rows dequantized into a bf16 workspace
@@ -43,19 +44,28 @@ def fp8_ds_mla_pages(cache):
     return data.as_strided((data.shape[0], B, 1, 584), (data.stride(0), 584, 584, 1))
 
 
+def _pages(memo: dict, cache):
+    """fp8_ds_mla_pages(cache), made once per cache buffer (`memo`: the module's, by the buffer's identity)."""
+    hit = memo.get(id(cache.data))
+    if hit is None or hit[0] is not cache.data:
+        hit = memo[id(cache.data)] = (cache.data, fp8_ds_mla_pages(cache))
+    return hit[1]
+
+
 @dataclass(slots=True)
 class FlashMLAPlan:
-    """One step's state for one layer type: the tile-scheduler metadata (flash_mla.FlashMLASchedMeta), and
-    the extra cache's index lists padded to the kernel's width (ratio-128 layers: the plan's list of every
-    visible entry, shared by the type's layers), both made by the type's first call in the step."""
+    """One step's state for one layer type: the tile-scheduler metadata (flash_mla.FlashMLASchedMeta), made
+    by the type's first call in the step, and the index lists as the kernel reads them ([T, 1, W] int32,
+    W padded to its width) for lists the step's layers share (the SWA windows; at ratio 128 every visible
+    entry), each made once: the last list seen in each role and its padded view."""
     sched: Any = field(default=None)
-    lists: Any = None           # the step's unpadded extra index lists ...
-    padded: Any = None          # ... and their padded copy
+    views: dict = field(default_factory=dict)       # role -> (the step's list, its padded [T, 1, W] view)
 
-    def padded_lists(self, lists):
-        if self.lists is not lists:
-            self.lists, self.padded = lists, _pad_width(lists)
-        return self.padded
+    def padded(self, role: str, lists):
+        hit = self.views.get(role)
+        if hit is None or hit[0] is not lists:
+            hit = self.views[role] = (lists, _pad_width(lists).view(lists.shape[0], 1, -1))
+        return hit[1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,18 +98,19 @@ class FlashMLASparse:
 
         legacy = bool(prepared and prepared["use_legacy"])
         T, H, D = q.shape
-        idx = _pad_width(kv.swa_indices)
+        if plan is None:                             # this call alone
+            plan = FlashMLAPlan(sched=flash_mla.get_mla_metadata()[0])
+        pages = prepared.setdefault("pages", {}) if prepared is not None else {}
         extra = {}
         if kv.extra is not None:
-            e_idx = _pad_width(kv.extra_indices) if plan is None else plan.padded_lists(kv.extra_indices)
-            extra = dict(extra_k_cache=fp8_ds_mla_pages(kv.extra), extra_indices_in_kvcache=e_idx.view(T, 1, -1),
+            extra = dict(extra_k_cache=_pages(pages, kv.extra),
+                         extra_indices_in_kvcache=plan.padded("extra", kv.extra_indices),
                          extra_topk_length=as_dense(kv.extra_lens))
-        sched = plan.sched if plan is not None else flash_mla.get_mla_metadata()[0]    # no plan: this call alone
         qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
         out, lse = flash_mla.flash_mla_with_kvcache(
-            as_dense(qb).view(T, 1, H, D), fp8_ds_mla_pages(kv.swa), None, None, 512, sched, softmax_scale=scale,
-            is_fp8_kvcache=True, indices=idx.view(T, 1, -1), attn_sink=as_f32(sink), topk_length=as_dense(kv.swa_lens),
-            use_legacy=legacy, **extra)
+            as_dense(qb).view(T, 1, H, D), _pages(pages, kv.swa), None, None, 512, plan.sched, softmax_scale=scale,
+            is_fp8_kvcache=True, indices=plan.padded("swa", kv.swa_indices), attn_sink=as_f32(sink),
+            topk_length=as_dense(kv.swa_lens), use_legacy=legacy, **extra)
         out = out.view(T, H, -1)
         return (out if out.dtype == q.dtype else out.to(q.dtype)), lse.view(T, H)
 

@@ -139,7 +139,8 @@ def deepgemm_scores(q, w, keys, pages, token_request, counts, *, width: int, w_s
     """[T, >= width] float32 scores by deep_gemm.fp8_paged_mqa_logits, every token its own batch row, its
     request's block table row and its count of visible entries (the step's DeepGemmPlan; made here for a
     call without one); entries at or past the count may hold anything (the top-k reads each row's first
-    `count`)."""
+    `count`). q in e4m3 [T, 1, Hi, Di] is taken as `fp8_queries` makes it, w then its folded weights (the
+    layer's front kernel made both); otherwise they are made here."""
     import deep_gemm
     import torch
 
@@ -149,7 +150,7 @@ def deepgemm_scores(q, w, keys, pages, token_request, counts, *, width: int, w_s
         return torch.empty(q.shape[0], width, dtype=torch.float32, device=q.device)
     if plan is None:
         plan = deepgemm_plan(token_request=token_request, counts=counts, pages=pages, block_size=keys.block_size)
-    q8, wq = fp8_queries_kernel(q, w, w_scale)
+    q8, wq = (q, w) if q.dtype == torch.float8_e4m3fn else fp8_queries_kernel(q, w, w_scale)
     return deep_gemm.fp8_paged_mqa_logits(q8, deepgemm_pages(keys), wq, plan.lens, plan.table, plan.schedule,
                                           width, clean_logits=False)
 
@@ -165,6 +166,7 @@ class DeepGemmFp8Indexer:
     transforms: ClassVar[bool] = True
     fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
+    fp8_queries: ClassVar[bool] = True
     scores, prepare = staticmethod(deepgemm_scores), no_prepare
     queries, keys = fp4_queries, fp4_keys
 
@@ -192,6 +194,7 @@ class TritonFp8Indexer:
     transforms: ClassVar[bool] = True
     fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
+    fp8_queries: ClassVar[bool] = False
     scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
     queries, keys, needs = fp4_queries, fp4_keys, fp4_needs
 

@@ -181,6 +181,7 @@ class ExactIndexer:
     transforms: ClassVar[bool] = False        # queries and keys are scored as the layer computes them
     fp4: ClassVar[bool] = False               # the transforms are the published FP4 ones (dsv4/kernels/fp4.py)
     oracle_numerics: ClassVar[str] = "exact"  # what the oracle recomputes the indexer with (reference.py)
+    fp8_queries: ClassVar[bool] = False       # its GPU kernel scores e4m3 queries, scales in the head weights
 
     scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
 
@@ -204,6 +205,7 @@ class Fp4SimIndexer:
     transforms: ClassVar[bool] = True
     fp4: ClassVar[bool] = True                # which the layer's kernels apply themselves on a GPU
     oracle_numerics: ClassVar[str] = "fp4"
+    fp8_queries: ClassVar[bool] = False
 
     scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
     queries, keys, needs = fp4_queries, fp4_keys, fp4_needs

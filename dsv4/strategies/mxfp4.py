@@ -85,6 +85,7 @@ class Mxfp4Indexer:
     transforms: ClassVar[bool] = True
     fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
+    fp8_queries: ClassVar[bool] = False
 
     scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
     queries, keys, needs = fp4_queries, fp4_keys, fp4_needs

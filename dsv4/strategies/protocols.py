@@ -102,12 +102,15 @@ class IndexerStrategy(Protocol):
     the device; `transforms` says whether they change anything, `fp4` whether they are the published
     rotation and FP4 simulation, which the layer's kernels apply themselves on a GPU (dsv4/kernels/fp4.py;
     other transforms run as `queries` and `keys`). It owns its keys' record (`key_layout`) and, on a GPU,
-    the kernel that scores them (`scores`)."""
+    the kernel that scores them (`scores`), which with `fp8_queries` takes e4m3 queries, each head over its
+    power-of-two scale, and head weights that carry those scales (fp8_keys.fp8_queries; the layer's front
+    kernel makes them)."""
     name: str
     error_budget: float
     transforms: bool
     fp4: bool
     oracle_numerics: str        # reference.INDEXER_NUMERICS: what the oracle recomputes the indexer with
+    fp8_queries: bool
 
     def needs(self, device: DeviceInfo) -> Needs: ...
     def prepare(self, *, head_dim: int, device: DeviceInfo) -> Any: ...
