@@ -1,7 +1,8 @@
 """Tuning sweep for the Triton kernels on a GPU, FlashMLA beside them in the same process.
 
-  python bench/tune_triton.py            # launch parameters of mqa_kernel=triton_sparse on GPU.md's decode
-                                         # cases, prefill at 4096 tokens, the fused o_proj prologue vs a copy
+  python bench/tune_triton.py            # launch parameters of mqa_kernel=triton_sparse on mode=bench's
+                                         # decode cases, prefill at 4096 tokens, the fused o_proj prologue
+                                         # vs a copy
   python bench/tune_triton.py quick      # the launch sweep on three decode cases
   python bench/tune_triton.py planned    # triton_sparse as shipped (variant=auto) and both its kernels beside FlashMLA,
                                          # around the planners' switches and at prefill size
@@ -90,7 +91,7 @@ def decode(cases=CASES) -> None:
 
 def planned() -> None:
     """mqa_kernel=triton_sparse as shipped (variant=auto) and its two kernels beside FlashMLA on the same pages:
-    GPU.md's decode cases, the steps around both planners' switches, and prefill-sized steps."""
+    mode=bench's decode cases, the steps around both planners' switches, and prefill-sized steps."""
     fm = FlashMLASparse()
     variants = {v: TritonSparseMQA(variant=v) for v in ("auto", "two_pass", "hopper")}
     prep = fm.prepare(device=detect())

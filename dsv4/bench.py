@@ -1,10 +1,10 @@
 """`mode=bench`: GPU timings of the sparse MQA kernels, the output projections and the whole layer step,
-every option available on this machine side by side in one process (DESIGN.md §3).
+every option available on this machine side by side in one process (docs/design.md §3).
 
 Timing: warm-up, then CUDA-graph replays of several calls timed with CUDA events, median of repeats
 (graph replay removes Python launch overhead, which otherwise dominates small kernels). Inputs are
 fresh random data; the fp8_ds_mla pools are far larger than L2 and the slot lists random over them.
-FLOPs and bytes follow DSV4_SPEC §6.4 and GPU.md: per query row 2·H·N·(512+512) FLOPs and N·584 bytes
+FLOPs and bytes (docs/numerics.md §2.7): per query row 2·H·N·(512+512) FLOPs and N·584 bytes
 of KV (N = valid SWA + compressed entries), plus q and out.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dsv4.reference import rel_err
 from dsv4.report import table
 from dsv4.strategies import Fp8DsMlaLayout, OProjWeights, SparseKV
 
-CEILINGS = {"sm90": {"tflops": 777.0, "gbps": 4260.0}}   # measured on the H200 (GPU.md): bf16 GEMM, d2d copy
+CEILINGS = {"sm90": {"tflops": 777.0, "gbps": 4260.0}}   # the H200: bf16 GEMM, d2d copy (docs/benchmarks.md)
 STEP_REQUESTS, STEP_TOKENS = 64, 2                          # the layer-step benches' decode batch
 POOL_BLOCKS = 4096                                          # 262,144 rows x 584 B = 153 MB per cache
 DECODE_CASES = [("h64 128+512", 64, 64, 512, b, sq) for b, sq in ((1, 1), (64, 2), (128, 1), (128, 2))] + [

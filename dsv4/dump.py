@@ -1,4 +1,4 @@
-"""The dump contract (DESIGN.md §3): everything needed to recompute a run elsewhere.
+"""The dump contract (docs/design.md §3): everything needed to recompute a run elsewhere.
 
 `spec.json` holds the model fields, the layers, how cached rows were rounded and the choices;
 `tensors.safetensors` the inputs, every layer's weights under DeepSeek's checkpoint names, its

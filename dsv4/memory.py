@@ -1,4 +1,4 @@
-"""KV memory accounting per layer type and for a whole model (DSV4_SPEC §3.1, §3.6). Pure Python.
+"""KV memory accounting per layer type and for a whole model (docs/numerics.md §3.1, §3.6). Pure Python.
 
 Per rank and per request: the SWA cache is bounded by the window; a ratio-R layer's compressed cache
 grows by one row per R tokens; a ratio-4 layer's indexer keys by one entry per 4 tokens; compressor

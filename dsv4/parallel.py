@@ -2,7 +2,7 @@
 
 Each process builds only its rank's layer modules (its heads, sinks and output groups; wq_b and wo_a
 column-parallel, wo_b row-parallel) and its own KV pools; the compressor and indexer are replicated
-(DSV4_SPEC §1.2). The ranks' partial outputs are summed by an all-reduce over the process group --
+(docs/numerics.md §1.2). The ranks' partial outputs are summed by an all-reduce over the process group --
 gloo on the CPU, nccl on GPUs.
 
 Three ways ranks come about (`parallel.launcher`):

@@ -1,7 +1,7 @@
 """The oracle: a whole-sequence float32 recomputation of one DSV4 attention layer.
 
 No paging, no caches, no incremental state, and nothing shared with `dsv4.components`: every
-request's full history is recomputed densely, as DSV4_SPEC §5 writes it. Everything paged and
+request's full history is recomputed densely, as docs/numerics.md §5 writes it. Everything paged and
 incremental is tested against this. It takes the dump contract's plain data (the `model` dict of
 spec.json and weights under checkpoint names), so a dump can be recomputed anywhere.
 
@@ -91,7 +91,7 @@ def _e4m3(x):
 
 
 def round_rows(rows, kv_row_dtype: str, kv_scale: float | None = None):
-    """What a cached row reads back as (DSV4_SPEC §3.2, §3.3): fp8 formats quantize the bf16 row."""
+    """What a cached row reads back as (docs/numerics.md §3.2, §3.3): fp8 formats quantize the bf16 row."""
     if kv_row_dtype == "float32":
         return rows
     x = rows.bfloat16().float()
@@ -115,7 +115,7 @@ def round_rows(rows, kv_row_dtype: str, kv_scale: float | None = None):
 
 
 def _compress(x, wkv, wgate, ape, norm, R, D, f, eps):
-    """All complete compressed entries of one request, one at a time (DSV4_SPEC §5.3)."""
+    """All complete compressed entries of one request, one at a time (docs/numerics.md §5.3)."""
     L = x.shape[0]
     a = x @ wkv.T
     s = x @ wgate.T + ape[torch.arange(L) % R]

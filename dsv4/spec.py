@@ -1,4 +1,4 @@
-"""The model's attention-relevant configuration (DSV4_SPEC §1.1) as a frozen value.
+"""The model's attention-relevant configuration (docs/numerics.md §1.1) as a frozen value.
 
 Pure Python: `mode=check` builds it without importing torch.
 """
@@ -96,7 +96,7 @@ class ModelSpec:
         return tuple(first[r] for r in sorted(first))
 
     def to_dump(self) -> dict[str, Any]:
-        """The `model` object of the dump contract's spec.json (DESIGN.md §3)."""
+        """The `model` object of the dump contract's spec.json (docs/design.md §3)."""
         keys = ("hidden_size", "num_attention_heads", "head_dim", "qk_rope_head_dim", "q_lora_rank",
                 "o_lora_rank", "o_groups", "sliding_window", "index_topk", "index_n_heads",
                 "index_head_dim", "rope_theta", "compress_rope_theta", "rms_norm_eps")

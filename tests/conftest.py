@@ -1,7 +1,7 @@
 """Shared test helpers: the `--update-golden` option, the `compose_cfg` fixture (in-process Hydra
 composition), the `no_alloc` fixture (any tensor allocated fails the test), `options(group)` (a config
-group's option names), `run_py` (run.py in a subprocess), the DSV4_SPEC RoPE frequencies and the published
-float32 RoPE tables, a tiny spec and engine with helpers to drive it (`tiny_spec`, `make_engine`,
+group's option names), `run_py` (run.py in a subprocess), the RoPE frequencies of docs/numerics.md §2.3 and
+the published float32 RoPE tables, a tiny spec and engine with helpers to drive it (`tiny_spec`, `make_engine`,
 `hidden_for`, `drive`, `chunked`), and `through` (slot ids through block tables)."""
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def run_py(*args: str, run_dir: Path | None = None, importtime: bool = False, py
 
 
 def spec_rope_freqs(ratio: int) -> list[float]:
-    """The 32 RoPE pair frequencies written from DSV4_SPEC §2.3 (plain base 10000 for SWA-only
+    """The 32 RoPE pair frequencies written from docs/numerics.md §2.3 (plain base 10000 for SWA-only
     layers; YaRN with base 160000, factor 16, original 65536, beta 32/1 for compressed layers)."""
     if ratio <= 1:
         return [10000.0 ** (-2 * i / 64) for i in range(32)]

@@ -1,4 +1,4 @@
-"""KV cache layouts byte for byte (DSV4_SPEC §3.1 slot ids, §3.2 fp8_ds_mla, §3.3 per-tensor fp8, §5.2).
+"""KV cache layouts byte for byte (docs/numerics.md §3.1 slot ids, §3.2 fp8_ds_mla, §3.3 per-tensor fp8).
 
 Every expected byte here comes from an independent packer written from the spec text in plain
 Python (struct + math, one value at a time): bf16 round-to-nearest-even from the float32 bits, OCP

@@ -1,4 +1,4 @@
-"""Compressor (DSV4_SPEC §2.4, §5.3) and lightning indexer (§2.5, §5.4), batched over a step's requests,
+"""Compressor (docs/numerics.md §2.4, §5.3) and lightning indexer (§2.5), batched over a step's requests,
 against our own float64 per-entry loops written from the spec text (nothing from `dsv4` computes an
 expected value). The compressor runs as the layer runs it: the step's rows projected, the kept rows
 written to state pages, each closing token pooling this step's rows and earlier ones from the pages."""

@@ -219,7 +219,7 @@ def spec_of(name: str) -> ModelSpec:
     return ModelSpec.from_config(load_yaml(CONFIGS / "model" / f"{name}.yaml"))
 
 
-# DSV4_SPEC §1.1 table
+# docs/numerics.md §1.1
 REAL = {
     "dsv4_flash": dict(hidden_size=4096, num_hidden_layers=43, num_attention_heads=64, q_lora_rank=1024,
                        o_groups=8, index_topk=512, n_ratios=44, mix={1: 2, 4: 21, 128: 20},

@@ -1,8 +1,8 @@
 """mqa_kernel=flashinfer_sparse without FlashInfer and without a GPU.
 
 `flashinfer.mla.trtllm_batch_decode_sparse_mla_dsv4` (flashinfer-python 0.6.15.post1) is modelled here in
-torch from its documented contract -- the function's docstring and argument checks, DSV4_SPEC §3.2, §3.3,
-§4.3, §4.4, §5.5 -- written without looking at the adapter's marshalling: `trtllm_gen_contract` (sm100/sm103:
+torch from its documented contract -- the function's docstring and argument checks, docs/numerics.md §3.2,
+§3.3, §4.3, §4.4, §5.5 -- written without looking at the adapter's marshalling: `trtllm_gen_contract` (sm100/sm103:
 one combined table, SWA window derived from seq_lens) and `sm120_contract` (sm120/sm121: fp8_ds_mla pages,
 SWA + extra lists). A fake `flashinfer` module whose API is that model is put in sys.modules, so the
 adapter's real `__call__` runs end to end; its output is then compared with ReferenceMQA on the same

@@ -1,4 +1,4 @@
-"""The paged pool and the step plan's addressing (DSV4_SPEC §3.1 slot ids, §5.8 index construction, §2.6 SWA).
+"""The paged pool and the step plan's addressing (docs/numerics.md §3.1 slot ids, §2.6 the window).
 
 Expected slots and windows are derived here from the block tables and the spec formulas, never from
 the plan's own code; the SWA tests also write a row per position (its value encodes the position) and

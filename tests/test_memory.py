@@ -1,4 +1,4 @@
-"""Memory accounting against the spec's arithmetic (DSV4_SPEC §3.6) and the published 1M-token figure."""
+"""Memory accounting against the spec's arithmetic (docs/numerics.md §3.6) and the published 1M-token figure."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""RoPE (DSV4_SPEC §2.3, §5.1, §6.2) against DeepSeek's published float32 tables and our own float64
+"""RoPE (docs/numerics.md §2.3) against DeepSeek's published float32 tables and our own float64
 re-derivation of the spec formulas.
 
 Expected values never come from `dsv4`: the published computation (frequencies, float32 angle, torch.polar)

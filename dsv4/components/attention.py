@@ -4,7 +4,7 @@ It is assembled from injected pieces (keyword-only) and contains no platform bra
 kernel, the output projection, the head padding and the cache layout are strategies; the compressor
 and indexer are components. It holds the math only: where rows go and which rows a token reads come
 from the step plan (dsv4/components/plan.py), and what it stores lives in its LayerCaches. Forward
-follows DSV4_SPEC §2.2 and, on a GPU, runs without a host sync, so a decode step can be captured in a
+follows docs/numerics.md §2.2 and, on a GPU, runs without a host sync, so a decode step can be captured in a
 CUDA graph.
 """
 from __future__ import annotations

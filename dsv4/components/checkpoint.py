@@ -53,7 +53,7 @@ Checkpoint conventions, and where they come from (read 2026; no real checkpoint 
   the Flash config.json: hidden_size 4096, num_hidden_layers 43, ..., compress_ratios with 44 entries,
   rope_scaling {type: yarn, factor 16, original_max_position_embeddings 65536, beta_fast 32,
   beta_slow 1}); each one present is compared with the chosen `model=` and a layer's compress ratio is
-  max(1, compress_ratios[l]) from it (vLLM's rule, DSV4_SPEC §1.1).
+  max(1, compress_ratios[l]) from it (vLLM's rule, docs/numerics.md §1.1).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The KV compressor (DSV4_SPEC §2.4): ratio 4 with overlapping windows (CSA), ratio 128 plain (HCA),
+"""The KV compressor (docs/numerics.md §2.4): ratio 4 with overlapping windows (CSA), ratio 128 plain (HCA),
 batched over every request of a step.
 
 Every token contributes a candidate `a` and gate logits `s + ape[p mod R]` (float32, coff·D wide each,

@@ -1,4 +1,4 @@
-"""The front of the layer (DSV4_SPEC §2.2 steps 2-4): normalised, rotated query and KV rows.
+"""The front of the layer (docs/numerics.md §2.2 steps 2-4): normalised, rotated query and KV rows.
 
 Each function is written once in torch (the CPU path, and the reference the kernels are tested
 against) and runs our fused Triton kernel on a GPU tensor (dsv4/kernels/layer_front.py): one launch

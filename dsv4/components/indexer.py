@@ -1,4 +1,4 @@
-"""The lightning indexer of ratio-4 layers (DSV4_SPEC §2.5): scores over the request's keys, causal top-k,
+"""The lightning indexer of ratio-4 layers (docs/numerics.md §2.5): scores over the request's keys, causal top-k,
 batched over every token of a step.
 
 score[t, j] = Σ_h w[t,h] · ReLU(q[t,h] · k_j), w = weights_proj(x) · Di^-½ · Hi^-½, over the compressed

@@ -1,4 +1,4 @@
-"""RoPE of DSV4 (DSV4_SPEC §2.3): GPT-J interleaved pairs on the LAST 64 dims of a vector.
+"""RoPE of DSV4 (docs/numerics.md §2.3): GPT-J interleaved pairs on the LAST 64 dims of a vector.
 
 SWA-only layers use plain RoPE with `rope_theta`; compressed layers use YaRN with
 `compress_rope_theta`. One table per layer serves q, KV, compressed KV, the indexer and the inverse

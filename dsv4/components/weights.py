@@ -1,4 +1,4 @@
-"""Seeded random weights under DeepSeek's checkpoint names (DSV4_SPEC §1.2), and TP sharding.
+"""Seeded random weights under DeepSeek's checkpoint names (docs/numerics.md §1.2), and TP sharding.
 
 Names are relative to `layers.{l}.attn.`; values are float32 on the CPU. Each layer draws from its
 own generator seeded by (seed, layer), so a layer's weights do not depend on which others are built.

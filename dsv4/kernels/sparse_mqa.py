@@ -25,7 +25,7 @@ constexpr, so slot -> (page, offset) is a shift for power-of-two pages instead o
 P·V programs whose dims hold no RoPE part (3 of 4) skip the bf16 loads. Together: 201 -> 167 µs at
 b=128, s_q=2 on the H200 (docs/benchmarks.md).
 
-Row decoding (DSV4_SPEC §3.2): on GPUs that convert OCP e4m3 in hardware (NVIDIA sm89+) the bytes go
+Row decoding (docs/numerics.md §3.2): on GPUs that convert OCP e4m3 in hardware (NVIDIA sm89+) the bytes go
 through that conversion; everywhere else (FNUZ bytes, A100, AMD) it is integer arithmetic, which needs
 no fp8 hardware: an e4m3 byte's 7 magnitude bits shifted left by 7, with its sign moved to bit 15, are
 an fp16 whose value is the e4m3 value times 2^-8 (OCP, bias 7) or 2^-7 (FNUZ, bias 8), subnormals
@@ -315,7 +315,7 @@ def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launc
     """Launch shapes from the step's size (H200 sweeps, docs/benchmarks.md). When the scores pass at
     128 columns x 64 heads per program gives at least half as many programs as processors: that
     (4 warps), and 128 output dims per P·V program. Otherwise (decode of a few requests) more, smaller
-    programs: 64 columns x 16 heads, 64 dims with 8 warps (third session's kernel on the H200: b=1 21 µs
+    programs: 64 columns x 16 heads, 64 dims with 8 warps (the two-pass kernel on the H200: b=1 21 µs
     instead of 34; 128 SWA-only queries, 128 programs: 28 µs with the first shape, 69 with the second)."""
     full = min(64, max(16, next_pow2(heads)))
     if 2 * tokens * cdiv(columns, 128) * cdiv(heads, full) >= processors:

@@ -1,7 +1,7 @@
 """mqa_kernel=flashinfer_sparse: FlashInfer's DeepSeek-V4 sparse MLA (package flashinfer-python, import flashinfer).
 
 One public entry point, `flashinfer.mla.trtllm_batch_decode_sparse_mla_dsv4` (targeted at flashinfer-python
-0.6.15.post1), serves two architectures with two argument forms (DSV4_SPEC §4.3, §4.4):
+0.6.15.post1), serves two architectures with two argument forms (docs/numerics.md §4.3, §4.4):
 
 * sm100 / sm103, "trtllm_combined" (TRTLLM-gen kernels): plain rows, bf16 or per-tensor fp8 e4m3 (§3.3),
   both pools `[num_blocks, B, 512]` ("HND" accepts the 3-d form), q in the pools' dtype. One index table

@@ -2,7 +2,7 @@
 
 Every query token is one batch row (s_q = 1) of `flash_mla_with_kvcache` reading the fp8_ds_mla pages
 directly: the SWA cache through `indices`/`topk_length`, the compressed cache as the "extra" cache
-through `extra_indices_in_kvcache`/`extra_topk_length`, with the attention sink (DSV4_SPEC §4.2). The
+through `extra_indices_in_kvcache`/`extra_topk_length`, with the attention sink (docs/numerics.md §4.2). The
 tile-scheduler metadata is the strategy's per-step plan: made empty once per layer type per step
 (`plan`), filled by the first call and reused by the other layers of that type in the step (the API
 requires identical shapes and lengths, which layers of one type in one step have); so are the index

@@ -1,4 +1,4 @@
-"""cache_layout=fp8_ds_mla_fnuz: the fp8_ds_mla record (DSV4_SPEC §3.2) with FNUZ e4m3 bytes.
+"""cache_layout=fp8_ds_mla_fnuz: the fp8_ds_mla record (docs/numerics.md §3.2) with FNUZ e4m3 bytes.
 
 MI300X (gfx942) computes fp8 only as float8_e4m3fnuz -- aiter's `dtypes.fp8` there -- so a gfx942
 kernel that decodes cache bytes natively needs them in that flavour (§3.2's ROCm caveat, §7 item 13).

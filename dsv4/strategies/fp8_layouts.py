@@ -1,6 +1,6 @@
 """fp8 CacheLayout options: DeepSeek-V4's fp8_ds_mla record and plain per-tensor-scaled e4m3 rows.
 
-`fp8_ds_mla` is FlashMLA's "MODEL1" format (DSV4_SPEC §3.2), byte for byte: per token 448 e4m3 NoPE
+`fp8_ds_mla` is FlashMLA's "MODEL1" format (docs/numerics.md §3.2), byte for byte: per token 448 e4m3 NoPE
 bytes (one power-of-two UE8M0 scale per 64 dims), 64 bf16 RoPE dims (128 B), 7 scale bytes and one
 zero pad byte = 584 B. A page holds all its tokens' 576 data bytes first, then all their 8-byte scale
 groups; the page stride is rounded up to a multiple of 576. Both layouts quantize the bf16-rounded
@@ -16,7 +16,7 @@ from dsv4.strategies.cache_layout import kept_rows
 from dsv4.strategies.protocols import Needs
 
 E4M3_MAX = 448.0
-DATA_BYTES, SCALE_BYTES, NOPE_BYTES, EXPONENTS = 576, 8, 448, 7     # the record (DSV4_SPEC §3.2)
+DATA_BYTES, SCALE_BYTES, NOPE_BYTES, EXPONENTS = 576, 8, 448, 7     # the record (docs/numerics.md §3.2)
 
 
 def _e4m3():

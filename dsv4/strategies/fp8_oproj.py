@@ -1,7 +1,7 @@
 """fp8 OProjStrategy options: `deepgemm_fp8` (DeepGEMM fp8_einsum), `torch_fp8` (torch scaled-mm) and
 `triton_fp8` (our Triton grouped product, dsv4/kernels/fp8_grouped_gemm.py).
 
-Both follow vLLM's DSV4 o_proj (DSV4_SPEC §4.2): inverse RoPE on the attention output fused with
+Both follow vLLM's DSV4 o_proj (docs/numerics.md §4.2): inverse RoPE on the attention output fused with
 fp8 quantization at one power-of-two scale per 128 contiguous dims of each (token, group) vector
 (our Triton kernel, dsv4/kernels/inv_rope_fp8.py);
 `wo_a` quantized once at build time in 128×128 blocks (power-of-two scales) — or, loaded from a

@@ -27,7 +27,7 @@ def _gather(cache, indices, lens):
 
 
 def sparse_mqa_with_sink(q, rows, valid, sink, scale: float):
-    """DSV4_SPEC §2.7 in float32. q [T,H,D], rows [T,N,D], valid [T,N] -> out [T,H,D] f32, lse [T,H].
+    """docs/numerics.md §2.7 in float32. q [T,H,D], rows [T,N,D], valid [T,N] -> out [T,H,D] f32, lse [T,H].
 
     The sink adds mass only to the denominator; a query with no valid row gets 0 (lse = +inf).
     """

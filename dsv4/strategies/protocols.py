@@ -49,7 +49,7 @@ class SparseKV:
     """What one sparse-MQA call attends to: per query, rows of the SWA cache and of the extra
     (compressed) cache, named by global slot ids (-1 = padding) with per-query lengths.
 
-    This is the two-pool form of FlashMLA's decode API (DSV4_SPEC §4.2, §5.5); kernels that want
+    This is the two-pool form of FlashMLA's decode API (docs/numerics.md §4.2, §5.5); kernels that want
     another shape (one combined table, CSR) build it from these.
     """
     swa: PagedCache
