@@ -40,8 +40,13 @@ def rms_w(v, w):
     return v * torch.rsqrt(v.square().mean() + EPS) * w
 
 
-def spec_entries(x, W, R: int, D: int):
-    """§5.3, one entry at a time, float64: entries 0..L//R-1 of tokens 0..L-1."""
+def spec_entries(x, W, R: int, D: int, dtype=None):
+    """§5.3, one entry at a time, float64: entries 0..L//R-1 of tokens 0..L-1. With `dtype` the published
+    code's roundings: the pooled value to `dtype` before the norm (`self.norm(kv.to(dtype))`), the norm's
+    output to `dtype` (its RMSNorm returns that dtype)."""
+    def rounded(v):
+        return v if dtype is None else v.to(dtype).double()
+
     x = x.double()
     L = x.shape[0]
     a = x @ W["wkv"].double().T
@@ -63,8 +68,8 @@ def spec_entries(x, W, R: int, D: int):
         A, S = torch.stack(rows_a), torch.stack(rows_s)
         wts = torch.exp(S - S.max(0).values)
         wts = wts / wts.sum(0)
-        v = (A * wts).sum(0)
-        out.append(rope_vec(rms_w(v, W["norm"].double()), j * R))
+        v = rounded((A * wts).sum(0))
+        out.append(rope_vec(rounded(rms_w(v, W["norm"].double())), j * R))
     return torch.stack(out) if out else torch.zeros(0, D, dtype=torch.float64)
 
 
@@ -82,16 +87,17 @@ def make_weights(R: int, D: int, seed: int):
             "norm": 1 + 0.1 * torch.randn(D, generator=g)}
 
 
-def make_compressor(W, R: int, D: int) -> Compressor:
-    return Compressor(wkv=W["wkv"], wgate=W["wgate"], ape=W["ape"], norm=W["norm"], ratio=R, head_dim=D, eps=EPS)
+def make_compressor(W, R: int, D: int, dtype=None) -> Compressor:
+    return Compressor(wkv=W["wkv"], wgate=W["wgate"], ape=W["ape"], norm=W["norm"], ratio=R, head_dim=D, eps=EPS,
+                      dtype=dtype)
 
 
 class Run:
     """One compressor over paged state, stepped as the layer steps it (reserve, plan, write the kept
     rows, close entries, commit or roll back)."""
 
-    def __init__(self, W, R: int, D: int, rids=("r",)) -> None:
-        self.comp, self.R, self.D = make_compressor(W, R, D), R, D
+    def __init__(self, W, R: int, D: int, rids=("r",), dtype=None) -> None:
+        self.comp, self.R, self.D = make_compressor(W, R, D, dtype), R, D
         reach = COMPRESSOR_REACH[R]
         self.pool = KVPool(groups={
             "swa": PageGroup(name="swa", block_size=16, num_blocks=64, rule=RowRule(keep=16), knob="swa_blocks"),
@@ -163,6 +169,25 @@ def test_compressor_whole_sequence_matches_spec_loop(R, D):
     # every entry individually (entry 0 of R=4 has no previous block)
     for j in range(len(ids)):
         assert rel(vals[j], ref[j]) <= 1e-5, j
+
+
+@pytest.mark.parametrize("R,D", [(4, 128), (128, 128)])
+def test_compressor_rounds_to_the_activation_dtype_as_the_published_code(R, D):
+    """In bf16 the pooled entry is rounded to bf16 before its RMSNorm and the norm's output again: the
+    entries' NoPE dims are bf16 values, those of the float64 chain with the published roundings but for
+    rare ties (a float32 pooled value within an ulp of a bf16 rounding boundary), and not what the chain
+    without the first rounding gives."""
+    W, x, _ = case(R, D)
+    _, vals = Run(W, R, D, dtype=torch.bfloat16).whole(x)
+    nope = vals[:, :-64]
+    assert torch.equal(nope, nope.bfloat16().float())                     # the norm's output, rounded
+    published = spec_entries(x, W, R, D, dtype=torch.bfloat16)[:, :-64].float()
+    same = float((nope == published).float().mean())
+    assert same >= 0.995, same
+    assert (nope - published).abs().max() <= 2 ** -7 * published.abs().max()          # the others an ulp
+    unrounded = spec_entries(x, W, R, D)[:, :-64].bfloat16().float()       # no rounding before the norm
+    assert float((nope == unrounded).float().mean()) < same - 0.1
+    assert rel(vals, spec_entries(x, W, R, D, dtype=torch.bfloat16)) <= 4e-3
 
 
 def test_compressor_r4_entry0_pools_only_current_block():

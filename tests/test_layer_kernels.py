@@ -100,13 +100,13 @@ def step_plan(spans, *, ratios=(4, 128), state_block=8, entry_block=2, pad=3, ho
     return plan, {r: t.pages.numel() for r, t in state.items()}
 
 
-def compressor(R: int, D: int, seed: int) -> Compressor:
+def compressor(R: int, D: int, seed: int, dtype=None) -> Compressor:
     coff = 2 if R == 4 else 1
     g = gen(seed)
     return Compressor(wkv=torch.randn(coff * D, HID, generator=g) * HID ** -0.5,
                       wgate=torch.randn(coff * D, HID, generator=g) * 2 * HID ** -0.5,
                       ape=torch.randn(R, coff * D, generator=g) * 0.5, norm=1 + 0.1 * torch.randn(D, generator=g),
-                      ratio=R, head_dim=D, eps=EPS)
+                      ratio=R, head_dim=D, eps=EPS, dtype=dtype)
 
 
 def step_scores(comp: Compressor, T: int, g):
@@ -186,7 +186,7 @@ def compress_both(comp, scores, plan, state, R, fault_row: int = 1):
                                  dev(plan.positions), dev(plan.step_start), dev(plan.token_request),
                                  dev(plan.state[R].write_slots), dev(plan.entries[R].close_slots),
                                  dev(plan.state[R].table.pages), data, faults, fault_row, ratio=R, head_dim=comp.dim,
-                                 state_block=state.block_size, eps=EPS)
+                                 state_block=state.block_size, eps=EPS, dtype=comp.dtype)
     return (out.cpu(), store.cpu(), faults.cpu(), data.cpu()), (ref, ref_store, ref_faults, ref_state.data)
 
 
@@ -204,10 +204,12 @@ def test_compress_writes_the_state_rows(R, D):
 
 
 @pytest.mark.parametrize("R,D", CASES)
-@pytest.mark.parametrize("fault_row", [1, 2])
-def test_compress_closes_entries(R, D, fault_row):
+@pytest.mark.parametrize("fault_row,dtype", [(1, torch.float32), (2, torch.float32), (1, torch.bfloat16)])
+def test_compress_closes_entries(R, D, fault_row, dtype):
+    """The kernel's entries are the torch path's, with bf16 activations too (the pooled value and the
+    norm's output rounded to bf16 by both)."""
     plan, blocks = step_plan(SPANS[R], seed=R * D)
-    comp = compressor(R, D, seed=D + 1)
+    comp = compressor(R, D, seed=D + 1, dtype=dtype)
     scores = step_scores(comp, plan.num_tokens, gen(4))
     state = CompressorState(data=torch.randn(blocks[R] * 8, 2 * comp.width, generator=gen(5)) * 2, block_size=8,
                             width=comp.width)
@@ -503,17 +505,20 @@ def test_an_fp4_record_store_takes_fp4_rows_only():
                                                                   128))
 
 
-@pytest.mark.parametrize("iq_dtype", [torch.bfloat16, torch.float32])
-def test_front_kernel_makes_fp4_indexer_queries(iq_dtype):
-    """iq_fp4: the indexer's query heads rotated by RoPE, then by the Hadamard transform and FP4-simulated
-    in the kernel: what the torch path (rotate_rows, then fp4_sim's queries) gives -- also for heads holding
-    a NaN or an infinity (NaN where torch has NaN, the same values elsewhere)."""
+@pytest.mark.parametrize("iq_dtype,iq_in", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16)])
+def test_front_kernel_makes_fp4_indexer_queries(iq_dtype, iq_in):
+    """iq_fp4: the indexer's query heads (the projection's output in float32, or in bf16 as a bf16 layer
+    makes it) rotated by RoPE, then by the Hadamard transform and FP4-simulated in the kernel: what the
+    torch path (rotate_rows, then fp4_sim's queries) gives -- also for heads holding a NaN or an infinity
+    (NaN where torch has NaN, the same values elsewhere)."""
     from dsv4.components.front import rotate_rows
     from dsv4.strategies import Fp4SimIndexer
 
     g, T, Hi, Di = gen(86), 5, 6, 128
     iq = torch.randn(T, Hi, Di, generator=g) * torch.exp(torch.randn(T, Hi, 1, generator=g) * 3)
     iq[1, 2, 7], iq[3, 0, 100], iq[4, 5, 64] = float("nan"), float("inf"), -float("inf")
+    iq = iq.to(iq_in)
     rot = rope_rows(T, g)
     _, _, got = front_kernel(None, None, None, dev(rot.cos), dev(rot.sin), None, None, padded_heads=0, eps=EPS,
                              dtype=torch.bfloat16, iq=dev(iq), iq_dtype=iq_dtype, iq_fp4=True)

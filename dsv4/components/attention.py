@@ -94,7 +94,8 @@ class DSV4Attention(torch.nn.Module):
         faults = torch.empty(FAULT_ROWS, T, dtype=torch.bool, device=x.device)
         idx, iq_raw = self.indexer, None
         if idx is not None:
-            iq_raw = mm_f32(qr, self.idx_wq_b).view(T, idx.n_heads, idx.head_dim)
+            # in the activation dtype, as the published code's projection returns it (then RoPE, FP4)
+            iq_raw = (qr @ self.idx_wq_b.T).view(T, idx.n_heads, idx.head_dim)
         front_iq = idx is not None and idx.front_queries
         iq_dtype = idx.score_dtype(caches.indexer_keys) if idx is not None else None
         # a kernel that scores e4m3 queries gets them from the front, their scales in the head weights

@@ -15,6 +15,7 @@ from dsv4.components.kv_pool import (CompressorState, KVPool, LayerCaches, Paged
                                      page_groups)
 from dsv4.components.weights import shard
 from dsv4.device import DeviceInfo
+from dsv4.dtypes import torch_dtype
 from dsv4.spec import ModelSpec
 from dsv4.strategies.indexer import ExactIndexer
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, MQAKernelStrategy,
@@ -41,7 +42,7 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
     def compressor(prefix: str, dim: int, r: int) -> Compressor:
         return Compressor(wkv=w[f"{prefix}wkv.weight"].to(dev), wgate=w[f"{prefix}wgate.weight"].to(dev),
                           ape=w[f"{prefix}ape"].to(dev), norm=w[f"{prefix}norm.weight"].to(dev), ratio=r,
-                          head_dim=dim, eps=spec.rms_norm_eps)
+                          head_dim=dim, eps=spec.rms_norm_eps, dtype=torch_dtype(dtype))
 
     comp = compressor("compressor.", spec.head_dim, ratio) if ratio > 1 else None
     idx = None

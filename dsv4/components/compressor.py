@@ -4,7 +4,9 @@ batched over every request of a step.
 Every token contributes a candidate `a` and gate logits `s + ape[p mod R]` (float32, coff·D wide each,
 coff = 2 at ratio 4). The entry j that closes at position jR+R-1 pools, per channel, a softmax over its
 rows: for R=128 the block's 128 tokens; for R=4 the previous block's first halves and the current
-block's second halves (absent before position 0: value 0, logit -inf). Then RMSNorm and RoPE at jR.
+block's second halves (absent before position 0: value 0, logit -inf). Then RMSNorm and RoPE at jR, the
+pooled value and the norm's output rounded to the layer's activation dtype as the published code rounds
+them (`kv = self.norm(kv.to(dtype))`; its RMSNorm returns that dtype).
 
 A step is `compress`, over all tokens of all requests, made of two batched operations:
 - `write_state`: the (a, s + ape) rows a later step will read (a request's last coff·R positions) go
@@ -27,10 +29,15 @@ from dsv4.components.norms import rms_norm
 
 
 class Compressor:
-    def __init__(self, *, wkv, wgate, ape, norm, ratio: int, head_dim: int, eps: float) -> None:
+    def __init__(self, *, wkv, wgate, ape, norm, ratio: int, head_dim: int, eps: float, dtype=None) -> None:
+        """`dtype`: the layer's activation dtype (float32 if None), which the pooled entry and its norm are
+        rounded to, as the published code rounds them."""
+        import torch
+
         self.ratio, self.dim, self.eps = ratio, head_dim, eps
         self.coff = 2 if ratio == 4 else 1
         self.wkv, self.wgate, self.ape, self.norm = wkv.float(), wgate.float(), ape.float(), norm.float()
+        self.dtype = dtype if dtype is not None else torch.float32
 
     @property
     def width(self) -> int:
@@ -101,7 +108,8 @@ class Compressor:
             s = torch.cat((s[:, :R, :D], s[:, R:, D:]), 1)
         v = (a * torch.softmax(s, dim=1)).sum(1)
         sub = type(rot)(cos=rot.cos[tok], sin=rot.sin[tok])
-        out[tok] = sub.rotate(rms_norm(v, self.norm, self.eps))
+        dt = self.dtype                                               # the published kv.to(dtype), norm in it
+        out[tok] = sub.rotate(rms_norm(v.to(dt), self.norm, self.eps).to(dt))
         bad[tok] = stored_badly(out[tok])
         return out, bad
 
@@ -174,12 +182,14 @@ def _launch(parts, plan, rot, faults) -> list:
     FP4 numerics)."""
     from dsv4.kernels.compress import CompressJob, compress_kernels
 
-    ratio, block = parts[0][0].ratio, parts[0][2].block_size
-    if any(c.ratio != ratio or st.block_size != block or c.eps != parts[0][0].eps for c, _, st, *_ in parts):
-        raise ValueError("compressors launched together must share their ratio, state block size and eps")
+    first, block = parts[0][0], parts[0][2].block_size
+    ratio = first.ratio
+    if any(c.ratio != ratio or st.block_size != block or c.eps != first.eps or c.dtype != first.dtype
+           for c, _, st, *_ in parts):
+        raise ValueError("compressors launched together must share their ratio, state block size, eps and dtype")
     rows = plan.state[ratio]
     jobs = tuple(CompressJob(scores=sc, ape=c.ape, norm=c.norm, state=st.data, head_dim=c.dim, fault_row=row,
                              into=into, fp4=fp4) for c, sc, st, row, into, fp4 in parts)
     return compress_kernels(jobs, rot.cos, rot.sin, plan.positions, plan.step_start, plan.token_request,
                             rows.write_slots, plan.entries[ratio].close_slots, rows.table.pages, faults, ratio=ratio,
-                            state_block=block, eps=parts[0][0].eps)
+                            state_block=block, eps=first.eps, dtype=first.dtype)

@@ -150,7 +150,7 @@ def _compile_layer(gpu) -> None:
                                                          FP4=kind == cache_write.PLAIN_ROWS.value or fp8, FP8=fp8,
                                                          FAULT_ROWS=3, KIND=kind, BS=64, SOFT=False),
                          types({**f32, **cache, "q_ptr": name, "qo_ptr": name, "kv_ptr": kv, "out_ptr": "*fp32",
-                                "iq_ptr": "*fp32", "iqo_ptr": "*u8" if fp8 else name, "iw_ptr": "*fp32",
+                                "iq_ptr": name, "iqo_ptr": "*u8" if fp8 else name, "iw_ptr": "*fp32",
                                 "iwq_ptr": "*fp32"}),
                          {"kv_stride", "H", "PH", "HI", "iw_stride"}, gpu, 4)
             _compile(layer_front._norm_rows_kernel, dict(BLOCK=1024, SOFT=False),
@@ -172,15 +172,17 @@ def _compile_layer(gpu) -> None:
     pairs += [((4, 128, k, c, fp4), None) for k, c, fp4 in indexer_stores]
     pairs += [((128, 512, k, c, False), None) for k, c in STORES[:3]]
     pairs += [((4, 512, k, c, False), (128, k2, c2, fp4)) for k, c in STORES[1:2] for k2, c2, fp4 in indexer_stores]
-    for (ratio, dim, kind, cache, fp4), second in pairs:    # one compressor a launch, or a layer's and its indexer's
+    # one compressor a launch, or a layer's and its indexer's; bf16 activations (the first also float32)
+    for i, ((ratio, dim, kind, cache, fp4), second) in enumerate(pairs):
         coff = compress.RATIOS[ratio]
         const, ptrs = job("", dim, coff, kind, cache)
         dim2, kind2, cache2, fp4_2 = (dim, kind, cache, fp4) if second is None else second
         const2, ptrs2 = job("2", dim2, coff, kind2, cache2)
-        _compile(compress._compress_kernel, dict(R=ratio, COFF=coff, SB=64, RB=compress.ROWS_PER_CHUNK, SOFT=False,
-                                                 JOBS=1 if second is None else 2, FP4=fp4, FP4_2=fp4_2, **const,
-                                                 **const2),
-                 types({**f32, **ptrs, **ptrs2}), {"sc_stride", "sc2_stride"}, gpu, 4)
+        for dt in (tl.bfloat16, tl.float32) if i == 0 else (tl.bfloat16,):
+            _compile(compress._compress_kernel, dict(R=ratio, COFF=coff, SB=64, RB=compress.ROWS_PER_CHUNK,
+                                                     SOFT=False, JOBS=1 if second is None else 2, FP4=fp4,
+                                                     FP4_2=fp4_2, DTYPE=dt, **const, **const2),
+                     types({**f32, **ptrs, **ptrs2}), {"sc_stride", "sc2_stride"}, gpu, 4)
     pages = {"rows_ptr": "*bf16", "slot_ptr": "*i32", "u8_ptr": "*u8", "bf_ptr": "*bf16", "w64_ptr": "*i64"}
     for bs, fnuz in ((64, False), (3, True)):
         _compile(cache_write._fp8_ds_mla_kernel, dict(BS=bs, FNUZ=fnuz, SOFT=False), types(pages),

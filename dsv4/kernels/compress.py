@@ -4,8 +4,9 @@ specification) -- a ratio-4 layer's two compressors, its own and its indexer's, 
 
 - the (a, s + APE) row a later step reads goes to the state pages (the plan's `state[R].write_slots`);
 - if the token closes an entry: the softmax-pooled entry (rows of this step from the step's scores plus
-  APE, earlier ones from the state pages), RMSNorm with the compressor's weight, RoPE at the entry's
-  first position -- a float32 row, the slot to store it at (-1 if it is not all finite) and its fault flag.
+  APE, earlier ones from the state pages), rounded to the activation dtype, RMSNorm with the compressor's
+  weight, rounded again, RoPE at the entry's first position -- a float32 row, the slot to store it at (-1
+  if it is not all finite) and its fault flag.
 
 The two parts touch different rows: a step writes state rows only at its own new positions, and pooling
 reads this step's positions from the scores, never from the state pages, so one pass does both. A
@@ -24,8 +25,8 @@ import triton.language as tl
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, next_pow2, rows_dense
 from dsv4.kernels.cache_write import row_outputs, store_row
 from dsv4.kernels.fp4 import FP4_MAX_DIM, fp4_sim
-from dsv4.kernels.layer_front import ROPE, ROPE_DIM, _rotate
-from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND
+from dsv4.kernels.layer_front import _TL, ROPE, ROPE_DIM, _rotate
+from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, round_to, widen
 
 RATIOS = {4: 2, 128: 1}            # ratio -> coff (ratio 4 pools two overlapping windows)
 ROWS_PER_CHUNK = 8
@@ -67,9 +68,10 @@ def _compress_rows(t, sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, po
                    close_ptr, pages_ptr, P, st_ptr, n_state, out_ptr, store_ptr, faults_ptr, fault_row, T, eps,
                    cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, R: tl.constexpr, D: tl.constexpr,
                    COFF: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
-                   BS: tl.constexpr, SOFT: tl.constexpr, FP4: tl.constexpr):
+                   BS: tl.constexpr, SOFT: tl.constexpr, FP4: tl.constexpr, DTYPE: tl.constexpr):
     """One compressor's step for token t; FP4: its entries then take the indexer's published numerics
-    (dsv4/kernels/fp4.py), as the indexer's keys."""
+    (dsv4/kernels/fp4.py), as the indexer's keys. The pooled value and the norm's output are rounded to
+    DTYPE (the activation dtype)."""
     dims = tl.arange(0, D)
     W: tl.constexpr = COFF * D
     pos = tl.load(pos_ptr + t)
@@ -99,12 +101,14 @@ def _compress_rows(t, sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, po
             e = tl.exp(s - m[None, :])
             l += tl.sum(e, 0)
             acc += tl.sum(a * e, 0)
-        v = tl.div_rn(acc, l)
+        v = widen(round_to(tl.div_rn(acc, l), DTYPE, SOFT), SOFT)
         ev, od = tl.split(tl.reshape(v, [D // 2, 2]))
         ms = (tl.sum(ev * ev, 0) + tl.sum(od * od, 0)) / D
         r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
         w_ev, w_od = tl.split(tl.reshape(tl.load(norm_ptr + dims), [D // 2, 2]))
-        ev, od = _rotate(ev * r * w_ev, od * r * w_od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
+        ev = widen(round_to(ev * r * w_ev, DTYPE, SOFT), SOFT)
+        od = widen(round_to(od * r * w_od, DTYPE, SOFT), SOFT)
+        ev, od = _rotate(ev, od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
         y = tl.reshape(tl.join(ev, od), [D])
         finite = (y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < BF16_INF_FROM     # finite once rounded to bf16
         bad = tl.min(finite.to(tl.int32), 0) == 0
@@ -132,19 +136,19 @@ def _compress_kernel(cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr, keep_ptr, cl
                      R: tl.constexpr, COFF: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr, SOFT: tl.constexpr,
                      D: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr,
                      D2: tl.constexpr, BLOCK2: tl.constexpr, KIND2: tl.constexpr, BS2: tl.constexpr,
-                     FP4: tl.constexpr, FP4_2: tl.constexpr, JOBS: tl.constexpr):
+                     FP4: tl.constexpr, FP4_2: tl.constexpr, JOBS: tl.constexpr, DTYPE: tl.constexpr):
     """Programs 0..T-1: the first compressor's step per token; with JOBS == 2 the next T: the second's."""
     pid = tl.program_id(0)
     if pid < T:
         _compress_rows(pid, sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr,
                        keep_ptr, close_ptr, pages_ptr, P, st_ptr, n_state, out_ptr, store_ptr, faults_ptr, fault_row,
                        T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, R, D, COFF, SB, RB,
-                       BLOCK, KIND, BS, SOFT, FP4)
+                       BLOCK, KIND, BS, SOFT, FP4, DTYPE)
     elif JOBS == 2:
         _compress_rows(pid - T, sc2_ptr, sc2_stride, ape2_ptr, norm2_ptr, cos_ptr, sin_ptr, pos_ptr, start_ptr,
                        req_ptr, keep_ptr, close_ptr, pages_ptr, P, st2_ptr, n_state2, out2_ptr, store2_ptr,
                        faults_ptr, fault_row2, T, eps, cache2_ptr, cache2_bf_ptr, cache2_w64_ptr, page_stride2,
-                       n_slots2, R, D2, COFF, SB, RB, BLOCK2, KIND2, BS2, SOFT, FP4_2)
+                       n_slots2, R, D2, COFF, SB, RB, BLOCK2, KIND2, BS2, SOFT, FP4_2, DTYPE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,7 +169,7 @@ class CompressJob:
 
 def compress_kernel(scores, ape, norm, cos, sin, positions, step_start, token_request, keep_slots, close_slots,
                     state_pages, state, faults, fault_row: int, *, ratio: int, head_dim: int, state_block: int,
-                    eps: float, into=None, num_warps: int = 4):
+                    eps: float, into=None, dtype=None, num_warps: int = 4):
     """The compressor's step: `Compressor.write_state` then `Compressor.close`, in one launch. Each closed
     entry is stored into `into` (a cache's RowStore) at its slot from `close_slots`, unless it is not all
     finite; without `into` -> (rows [T, head_dim] float32, the entry each token closes, zero where it
@@ -174,15 +178,17 @@ def compress_kernel(scores, ape, norm, cos, sin, positions, step_start, token_re
 
     scores, ape, norm, state as CompressJob's; cos/sin [T, 32] at each entry's first position,
     positions/step_start/keep_slots/close_slots [T] int32, token_request [T] int64, state_pages [B, P] int32
-    (the state table, rows of `state_block`), faults [F, T] bool. Sync-free; one program per token."""
+    (the state table, rows of `state_block`), faults [F, T] bool; `dtype` the activation dtype (float32 if
+    None). Sync-free; one program per token."""
     job = CompressJob(scores=scores, ape=ape, norm=norm, state=state, head_dim=head_dim, fault_row=fault_row,
                       into=into)
     return compress_kernels((job,), cos, sin, positions, step_start, token_request, keep_slots, close_slots,
-                            state_pages, faults, ratio=ratio, state_block=state_block, eps=eps, num_warps=num_warps)[0]
+                            state_pages, faults, ratio=ratio, state_block=state_block, eps=eps, dtype=dtype,
+                            num_warps=num_warps)[0]
 
 
 def compress_kernels(jobs, cos, sin, positions, step_start, token_request, keep_slots, close_slots, state_pages,
-                     faults, *, ratio: int, state_block: int, eps: float, num_warps: int = 4) -> list:
+                     faults, *, ratio: int, state_block: int, eps: float, dtype=None, num_warps: int = 4) -> list:
     """`compress_kernel` for one or two compressors of one ratio over the same step (a ratio-4 layer's and
     its indexer's), in one launch: what each returns, in the order of `jobs`."""
     if ratio not in RATIOS:
@@ -219,5 +225,6 @@ def compress_kernels(jobs, cos, sin, positions, step_start, token_request, keep_
                as_dense(token_request), as_i32(keep_slots), as_i32(close_slots), pages, pages.shape[1], faults, T, eps,
                *args, *args2, R=ratio, COFF=coff, SB=state_block, RB=ROWS_PER_CHUNK, SOFT=SOFT_ROUND,
                D=const[0], BLOCK=const[1], KIND=const[2], BS=const[3], D2=const2[0], BLOCK2=const2[1],
-               KIND2=const2[2], BS2=const2[3], FP4=const[4], FP4_2=const2[4], JOBS=len(jobs), num_warps=num_warps)
+               KIND2=const2[2], BS2=const2[3], FP4=const[4], FP4_2=const2[4], JOBS=len(jobs),
+               DTYPE=_TL[str(dtype)] if dtype is not None else tl.float32, num_warps=num_warps)
     return results

@@ -110,14 +110,14 @@ def _kv_part(t, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, s
 @triton.jit
 def _rot_part(t, hb, x_ptr, cos_ptr, sin_ptr, out_ptr, H, w_ptr, w_stride, w_scale, wq_ptr, D: tl.constexpr,
               BH: tl.constexpr, SOFT: tl.constexpr, FP4: tl.constexpr, FP8: tl.constexpr):
-    """Heads hb·BH.. of token t of x [T, H, D] (float32): RoPE, then (FP4) the indexer's published numerics
+    """Heads hb·BH.. of token t of x [T, H, D] (float32 or bf16): RoPE, then (FP4) the indexer's published numerics
     (dsv4/kernels/fp4.py), stored in out's dtype; with FP8 rounded to bf16 and stored as e4m3 bytes over
     each head's power-of-two scale, which goes into its head weight: wq[t, h] = w[t, h] · w_scale · scale
     (deepgemm_fp8's queries, dsv4.strategies.fp8_keys.fp8_queries)."""
     h = hb * BH + tl.arange(0, BH)
     dims = tl.arange(0, D)
     at = (t.to(tl.int64) * H + h)[:, None] * D + dims[None, :]
-    x = tl.load(x_ptr + at, mask=(h < H)[:, None], other=0.0)
+    x = widen(tl.load(x_ptr + at, mask=(h < H)[:, None], other=0.0), SOFT)
     ev, od = tl.split(tl.reshape(x, [BH, D // 2, 2]))
     ev, od = _rotate(ev, od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
     y = tl.reshape(tl.join(ev, od), [BH, D])
@@ -189,7 +189,7 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
                  iq=None, iq_dtype=None, iq_fp4: bool = False, iq_weights=None, iq_w_scale: float = 1.0,
                  heads_per_program: int = 4, num_warps: int = 4):
     """The front of the layer in one launch: `q_rows_kernel` on q [T, H, D], `kv_rows_kernel` on kv [T, D] and
-    `rotate_rows_kernel` on the indexer's queries iq [T, Hi, Di] (float32, stored in `iq_dtype`; with
+    `rotate_rows_kernel` on the indexer's queries iq [T, Hi, Di] (float32 or bf16, stored in `iq_dtype`; with
     `iq_fp4` then rotated and FP4-simulated as the published code does, dsv4/kernels/fp4.py); any may be
     None, the other arguments as theirs -> (q_rows_kernel's result, kv_rows_kernel's, the queries'; None for
     an absent part). Each part's rows are separate programs of one grid.
@@ -223,7 +223,7 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
             raise ValueError(f"front_kernel: FP4 numerics on query heads of {di} dims (at most {FP4_MAX_DIM})")
         if iq.shape[0] != T:
             raise ValueError(f"front_kernel: indexer queries {tuple(iq.shape)} for {T} tokens")
-        iq = as_f32(iq)
+        iq = as_dense(iq)
         if fp8:
             if iq_weights is None or iq_weights.shape != (T, hi) or iq_weights.dtype != torch.float32:
                 raise ValueError(f"front_kernel: fp8 indexer queries need their head weights, [{T}, {hi}] float32")
