@@ -63,7 +63,7 @@ def test_the_code_cites_only_documents_of_the_repository():
     """Every `docs/*.md` the package, tests, benches and configs cite exists, and none names a document
     kept outside the repository; a `§n.m` after docs/numerics.md or docs/design.md is one of its sections."""
     root = Path(__file__).resolve().parents[1]
-    sections = {name: set(re.findall(r"^#+ (\d+(?:\.\d+)?)\.? ", (root / name).read_text(), re.M))
+    sections = {name: set(re.findall(r"^#+ (\d+(?:\.\d+)?)\.? ", (root / name).read_text(), re.MULTILINE))
                 for name in ("docs/numerics.md", "docs/design.md")}
     cited = 0
     for path in [*root.glob("dsv4/**/*.py"), *root.glob("dsv4/configs/**/*.yaml"), *root.glob("tests/*.py"),
