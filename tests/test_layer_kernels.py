@@ -133,6 +133,34 @@ def test_q_rows(dtype, heads, padded):
         assert_bf16_close(out, ref)
 
 
+def test_q_rows_norm_rounds_as_the_published_code():
+    """bf16 queries: q·rsqrt(mean(q²) + eps) with each step rounded to bf16, as the published code computes it
+    on its bf16 tensor -- the squares, their mean, the sum with eps, the rsqrt (to the nearest) and the
+    product --, then RoPE rounded once: our float64 chain of those steps, equal but for rare ties, and not
+    the norm computed in float32 and rounded once."""
+    g = gen(33)
+    T, H, D = 6, 8, 512
+    q = (torch.randn(T, H, D, generator=g) * torch.rand(T, H, 1, generator=g) * 5).bfloat16()
+    rot = rope_rows(T, g)
+
+    def bf(x):
+        return x.to(torch.bfloat16).double()
+
+    x = q.double()
+    m = bf(bf(x * x).mean(-1, keepdim=True))
+    r = bf(1 / torch.sqrt(bf(m + EPS)))
+    y = bf(x * r)
+    ev, od = y[..., -64::2].clone(), y[..., -63::2].clone()
+    c, s_ = rot.cos.double()[:, None], rot.sin.double()[:, None]
+    y[..., -64::2], y[..., -63::2] = ev * c - od * s_, od * c + ev * s_
+    want = y.to(torch.bfloat16)
+    got = q_rows(q, rot, padded_heads=H, eps=EPS, dtype=torch.bfloat16)
+    same = float((got == want).float().mean())
+    assert same >= 0.995, same
+    once = RopeRows.rotate(rot, q.float() * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + EPS))
+    assert float((got == once.bfloat16()).float().mean()) < same - 0.05     # the roundings change it
+
+
 @pytest.mark.parametrize("dtype,wide", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
 def test_kv_rows(dtype, wide):
     """Rows strided as the input projection's column slice -- in the activation dtype, or (`wide`) the

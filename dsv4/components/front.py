@@ -16,15 +16,20 @@ from dsv4.components.rope import RopeRows
 
 
 def q_rows(q, rot: RopeRows, *, padded_heads: int, eps: float, dtype):
-    """q [T, H, D] -> [T, padded_heads, D] in `dtype`: per-head RMSNorm without weight, RoPE on the last
-    64 dims, heads past H zero (the padded buffer the MQA kernel reads, written once)."""
+    """q [T, H, D] -> [T, padded_heads, D] in `dtype`: per head the published q·rsqrt(mean(q²) + eps) computed
+    in `dtype` (as the published code computes it on its bf16 tensor: each step rounded), RoPE on the last
+    64 dims in float32, rounded; heads past H zero (the padded buffer the MQA kernel reads, written once)."""
     if q.is_cuda:
         from dsv4.kernels.layer_front import q_rows_kernel
         return q_rows_kernel(q, rot.cos, rot.sin, padded_heads=padded_heads, eps=eps, dtype=dtype)
     import torch
 
     T, H, D = q.shape
-    y = rot.rotate(rms_norm(q, None, eps).to(dtype)).to(dtype)
+    qd = q.to(dtype)
+    a = qd.square().mean(-1, keepdim=True) + eps                      # in `dtype`, each step rounded
+    # the nearest `dtype` value of its rsqrt, as CUDA's gives it (torch's CPU bf16 rsqrt is not always the
+    # nearest: 11 of 30 heads here once)
+    y = rot.rotate(qd * torch.rsqrt(a.float()).to(dtype)).to(dtype)
     if padded_heads == H:
         return y
     return torch.cat((y, y.new_zeros(T, padded_heads - H, D)), 1)

@@ -1,7 +1,8 @@
 """The front of the layer in one launch each (dsv4.components.front is the torch specification):
 
-- `q_rows_kernel`: per (token, head) RMSNorm without weight, rounded to the activation dtype, RoPE on the
-  last 64 dims, rounded again, written into the head-padded buffer the MQA kernel reads (padded heads 0);
+- `q_rows_kernel`: per (token, head) the published norm without weight, every step in the activation
+  dtype, RoPE on the last 64 dims, rounded again, written into the head-padded buffer the MQA kernel reads
+  (padded heads 0);
 - `kv_rows_kernel`: RMSNorm with a weight, rounded to the activation dtype, RoPE, float32 rows, stored
   into their cache pages by the same program (a RowStore) or returned with the slots to store them at;
   rows that are not all finite are refused (not stored, slot -1) and flagged in the layer's faults;
@@ -58,7 +59,10 @@ def _rotate(ev, od, cos_row, sin_row, D: tl.constexpr):
 @triton.jit
 def _q_part(t, hb, q_ptr, cos_ptr, sin_ptr, out_ptr, H, PH, eps, D: tl.constexpr, BH: tl.constexpr,
             SOFT: tl.constexpr):
-    """Heads hb·BH.. of token t's query: RMSNorm, RoPE, into the head-padded buffer."""
+    """Heads hb·BH.. of token t's query: the published per-head norm q·rsqrt(mean(q²) + eps) with every
+    step in the activation dtype (the squares, their mean, the sum with eps, the rsqrt and the product each
+    rounded, as the published code computes it on a tensor of that dtype), RoPE, into the head-padded
+    buffer."""
     h = hb * BH + tl.arange(0, BH)
     dims = tl.arange(0, D)
     dt = out_ptr.dtype.element_ty
@@ -68,7 +72,11 @@ def _q_part(t, hb, q_ptr, cos_ptr, sin_ptr, out_ptr, H, PH, eps, D: tl.constexpr
         x = round_to(x.to(tl.float32), dt, SOFT)
     x = widen(x, SOFT)
     ev, od = tl.split(tl.reshape(x, [BH, D // 2, 2]))
-    r = _rms_scale(ev, od, eps, D)[:, None]
+    sq = tl.sum(widen(round_to(ev * ev, dt, SOFT), SOFT), axis=-1) + tl.sum(widen(round_to(od * od, dt, SOFT), SOFT),
+                                                                           axis=-1)
+    ms = widen(round_to(sq / D, dt, SOFT), SOFT)                     # D a power of two: exact
+    a = widen(round_to(ms + eps, dt, SOFT), SOFT)
+    r = widen(round_to(tl.div_rn(tl.full(a.shape, 1.0, tl.float32), tl.sqrt_rn(a)), dt, SOFT), SOFT)[:, None]
     ev = widen(round_to(ev * r, dt, SOFT), SOFT)
     od = widen(round_to(od * r, dt, SOFT), SOFT)
     ev, od = _rotate(ev, od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
