@@ -80,8 +80,7 @@ class DSV4Attention(torch.nn.Module):
 
     def forward(self, x, plan: StepPlan, caches: LayerCaches) -> LayerStepResult:
         T, H = x.shape[0], self.heads
-        if (caches.swa.layout is not self.cache_layout and caches.swa.layout != self.cache_layout) \
-                or caches.ratio != self.ratio:
+        if caches.swa.layout != self.cache_layout or caches.ratio != self.ratio:
             raise ValueError(f"layer {self.layer}: caches of a ratio-{caches.ratio} layer in cache_layout="
                              f"{caches.swa.layout.name}, built for ratio {self.ratio} and {self.cache_layout.name}")
         xa = x if x.dtype == self.dtype else x.to(self.dtype)

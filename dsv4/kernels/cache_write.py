@@ -67,6 +67,14 @@ def pow2_e4m3(x, amax):
 
 
 @triton.jit
+def fp8_heads(x, wv, w_scale):
+    """Heads x [HP, D] float32 and their weights wv [HP] -> (each head's e4m3 bytes over its power-of-two
+    scale, as `pow2_e4m3`; wv · w_scale · that scale [HP]): deepgemm_fp8's queries and folded weights."""
+    q8, e = pow2_e4m3(x, tl.max(tl.abs(x), 1)[:, None])
+    return q8, (wv * w_scale) * (tl.max(e, 1) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def fp8_ds_mla_record(x, slot, u8_ptr, bf_ptr, w64_ptr, page_stride, BS: tl.constexpr, FNUZ: tl.constexpr,
                       SOFT: tl.constexpr):
     """Store x [8, 64] (the row's 7 NoPE tiles and its RoPE dims; float32 or bf16) as the fp8_ds_mla record

@@ -25,8 +25,8 @@ import triton.language as tl
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, next_pow2, rows_dense
 from dsv4.kernels.cache_write import row_outputs, store_row
 from dsv4.kernels.fp4 import FP4_MAX_DIM, fp4_sim
-from dsv4.kernels.layer_front import _TL, ROPE, ROPE_DIM, _rotate
-from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, round_to, widen
+from dsv4.kernels.layer_front import ROPE, ROPE_DIM, _rotate
+from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, TL_DTYPES, round_to, widen
 
 RATIOS = {4: 2, 128: 1}            # ratio -> coff (ratio 4 pools two overlapping windows)
 ROWS_PER_CHUNK = 8
@@ -226,5 +226,5 @@ def compress_kernels(jobs, cos, sin, positions, step_start, token_request, keep_
                *args, *args2, R=ratio, COFF=coff, SB=state_block, RB=ROWS_PER_CHUNK, SOFT=SOFT_ROUND,
                D=const[0], BLOCK=const[1], KIND=const[2], BS=const[3], D2=const2[0], BLOCK2=const2[1],
                KIND2=const2[2], BS2=const2[3], FP4=const[4], FP4_2=const2[4], JOBS=len(jobs),
-               DTYPE=_TL[str(dtype)] if dtype is not None else tl.float32, num_warps=num_warps)
+               DTYPE=TL_DTYPES[str(dtype)] if dtype is not None else tl.float32, num_warps=num_warps)
     return results

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.cache_write import pow2_e4m3
+from dsv4.kernels.cache_write import fp8_heads
 from dsv4.kernels.launch import as_dense, launch, next_pow2, rows_dense
 
 
@@ -18,11 +18,9 @@ def _fp8_queries_kernel(q_ptr, w_ptr, w_stride, w_scale, q8_ptr, wq_ptr, H, D, H
     m = (h < H)[:, None] & (d < D)[None, :]
     at = (t * H + h)[:, None] * D + d[None, :]
     x = tl.load(q_ptr + at, mask=m, other=0.0).to(tl.float32)
-    q8, e = pow2_e4m3(x, tl.max(tl.abs(x), 1)[:, None])
+    q8, wq = fp8_heads(x, tl.load(w_ptr + t * w_stride + h, mask=h < H, other=0.0), w_scale)
     tl.store(q8_ptr + at, q8, mask=m)
-    e = tl.max(e, 1)                                # [HP, 1] -> [HP]: each head's scale exponent
-    wv = tl.load(w_ptr + t * w_stride + h, mask=h < H, other=0.0)
-    tl.store(wq_ptr + t * H + h, (wv * w_scale) * (e << 23).to(tl.float32, bitcast=True), mask=h < H)
+    tl.store(wq_ptr + t * H + h, wq, mask=h < H)
 
 
 def fp8_queries_kernel(q, w, w_scale: float):

@@ -25,10 +25,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.cache_write import pow2_e4m3, row_outputs, store_row
+from dsv4.kernels.cache_write import fp8_heads, row_outputs, store_row
 from dsv4.kernels.fp4 import FP4_MAX_DIM, fp4_sim
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, cdiv, launch, next_pow2, rows_dense
-from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, round_to, widen
+from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, TL_DTYPES, round_to, widen
 
 ROPE_DIM = 64                       # RoPE dims: the last 64 of a row (dsv4.components.rope)
 ROPE = tl.constexpr(ROPE_DIM)
@@ -132,12 +132,10 @@ def _rot_part(t, hb, x_ptr, cos_ptr, sin_ptr, out_ptr, H, w_ptr, w_stride, w_sca
     if FP4:
         y = fp4_sim(y, BH, D, SOFT)
     if FP8:
-        y = widen(round_to(y, tl.bfloat16, SOFT), SOFT)
-        q8, e = pow2_e4m3(y, tl.max(tl.abs(y), 1)[:, None])
-        tl.store(out_ptr + at, q8, mask=(h < H)[:, None])
         wv = tl.load(w_ptr + t.to(tl.int64) * w_stride + h, mask=h < H, other=0.0)
-        scale = (tl.max(e, 1) << 23).to(tl.float32, bitcast=True)
-        tl.store(wq_ptr + t.to(tl.int64) * H + h, (wv * w_scale) * scale, mask=h < H)
+        q8, wq = fp8_heads(widen(round_to(y, tl.bfloat16, SOFT), SOFT), wv, w_scale)
+        tl.store(out_ptr + at, q8, mask=(h < H)[:, None])
+        tl.store(wq_ptr + t.to(tl.int64) * H + h, wq, mask=h < H)
     else:
         tl.store(out_ptr + at, round_to(y, out_ptr.dtype.element_ty, SOFT), mask=(h < H)[:, None])
 
@@ -185,7 +183,6 @@ def _rotate_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH
               SOFT, False, False)
 
 
-_TL = {"torch.float32": tl.float32, "torch.bfloat16": tl.bfloat16, "torch.float16": tl.float16}
 
 
 def _check_dim(D: int) -> None:
@@ -263,9 +260,9 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
         launch(_front_kernel, (nq + ni + tk,), q if q is not None else some, q_out if q_out is not None else some, H,
                padded_heads, nq, iq if iq is not None else some, iq_out if iq_out is not None else some, hi, ni,
                iw, iw.stride(0) if fp8 else 0, float(iq_w_scale), iwq, *kv_args, D=D, BH=bh, NQB=nqb, DI=di, BHI=bhi,
-               NIB=nib, FP4=bool(iq_fp4), FP8=fp8, DTYPE=_TL[str(dtype)], FAULT_ROWS=fault_rows, KIND=kind, BS=bs,
-               SOFT=SOFT_ROUND, num_warps=num_warps)
-    if fp8 and iq_out is not None:
+               NIB=nib, FP4=bool(iq_fp4), FP8=fp8, DTYPE=TL_DTYPES[str(dtype)], FAULT_ROWS=fault_rows, KIND=kind,
+               BS=bs, SOFT=SOFT_ROUND, num_warps=num_warps)
+    if fp8:
         iq_out = (iq_out.view(torch.float8_e4m3fn), iwq)
     return q_out, kv_out, iq_out
 

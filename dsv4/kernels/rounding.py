@@ -15,6 +15,9 @@ BF16_INF_FROM: tl.constexpr = tl.constexpr(0x7F7F8000)
 # use the hardware's conversions (ties to even, as torch rounds).
 SOFT_ROUND = os.environ.get("TRITON_INTERPRET") == "1"
 
+# a torch dtype's Triton type, by str(dtype) (no torch import here)
+TL_DTYPES = {"torch.float32": tl.float32, "torch.bfloat16": tl.bfloat16, "torch.float16": tl.float16}
+
 
 @triton.jit
 def widen(x, SOFT: tl.constexpr):
