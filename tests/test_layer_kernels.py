@@ -719,6 +719,44 @@ def test_indexer_logits_reads_key_records(launch, record):
     assert torch.equal(of_records, idx.scores(q, w, rows, plan))
 
 
+def e4m3_case(seed: int):
+    """indexer_case's step with FP4-simulated queries and keys (fp4_sim's values: exact in e4m3 over each
+    head's or key's power-of-two scale), the queries also in e4m3 with their scales in the head weights."""
+    from dsv4.strategies import Fp4SimIndexer
+    from dsv4.strategies.fp8_keys import fp8_queries
+
+    q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, 8, 128, holes=[(2, 1)], seed=seed)
+    fp4 = Fp4SimIndexer()
+    q = fp4.queries(q)
+    keys.data.copy_(fp4.keys(keys.data.flatten(0, 1)).view(keys.data.shape))
+    q8, wq = fp8_queries(q, w, 1.0)                # the kernel applies w_scale
+    return q, w, q8.squeeze(1), wq, keys, plan, idx
+
+
+@pytest.mark.parametrize("launch", LAUNCHES[:2], ids=["bn16x2", "planned"])
+def test_indexer_logits_e4m3_queries_on_fp8_records(launch):
+    """e4m3 queries (each head over its power-of-two scale, the scale in the head weight) against fp8
+    records, as indexer=triton_fp8 scores them -- an e4m3 product on sm89+, the decoded values elsewhere
+    (here, interpreted): for FP4-simulated values both operands are exact and so are the products, so
+    the scores equal those of the bf16 queries against bf16 rows of the same keys (bit for bit at the
+    planned launch) and the torch path's."""
+    q, w, q8, wq, keys, plan, idx = e4m3_case(23)
+    rec, rows = record_twin(keys, "fp8")
+    out = run_indexer(q8, wq, rec, plan, idx)
+    launch_out = run_indexer(q8, wq, rec, plan, idx, **launch) if launch else out
+    ref = run_indexer(q, w, rows, plan, idx, **launch)
+    assert torch.equal(out, run_indexer(q, w, rows, plan, idx))
+    assert_scores(launch_out, ref)
+    assert_scores(out, idx.scores(q, w, rows, plan))
+
+
+def test_indexer_logits_refuses_e4m3_queries_without_fp8_records():
+    _q, _w, q8, wq, keys, plan, idx = e4m3_case(24)
+    for other in (keys, record_twin(keys, "mxfp4")[0]):
+        with pytest.raises(ValueError, match="e4m3 queries are scored against fp8 records"):
+            run_indexer(q8, wq, other, plan, idx)
+
+
 @pytest.mark.skipif(not BIG, reason="decode-sized: GPU only")
 def test_indexer_logits_decode_sized():
     """64 requests x 2 tokens, 64 heads of 128 dims, ~1000-2000 visible entries of 4096: the same scores as
@@ -732,6 +770,16 @@ def test_indexer_logits_decode_sized():
     for record in ("mxfp4", "fp8"):                                # records: as bf16 rows of their values
         rec, rows = record_twin(keys, record)
         assert torch.equal(run_indexer(q, w, rec, plan, idx), run_indexer(q, w, rows, plan, idx))
+    # FP4-simulated values, e4m3 queries against fp8 records (the tensor cores' e4m3 product on sm89+)
+    from dsv4.strategies import Fp4SimIndexer
+    from dsv4.strategies.fp8_keys import fp8_queries
+
+    fp4 = Fp4SimIndexer()
+    q = fp4.queries(q)
+    keys.data.copy_(fp4.keys(keys.data.flatten(0, 1).float()).view(keys.data.shape))
+    rec, rows = record_twin(keys, "fp8")
+    q8, wq = fp8_queries(q, w, 1.0)                # the kernel applies w_scale
+    assert torch.equal(run_indexer(q8.squeeze(1), wq, rec, plan, idx), run_indexer(q, w, rows, plan, idx))
 
 
 # ---- empty steps ------------------------------------------------------------------------------------

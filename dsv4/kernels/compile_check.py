@@ -195,14 +195,18 @@ def _compile_layer(gpu) -> None:
                  types({"q_ptr": name, "w_ptr": "*fp32", "q8_ptr": "*u8", "wq_ptr": "*fp32", "w_scale": "fp32"}),
                  {"H", "D"}, gpu, 4)
     il = indexer_logits
-    # the planned decode and prefill shapes, over plain rows; and bf16's over FP4 and fp8 records
-    shapes = [(dtype, plan, 0) for (dtype, _size), plan in il.LAUNCH.items()]
-    shapes += [(kind, plan, il.RECORDS[kind]) for (dtype, _size), plan in il.LAUNCH.items() if dtype == "bfloat16"
-               for kind in il.RECORDS]
-    for dtype, plan, record in shapes:
-        name, prec = ("*fp32", il.INPUT_PRECISION[gpu.backend]) if dtype == "float32" else ("*bf16", "bf16")
+    # the planned decode and prefill shapes, over plain rows; and bf16's over FP4 records (bf16 queries) and
+    # fp8 records (e4m3 queries: an e4m3 product where the target has one, else decoded to bf16)
+    fp8 = "fp8" if gpu.backend == "cuda" and gpu.arch >= 89 else "bf16"
+    shapes = [(dtype, plan, 0, prec) for (dtype, _size), plan in il.LAUNCH.items()
+              for prec in [il.INPUT_PRECISION[gpu.backend] if dtype == "float32" else "bf16"]]
+    shapes += [(kind, plan, il.RECORDS[kind], "bf16" if kind == "mxfp4" else fp8)
+               for (dtype, _size), plan in il.LAUNCH.items() if dtype == "bfloat16" for kind in il.RECORDS]
+    for dtype, plan, record, prec in shapes:
+        e4m3 = dtype == "fp8"
+        name = {"float32": "*fp32"}.get(dtype, "*u8" if e4m3 else "*bf16")
         _compile(il._indexer_kernel, dict(BS=64, TG=il.TOKENS_PER_PROGRAM, HP=64, DP=128, BN=plan.block_n,
-                                          NBLK=plan.blocks, PREC=prec, RECORD=record,
+                                          NBLK=plan.blocks, PREC=prec, RECORD=record, Q_E4M3=e4m3,
                                           STAGES=plan.stages if gpu.backend == "cuda" and gpu.arch >= 90 else 1),
                  types({**f32, "q_ptr": name, "k_ptr": "*u8" if record else name, "out_ptr": "*fp32",
                         "w_scale": "fp32"}),

@@ -11,9 +11,14 @@ within warps). A group whose tokens span two requests (rare: a request with an o
 makes one product per token, each with its own request's keys. Blocks at or past the group's largest
 count load nothing and compute nothing; they only write −inf.
 
-Precision follows the keys' dtype (the indexer option's `key_layout`). bf16 keys, and FP4 and fp8 records
-(decoded to their bf16 values as they are read): the queries are rounded to bf16 and scored by one bf16 product
-accumulated in float32, as the published code scores its bf16 cache. float32 keys: the scores feed a top-k that is compared with a
+Precision follows the keys' dtype (the indexer option's `key_layout`). bf16 keys, and FP4 records
+(decoded to their bf16 values as they are read): the queries are rounded to bf16 and scored by one bf16
+product accumulated in float32, as the published code scores its bf16 cache. fp8 records: e4m3 queries,
+each head over its power-of-two scale (`fp8_keys.fp8_queries`), times the records' e4m3 bytes as they
+are stored -- one e4m3 tensor-core product, at twice bf16's rate, where Triton has e4m3 (NVIDIA sm89+),
+else both decoded to their bf16 values (exact) -- then each key's scale on its head sum. For
+FP4-simulated queries and keys both operands hold the values exactly and the products are exact; on the
+H200 the e4m3 product's sums equalled the bf16 product's bit for bit (docs/benchmarks.md). float32 keys: the scores feed a top-k that is compared with a
 float32 oracle, so the products must be float32-accurate. INPUT_PRECISION["cuda"] = "tf32x3" splits each
 float32 operand into a tf32 head and a tf32 tail and sums three tensor-core products (error ~2^-21 relative, about float32's); plain "tf32"
 (10-bit mantissas: 7.7e-4 from a float64 oracle on the H200) would reorder near-ties of the top-k, and
@@ -62,58 +67,94 @@ def pipelined(device) -> bool:
     return device.type == "cuda" and _sm90_or_later(device.index)
 
 
+def fp8_products(device) -> bool:
+    """Whether e4m3 operands go to the tensor cores as they are: NVIDIA sm89+, not interpreted."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and _capability(device.index) >= (8, 9)
+
+
 @functools.cache
-def _sm90_or_later(index: int | None) -> bool:          # asked once per device, not on every launch
+def _capability(index: int | None) -> tuple[int, int]:   # asked once per device, not on every launch
     import torch
 
-    return not torch.version.hip and torch.cuda.get_device_capability(index)[0] >= 9
+    return (0, 0) if torch.version.hip else torch.cuda.get_device_capability(index)
+
+
+def _sm90_or_later(index: int | None) -> bool:
+    return _capability(index) >= (9, 0)
 
 
 @triton.jit
-def _keys(k_ptr, pages_ptr, req, P, n_slots, cols, limit, DI, BS: tl.constexpr, DP: tl.constexpr,
-          RECORD: tl.constexpr):
-    """Keys [BN, DP] of entries `cols` of request `req`: 0 for entries at or past `limit`, without a page
-    (as the torch path reads them: zero rows) and for dims past DI. RECORD 0: plain rows in the keys'
-    dtype; 1: FP4 records (dsv4/strategies/mxfp4.py), 2: fp8 records (dsv4/strategies/fp8_keys.py), both
-    decoded to bf16 (exactly, for FP4-simulated keys)."""
+def _e4m3_operand(byte, PREC: tl.constexpr):
+    """e4m3 bytes as the product's operand: e4m3 for "fp8"; else their values (exact in bf16), decoded by
+    integer arithmetic (GPUs without e4m3 in Triton: sm80, AMD)."""
+    if PREC == "fp8":
+        return byte.to(tl.float8e4nv, bitcast=True)
+    else:
+        b = byte.to(tl.uint16)
+        # e4m3 as float16 bits (sign, then exponent and mantissa shifted in): the value times 2^-8
+        v = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        return _operand(v, PREC)
+
+
+@triton.jit
+def _operand(x, PREC: tl.constexpr):
+    """Values as the product's operand dtype: bf16 for "bf16", float32 for "bf16_widened" (the interpreter's
+    dot of bf16 operands multiplies their bits); others as they are."""
+    if PREC == "bf16":
+        return x.to(tl.bfloat16)
+    elif PREC == "bf16_widened":
+        return x.to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _key_scores(q_hi, q_lo, wv, k_ptr, pages_ptr, req, P, n_slots, cols, limit, DI, BS: tl.constexpr,
+                TG: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, PREC: tl.constexpr, RECORD: tl.constexpr):
+    """Σ_h w·ReLU(q·k) -> [BN, TG] for the entries `cols` of request `req`, their keys 0 at or past `limit`,
+    without a page (as the torch path reads them: zero rows) and for dims past DI. RECORD 0: plain rows in
+    the keys' dtype; 1: FP4 records (dsv4/strategies/mxfp4.py), decoded to bf16 (exactly, for FP4-simulated
+    keys); 2: fp8 records (dsv4/strategies/fp8_keys.py), their e4m3 bytes the operand of an e4m3 product
+    (PREC "fp8") or decoded, their scale applied to the head sums (s·Σ_h w·ReLU(x) = Σ_h w·ReLU(s·x) for a
+    power of two s > 0, exactly)."""
+    BN: tl.constexpr = cols.shape[0]
     logical = cols // BS
     ok = (cols < limit) & (logical < P)
     page = tl.load(pages_ptr + req * P + logical, mask=ok, other=-1)
     slot = page.to(tl.int64) * BS + cols % BS
     ok = ok & (page >= 0) & (slot < n_slots)
+    t = cols % BS
     d = tl.arange(0, DP)
     m = ok[:, None] & (d < DI)[None, :]
     if RECORD == 0:
         keys = tl.load(k_ptr + slot[:, None] * DI + d[None, :], mask=m, other=0.0)
+        return _head_sum(_dot(_operand(keys, PREC), q_hi, q_lo, PREC), wv, TG, HP, BN)
     elif RECORD == 2:
         # page p: its keys' DI e4m3 bytes each, then their float32 scales (4 bytes each, little-endian)
         base = page.to(tl.int64) * (BS * (DI + 4))
-        t = cols % BS
-        byte = tl.load(k_ptr + (base + t * DI)[:, None] + d[None, :], mask=m, other=0).to(tl.uint16)
-        # e4m3 as float16 bits (sign, then exponent and mantissa shifted in): the value times 2^-8
-        half = (((byte & 0x7F) << 7) | ((byte & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        byte = tl.load(k_ptr + (base + t * DI)[:, None] + d[None, :], mask=m, other=0)
         sb = tl.load(k_ptr + (base + BS * DI + t * 4)[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None],
                      other=0).to(tl.int32)
         scale = tl.sum(sb << (8 * tl.arange(0, 4))[None, :], 1).to(tl.float32, bitcast=True)
-        keys = (half * (scale * 256.0)[:, None]).to(tl.bfloat16)
+        keys = _e4m3_operand(byte, PREC)
+        return _head_sum(_dot(keys, q_hi, q_lo, PREC), wv, TG, HP, BN) * scale[:, None]
     else:
         # page p: its keys' codes (DI/2 bytes each, the even dim in the low nibble), then their scale bytes
         # (one per 32 dims, 2^(e - 127))
         base = page.to(tl.int64) * (BS * (DI // 2 + DI // 32))
-        t = cols % BS
-        BN: tl.constexpr = cols.shape[0]
         dh = tl.arange(0, DP // 2)
         byte = tl.load(k_ptr + (base + t * (DI // 2))[:, None] + dh[None, :],
                        mask=ok[:, None] & (dh < DI // 2)[None, :], other=0)          # each byte loaded once
-        code = tl.reshape(tl.join(byte & 15, byte >> 4), [BN, DP]).to(tl.int32)    # dims 2j, 2j + 1
         ds = tl.arange(0, DP // 32)
         e = tl.load(k_ptr + (base + BS * (DI // 2) + t * (DI // 32))[:, None] + ds[None, :],
-                    mask=ok[:, None] & (ds < DI // 32)[None, :], other=0).to(tl.int32)
-        e = tl.reshape(tl.broadcast_to(e[:, :, None], [BN, DP // 32, 32]), [BN, DP])
+                    mask=ok[:, None] & (ds < DI // 32)[None, :], other=0)
+        code = tl.reshape(tl.join(byte & 15, byte >> 4), [BN, DP]).to(tl.int32)    # dims 2j, 2j + 1
+        ei = tl.reshape(tl.broadcast_to(e.to(tl.int32)[:, :, None], [BN, DP // 32, 32]), [BN, DP])
         i = (code & 7).to(tl.float32)
         mag = tl.where(i < 4, 0.5 * i, tl.where(i < 7, i - 2, 6.0))         # 0, .5, 1, 1.5, 2, 3, 4, 6
-        keys = (tl.where((code & 8) != 0, -mag, mag) * (e << 23).to(tl.float32, bitcast=True)).to(tl.bfloat16)
-    return keys
+        keys = tl.where((code & 8) != 0, -mag, mag) * (ei << 23).to(tl.float32, bitcast=True)
+        s = _dot(_operand(keys, PREC), q_hi, q_lo, PREC)
+        return _head_sum(s, wv, TG, HP, BN)
 
 
 @triton.jit
@@ -125,20 +166,24 @@ def _tf32_split(x):
 
 
 @triton.jit
-def _head_sum(q_hi, q_lo, k, wv, TG: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
-    """Σ_h w·ReLU(q·k) -> [BN, TG], from keys k [BN, DP] and queries [TG·HP, DP] (split into tf32 hi + lo
-    for tf32x3, else q_hi alone); NaN stays NaN (torch's relu)."""
+def _dot(k, q_hi, q_lo, PREC: tl.constexpr):
+    """k [BN, DP] · qᵀ -> [BN, TG·HP] float32, from the queries [TG·HP, DP] (split into tf32 hi + lo for
+    tf32x3, else q_hi alone) in the operand dtype of PREC."""
     if PREC == "tf32x3":
         k_hi, k_lo = _tf32_split(k)
         s = tl.dot(k_lo, tl.trans(q_hi), input_precision="tf32")
         s = tl.dot(k_hi, tl.trans(q_lo), s, input_precision="tf32")
         s = tl.dot(k_hi, tl.trans(q_hi), s, input_precision="tf32")
-    elif PREC == "bf16":
+    elif PREC == "bf16" or PREC == "bf16_widened" or PREC == "fp8":
         s = tl.dot(k, tl.trans(q_hi))
-    elif PREC == "bf16_widened":
-        s = tl.dot(k.to(tl.float32), tl.trans(q_hi.to(tl.float32)))
     else:
         s = tl.dot(k, tl.trans(q_hi), input_precision=PREC)
+    return s
+
+
+@triton.jit
+def _head_sum(s, wv, TG: tl.constexpr, HP: tl.constexpr, BN: tl.constexpr):
+    """Σ_h w·ReLU(s) -> [BN, TG] from the products s [BN, TG·HP]; NaN stays NaN (torch's relu)."""
     s = tl.where(s < 0, 0.0, s) * wv[None, :]
     return tl.sum(tl.reshape(s, [BN, TG, HP]), 2)
 
@@ -150,15 +195,16 @@ def _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo
     """Scores [BN, TG] of entries `cols` for the group's tokens (−inf where not visible); SAME: they are
     all of request r_lo."""
     if SAME:
-        logits = _head_sum(q_hi, q_lo, _keys(k_ptr, pages_ptr, r_lo, P, n_slots, cols, cmax, DI, BS, DP, RECORD), wv,
-                           TG, HP, BN, PREC)
+        logits = _key_scores(q_hi, q_lo, wv, k_ptr, pages_ptr, r_lo, P, n_slots, cols, cmax, DI, BS, TG, HP, DP,
+                             PREC, RECORD)
     else:
         logits = tl.zeros([BN, TG], tl.float32)
         for u in tl.static_range(TG):
             r_u = tl.sum(tl.where(i == u, req, 0), 0)
             c_u = tl.sum(tl.where(i == u, cnt, 0), 0)
-            k = _keys(k_ptr, pages_ptr, r_u, P, n_slots, cols, c_u, DI, BS, DP, RECORD)
-            logits = tl.where((i == u)[None, :], _head_sum(q_hi, q_lo, k, wv, TG, HP, BN, PREC), logits)
+            s = _key_scores(q_hi, q_lo, wv, k_ptr, pages_ptr, r_u, P, n_slots, cols, c_u, DI, BS, TG, HP, DP, PREC,
+                            RECORD)
+            logits = tl.where((i == u)[None, :], s, logits)
     return tl.where(cols[:, None] < cnt[None, :], logits, float("-inf"))
 
 
@@ -166,7 +212,8 @@ def _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo
 def _indexer_kernel(q_ptr, w_ptr, w_stride, w_scale, k_ptr, pages_ptr, req_ptr, cnt_ptr, out_ptr, T, H, DI, P, width,
                     n_slots,
                     BS: tl.constexpr, TG: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr,
-                    NBLK: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, RECORD: tl.constexpr):
+                    NBLK: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, RECORD: tl.constexpr,
+                    Q_E4M3: tl.constexpr):
     g = tl.program_id(0)
     j0 = tl.program_id(1) * (NBLK * BN)
     i = tl.arange(0, TG)
@@ -184,7 +231,11 @@ def _indexer_kernel(q_ptr, w_ptr, w_stride, w_scale, k_ptr, pages_ptr, req_ptr, 
     mok = (mt < T) & (mh < H)
     d = tl.arange(0, DP)
     q = tl.load(q_ptr + (mt.to(tl.int64) * H + mh)[:, None] * DI + d[None, :], mask=mok[:, None] & (d < DI)[None, :],
-                other=0.0)
+                other=0)
+    if Q_E4M3:                  # e4m3 bytes: the fp8 product's operand, or their values decoded once here
+        q = _e4m3_operand(q, PREC)
+    else:
+        q = _operand(q, PREC)
     if PREC == "tf32x3":
         q_hi, q_lo = _tf32_split(q)
     else:
@@ -229,16 +280,21 @@ def _indexer_kernel(q_ptr, w_ptr, w_stride, w_scale, k_ptr, pages_ptr, req_ptr, 
 
 def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float = 1.0, block_n: int = 0,
                    blocks_per_program: int = 0, num_warps: int = 0, stages: int = 0):
-    """[T, width] float32 indexer scores: q [T, Hi, Di] (float32, or already in the keys' dtype), w [T, Hi]
-    float32 head weights (rows may be strided) times `w_scale`, `keys` a PagedCache of float32 or bf16
-    rows ([num_blocks, bs, Di] data), of FP4 records (uint8 [num_blocks, bs·(Di/2 + Di/32)]) or of fp8
-    records (uint8 [num_blocks, bs·(Di + 4)]), records scored as bf16 keys, pages [B, P] int32
-    (the entries table), token_request [T] int64, counts [T] int32. Entries j < counts[t] score
-    Σ_h w·ReLU(q·k_j) (0 where the entry has no page: the torch path reads a zero key), the rest −inf.
-    Sync-free; grid (T / TOKENS_PER_PROGRAM, width / (block_n · blocks_per_program)); launch shapes left
-    at 0 are the H200's best for the keys' dtype and the step's size (LAUNCH)."""
+    """[T, width] float32 indexer scores: q [T, Hi, Di] (float32, or already in the keys' dtype; or e4m3,
+    [T, Hi, Di] or [T, 1, Hi, Di], each head over its scale as `fp8_keys.fp8_queries` makes it, for fp8
+    records), w [T, Hi] float32 head weights (rows may be strided) times `w_scale`, `keys` a PagedCache of
+    float32 or bf16 rows ([num_blocks, bs, Di] data), of FP4 records (uint8 [num_blocks, bs·(Di/2 +
+    Di/32)]) or of fp8 records (uint8 [num_blocks, bs·(Di + 4)]), pages [B, P] int32 (the entries table),
+    token_request [T] int64, counts [T] int32. Entries j < counts[t] score Σ_h w·ReLU(q·k_j) (0 where the
+    entry has no page: the torch path reads a zero key), the rest −inf. Records are scored by their exact
+    values (the module docstring: bf16 queries against FP4 records, bf16 or e4m3 ones against fp8 records).
+    Sync-free; grid (T / TOKENS_PER_PROGRAM, width / (block_n · blocks_per_program)); launch shapes left at
+    0 are the H200's best for the keys' dtype and the step's size (LAUNCH)."""
     import torch
 
+    e4m3 = q.dtype == torch.float8_e4m3fn
+    if e4m3 and q.dim() == 4:
+        q = q.flatten(1, 2)
     T, H, DI = q.shape
     data = keys.data
     record = RECORDS.get(keys.layout.kv_row_dtype, 0) if data.dtype == torch.uint8 else 0
@@ -250,6 +306,9 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
     elif data.dtype not in (torch.float32, torch.bfloat16) or data.shape[-1] != DI:
         raise ValueError(f"indexer_logits reads float32 or bf16 keys of {DI} dims or FP4 or fp8 records, not "
                          f"{data.dtype} [{data.shape[-1]}]")
+    if e4m3 and record != RECORDS["fp8"]:
+        raise ValueError(f"indexer_logits: e4m3 queries are scored against fp8 records, not "
+                         f"{keys.layout.kv_row_dtype} keys")
     key_dtype = torch.bfloat16 if record else data.dtype    # the dtype the queries are rounded to
     out = torch.empty(T, width, dtype=torch.float32, device=q.device)
     if not T or not width:
@@ -263,13 +322,19 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
     dp = max(next_pow2(DI), 16)
     pages = as_i32(pages)
     w = rows_dense(w if w.dtype == torch.float32 else w.float())
-    if key_dtype == torch.bfloat16:
-        precision = "bf16_widened" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if e4m3 and fp8_products(q.device):
+        precision = "fp8"
+    elif key_dtype == torch.bfloat16:
+        precision = "bf16_widened" if interpret else "bf16"
     else:
         precision = INPUT_PRECISION["hip" if torch.version.hip else "cuda"]
+    if not e4m3 and q.dtype != key_dtype:
+        q = q.to(key_dtype)
     grid = (cdiv(T, tg), cdiv(width, block_n * blocks_per_program))
-    launch(_indexer_kernel, grid, as_dense(q if q.dtype == key_dtype else q.to(key_dtype)), w, w.stride(0), w_scale,
+    launch(_indexer_kernel, grid, as_dense(q.view(torch.uint8) if e4m3 else q), w, w.stride(0), w_scale,
            data, pages, as_dense(token_request), as_i32(counts), out, T, H, DI, pages.shape[1], width,
            keys.num_slots, BS=keys.block_size, TG=tg, HP=hp, DP=dp, BN=block_n, NBLK=blocks_per_program,
-           PREC=precision, STAGES=stages, RECORD=record, num_warps=num_warps, num_stages=1)
+           PREC=precision, STAGES=stages, RECORD=record, Q_E4M3=e4m3,
+           num_warps=num_warps, num_stages=1)
     return out

@@ -11,8 +11,10 @@ model makes in practice -- so both options score `fp4_sim`'s keys.
 The queries are `fp4_sim`'s too. `deepgemm_fp8` rounds each head to e4m3 with its own power-of-two scale
 (exact for FP4 values, as for the keys) and folds the scale into the head's weight (ReLU(s·x) = s·ReLU(x),
 s > 0); DeepGEMM's fp8 tensor-core products then sum them in its own order and precision, so near-ties
-may rank differently than under `fp4_sim`. `triton_fp8` decodes the records to their bf16 values as it
-reads them and scores them as `mxfp4` does, for GPUs without DeepGEMM.
+may rank differently than under `fp4_sim`. `triton_fp8`, for GPUs without DeepGEMM, takes the same e4m3
+queries and folded weights to our Triton kernel, which multiplies them with the records' e4m3 bytes on
+the tensor cores as they are stored (NVIDIA sm89+; elsewhere both decoded to their bf16 values) and
+sums the exact products in float32 -- on the H200 bit for bit what `fp4_sim`'s bf16 values give.
 """
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ from dsv4.strategies.indexer import (
     no_plan,
     no_prepare,
     pow2_ceil,
-    triton_scores,
 )
 from dsv4.strategies.protocols import Needs
 
@@ -106,6 +107,25 @@ def fp8_queries(q, w, w_scale: float):
     return q8.unsqueeze(1), (w.float() * w_scale) * s.squeeze(-1)
 
 
+def e4m3_queries(q, w, w_scale: float):
+    """(q8, wq) as `fp8_queries` makes them (one launch: dsv4/kernels/fp8_queries.py), or q and w as they
+    are where q is already e4m3 (the layer's front kernel made both, w_scale folded in)."""
+    import torch
+
+    from dsv4.kernels.fp8_queries import fp8_queries_kernel
+
+    return (q, w) if q.dtype == torch.float8_e4m3fn else fp8_queries_kernel(q, w, w_scale)
+
+
+def triton_fp8_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, plan=None):
+    """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): e4m3 queries, their scales
+    in the head weights, against the fp8 records as stored (no per-step plan)."""
+    from dsv4.kernels.indexer_logits import indexer_logits
+
+    q8, wq = e4m3_queries(q, w, w_scale)
+    return indexer_logits(q8, wq, keys, pages, token_request, counts, width=width)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeepGemmPlan:
     """One step's inputs of fp8_paged_mqa_logits besides the queries and keys, made once and shared by the
@@ -144,13 +164,11 @@ def deepgemm_scores(q, w, keys, pages, token_request, counts, *, width: int, w_s
     import deep_gemm
     import torch
 
-    from dsv4.kernels.fp8_queries import fp8_queries_kernel
-
     if not width or not q.shape[0]:
         return torch.empty(q.shape[0], width, dtype=torch.float32, device=q.device)
     if plan is None:
         plan = deepgemm_plan(token_request=token_request, counts=counts, pages=pages, block_size=keys.block_size)
-    q8, wq = (q, w) if q.dtype == torch.float8_e4m3fn else fp8_queries_kernel(q, w, w_scale)
+    q8, wq = e4m3_queries(q, w, w_scale)
     return deep_gemm.fp8_paged_mqa_logits(q8, deepgemm_pages(keys), wq, plan.lens, plan.table, plan.schedule,
                                           width, clean_logits=False)
 
@@ -188,14 +206,17 @@ class DeepGemmFp8Indexer:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TritonFp8Indexer:
-    """fp4_sim's queries and keys; keys stored as Fp8KeyLayout records, scored by our Triton kernel."""
+    """fp4_sim's queries and keys; keys stored as Fp8KeyLayout records, scored by our Triton kernel (e4m3
+    queries as deepgemm_fp8's)."""
     name: str = "triton_fp8"
-    error_budget: ClassVar[float] = 0.0       # the values of fp4_sim's keys, scored as mxfp4's
+    # the exact values of fp4_sim's queries and keys, their exact products summed in float32 (the e4m3
+    # tensor cores' sums equal the bf16 ones' bit for bit on the H200: tests/test_gpu_layer.py)
+    error_budget: ClassVar[float] = 0.0
     transforms: ClassVar[bool] = True
     fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
-    fp8_queries: ClassVar[bool] = False
-    scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
+    fp8_queries: ClassVar[bool] = True
+    scores, prepare, plan = staticmethod(triton_fp8_scores), no_prepare, no_plan
     queries, keys, needs = fp4_queries, fp4_keys, fp4_needs
 
     def key_layout(self, *, dtype: str, head_dim: int):
