@@ -69,7 +69,7 @@ def pow2_e4m3(x, amax):
 @triton.jit
 def fp8_heads(x, wv, w_scale):
     """Heads x [HP, D] float32 and their weights wv [HP] -> (each head's e4m3 bytes over its power-of-two
-    scale, as `pow2_e4m3`; wv · w_scale · that scale [HP]): deepgemm_fp8's queries and folded weights."""
+    scale, as `pow2_e4m3`; wv · w_scale · that scale [HP]): the fp8 indexers' queries and folded weights."""
     q8, e = pow2_e4m3(x, tl.max(tl.abs(x), 1)[:, None])
     return q8, (wv * w_scale) * (tl.max(e, 1) << 23).to(tl.float32, bitcast=True)
 

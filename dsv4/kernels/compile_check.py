@@ -130,7 +130,7 @@ def _compile_layer(gpu) -> None:
     and 3 rows, plain float32 and bf16 rows, the indexer's keys also as mxfp4 and fp8 records (with the
     FP4 numerics in the front and compress kernels, one compressor a launch or a layer's two), the indexer
     with 64 heads of 128 dims on pages of 64 entries at its planned launches (float32 and bf16 keys, the
-    records), deepgemm_fp8's queries, the top-k lists."""
+    records), the fp8 indexers' queries, the top-k lists."""
     import triton.language as tl
 
     from dsv4.kernels import cache_write, compress, fp8_queries, indexer_logits, layer_front, topk_lists
@@ -145,7 +145,7 @@ def _compile_layer(gpu) -> None:
     for dt, name in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
         for kv in {name, "*fp32"}:                       # the SWA projection's output, or the float32 one
             for kind, cache in STORES:
-                fp8 = kind == cache_write.FP8_DS_MLA.value      # fp8_ds_mla rows with deepgemm_fp8's queries
+                fp8 = kind == cache_write.FP8_DS_MLA.value      # fp8_ds_mla rows with the fp8 indexers' queries
                 _compile(layer_front._front_kernel, dict(D=512, BH=4, NQB=16, DI=128, BHI=8, NIB=8, DTYPE=dt,
                                                          FP4=kind == cache_write.PLAIN_ROWS.value or fp8, FP8=fp8,
                                                          FAULT_ROWS=3, KIND=kind, BS=64, SOFT=False),
@@ -190,7 +190,7 @@ def _compile_layer(gpu) -> None:
     for name in ("*fp32", "*bf16"):
         _compile(cache_write._write_rows_kernel, dict(BLOCK=512, SOFT=False),
                  types({"rows_ptr": "*fp32", "slot_ptr": "*i32", "cache_ptr": name}), {"row_stride", "D"}, gpu, 4)
-    for name in ("*bf16", "*fp32"):                      # deepgemm_fp8's queries
+    for name in ("*bf16", "*fp32"):                      # the fp8 indexers' queries
         _compile(fp8_queries._fp8_queries_kernel, dict(HP=64, DP=128),
                  types({"q_ptr": name, "w_ptr": "*fp32", "q8_ptr": "*u8", "wq_ptr": "*fp32", "w_scale": "fp32"}),
                  {"H", "D"}, gpu, 4)
