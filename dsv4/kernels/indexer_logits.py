@@ -34,14 +34,13 @@ bf16 values are exact in float32: the same scores).
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_i32, cdiv, launch, next_pow2, rows_dense
+from dsv4.kernels.launch import as_dense, as_i32, cdiv, device_arch, launch, native_e4m3, next_pow2, rows_dense
 
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
 RECORDS = {"mxfp4": 1, "fp8": 2}   # uint8 key pages: RECORD by the layout's kv_row_dtype
@@ -64,23 +63,14 @@ PREFILL_TOKENS = 1024           # steps of at least this many tokens take the pr
 
 def pipelined(device) -> bool:
     """Whether the planned pipelined shapes fit: sm90+ (their shared memory); not below, nor on AMD."""
-    return device.type == "cuda" and _sm90_or_later(device.index)
+    arch = device_arch(device)
+    return arch.startswith("sm") and int(arch[2:]) >= 90
 
 
 def fp8_products(device) -> bool:
-    """Whether e4m3 operands go to the tensor cores as they are: NVIDIA sm89+, not interpreted."""
-    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1" and _capability(device.index) >= (8, 9)
-
-
-@functools.cache
-def _capability(index: int | None) -> tuple[int, int]:   # asked once per device, not on every launch
-    import torch
-
-    return (0, 0) if torch.version.hip else torch.cuda.get_device_capability(index)
-
-
-def _sm90_or_later(index: int | None) -> bool:
-    return _capability(index) >= (9, 0)
+    """Whether e4m3 operands go to the tensor cores as they are: NVIDIA sm89+ (`native_e4m3`), not
+    interpreted."""
+    return native_e4m3(device) and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit

@@ -12,13 +12,15 @@ kernel needs no scratch memory, else through the compiled kernel's `run`.
 
 Kernels are looked up by identity (a JITFunction's own hash recomputes its cache key in Python), and the
 grid arithmetic on the host uses `cdiv`/`next_pow2` below (Triton's are constexpr functions, several
-µs a call outside a kernel).
+µs a call outside a kernel). `device_arch` and `native_e4m3` are the device facts the kernels' wrappers
+plan by, asked once per device.
 
 Under the interpreter (`TRITON_INTERPRET=1`, the CPU tests) and while a launch hook is installed (a
 profiler such as proton), it is exactly `kernel[grid](*args, **meta)`.
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -32,6 +34,23 @@ except Exception:             # a Triton without knobs (before 3.4): every launc
 # Tritons whose CudaLauncher calls its C `launch(gx, gy, gz, stream, function, cooperative, pdl,
 # global_scratch, profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`
 _DIRECT_C_LAUNCH = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2]) in {(3, 5), (3, 6)}
+
+
+@functools.cache
+def device_arch(device) -> str:
+    """'sm90'-style name of a CUDA device ('rocm' on ROCm, 'cpu' otherwise): the arch plan_kernel sees."""
+    if device.type != "cuda":
+        return "cpu"
+    if getattr(torch.version, "hip", None):
+        return "rocm"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def native_e4m3(device) -> bool:
+    """Whether `device` converts OCP e4m3 in hardware (NVIDIA sm89 and newer; not ROCm's FNUZ-only gfx942)."""
+    arch = device_arch(device)
+    return arch.startswith("sm") and int(arch[2:]) >= 89
 
 
 def cdiv(a: int, b: int) -> int:

@@ -45,7 +45,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, as_i32, cdiv, launch, next_pow2
+from dsv4.kernels.launch import as_dense, as_f32, as_i32, cdiv, device_arch, launch, native_e4m3, next_pow2
 from dsv4.strategies.triton_sparse import VARIANTS
 
 LOG2E = 1.4426950408889634
@@ -258,25 +258,6 @@ def _finish(acc, m, l, sink_l2, out_ptrs, lse_ptrs, hmask, lse_mask):
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=hmask[:, None])
     tl.store(lse_ptrs, tl.where(has, (m_use + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453,
                                 float("inf")), mask=lse_mask)
-
-
-@functools.lru_cache(maxsize=None)
-def device_arch(device) -> str:
-    """'sm90'-style name of a CUDA device ('rocm' on ROCm, 'cpu' otherwise): the arch plan_kernel sees."""
-    import torch
-
-    if device.type != "cuda":
-        return "cpu"
-    if getattr(torch.version, "hip", None):
-        return "rocm"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm{major}{minor}"
-
-
-def native_e4m3(device) -> bool:
-    """Whether `device` converts OCP e4m3 in hardware (NVIDIA sm89 and newer; not ROCm's FNUZ-only gfx942)."""
-    arch = device_arch(device)
-    return arch.startswith("sm") and int(arch[2:]) >= 89
 
 
 @functools.lru_cache(maxsize=None)
