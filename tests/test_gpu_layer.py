@@ -110,8 +110,8 @@ def overlap(a, b) -> float:
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_fp8_keys_select_what_fp4_sim_selects(graphs):
     """indexer=triton_fp8 (132-byte fp8 records of fp4_sim's keys and e4m3 queries, our kernel's e4m3
-    product of their exact values): fp4_sim's selections and outputs bit for bit. indexer=deepgemm_fp8 (the same records, e4m3 queries, DeepGEMM's
-    fp8_paged_mqa_logits; sm90/sm100): fp4_sim's sets but for near-ties DeepGEMM's sums order otherwise,
+    product of their exact values): fp4_sim's selections and outputs bit for bit. indexer=deepgemm_fp8
+    (the same records and queries, DeepGEMM's fp8_paged_mqa_logits; sm90/sm100): fp4_sim's sets but for near-ties DeepGEMM's sums order otherwise,
     recall >= 0.98, and the outputs within 1e-2. 64 index heads (the real model's; DeepGEMM takes 32 or 64
     on sm90)."""
     from dsv4.strategies import DeepGemmFp8Indexer, TritonFp8Indexer

@@ -18,9 +18,9 @@ each head over its power-of-two scale (`fp8_keys.fp8_queries`), times the record
 are stored -- one e4m3 tensor-core product, at twice bf16's rate, where Triton has e4m3 (NVIDIA sm89+),
 else both decoded to their bf16 values (exact) -- then each key's scale on its head sum. For
 FP4-simulated queries and keys both operands hold the values exactly and the products are exact; on the
-H200 the e4m3 product's sums equalled the bf16 product's bit for bit (docs/benchmarks.md). float32 keys: the scores feed a top-k that is compared with a
-float32 oracle, so the products must be float32-accurate. INPUT_PRECISION["cuda"] = "tf32x3" splits each
-float32 operand into a tf32 head and a tf32 tail and sums three tensor-core products (error ~2^-21 relative, about float32's); plain "tf32"
+H200 the e4m3 product's sums equalled the bf16 product's bit for bit (docs/benchmarks.md). float32 keys:
+the scores feed a top-k that is compared with a float32 oracle, so the products must be float32-accurate.
+INPUT_PRECISION["cuda"] = "tf32x3" splits each float32 operand into a tf32 head and a tf32 tail and sums three tensor-core products (error ~2^-21 relative, about float32's); plain "tf32"
 (10-bit mantissas: 7.7e-4 from a float64 oracle on the H200) would reorder near-ties of the top-k, and
 "ieee" runs on the CUDA cores (30x slower there). The split is done here rather than by tl.dot's
 "tf32x3" so that the queries are split once per program, not once per block (H200, the shapes below:
