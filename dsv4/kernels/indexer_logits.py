@@ -67,12 +67,6 @@ def pipelined(device) -> bool:
     return arch.startswith("sm") and int(arch[2:]) >= 90
 
 
-def fp8_products(device) -> bool:
-    """Whether e4m3 operands go to the tensor cores as they are: NVIDIA sm89+ (`native_e4m3`), not
-    interpreted."""
-    return native_e4m3(device) and os.environ.get("TRITON_INTERPRET") != "1"
-
-
 @triton.jit
 def _e4m3_operand(byte, PREC: tl.constexpr):
     """e4m3 bytes as the product's operand: e4m3 for "fp8"; else their values (exact in bf16), decoded by
@@ -111,9 +105,9 @@ def _key_scores(q_hi, q_lo, wv, k_ptr, pages_ptr, req, P, n_slots, cols, limit, 
     logical = cols // BS
     ok = (cols < limit) & (logical < P)
     page = tl.load(pages_ptr + req * P + logical, mask=ok, other=-1)
-    slot = page.to(tl.int64) * BS + cols % BS
-    ok = ok & (page >= 0) & (slot < n_slots)
     t = cols % BS
+    slot = page.to(tl.int64) * BS + t
+    ok = ok & (page >= 0) & (slot < n_slots)
     d = tl.arange(0, DP)
     m = ok[:, None] & (d < DI)[None, :]
     if RECORD == 0:
@@ -313,7 +307,7 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
     pages = as_i32(pages)
     w = rows_dense(w if w.dtype == torch.float32 else w.float())
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if e4m3 and fp8_products(q.device):
+    if e4m3 and not interpret and native_e4m3(q.device):     # e4m3 operands to the tensor cores as they are
         precision = "fp8"
     elif key_dtype == torch.bfloat16:
         precision = "bf16_widened" if interpret else "bf16"

@@ -183,8 +183,6 @@ def _rotate_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH
               SOFT, False, False)
 
 
-
-
 def _check_dim(D: int) -> None:
     if D < ROPE_DIM or D & (D - 1):
         raise ValueError(f"layer_front kernels take rows of a power-of-two width >= {ROPE_DIM}, not {D}")
