@@ -332,25 +332,34 @@ def info(job: Job) -> str:
     from dataclasses import replace
     from importlib.util import find_spec
 
+    from dsv4.strategies.top_k import TOP_K
+
     here = local_platform()
     local = job.device.platform == here
+
+    def row(option: str, combo, strat, current: bool) -> list:
+        probs = check(combo, job.device, here=here)
+        verdict = "ok" if not probs else "no"
+        reason = "; ".join(f"{p.group}={p.value}: {p.reason}" for p in probs)
+        modules = [m for m, _ in strat.needs(job.device).modules] if hasattr(strat, "needs") else []
+        if not modules:
+            packages = None
+        elif local:
+            packages = ", ".join(f"{m} {'found' if find_spec(m.partition('.')[0]) else 'missing'}" for m in modules)
+        else:
+            packages = ", ".join(f"{m} unknown" for m in modules)
+        return [f"{option}{'*' if current else ''}", verdict, packages, reason]
+
     rows = []
     for group in GROUPS:
         for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
             strat = instantiate_group(OmegaConf.load(path), group)
-            probs = check(replace(job.combo, **{group: strat}), job.device, here=here)
-            verdict = "ok" if not probs else "no"
-            reason = "; ".join(f"{p.group}={p.value}: {p.reason}" for p in probs)
-            mark = "*" if getattr(job.combo, group).name == strat.name else ""
-            modules = [m for m, _ in strat.needs(job.device).modules] if hasattr(strat, "needs") else []
-            if not modules:
-                packages = None
-            elif local:
-                packages = ", ".join(f"{m} {'found' if find_spec(m.partition('.')[0]) else 'missing'}"
-                                     for m in modules)
-            else:
-                packages = ", ".join(f"{m} unknown" for m in modules)
-            rows.append([f"{group}={path.stem}{mark}", verdict, packages, reason])
+            rows.append(row(f"{group}={path.stem}", replace(job.combo, **{group: strat}), strat,
+                            getattr(job.combo, group).name == strat.name))
+    ix = job.combo.indexer
+    for name, top_k in TOP_K.items():           # the indexer's own setting, with the job's indexer
+        rows.append(row(f"indexer.top_k={name}", replace(job.combo, indexer=replace(ix, top_k=name)), top_k,
+                        ix.top_k == name))
     where = ("packages looked for here" if local else
              f"packages unknown: looked for only on a {job.device.platform} machine")
     head = (f"dsv4 info: model={job.spec.name}, tp_size={job.combo.tp_size}, dtype={job.combo.dtype}, "

@@ -25,6 +25,15 @@ def _default_indexer():
 # the groups whose strategies state their needs (head_padding's are read through the MQA kernel's)
 NEEDS_GROUPS = ("mqa_kernel", "o_proj", "cache_layout", "indexer")
 
+
+def _needing(c) -> list[tuple[str, object]]:
+    """(group, strategy) of every strategy whose Needs check() reads: the NEEDS_GROUPS' and the indexer's
+    top-k (`indexer.top_k`, its own requirements and fix)."""
+    from dsv4.strategies.top_k import TOP_K
+
+    top_k = TOP_K.get(getattr(c.indexer, "top_k", None))
+    return [(g, getattr(c, g)) for g in NEEDS_GROUPS] + ([("indexer.top_k", top_k)] if top_k is not None else [])
+
 # what the activation dtype alone costs against the float32 oracle (tests/test_layer_vs_oracle.py)
 DTYPE_ERROR_BUDGET = {"float32": 1e-5, "bfloat16": 3e-2}
 # how far below the oracle's k-th score a selected entry may score (relative to the largest |score|), by
@@ -118,8 +127,7 @@ def _graph_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
         return [Problem(group="graph", value="enabled=true", reason="CUDA graphs need a GPU; this device is "
                         f"{device.describe()}", supported=("false",), fix="graph.enabled=false")]
     out = []
-    for group in NEEDS_GROUPS:
-        strat = getattr(c, group)
+    for group, strat in _needing(c):
         if not strat.needs(device).graphs:
             out.append(Problem(group=group, value=strat.name, reason="cannot be captured in a CUDA graph "
                                "(graph.enabled=true)", fix="graph.enabled=false"))
@@ -132,7 +140,7 @@ CROSS_RULES: tuple[Callable[[Combination, DeviceInfo], list[Problem]], ...] = (
 
 # The shipped option of each group that runs anywhere, offered when a choice cannot run on a device.
 SAFE_CHOICE = {"mqa_kernel": "mqa_kernel=reference", "o_proj": "o_proj=reference", "cache_layout": "cache_layout=bf16",
-               "indexer": "indexer=exact"}
+               "indexer": "indexer=exact", "indexer.top_k": "indexer.top_k=triton"}
 # The shipped head-padding options (configs/head_padding/), for suggesting one that yields what a kernel takes.
 PADDING_OPTIONS: tuple[tuple[str, tuple[int, ...] | None], ...] = (
     ("buckets_64_128", (64, 128)), ("buckets_pow2", (8, 16, 32, 64, 128)),
@@ -244,8 +252,8 @@ def check(c: Combination, device: DeviceInfo, *, here: str | None = None) -> lis
     for only when `device` is of that platform (checking another machine's deployment cannot
     know what is installed there)."""
     problems: list[Problem] = []
-    for group in NEEDS_GROUPS:
-        problems += _needs_rule(group, getattr(c, group), c, device, here)
+    for group, strat in _needing(c):
+        problems += _needs_rule(group, strat, c, device, here)
     for rule in CROSS_RULES:
         problems += rule(c, device)
     unique: list[Problem] = []

@@ -1,6 +1,7 @@
 """mode=bench's indexer table: every indexer option this machine runs, on a decode step of 64 requests x 2
 tokens (the model's index heads and dims, its top-k) at 8k, 64k and 128k contexts -- its keys as it stores
-them, its scoring call and our top-k -- each timed in a CUDA graph, with the bytes its keys take.
+them, its scoring call and each top-k (`indexer.top_k`) -- each timed in a CUDA graph, with the bytes its
+keys take.
 
 Before an option is timed its scores are checked against the same call on bf16 rows of the values its keys
 hold (our kernel: those of bf16 rows exactly, or float32-exact keys; a vendor's: its relative error, as it
@@ -12,7 +13,6 @@ import torch
 
 from dsv4.bench import available_options, graph_time_us
 from dsv4.components.kv_pool import PagedCache
-from dsv4.kernels.topk_lists import topk_lists
 from dsv4.reference import rel_err
 from dsv4.report import table
 
@@ -62,10 +62,12 @@ def as_bf16_rows(keys):
                       data=rows.view(-1, BS, dim), block_size=BS, head_dim=dim)
 
 
-def option_rows(ix, spec, context: int) -> list:
-    """[context, option, key B/entry, step plan µs (made once per step for the step's ratio-4 layers; 0:
-    none), scores µs, scores + top-k µs, rel err vs bf16 rows, same top-k set]."""
+def option_rows(ix, spec, context: int, top_ks=("triton",)) -> list[list]:
+    """[context, option, top-k, key B/entry, step plan µs (made once per step for the step's ratio-4
+    layers; 0: none), scores µs, scores + top-k µs, rel err vs bf16 rows, same top-k set], one row per
+    top-k of `top_ks` (top_k.TOP_K's names)."""
     from dsv4.strategies.indexer import triton_scores
+    from dsv4.strategies.top_k import TOP_K
 
     Hi, Di, K = spec.index_n_heads, spec.index_head_dim, spec.index_topk
     q, w, pages, req, counts, rows = decode_case(context, Hi, Di)
@@ -85,32 +87,50 @@ def option_rows(ix, spec, context: int) -> list:
     def scores():
         return ix.scores(q, w, keys, pages, req, counts, width=width, w_scale=scale, plan=ip)
 
-    def step():
-        return topk_lists(scores(), counts, pages, req, topk=K, block_size=BS)
-
     out = scores()
     ref = triton_scores(q, w, keys if keys.data.dtype != torch.uint8 else as_bf16_rows(keys), pages, req, counts,
                         width=width, w_scale=scale)
     vis = torch.arange(width, device="cuda")[None, :] < counts[:, None]
     out = out[:, :width]
     err = rel_err(out[vis], ref[vis])
-    local, _, _ = step()
     want = out.masked_fill(~vis, float("-inf")).topk(min(K, width), dim=-1).indices.sort(dim=-1).values
-    same = torch.equal(local[:, :want.shape[1]].sort(dim=-1).values.long(), want)
+    del ref
     plan_us = graph_time_us(plan) if ip is not None else 0.0
-    row = [context, ix.name, layout.bytes_per_token(Di), plan_us, graph_time_us(scores), graph_time_us(step), err,
-           same]
-    del keys, out, ref
-    torch.cuda.empty_cache()
-    return row
-
-
-def bench_indexer(job, options=None) -> str:
-    """The table (module docstring) for `options` (default: every option check() accepts here), with the
-    job's model."""
+    scores_us = graph_time_us(scores)
     rows = []
+    for name in top_ks:
+        def step(select=TOP_K[name]):
+            return select(scores(), counts, pages, req, topk=K, block_size=BS)
+
+        local, _, _ = step()
+        same = torch.equal(local[:, :want.shape[1]].sort(dim=-1).values.long(), want)
+        rows.append([context, ix.name, name, layout.bytes_per_token(Di), plan_us, scores_us, graph_time_us(step),
+                     err, same])
+    del keys, out
+    torch.cuda.empty_cache()
+    return rows
+
+
+def top_ks_here(job) -> list[str]:
+    """The names of the top-k options (top_k.TOP_K) check() accepts on this machine for the job's indexer."""
+    from dataclasses import replace
+
+    from dsv4.compat import check
+    from dsv4.device import local_platform
+    from dsv4.strategies.top_k import TOP_K
+
+    return [name for name in TOP_K if not [
+        p for p in check(replace(job.combo, indexer=replace(job.combo.indexer, top_k=name)), job.device,
+                         here=local_platform()) if p.group == "indexer.top_k"]]
+
+
+def bench_indexer(job, options=None, top_ks=None) -> str:
+    """The table (module docstring) for `options` (default: every option check() accepts here), each with
+    every top-k of `top_ks` (default: every one check() accepts here), with the job's model."""
+    rows = []
+    top_ks = top_ks if top_ks is not None else top_ks_here(job)
     for ix in options if options is not None else available_options(job, "indexer"):
         for context in CONTEXTS:
-            rows.append(option_rows(ix, job.spec, context))
-    return table(["context", "indexer", "key B/entry", "step plan µs", "scores µs", "scores + top-k µs",
-                  "rel err vs bf16 rows", "top-k == torch.topk"], rows, left=(1,))
+            rows += option_rows(ix, job.spec, context, top_ks)
+    return table(["context", "indexer", "top-k", "key B/entry", "step plan µs", "scores µs", "scores + top-k µs",
+                  "rel err vs bf16 rows", "top-k == torch.topk"], rows, left=(1, 2))

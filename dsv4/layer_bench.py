@@ -247,10 +247,15 @@ def prefill_row(job, backend: Backend, layer: int) -> list:
     return [job.spec.layer_type(layer), backend.label, PREFILL_TOKENS, us / 1e3, PREFILL_TOKENS / us * 1e6]
 
 
+def indexer_label(ix) -> str:
+    """An indexer option's name, with its top-k where that is not ours."""
+    return ix.name if ix.top_k == "triton" else f"{ix.name}, top_k={ix.top_k}"
+
+
 def layer_backends(job, layer: int, labels, indexers) -> list[Backend]:
     """The backends to time `layer` with: those whose labels are in `labels` (None: all); at ratio 4 each
-    with every indexer option named in `indexers` (None: the job's), elsewhere with the job's (it has no
-    indexer)."""
+    with every indexer option named in `indexers` (None: the job's) and the job's top-k, elsewhere with
+    the job's (it has no indexer)."""
     out = []
     for b in backends(job):
         if labels is not None and b.label not in labels:
@@ -258,7 +263,8 @@ def layer_backends(job, layer: int, labels, indexers) -> list[Backend]:
         if indexers is None or job.spec.compress_ratio(layer) != 4:
             out.append(b)
         else:
-            out += [Backend(label=b.label, combo=replace(b.combo, indexer=option("indexer", name)))
+            top_k = job.combo.indexer.top_k
+            out += [Backend(label=b.label, combo=replace(b.combo, indexer=replace(option("indexer", name), top_k=top_k)))
                     for name in indexers]
     return out
 
@@ -277,7 +283,7 @@ def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, indexers=None, lay
               if layer_types is None or job.spec.layer_type(l) in layer_types]
     for layer in layers:
         for backend in layer_backends(job, layer, labels, indexers):
-            ix = backend.combo.indexer.name if job.spec.compress_ratio(layer) == 4 else "-"
+            ix = indexer_label(backend.combo.indexer) if job.spec.compress_ratio(layer) == 4 else "-"
             for nreq, tokens, context in cases:
                 try:
                     row, parts = decode_row(job, backend, layer, nreq, tokens, context)

@@ -118,10 +118,10 @@ POW2 = load_option("head_padding", "buckets_pow2")
 
 
 def combo(spec=FLASH, *, mqa_kernel=None, o_proj=None, head_padding=None, cache_layout=None, tp_size=1,
-          dtype="float32") -> Combination:
+          dtype="float32", **kw) -> Combination:
     return Combination(spec=spec, mqa_kernel=mqa_kernel or ReferenceMQA(), o_proj=o_proj or ReferenceOProj(),
                        head_padding=head_padding or NoHeadPadding(), cache_layout=cache_layout or BF16,
-                       tp_size=tp_size, dtype=dtype)
+                       tp_size=tp_size, dtype=dtype, **kw)
 
 
 def flashmla_combo(**changes) -> Combination:
@@ -470,3 +470,29 @@ def test_triton_sparse_hopper_variant_needs_sm90_and_fp8_ds_mla_pages():
                             dtype="bfloat16"), SM90)
         assert probs and all(p.group in ("mqa_kernel", "cache_layout") for p in probs), probs
         assert ("cache_layout", "cache_layout=fp8_ds_mla") in [(p.group, p.fix) for p in probs], probs
+
+
+# ---- indexer.top_k: FlashInfer's top-k is refused where it cannot run, with its own fix ----------------------
+@pytest.mark.parametrize("indexer", ["exact", "fp4_sim", "mxfp4", "triton_fp8", "deepgemm_fp8"])
+def test_flashinfer_top_k_runs_on_cuda_only(indexer):
+    """indexer.top_k=flashinfer on ROCm or the CPU: one problem of its own (group indexer.top_k, fix
+    indexer.top_k=triton), whatever the indexer; the same indexer with our top-k has none of it; on CUDA
+    its package is looked for here only, and a missing one is named."""
+    fi = replace(load_option("indexer", indexer), top_k="flashinfer")
+    assert load_option("indexer", indexer).top_k == "triton"
+    for dev in (CPU, GFX942):
+        probs = [p for p in check(combo(indexer=fi, dtype="bfloat16"), dev) if p.group == "indexer.top_k"]
+        assert [(p.value, p.supported, p.fix) for p in probs] == [("flashinfer", ("cuda",), "indexer.top_k=triton")]
+        ours = check(combo(indexer=replace(fi, top_k="triton"), dtype="bfloat16"), dev)
+        assert not [p for p in ours if p.group == "indexer.top_k"]
+    assert not [p for p in check(combo(indexer=fi, dtype="bfloat16"), SM90) if p.group == "indexer.top_k"]
+    missing = [p for p in check(combo(indexer=fi, dtype="bfloat16"), SM90, here="cuda") if p.group == "indexer.top_k"]
+    assert bool(missing) == (importlib.util.find_spec("flashinfer") is None)
+    assert all("flashinfer-python" in p.fix and "indexer.top_k=triton" in p.fix for p in missing)
+
+
+def test_an_unknown_top_k_is_refused_when_the_option_is_made():
+    from dsv4.strategies import ExactIndexer
+
+    with pytest.raises(ValueError, match=r"indexer=exact: top_k='radix' is not one of \('triton', 'flashinfer'\)"):
+        ExactIndexer(top_k="radix")

@@ -281,17 +281,26 @@ def test_spec_rejects_a_negative_compress_ratio():
 
 
 # ---- in-process app behaviour --------------------------------------------------------------------------
+def info_top_ks() -> dict:
+    """mode=info's rows of the indexer's top-k settings -> their strategies."""
+    from dsv4.strategies.top_k import TOP_K
+
+    return {f"indexer.top_k={name}": s for name, s in TOP_K.items()}
+
+
 def test_info_lists_every_strategy_option_with_a_verdict(compose_cfg, no_alloc):
+    """Every option of every group and every indexer.top_k; on the CPU ok exactly for what runs there."""
     job = make_job(compose_cfg([]))
     rows = parse_info(info(job))
-    assert set(rows) == {f"{g}={o}" for g in GROUPS for o in options(g)}
-    for key, (verdict, _) in rows.items():        # on the CPU: ok exactly for what runs on a CPU
+    top_ks = info_top_ks()
+    assert set(rows) == {f"{g}={o}" for g in GROUPS for o in options(g)} | set(top_ks)
+    for key, (verdict, _) in rows.items():
         g, o = key.split("=")
-        strat = instantiate(OmegaConf.load(CONFIGS / g / f"{o}.yaml"), _convert_="all")
+        strat = top_ks[key] if key in top_ks else instantiate(OmegaConf.load(CONFIGS / g / f"{o}.yaml"), _convert_="all")
         plats = strat.needs(job.device).platforms if hasattr(strat, "needs") else frozenset()
         assert verdict == ("ok" if not plats or "cpu" in plats else "no"), key
     starred = sorted(k for k, (_, star) in rows.items() if star)
-    assert starred == sorted(f"{g}={getattr(job.combo, g).name}" for g in GROUPS)
+    assert starred == sorted([f"{g}={getattr(job.combo, g).name}" for g in GROUPS] + ["indexer.top_k=triton"])
 
 
 def test_info_says_no_with_the_reason(compose_cfg):
@@ -448,7 +457,8 @@ def test_cli_check_and_info_never_import_kernel_libraries(stubs, tmp_path, compo
     assert "stub" not in r.stderr and "Traceback" not in r.stderr
     if mode == "info":
         rows = parse_info(r.stdout)
-        assert set(rows) == {f"{g}={o}" for g in GROUPS for o in options(g)}
+        assert set(rows) == {f"{g}={o}" for g in GROUPS for o in options(g)} | set(info_top_ks())
         assert all(verdict in ("ok", "no") for verdict, _ in rows.values())
         cfg = compose_cfg([])
-        assert sorted(k for k, (_, star) in rows.items() if star) == sorted(f"{g}={cfg[g].name}" for g in GROUPS)
+        assert sorted(k for k, (_, star) in rows.items() if star) == sorted(
+            [f"{g}={cfg[g].name}" for g in GROUPS] + ["indexer.top_k=triton"])

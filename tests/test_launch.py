@@ -13,7 +13,8 @@ from tests.triton_mode import DEVICE, INTERPRET, MARK  # first: sets TRITON_INTE
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, as_i32, cdiv, launch, next_pow2, rows_dense, variants
+from dsv4.kernels.launch import (as_dense, as_f32, as_i32, cdiv, full_rows, launch, next_pow2, rows_dense,
+                                 variants)
 
 pytestmark = MARK
 
@@ -50,6 +51,21 @@ def test_argument_helpers_return_their_input_when_it_already_fits():
     assert as_f32(f.T).is_contiguous() and torch.equal(as_f32(f.T), f.T)
     assert as_i32(i.long()).dtype == torch.int32 and as_f32(i).dtype == torch.float32
     assert rows_dense(f.T).stride(1) == 1
+
+
+def test_full_rows_reads_a_column_slice_without_a_copy():
+    """A column slice [:, :n] of a contiguous tensor: that tensor (the same memory, its first n columns
+    the slice's); a slice that does not start a row, or whose last row would run past the storage, and
+    transposed rows: copied, contiguous."""
+    base = torch.randn(4, 10, device=DEVICE)
+    assert full_rows(base) is base
+    for view in (base[:, :7], base[1:, :7]):
+        wide = full_rows(view)
+        assert wide.is_contiguous() and wide.data_ptr() == view.data_ptr() and wide.shape[1] == 10
+        assert torch.equal(wide[:, :7], view)
+    for view in (base[:, 2:9], base.T):
+        copy = full_rows(view)
+        assert copy.is_contiguous() and copy.data_ptr() != base.data_ptr() and torch.equal(copy, view)
 
 
 def test_host_grid_arithmetic_is_tritons():

@@ -851,17 +851,8 @@ TOPK_LAUNCHES = [dict(), dict(block=16, radix=4, num_warps=4), dict(block=64, ra
                  dict(block=16, radix=8, num_warps=2, cap=32, sample=32, warp_cols=16)]
 
 
-@pytest.mark.parametrize("launch", TOPK_LAUNCHES, ids=["planned", "b16r4", "b64r2", "b32r8", "cap64", "cap32w2"])
-def test_topk_lists(launch):
-    """The radix select against a stable sort: the best min(K, visible) entries, the lowest indices among
-    ties at the K-th score (scores over decades, all negative, 50 tied among 150), slots through the table
-    (-1 where a visible entry has no page), -1 padding, counts; rows wider than a block. With a small `cap`
-    every path runs: rows searched whole, rows searched over their sampled candidates, and rows whose
-    candidates do not hold the top K (a sample of the row's best entries only; 120 ties at the best) that
-    are searched whole after all."""
-    from dsv4.components.plan import PageTable
-    from dsv4.kernels.topk_lists import topk_lists
-
+def topk_case():
+    """Rows for the top-k (test_topk_lists says what they hold) -> scores, counts, pages, req, K, block size."""
     g = torch.Generator().manual_seed(4)
     T, width, K, bs = 10, 200, 16, 4
     scores = torch.randn(T, width, generator=g) * 10.0 ** torch.randint(-3, 4, (T, 1), generator=g)
@@ -876,18 +867,93 @@ def test_topk_lists(launch):
     pages = torch.randperm(200, generator=g)[:2 * 50].view(2, 50).int()
     pages[1, 0] = -1                                 # row 3 takes 16 of its 17: some of entries 0-3
     req = torch.tensor([0, 0, 1, 1, 1, 0, 1, 0, 1, 0])
-    local, slots, lens = topk_lists(scores.to(DEVICE), counts.to(DEVICE), pages.to(DEVICE), req.to(DEVICE),
-                                    topk=K, block_size=bs, **launch)
+    return scores, counts, pages, req, K, bs
+
+
+def assert_topk_lists(local, slots, lens, scores, counts, pages, req, K, bs, *, index_order=True):
+    """The best min(K, visible) entries of each row, the lowest indices among ties at the K-th score (in
+    index order, or in any order), then -1; their slots through the table; their counts."""
+    from dsv4.components.plan import PageTable
+
     local, slots, lens = local.cpu(), slots.cpu(), lens.cpu()
     assert lens.tolist() == [min(K, int(c)) for c in counts]
     order = torch.sort(-scores, dim=1, stable=True).indices         # best first, ties by index
-    for t in range(T):
+    for t in range(scores.shape[0]):
         k = int(lens[t])
-        assert torch.equal(local[t, :k], order[t, :k].sort().values.int()), t
+        got = local[t, :k] if index_order else local[t, :k].sort().values
+        assert torch.equal(got, order[t, :k].sort().values.int()), t
         assert bool((local[t, k:] == -1).all()) and bool((slots[t, k:] == -1).all())
-    assert int((scores[9] == 5.0).sum()) > 64        # more ties than any cap's candidates
     assert torch.equal(slots, PageTable(block_size=bs, pages=pages).slots(req, local))
+
+
+@pytest.mark.parametrize("launch", TOPK_LAUNCHES, ids=["planned", "b16r4", "b64r2", "b32r8", "cap64", "cap32w2"])
+def test_topk_lists(launch):
+    """The radix select against a stable sort: the best min(K, visible) entries, the lowest indices among
+    ties at the K-th score (scores over decades, all negative, 50 tied among 150), slots through the table
+    (-1 where a visible entry has no page), -1 padding, counts; rows wider than a block. With a small `cap`
+    every path runs: rows searched whole, rows searched over their sampled candidates, and rows whose
+    candidates do not hold the top K (a sample of the row's best entries only; 120 ties at the best) that
+    are searched whole after all."""
+    from dsv4.kernels.topk_lists import topk_lists
+
+    scores, counts, pages, req, K, bs = topk_case()
+    local, slots, lens = topk_lists(scores.to(DEVICE), counts.to(DEVICE), pages.to(DEVICE), req.to(DEVICE),
+                                    topk=K, block_size=bs, **launch)
+    assert_topk_lists(local, slots, lens, scores, counts, pages, req, K, bs)
+    assert int((scores[9] == 5.0).sum()) > 64        # more ties than any cap's candidates
     assert bool((slots == -1).sum() > (local == -1).sum())      # the entry without a page
+
+
+def test_slot_lists():
+    """A selection made elsewhere (a stable sort's, best first) -> its slots through the table and its
+    counts, as topk_lists gives them (indexer.top_k=flashinfer's page lookup)."""
+    from dsv4.components.plan import PageTable
+    from dsv4.kernels.topk_lists import slot_lists
+
+    scores, counts, pages, req, K, bs = topk_case()
+    order = torch.sort(-scores, dim=1, stable=True).indices[:, :K].int()
+    local = torch.where(torch.arange(K)[None] < counts.clamp(max=K)[:, None], order, -1)
+    slots, lens = slot_lists(local.to(DEVICE), pages.to(DEVICE), req.to(DEVICE), block_size=bs)
+    assert torch.equal(slots.cpu(), PageTable(block_size=bs, pages=pages).slots(req, local))
+    assert lens.cpu().tolist() == [min(K, int(c)) for c in counts]
+    assert bool((slots.cpu() == -1).sum() > (local == -1).sum())    # the entry without a page
+
+
+@pytest.mark.skipif(not BIG or importlib.util.find_spec("flashinfer") is None,
+                    reason="FlashInfer's top-k: a CUDA GPU and flashinfer-python")
+@pytest.mark.parametrize("width", [0, 2048, 32768])
+def test_flashinfer_top_k_selects_what_triton_selects(width):
+    """indexer.top_k=flashinfer against the stable sort (test_topk_lists' rows) and, at decode sizes (128
+    rows of 2,048 and 32,768 entries, K = 512, some rows partly visible, some with every score tied), against
+    indexer.top_k=triton: the same entries, slots and counts; the same lists on a second call, and from
+    padded rows (a column slice, NaN past the visible entries)."""
+    from dsv4.strategies.top_k import TOP_K
+
+    fi, ours = TOP_K["flashinfer"], TOP_K["triton"]
+    if not width:
+        scores, counts, pages, req, K, bs = topk_case()
+        got = fi(scores.to(DEVICE), counts.to(DEVICE), pages.to(DEVICE), req.to(DEVICE), topk=K, block_size=bs)
+        assert_topk_lists(*got, scores, counts, pages, req, K, bs, index_order=False)
+        return
+    g = torch.Generator(device=DEVICE).manual_seed(width)
+    K, bs, T = 512, 64, 128
+    scores = torch.randn(T, width, device=DEVICE, generator=g)
+    scores[5] = 1.0
+    counts = torch.full((T,), width, dtype=torch.int32, device=DEVICE)
+    counts[::3] = torch.randint(1, width, (len(counts[::3]),), device=DEVICE, generator=g).int()
+    pages = torch.randperm(64 * width // bs, device=DEVICE, generator=g).view(64, -1).int()
+    req = torch.arange(64, device=DEVICE).repeat_interleave(2)
+    a = fi(scores, counts, pages, req, topk=K, block_size=bs)
+    b = ours(scores, counts, pages, req, topk=K, block_size=bs)
+    assert torch.equal(a[2], b[2])
+    assert torch.equal(a[0].sort(1).values, b[0].sort(1).values)
+    assert torch.equal(a[1].sort(1).values, b[1].sort(1).values)
+    assert all(torch.equal(x, y) for x, y in zip(a, fi(scores, counts, pages, req, topk=K, block_size=bs)))
+    padded = torch.full((T, width + 96), float("nan"), device=DEVICE)     # rows as DeepGEMM pads them
+    padded[:, :width] = scores
+    invisible = torch.arange(width, device=DEVICE)[None] >= counts[:, None]
+    padded[:, :width][invisible] = float("nan")                            # never read either
+    assert all(torch.equal(x, y) for x, y in zip(a, fi(padded[:, :width], counts, pages, req, topk=K, block_size=bs)))
 
 
 def test_fp8_queries_kernel_is_the_torch_path():

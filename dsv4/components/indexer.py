@@ -13,8 +13,8 @@ What the queries and keys are before they are scored and stored is the `indexer`
 as the published code trains and runs them (`fp4_sim`).
 
 Scores are one call over the step and the top-k another: on a GPU the strategy's scoring kernel (ours,
-dsv4/kernels/indexer_logits.py, or DeepGEMM's) and our top-k (dsv4/kernels/topk_lists.py); torch here,
-which is the CPU path and the kernels' specification.
+dsv4/kernels/indexer_logits.py, or DeepGEMM's) and its `top_k` (ours, dsv4/kernels/topk_lists.py, or
+FlashInfer's); torch here, which is the CPU path and the kernels' specification.
 """
 from __future__ import annotations
 
@@ -109,15 +109,15 @@ class Indexer:
     def lists(self, scores, plan):
         """The selection as the MQA kernel reads it: (local indices [T, K] int32 as `select` gives them,
         their global slots [T, K] int32 through each token's table, -1 padded, and how many are valid
-        [T] int32). On a GPU one kernel (dsv4/kernels/topk_lists.py): a radix select, valid entries in
-        index order, where `select` gives them best first."""
+        [T] int32). On a GPU the strategy's `top_k` (dsv4/strategies/top_k.py: our radix select, valid
+        entries in index order, or FlashInfer's), where `select` gives them best first."""
         import torch
 
         ents = plan.entries[4]
         if scores.is_cuda:
-            from dsv4.kernels.topk_lists import topk_lists
-            return topk_lists(scores, ents.counts, ents.table.pages, plan.token_request, topk=self.topk,
-                              block_size=ents.table.block_size)
+            from dsv4.strategies.top_k import TOP_K
+            return TOP_K[self.numerics.top_k](scores, ents.counts, ents.table.pages, plan.token_request,
+                                              topk=self.topk, block_size=ents.table.block_size)
         local = self.select(scores)
         return local, ents.table.slots(plan.token_request, local), (local >= 0).sum(1, dtype=torch.int32)
 

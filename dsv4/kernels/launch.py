@@ -164,3 +164,16 @@ def as_dense(t):
 def rows_dense(t):
     """A 2-D t whose rows may be strided (a column slice) but whose columns are adjacent."""
     return t if t.stride(1) == 1 else t.contiguous()
+
+
+def full_rows(t):
+    """A 2-D t as a contiguous tensor without a copy where it is a column slice [:, :n] of one (DeepGEMM's
+    padded score rows): that tensor, its extra columns included (for a reader told each row's length);
+    otherwise t made contiguous."""
+    if t.is_contiguous():
+        return t
+    rows, stride = t.shape[0], t.stride(0)
+    held = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    if t.stride(1) == 1 and stride >= t.shape[1] and rows * stride <= held:
+        return t.as_strided((rows, stride), (stride, 1))
+    return t.contiguous()

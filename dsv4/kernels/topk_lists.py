@@ -248,6 +248,38 @@ def _topk_lists_kernel(scores_ptr, row_stride, width, cnt_ptr, pages_ptr, pages_
     tl.store(lens_ptr + t, taken)
 
 
+@triton.jit
+def _slot_lists_kernel(local_ptr, pages_ptr, pages_stride, n_pages, req_ptr, slots_ptr, lens_ptr, K, BS,
+                       KP: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.arange(0, KP)
+    local = tl.load(local_ptr + t.to(tl.int64) * K + cols, mask=cols < K, other=-1)
+    valid = local >= 0
+    r = tl.load(req_ptr + t).to(tl.int64)
+    logical = local // BS
+    page = tl.load(pages_ptr + r * pages_stride + logical, mask=valid & (logical < n_pages), other=-1)
+    tl.store(slots_ptr + t.to(tl.int64) * K + cols, tl.where(page >= 0, page * BS + local % BS, -1), mask=cols < K)
+    tl.store(lens_ptr + t, tl.sum(valid.to(tl.int32), 0))
+
+
+def slot_lists(local, pages, token_request, *, block_size: int):
+    """The rest of `topk_lists`' outputs from a selection made elsewhere: local [T, K] int32 (valid entries
+    first, -1 padded), pages [B, P] int32, token_request [T] -> (slots [T, K] int32 through each token's
+    table, -1 for padding or an entry without a page; lens [T] int32, the valid entries). One program per
+    token."""
+    import torch
+
+    T, K = local.shape
+    buf = torch.empty(T * (K + 1), dtype=torch.int32, device=local.device)
+    slots, lens = buf.split_with_sizes((T * K, T))
+    slots = slots.view(T, K)
+    if T:
+        pages = as_i32(pages)
+        launch(_slot_lists_kernel, (T,), as_i32(local), pages, pages.stride(0), pages.shape[1], token_request, slots,
+               lens, K, block_size, KP=next_pow2(max(K, 16)))
+    return slots, lens
+
+
 def topk_lists(scores, counts, pages, token_request, *, topk: int, block_size: int, block: int = 0, radix: int = 0,
                num_warps: int = 0, cap: int = 0, sample: int = 0, warp_cols: int = 0):
     """scores [T, width] float32 (entries j < counts[t] visible, the rest never read; rows may be

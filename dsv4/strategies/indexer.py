@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dsv4.strategies.protocols import Needs
+from dsv4.strategies.top_k import check_top_k
 
 FP4_MAX = 6.0
 FP4_BLOCK = 32          # values per power-of-two scale (the published fp4_block_size)
@@ -177,6 +178,8 @@ def plain_keys(dtype: str):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExactIndexer:
     name: str = "exact"
+    top_k: str = "triton"                     # how the scores become lists on a GPU (top_k.TOP_K)
+    __post_init__ = check_top_k
     error_budget: ClassVar[float] = 0.0
     transforms: ClassVar[bool] = False        # queries and keys are scored as the layer computes them
     fp4: ClassVar[bool] = False               # the transforms are the published FP4 ones (dsv4/kernels/fp4.py)
@@ -201,6 +204,8 @@ class ExactIndexer:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fp4SimIndexer:
     name: str = "fp4_sim"
+    top_k: str = "triton"                     # how the scores become lists on a GPU (top_k.TOP_K)
+    __post_init__ = check_top_k
     error_budget: ClassVar[float] = 0.0       # the oracle applies the same numerics
     transforms: ClassVar[bool] = True
     fp4: ClassVar[bool] = True                # which the layer's kernels apply themselves on a GPU

@@ -111,6 +111,7 @@ class IndexerStrategy(Protocol):
     fp4: bool
     oracle_numerics: str        # reference.INDEXER_NUMERICS: what the oracle recomputes the indexer with
     fp8_queries: bool
+    top_k: str                  # top_k.TOP_K: the selection its scores go through on a GPU
 
     def needs(self, device: DeviceInfo) -> Needs: ...
     def prepare(self, *, head_dim: int, device: DeviceInfo) -> Any: ...
