@@ -1,15 +1,17 @@
 """The ratio-4 layer's indexer on a GPU: scores (float32 keys with tf32x3 products, bf16 keys with a bf16
-product, FP4 records -- indexer=mxfp4 -- decoded to bf16 as they are read, fp8 records against e4m3 queries
--- indexer=triton_fp8's e4m3 product --, and the fp8 records scored by DeepGEMM -- indexer=deepgemm_fp8 -- where it runs) and the top-k
-lists (our radix select at several launch shapes, torch.topk beside it), each timed alone in a CUDA graph
-on a decode step of 64 requests x 2 tokens (64 heads of 128 dims, K = 512) at 8k and 64k contexts (or
-those given), then scores + top-k together per kind of keys. Every variant is checked against its
-reference before it is timed: our kernel's scores of records equal those of bf16 rows holding the values
-the records decode to (FP4 records: bit for bit; fp8 records against e4m3 queries: within 1e-6, as these
-random keys are not FP4-simulated; DeepGEMM's: their relative error is shown).
+product, FP4 records -- indexer=mxfp4 -- decoded to bf16 as they are read, fp8 records against e4m3
+queries -- indexer=triton_fp8's e4m3 product --, and the fp8 records scored by DeepGEMM --
+indexer=deepgemm_fp8 -- where it runs) and the top-k lists (our radix select at several launch shapes,
+torch.topk and, where installed, FlashInfer's beside it), each timed alone in a CUDA graph on a decode
+step of 64 requests x 2 tokens (64 heads of 128 dims, K = 512) at 8k and 64k contexts (or those given),
+then scores + top-k together per kind of keys. Every variant is checked against its reference before it
+is timed: our kernel's scores of records equal those of bf16 rows holding the values the records decode
+to (FP4 records: bit for bit; fp8 records against e4m3 queries: within 1e-6, as these random keys are not
+FP4-simulated; DeepGEMM's: their relative error is shown).
 
   python bench/tune_indexer.py
   python bench/tune_indexer.py --contexts 8192 131072 --shipped     # the shipped launch shapes only
+  python bench/tune_indexer.py --contexts 8192 65536 131072 --shipped --top-k-only
 
 The shipped launch shapes (dsv4/kernels/indexer_logits.py, dsv4/kernels/topk_lists.py) come from this sweep.
 """
@@ -85,18 +87,53 @@ def key_kinds():
     return kinds
 
 
+def flashinfer_topk_rows(context: int, scores, counts, pages, req, want) -> list:
+    """FlashInfer's top-k where it is installed: indexer.top_k=flashinfer (its deterministic ragged
+    transform, then our page lookup) and, measured and left out, its page-table transform (one slot per
+    entry, from a table made here) and both forms without determinism -> rows as main()'s."""
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        return []
+    import flashinfer
+
+    from dsv4.strategies.top_k import PREFER_LOWER_INDEX, TOP_K
+
+    T, width = scores.shape
+    ent = torch.arange(width, device="cuda")
+    table = (pages[:, ent // BS] * BS + ent % BS).int().contiguous()      # each entry's slot
+    zeros = torch.zeros(T, dtype=torch.int32, device="cuda")
+    variants = {
+        "indexer.top_k=flashinfer": lambda: TOP_K["flashinfer"](scores, counts, pages, req, topk=K, block_size=BS)[0],
+        "FlashInfer ragged, non-deterministic":
+            lambda: flashinfer.top_k_ragged_transform(scores, zeros, counts, K),
+        "FlashInfer page table, deterministic": lambda: flashinfer.top_k_page_table_transform(
+            scores, table, counts, K, row_to_batch=req.int(), tie_break=PREFER_LOWER_INDEX),
+        "FlashInfer page table, non-deterministic": lambda: flashinfer.top_k_page_table_transform(
+            scores, table, counts, K, row_to_batch=req.int()),
+    }
+    want_slots = table[req].gather(1, want.long()).sort(dim=-1).values
+    rows = []
+    for name, fn in variants.items():
+        got = fn().sort(dim=-1).values
+        ok = torch.equal(got, want_slots if "page table" in name else want)
+        rows.append([context, name, graph_time_us(fn), ok])
+    return rows
+
+
 def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", nargs="*", type=int, default=[8192, 65536])
     ap.add_argument("--shipped", action="store_true", help="the shipped launch shapes only")
+    ap.add_argument("--top-k-only", action="store_true", help="the top-k table alone (float32-key scores)")
     a = ap.parse_args()
     shapes = SCORE_SHAPES[:1] if a.shipped else SCORE_SHAPES
     rows, topk_rows, step_rows = [], [], []
     for context in a.contexts:
         ref = None
-        for name, kind, vendor in key_kinds():
+        for name, kind, vendor in key_kinds() if not a.top_k_only else [("float32", torch.float32, None)]:
             plain = isinstance(kind, torch.dtype)
             q, w, keys, pages, req, counts, width = case(context, kind if plain else torch.bfloat16)
             ours = indexer_logits
@@ -140,6 +177,7 @@ def main() -> None:
             ok = bool((lens == K).all()) and torch.equal(local.sort(dim=-1).values, want)
             us = graph_time_us(lambda: topk_lists(scores, counts, pages, req, topk=K, block_size=BS, **shape))
             topk_rows.append([context, f"topk_lists {shape or 'shipped'}", us, ok])
+        topk_rows += flashinfer_topk_rows(context, scores, counts, pages, req, want)
     print(f"indexer scores, {NREQ} requests x {TOKENS} tokens, {HEADS} heads x {DIM}, CUDA graph (µs; records:"
           " rel err vs bf16 rows of their values):")
     print(table(["context", "keys", "launch", "µs", "key GB/s", "rel err vs shipped", "rel err vs float32 keys"],
