@@ -15,6 +15,7 @@ from dsv4.device import DeviceInfo
 from dsv4.dtypes import ACTIVATION_DTYPES
 from dsv4.errors import Problem
 from dsv4.spec import ModelSpec
+from dsv4.strategies.top_k import DEFAULT_TOP_K, TOP_K
 
 
 def _default_indexer():
@@ -29,8 +30,6 @@ NEEDS_GROUPS = ("mqa_kernel", "o_proj", "cache_layout", "indexer")
 def _needing(c) -> list[tuple[str, object]]:
     """(group, strategy) of every strategy whose Needs check() reads: the NEEDS_GROUPS' and the indexer's
     top-k (`indexer.top_k`, its own requirements and fix)."""
-    from dsv4.strategies.top_k import TOP_K
-
     top_k = TOP_K.get(getattr(c.indexer, "top_k", None))
     return [(g, getattr(c, g)) for g in NEEDS_GROUPS] + ([("indexer.top_k", top_k)] if top_k is not None else [])
 
@@ -140,7 +139,7 @@ CROSS_RULES: tuple[Callable[[Combination, DeviceInfo], list[Problem]], ...] = (
 
 # The shipped option of each group that runs anywhere, offered when a choice cannot run on a device.
 SAFE_CHOICE = {"mqa_kernel": "mqa_kernel=reference", "o_proj": "o_proj=reference", "cache_layout": "cache_layout=bf16",
-               "indexer": "indexer=exact", "indexer.top_k": "indexer.top_k=triton"}
+               "indexer": "indexer=exact", "indexer.top_k": f"indexer.top_k={DEFAULT_TOP_K}"}
 # The shipped head-padding options (configs/head_padding/), for suggesting one that yields what a kernel takes.
 PADDING_OPTIONS: tuple[tuple[str, tuple[int, ...] | None], ...] = (
     ("buckets_64_128", (64, 128)), ("buckets_pow2", (8, 16, 32, 64, 128)),

@@ -249,7 +249,9 @@ def prefill_row(job, backend: Backend, layer: int) -> list:
 
 def indexer_label(ix) -> str:
     """An indexer option's name, with its top-k where that is not ours."""
-    return ix.name if ix.top_k == "triton" else f"{ix.name}, top_k={ix.top_k}"
+    from dsv4.strategies.top_k import DEFAULT_TOP_K
+
+    return ix.name if ix.top_k == DEFAULT_TOP_K else f"{ix.name}, top_k={ix.top_k}"
 
 
 def layer_backends(job, layer: int, labels, indexers) -> list[Backend]:
@@ -264,7 +266,8 @@ def layer_backends(job, layer: int, labels, indexers) -> list[Backend]:
             out.append(b)
         else:
             top_k = job.combo.indexer.top_k
-            out += [Backend(label=b.label, combo=replace(b.combo, indexer=replace(option("indexer", name), top_k=top_k)))
+            out += [Backend(label=b.label,
+                            combo=replace(b.combo, indexer=replace(option("indexer", name), top_k=top_k)))
                     for name in indexers]
     return out
 

@@ -296,7 +296,7 @@ def test_info_lists_every_strategy_option_with_a_verdict(compose_cfg, no_alloc):
     assert set(rows) == {f"{g}={o}" for g in GROUPS for o in options(g)} | set(top_ks)
     for key, (verdict, _) in rows.items():
         g, o = key.split("=")
-        strat = top_ks[key] if key in top_ks else instantiate(OmegaConf.load(CONFIGS / g / f"{o}.yaml"), _convert_="all")
+        strat = top_ks.get(key) or instantiate(OmegaConf.load(CONFIGS / g / f"{o}.yaml"), _convert_="all")
         plats = strat.needs(job.device).platforms if hasattr(strat, "needs") else frozenset()
         assert verdict == ("ok" if not plats or "cpu" in plats else "no"), key
     starred = sorted(k for k, (_, star) in rows.items() if star)

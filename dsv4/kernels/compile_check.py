@@ -130,7 +130,7 @@ def _compile_layer(gpu) -> None:
     and 3 rows, plain float32 and bf16 rows, the indexer's keys also as mxfp4 and fp8 records (with the
     FP4 numerics in the front and compress kernels, one compressor a launch or a layer's two), the indexer
     with 64 heads of 128 dims on pages of 64 entries at its planned launches (float32 and bf16 keys, the
-    records), the fp8 indexers' queries, the top-k lists."""
+    records), the fp8 indexers' queries, the top-k lists and the page lookup of a selection made elsewhere."""
     import triton.language as tl
 
     from dsv4.kernels import cache_write, compress, fp8_queries, indexer_logits, layer_front, topk_lists
@@ -219,6 +219,10 @@ def _compile_layer(gpu) -> None:
                  types({"scores_ptr": "*fp32", "cnt_ptr": "*i32", "pages_ptr": "*i32", "req_ptr": "*i64",
                         "local_ptr": "*i32", "slots_ptr": "*i32", "lens_ptr": "*i32", "cand_ptr": "*i32",
                         "ncand_ptr": "*i32"}), {"width", "pages_stride", "cand_stride"}, gpu, nw)
+    _compile(tk._slot_lists_kernel, dict(KP=512),
+             types({"local_ptr": "*i32", "pages_ptr": "*i32", "req_ptr": "*i64", "slots_ptr": "*i32",
+                    "lens_ptr": "*i32"}),
+             {"pages_stride", "K"}, gpu, 4)
 
 
 def main(argv: list[str]) -> int:

@@ -33,7 +33,7 @@ from dsv4.strategies.indexer import (
     pow2_ceil,
 )
 from dsv4.strategies.protocols import Needs
-from dsv4.strategies.top_k import check_top_k
+from dsv4.strategies.top_k import DEFAULT_TOP_K, check_top_k
 
 AMAX_MIN = 1e-4                 # the smallest amax a scale is taken from (a zero key: scale 2^-22)
 DEEPGEMM_PAGES = {"sm90": (64,), "sm100": (32, 64)}               # keys per page it reads, per arch
@@ -179,7 +179,7 @@ class DeepGemmFp8Indexer:
     """fp4_sim's queries and keys; keys stored as Fp8KeyLayout records, scored by DeepGEMM (sm90, sm100;
     package sgl-deep-gemm)."""
     name: str = "deepgemm_fp8"
-    top_k: str = "triton"                     # how the scores become lists on a GPU (top_k.TOP_K)
+    top_k: str = DEFAULT_TOP_K                # how the scores become lists on a GPU (top_k.TOP_K)
     __post_init__ = check_top_k
     # near-ties ranked in DeepGEMM's summation order may swap an entry of the top-k: the layer's output
     # moves by the swapped rows' share
@@ -212,7 +212,7 @@ class TritonFp8Indexer:
     """fp4_sim's queries and keys; keys stored as Fp8KeyLayout records, scored by our Triton kernel (e4m3
     queries as deepgemm_fp8's)."""
     name: str = "triton_fp8"
-    top_k: str = "triton"                     # how the scores become lists on a GPU (top_k.TOP_K)
+    top_k: str = DEFAULT_TOP_K                # how the scores become lists on a GPU (top_k.TOP_K)
     __post_init__ = check_top_k
     # the exact values of fp4_sim's queries and keys, their exact products summed in float32 (the e4m3
     # tensor cores' sums equal the bf16 ones' bit for bit on the H200: tests/test_gpu_layer.py)

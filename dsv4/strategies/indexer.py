@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dsv4.strategies.protocols import Needs
-from dsv4.strategies.top_k import check_top_k
+from dsv4.strategies.top_k import DEFAULT_TOP_K, check_top_k
 
 FP4_MAX = 6.0
 FP4_BLOCK = 32          # values per power-of-two scale (the published fp4_block_size)
@@ -178,7 +178,7 @@ def plain_keys(dtype: str):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExactIndexer:
     name: str = "exact"
-    top_k: str = "triton"                     # how the scores become lists on a GPU (top_k.TOP_K)
+    top_k: str = DEFAULT_TOP_K                # how the scores become lists on a GPU (top_k.TOP_K)
     __post_init__ = check_top_k
     error_budget: ClassVar[float] = 0.0
     transforms: ClassVar[bool] = False        # queries and keys are scored as the layer computes them
@@ -204,7 +204,7 @@ class ExactIndexer:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fp4SimIndexer:
     name: str = "fp4_sim"
-    top_k: str = "triton"                     # how the scores become lists on a GPU (top_k.TOP_K)
+    top_k: str = DEFAULT_TOP_K                # how the scores become lists on a GPU (top_k.TOP_K)
     __post_init__ = check_top_k
     error_budget: ClassVar[float] = 0.0       # the oracle applies the same numerics
     transforms: ClassVar[bool] = True

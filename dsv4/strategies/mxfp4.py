@@ -26,7 +26,7 @@ from dsv4.strategies.indexer import (
     no_prepare,
     triton_scores,
 )
-from dsv4.strategies.top_k import check_top_k
+from dsv4.strategies.top_k import DEFAULT_TOP_K, check_top_k
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +82,7 @@ class Mxfp4KeyLayout:
 class Mxfp4Indexer:
     """fp4_sim's queries and keys; keys stored as Mxfp4KeyLayout records."""
     name: str = "mxfp4"
-    top_k: str = "triton"                     # how the scores become lists on a GPU (top_k.TOP_K)
+    top_k: str = DEFAULT_TOP_K                # how the scores become lists on a GPU (top_k.TOP_K)
     __post_init__ = check_top_k
     error_budget: ClassVar[float] = 0.0       # the oracle applies the same numerics
     transforms: ClassVar[bool] = True

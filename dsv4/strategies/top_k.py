@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 from dsv4.strategies.protocols import Needs
 
+DEFAULT_TOP_K = "triton"        # the indexer options' top-k unless they say otherwise
 PREFER_LOWER_INDEX = 1          # FlashInfer's TopKTieBreak for ties at the K-th score
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TritonTopK:
-    name: str = "triton"
+    name: str = DEFAULT_TOP_K
 
     def needs(self, device) -> Needs:
         return Needs()
@@ -42,7 +43,7 @@ class FlashInferTopK:
 
     def needs(self, device) -> Needs:
         return Needs(platforms=frozenset({"cuda"}), modules=(("flashinfer", "flashinfer-python"),),
-                     fix="indexer.top_k=triton")
+                     fix=f"indexer.top_k={DEFAULT_TOP_K}")
 
     def __call__(self, scores, counts, pages, token_request, *, topk: int, block_size: int):
         """As TritonTopK's call (FlashInfer reads contiguous rows: DeepGEMM's padded ones are read whole,
