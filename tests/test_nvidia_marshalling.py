@@ -76,9 +76,29 @@ def fake_flash_mla(calls: list):
         out = torch.where(torch.isinf(lse)[..., None], 0.0, out)
         return out.bfloat16(), torch.where(torch.isinf(lse), math.inf, lse).transpose(1, 2)
 
+    def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, *, attn_sink, topk_length, use_legacy):
+        """The prefill kernel on bf16 rows kv [N, 1, 512] named by indices [T, 1, W] (-1 or past
+        topk_length: none); out [T, H, 512], max logits, lse [T, H] (natural log, sink not included)."""
+        T, _, d = q.shape
+        assert q.dtype == kv.dtype == torch.bfloat16 and d == d_v == 512 and kv.shape[1:] == (1, 512)
+        assert indices.shape[:2] == (T, 1) and indices.dtype == torch.int32 and indices.is_contiguous()
+        assert indices.shape[-1] % 64 == 0 and topk_length.shape == (T,) and topk_length.dtype == torch.int32
+        idx = indices[:, 0].long()
+        assert int(idx.max()) < kv.shape[0]
+        valid = (idx >= 0) & (torch.arange(idx.shape[1])[None] < topk_length.long()[:, None])
+        rows = kv[idx.clamp(min=0), 0].float()                                # [T, W, 512]
+        logits = torch.einsum("thd,twd->thw", q.float(), rows) * sm_scale
+        logits = logits.masked_fill(~valid[:, None, :], -math.inf)
+        lse = torch.logsumexp(logits, -1)
+        p = torch.softmax(logits, -1).nan_to_num(0.0)
+        out = torch.einsum("thw,twd->thd", p, rows) * torch.sigmoid(lse - attn_sink)[..., None]
+        out = torch.where(torch.isinf(lse)[..., None], 0.0, out)
+        return out.bfloat16(), logits.amax(-1), torch.where(torch.isinf(lse), math.inf, lse)
+
     mod = types.ModuleType("flash_mla")
     mod.get_mla_metadata = lambda *a, **k: (Sched(), None)
     mod.flash_mla_with_kvcache = flash_mla_with_kvcache
+    mod.flash_mla_sparse_fwd = flash_mla_sparse_fwd
     return mod
 
 
@@ -119,6 +139,36 @@ def test_flashmla_adapter_through_the_contract_equals_reference(monkeypatch, arc
     assert calls[2]["sched"] is not calls[0]["sched"]
     k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)           # no plan: a schedule of its own
     assert calls[3]["sched"] not in (calls[0]["sched"], calls[2]["sched"])
+
+
+def test_flashmla_prefill_gather_attends_what_the_reference_does(monkeypatch):
+    """prefill_gather_min_tokens: the referenced rows gathered once into a bf16 workspace and re-indexed for
+    flash_mla_sparse_fwd, through the contract's fake, equal ReferenceMQA on lists with -1 holes, entries
+    past their lengths and ids past their pool (padding, as ReferenceMQA reads them: an SWA id past the
+    SWA pool is not a compressed row), valid entries anywhere in the list, a query with none."""
+    monkeypatch.setitem(sys.modules, "flash_mla", fake_flash_mla([]))
+    g = torch.Generator().manual_seed(7)
+    T, H, W, EW = 6, 64, 24, 20
+    swa, ext = random_pages("swa", 3, 64, g), random_pages("compressed", 4, 8, g)
+    si = torch.randint(-1, swa.num_slots, (T, W), generator=g).int()
+    ei = torch.randint(-1, ext.num_slots, (T, EW), generator=g).int()
+    si[:, 1::5] = swa.num_slots + torch.arange(T)[:, None] % ext.num_slots        # past the SWA pool
+    ei[:, 2::7] = ext.num_slots + 3                                                  # past the compressed pool
+    sl = torch.tensor([W, 17, 0, 5, W, 1], dtype=torch.int32)
+    el = torch.tensor([EW, 0, 0, 9, 3, EW], dtype=torch.int32)
+    si[2], ei[2] = -1, -1
+    kv = SparseKV(swa=swa, swa_indices=si, swa_lens=sl, extra=ext, extra_indices=ei, extra_lens=el,
+                  layer_type="c4a")
+    q = (torch.randn(T, H, 512, generator=g) * 2).bfloat16()
+    sink = torch.randn(H, generator=g)
+    k = FlashMLASparse(prefill_gather_min_tokens=1)
+    out, lse = k(q, kv, sink=sink, scale=512 ** -0.5, prepared=k.prepare(device=DeviceInfo(platform="cuda",
+                                                                                              arch="sm90")))
+    ref, ref_lse = ReferenceMQA()(q.float(), kv, sink=sink, scale=512 ** -0.5)
+    assert rel_err(out, ref) <= 1e-2 and out.dtype == q.dtype
+    assert bool((out[2] == 0).all())
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], ref_lse[fin], rtol=1e-5, atol=1e-5)
 
 
 def fake_deep_gemm(calls: list):

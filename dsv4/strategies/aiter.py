@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dsv4.strategies.fp8_layouts import decode_records, record_offsets
-from dsv4.strategies.mqa_kernel import valid_entries
+from dsv4.strategies.mqa_kernel import attended
 from dsv4.strategies.protocols import Needs, OProjWeights, SparseKV
 
 AITER_VERSION = "0.1.7.post2.dev18"
@@ -91,24 +91,6 @@ def read_rows(cache, slots, *, fmt: str):
 
 
 # ---- index marshalling --------------------------------------------------------------------------------
-def attended(kv: SparseKV):
-    """The rows each query attends to, as ids over both pools (SWA slot s -> s, compressed slot s ->
-    swa.num_slots + s), in SparseKV order (SWA list, then compressed list), valid ones first, -1 after
-    them: an entry counts if its slot is in its pool and its column is below the length (as
-    ReferenceMQA reads it). -> (ids [T, W] int64, counts [T] int64)."""
-    import torch
-
-    S = kv.swa.num_slots
-    ok = valid_entries(kv.swa_indices, kv.swa_lens, S)
-    ids = torch.where(ok, kv.swa_indices.long(), -1)
-    if kv.extra is not None:
-        eok = valid_entries(kv.extra_indices, kv.extra_lens, kv.extra.num_slots)
-        ids = torch.cat((ids, torch.where(eok, kv.extra_indices.long() + S, -1)), 1)
-        ok = torch.cat((ok, eok), 1)
-    order = torch.argsort((~ok).to(torch.int8), dim=1, stable=True)
-    return ids.gather(1, order), ok.sum(1)
-
-
 def mla_buffer(kv: SparseKV, ids, *, fmt: str):
     """The kv_buffer [N + 1, 1, 1, 576] bf16 and each entry's row in it ([T, W] int32, -1 kept):
     row 0 is the sink key (zeros, then 1 at SINK_DIMS), rows 1.. the distinct rows `ids` names, each

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dsv4.settings import at_least
+from dsv4.strategies.mqa_kernel import attended
 from dsv4.strategies.protocols import Needs, SparseKV
 
 WIDTH_MULTIPLE = 128          # index widths: multiples of B_TOPK (64 for h64, 128 for h128)
@@ -119,14 +120,9 @@ class FlashMLASparse:
         import flash_mla
         import torch
 
-        cols = torch.arange(kv.swa_indices.shape[1], device=q.device)[None, :]
-        parts = [torch.where(cols < kv.swa_lens[:, None], kv.swa_indices, -1).long()]
+        # the rows that count, over both pools and valid ones first (so that topk_length counts exactly them)
+        glob, counts = attended(kv)
         offset = kv.swa.num_slots
-        if kv.extra is not None:
-            ecols = torch.arange(kv.extra_indices.shape[1], device=q.device)[None, :]
-            e = torch.where(ecols < kv.extra_lens[:, None], kv.extra_indices, -1).long()
-            parts.append(torch.where(e >= 0, e + offset, -1))
-        glob = torch.cat(parts, 1)
         used, inv = torch.unique(glob[glob >= 0], return_inverse=True)
         rows = torch.empty(len(used), 512, dtype=torch.bfloat16, device=q.device)
         swa_rows = used < offset
@@ -135,10 +131,8 @@ class FlashMLASparse:
             rows[~swa_rows] = kv.extra.read((used[~swa_rows] - offset).int()).bfloat16()
         local = torch.full_like(glob, -1)
         local[glob >= 0] = inv
-        # valid entries first so that topk_length counts exactly them
-        order = torch.argsort((local < 0).to(torch.int8), dim=1, stable=True)
-        local = _pad_width(local.gather(1, order).int())
-        lens = (glob >= 0).sum(1).int()
+        local = _pad_width(local.int())
+        lens = counts.int()
         out, _, lse = flash_mla.flash_mla_sparse_fwd(
             q.to(torch.bfloat16).contiguous(), rows.unsqueeze(1), local.unsqueeze(1), scale, 512,
             attn_sink=sink.float().contiguous(), topk_length=lens,

@@ -18,6 +18,25 @@ def valid_entries(indices, lens, num_slots: int):
     return (indices >= 0) & (indices < num_slots) & (cols < lens[:, None].to(indices.device))
 
 
+def attended(kv: SparseKV):
+    """The rows each query attends to, as ids over both pools (SWA slot s -> s, compressed slot s ->
+    swa.num_slots + s), in SparseKV order (SWA list, then compressed list), valid ones first, -1 after
+    them: an entry counts if its slot is in its pool and its column is below the length (as ReferenceMQA
+    reads it). The aiter adapter and FlashMLA's prefill gather read lists through it. -> (ids [T, W]
+    int64, counts [T] int64)."""
+    import torch
+
+    S = kv.swa.num_slots
+    ok = valid_entries(kv.swa_indices, kv.swa_lens, S)
+    ids = torch.where(ok, kv.swa_indices.long(), -1)
+    if kv.extra is not None:
+        eok = valid_entries(kv.extra_indices, kv.extra_lens, kv.extra.num_slots)
+        ids = torch.cat((ids, torch.where(eok, kv.extra_indices.long() + S, -1)), 1)
+        ok = torch.cat((ok, eok), 1)
+    order = torch.argsort((~ok).to(torch.int8), dim=1, stable=True)
+    return ids.gather(1, order), ok.sum(1)
+
+
 def _gather(cache, indices, lens):
     """Rows named by `indices` (float32, zero for invalid ones) and which of them count."""
     import torch
