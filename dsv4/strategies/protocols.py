@@ -47,7 +47,10 @@ class Needs:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SparseKV:
     """What one sparse-MQA call attends to: per query, rows of the SWA cache and of the extra
-    (compressed) cache, named by global slot ids (-1 = padding) with per-query lengths.
+    (compressed) cache, named by global slot ids (-1 = padding) with per-query lengths. An id past its
+    pool is padding too for the reference, our Triton kernels and the aiter and FlashInfer adapters
+    (`mqa_kernel.valid_entries`); FlashMLA's decode kernel reads the ids as given, so lists made outside
+    this package keep them in their pools.
 
     This is the two-pool form of FlashMLA's decode API (docs/numerics.md §4.2, §5.5); kernels that want
     another shape (one combined table, CSR) build it from these.
