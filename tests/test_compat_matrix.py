@@ -18,6 +18,7 @@ from hydra.core.global_hydra import GlobalHydra
 from dsv4.app import GROUPS, make_job
 from dsv4.compat import check
 from dsv4.device import DeviceInfo
+from dsv4.strategies.top_k import TOP_K
 from tests.conftest import CONFIGS, ROOT, options
 
 GOLDEN = ROOT / "tests" / "golden" / "compat_matrix.json"
@@ -36,7 +37,8 @@ DEVICES = {
 
 @pytest.fixture(scope="module")
 def combos():
-    """{case: Combination}: each backend preset, and each preset with one strategy group swapped."""
+    """{case: Combination}: each backend preset, and each preset with one strategy group (or its indexer's
+    top-k) swapped."""
     out = {}
     GlobalHydra.instance().clear()
     try:
@@ -51,6 +53,11 @@ def combos():
                             cfg = compose(config_name="config", overrides=base + [f"backend={backend}",
                                                                                   f"{group}={option}"])
                             out[f"backend={backend} {group}={option}"] = make_job(cfg).combo
+                for top_k in TOP_K:                  # the preset's indexer with each other top-k
+                    if top_k != preset.indexer.top_k:
+                        cfg = compose(config_name="config", overrides=base + [f"backend={backend}",
+                                                                              f"indexer.top_k={top_k}"])
+                        out[f"backend={backend} indexer.top_k={top_k}"] = make_job(cfg).combo
     finally:
         GlobalHydra.instance().clear()
     return out
@@ -102,7 +109,7 @@ def test_compat_matrix_matches_golden(combos, request):
 
 def test_matrix_covers_every_preset_swap_and_device():
     golden = json.loads(GOLDEN.read_text())
-    swaps = sum(len(options(g)) - 1 for g in GROUPS)
+    swaps = sum(len(options(g)) - 1 for g in GROUPS) + len(TOP_K) - 1
     assert len(golden["verdicts"]) == len(options("backend")) * (1 + swaps)
     assert all(set(v) == set(DEVICES) for v in golden["verdicts"].values())
     # the shipped presets are valid where they are meant to run
@@ -114,6 +121,11 @@ def test_matrix_covers_every_preset_swap_and_device():
     # (hence deployment=rtx_pro_6000 takes o_proj=reference)
     assert golden["verdicts"]["backend=flashinfer cache_layout=fp8_ds_mla"]["sm120"] == ["o_proj=deepgemm_fp8"]
     assert golden["verdicts"]["backend=flashmla"]["gfx942"] != "ok"
+    # FlashInfer's top-k: CUDA only, refused as its own choice; with the FlashMLA preset it runs on sm90
+    assert golden["verdicts"]["backend=flashmla indexer.top_k=flashinfer"]["sm90"] == "ok"
+    for backend in options("backend"):
+        for dev in ("cpu", "gfx942", "gfx950"):
+            assert "indexer.top_k=flashinfer" in golden["verdicts"][f"backend={backend} indexer.top_k=flashinfer"][dev]
 
 
 def test_changing_a_rule_fails_the_comparison(combos, monkeypatch):
