@@ -11,7 +11,8 @@ real components (StepPlan.build on small page tables, Compressor, Indexer, the c
 - indexer_logits: decode- and prefill-like groups, groups spanning two requests, padding, a visible
   entry without a page, several launch shapes; keys as FP4 and fp8 records; the front kernel's indexer
   queries and the compress kernel's FP4 keys (the published numerics), both compressors of a ratio-4
-  layer in one launch; deepgemm_fp8's query kernel; the top-k lists;
+  layer in one launch; deepgemm_fp8's query kernel; the top-k lists, the page lookup of a selection made
+  elsewhere and indexer.top_k=flashinfer through a fake of FlashInfer's contract (the real one on a GPU);
 - every launcher with T = 0.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 (tiny shapes); on a GPU they are compiled (tests
@@ -917,6 +918,53 @@ def test_slot_lists():
     assert torch.equal(slots.cpu(), PageTable(block_size=bs, pages=pages).slots(req, local))
     assert lens.cpu().tolist() == [min(K, int(c)) for c in counts]
     assert bool((slots.cpu() == -1).sum() > (local == -1).sum())    # the entry without a page
+
+
+def fake_flashinfer(calls: list):
+    """A `flashinfer` module whose top_k_ragged_transform keeps its documented contract (contiguous float32
+    rows, int32 offsets and lengths; per row the indices of its top min(k, length) entries plus the offset,
+    -1 after them) and selects by a stable sort, ties to the lower index; rows are read up to their length."""
+    import types
+
+    def top_k_ragged_transform(input, offsets, lengths, k, deterministic=False, tie_break=0, dsa_graph_safe=False,
+                               row_starts=None):
+        assert input.is_contiguous() and input.dtype == torch.float32 and input.dim() == 2
+        assert offsets.dtype == lengths.dtype == torch.int32 and offsets.shape == lengths.shape == input.shape[:1]
+        assert not len(lengths) or int(lengths.max()) <= input.shape[1]
+        calls.append({"deterministic": deterministic, "tie_break": tie_break, "width": input.shape[1]})
+        out = torch.full((input.shape[0], k), -1, dtype=torch.int32, device=input.device)
+        for r in range(input.shape[0]):
+            n = int(lengths[r])
+            best = torch.sort(-input[r, :n], stable=True).indices[:k]
+            out[r, :len(best)] = best.int() + offsets[r]
+        return out
+
+    mod = types.ModuleType("flashinfer")
+    mod.top_k_ragged_transform = top_k_ragged_transform
+    return mod
+
+
+def test_flashinfer_top_k_through_its_contract(monkeypatch):
+    """indexer.top_k=flashinfer's marshalling, through a fake of FlashInfer's documented contract: its
+    deterministic mode with ties to the lower index, zero offsets, the rows' counts as lengths (a column
+    slice of padded rows read as the whole rows, NaN past the slice), then our page lookup -- the lists,
+    slots and counts of test_topk_lists' stable sort, in any order."""
+    from dsv4.strategies.top_k import PREFER_LOWER_INDEX, TOP_K
+
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer(calls))
+    scores, counts, pages, req, K, bs = topk_case()
+    args = (dev(counts), dev(pages), dev(req))
+    got = TOP_K["flashinfer"](dev(scores), *args, topk=K, block_size=bs)
+    assert_topk_lists(*got, scores, counts, pages, req, K, bs, index_order=False)
+    assert calls == [{"deterministic": True, "tie_break": PREFER_LOWER_INDEX, "width": scores.shape[1]}]
+    padded = dev(torch.full((scores.shape[0], scores.shape[1] + 8), float("nan")))
+    padded[:, :scores.shape[1]] = dev(scores)
+    again = TOP_K["flashinfer"](padded[:, :scores.shape[1]], *args, topk=K, block_size=bs)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    assert calls[-1]["width"] == scores.shape[1] + 8                  # the padded rows, not a copy of the slice
+    empty = TOP_K["flashinfer"](dev(scores[:0]), dev(counts[:0]), dev(pages), dev(req[:0]), topk=K, block_size=bs)
+    assert [tuple(x.shape) for x in empty] == [(0, K), (0, K), (0,)] and len(calls) == 2     # no call for no rows
 
 
 @pytest.mark.skipif(not BIG or importlib.util.find_spec("flashinfer") is None,
