@@ -11,8 +11,9 @@ real components (StepPlan.build on small page tables, Compressor, Indexer, the c
 - indexer_logits: decode- and prefill-like groups, groups spanning two requests, padding, a visible
   entry without a page, several launch shapes; keys as FP4 and fp8 records; the front kernel's indexer
   queries and the compress kernel's FP4 keys (the published numerics), both compressors of a ratio-4
-  layer in one launch; deepgemm_fp8's query kernel; the top-k lists, the page lookup of a selection made
-  elsewhere and indexer.top_k=flashinfer through a fake of FlashInfer's contract (the real one on a GPU);
+  layer in one launch; deepgemm_fp8's query kernel, and its scores through a fake of DeepGEMM's contract;
+  the top-k lists, the page lookup of a selection made elsewhere and indexer.top_k=flashinfer through a
+  fake of FlashInfer's contract (the real one on a GPU);
 - every launcher with T = 0.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 (tiny shapes); on a GPU they are compiled (tests
@@ -720,13 +721,13 @@ def test_indexer_logits_reads_key_records(launch, record):
     assert torch.equal(of_records, idx.scores(q, w, rows, plan))
 
 
-def e4m3_case(seed: int):
+def e4m3_case(seed: int, holes=((2, 1),)):
     """indexer_case's step with FP4-simulated queries and keys (fp4_sim's values: exact in e4m3 over each
     head's or key's power-of-two scale), the queries also in e4m3 with their scales in the head weights."""
     from dsv4.strategies import Fp4SimIndexer
     from dsv4.strategies.fp8_keys import fp8_queries
 
-    q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, 8, 128, holes=[(2, 1)], seed=seed)
+    q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, 8, 128, holes=holes, seed=seed)
     fp4 = Fp4SimIndexer()
     q = fp4.queries(q)
     keys.data.copy_(fp4.keys(keys.data.flatten(0, 1)).view(keys.data.shape))
@@ -749,6 +750,74 @@ def test_indexer_logits_e4m3_queries_on_fp8_records(launch):
     assert torch.equal(out, run_indexer(q, w, rows, plan, idx))
     assert_scores(launch_out, ref)
     assert_scores(out, idx.scores(q, w, rows, plan))
+
+
+def fake_deep_gemm(calls: list):
+    """A `deep_gemm` module whose paged-logits calls keep the contract of its 0.1.5 wheel as our adapter uses
+    it: the schedule from the lengths, then per token t (a batch row, next_n = 1) and visible entry j <
+    context_lens[t], through block_table[t, j // B], sum_h weights[t, h] * ReLU(q[t, 0, h] . k_j), k_j the
+    page's e4m3 row j % B times its float32 scale (a page: B x D e4m3 bytes, then B scales); rows returned
+    padded past max_context_len (NaN there and past each length), as a column slice."""
+    import types
+
+    def get_paged_mqa_logits_metadata(lens, block_size, num_sms):
+        assert lens.dtype == torch.int32 and lens.dim() == 2 and lens.shape[1] == 1 and num_sms == 132
+        calls.append(("schedule", block_size))
+        return ("schedule", lens.clone())
+
+    def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+                             clean_logits=False, indices=None):
+        T, next_n, H, D = q.shape
+        nb, B = kv_cache.shape[:2]
+        assert q.dtype == torch.float8_e4m3fn and next_n == 1 and kv_cache.dtype == torch.uint8
+        assert kv_cache.shape[2:] == (1, D + 4) and weights.shape == (T, H) and weights.dtype == torch.float32
+        assert context_lens.shape == (T, 1) and block_table.dtype == context_lens.dtype == torch.int32
+        assert schedule_meta[0] == "schedule" and torch.equal(schedule_meta[1], context_lens) and not clean_logits
+        assert bool((context_lens >= 1).all()) and bool((block_table >= 0).all()) and int(block_table.max()) < nb
+        calls.append(("logits", max_context_len))
+        flat = kv_cache.reshape(nb, -1)
+        vals = flat[:, :B * D].contiguous().view(torch.float8_e4m3fn).float().view(nb, B, D)
+        scales = flat[:, B * D:B * (D + 4)].contiguous().view(torch.float32)
+        keys = (vals * scales[..., None]).view(nb * B, D)
+        out = torch.full((T, max_context_len + 64), float("nan"))
+        for t in range(T):
+            n = int(context_lens[t, 0])
+            j = torch.arange(n)
+            k = keys[block_table[t, j // B].long() * B + j % B]
+            out[t, :n] = (torch.einsum("hd,nd->hn", q[t, 0].float(), k).relu() * weights[t, :, None]).sum(0)
+        return out[:, :max_context_len]
+
+    mod = types.ModuleType("deep_gemm")
+    mod.get_num_sms = lambda: 132
+    mod.get_paged_mqa_logits_metadata = get_paged_mqa_logits_metadata
+    mod.fp8_paged_mqa_logits = fp8_paged_mqa_logits
+    return mod
+
+
+def test_deepgemm_fp8_scores_through_its_contract(monkeypatch):
+    """indexer=deepgemm_fp8's marshalling on the CPU, through a fake of DeepGEMM's paged-logits contract:
+    the step's plan (every token its own batch row; a row that sees nothing is given one entry), the fp8
+    records' pages as DeepGEMM reads them, the e4m3 queries and folded weights -> the scores of every
+    visible entry equal our kernel's of the same queries and records (exact products, float32 sums)."""
+    from dsv4.strategies import DeepGemmFp8Indexer
+
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake_deep_gemm(calls))
+    _q, _w, q8, wq, keys, plan, idx = e4m3_case(31, holes=())
+    rec, _ = record_twin(keys, "fp8")
+    ents = plan.entries[4]
+    ix = DeepGemmFp8Indexer()
+    ip = ix.plan(token_request=plan.token_request, counts=ents.counts, pages=ents.table.pages,
+                 block_size=ents.table.block_size)
+    # e4m3 queries come as the layer's front kernel makes them: their weights carry the weight scale
+    got = ix.scores(q8.unsqueeze(1), wq * idx.weight_scale, rec, ents.table.pages, plan.token_request, ents.counts,
+                    width=ents.width, w_scale=idx.weight_scale, plan=ip)
+    assert calls == [("schedule", ents.table.block_size), ("logits", ents.width)]
+    want = run_indexer(q8, wq, rec, plan, idx)
+    vis = torch.arange(ents.width)[None] < ents.counts[:, None]
+    assert got.shape[0] == plan.num_tokens and got.shape[1] >= ents.width and bool(vis.any())
+    assert rel_err(got[:, :ents.width][vis], want[vis]) <= 1e-6
+    assert bool((ents.counts == 0).any()) and torch.equal(ip.lens.view(-1), ents.counts.clamp(min=1))
 
 
 def test_indexer_logits_refuses_e4m3_queries_without_fp8_records():
