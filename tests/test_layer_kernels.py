@@ -752,7 +752,7 @@ def test_indexer_logits_e4m3_queries_on_fp8_records(launch):
     assert_scores(out, idx.scores(q, w, rows, plan))
 
 
-def fake_deep_gemm(calls: list):
+def fake_deep_gemm_logits(calls: list):
     """A `deep_gemm` module whose paged-logits calls keep the contract of its 0.1.5 wheel as our adapter uses
     it: the schedule from the lengths, then per token t (a batch row, next_n = 1) and visible entry j <
     context_lens[t], through block_table[t, j // B], sum_h weights[t, h] * ReLU(q[t, 0, h] . k_j), k_j the
@@ -802,7 +802,7 @@ def test_deepgemm_fp8_scores_through_its_contract(monkeypatch):
     from dsv4.strategies import DeepGemmFp8Indexer
 
     calls: list = []
-    monkeypatch.setitem(sys.modules, "deep_gemm", fake_deep_gemm(calls))
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake_deep_gemm_logits(calls))
     _q, _w, q8, wq, keys, plan, idx = e4m3_case(31, holes=())
     rec, _ = record_twin(keys, "fp8")
     ents = plan.entries[4]
