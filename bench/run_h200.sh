@@ -10,8 +10,10 @@ stage() { local name=$1 limit=$2; shift 2; echo "### $name: $*"; timeout "$limit
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv
 stage layer_table 400 python3 bench/layer_table.py --cases 64x2@8192 64x2@65536 128x1@8192 \
   --backends "flashmla + deepgemm_fp8" "triton_sparse + triton_fp8"
-stage gpu_tests 300 python3 -m pytest -q -m gpu --maxfail=12 --tb=short -p no:cacheprovider tests/test_gpu_layer.py \
-  tests/test_layer_kernels.py tests/test_gpu_nvidia.py tests/test_launch.py
+stage gpu_tests_layer 330 python3 -m pytest -q -m gpu --maxfail=12 --tb=short -p no:cacheprovider \
+  tests/test_gpu_layer.py tests/test_launch.py
+stage gpu_tests_kernels 330 python3 -m pytest -q -m gpu --maxfail=12 --tb=short -p no:cacheprovider \
+  tests/test_layer_kernels.py tests/test_gpu_nvidia.py
 stage run_flashmla 60 python3 run.py deployment=h200 hydra.run.dir=/tmp/r_flashmla
 stage run_triton 60 python3 run.py deployment=h200 backend=triton o_proj=triton_fp8 hydra.run.dir=/tmp/r_triton
 stage profile 120 python3 bench/profile_layer.py --layer c4a --top 30 --eager
