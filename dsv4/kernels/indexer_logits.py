@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_i32, cdiv, device_arch, launch, native_e4m3, next_pow2, rows_dense
+from dsv4.kernels.launch import as_dense, as_i32, cdiv, launch, native_e4m3, next_pow2, nvidia_at_least, rows_dense
 
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
 RECORDS = {"mxfp4": 1, "fp8": 2}   # uint8 key pages: RECORD by the layout's kv_row_dtype
@@ -63,8 +63,7 @@ PREFILL_TOKENS = 1024           # steps of at least this many tokens take the pr
 
 def pipelined(device) -> bool:
     """Whether the planned pipelined shapes fit: sm90+ (their shared memory); not below, nor on AMD."""
-    arch = device_arch(device)
-    return arch.startswith("sm") and int(arch[2:]) >= 90
+    return nvidia_at_least(device, 90)
 
 
 @triton.jit
@@ -137,8 +136,7 @@ def _key_scores(q_hi, q_lo, wv, k_ptr, pages_ptr, req, P, n_slots, cols, limit, 
         i = (code & 7).to(tl.float32)
         mag = tl.where(i < 4, 0.5 * i, tl.where(i < 7, i - 2, 6.0))         # 0, .5, 1, 1.5, 2, 3, 4, 6
         keys = tl.where((code & 8) != 0, -mag, mag) * (ei << 23).to(tl.float32, bitcast=True)
-        s = _dot(_operand(keys, PREC), q_hi, q_lo, PREC)
-        return _head_sum(s, wv, TG, HP, BN)
+        return _head_sum(_dot(_operand(keys, PREC), q_hi, q_lo, PREC), wv, TG, HP, BN)
 
 
 @triton.jit

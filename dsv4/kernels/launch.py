@@ -47,10 +47,15 @@ def device_arch(device) -> str:
     return f"sm{major}{minor}"
 
 
+def nvidia_at_least(device, sm: int) -> bool:
+    """Whether `device` is an NVIDIA GPU of compute capability `sm` (e.g. 90) or newer."""
+    arch = device_arch(device)
+    return arch.startswith("sm") and int(arch[2:]) >= sm
+
+
 def native_e4m3(device) -> bool:
     """Whether `device` converts OCP e4m3 in hardware (NVIDIA sm89 and newer; not ROCm's FNUZ-only gfx942)."""
-    arch = device_arch(device)
-    return arch.startswith("sm") and int(arch[2:]) >= 89
+    return nvidia_at_least(device, 89)
 
 
 def cdiv(a: int, b: int) -> int:

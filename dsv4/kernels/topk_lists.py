@@ -135,6 +135,15 @@ def _select_row(scores_ptr, row, n, need, BLOCK: tl.constexpr, RADIX: tl.constex
 
 
 @triton.jit
+def _slots(pages_ptr, r, pages_stride, n_pages, cols, sel, BS):
+    """Global slots of request r's entries `cols` where `sel`, through its table row: -1 for an entry
+    without a page (or not selected)."""
+    logical = cols // BS
+    page = tl.load(pages_ptr + r * pages_stride + logical, mask=sel & (logical < n_pages), other=-1)
+    return tl.where(page >= 0, page * BS + cols % BS, -1)
+
+
+@triton.jit
 def _write_lists(u, cols, live, thr, bits, need, taken, ties, out, out_slots, pages_ptr, r, pages_stride, n_pages,
                  BS):
     """Take the live keys above thr's top `bits` bits and the first `need - ties` sharing them; write their
@@ -143,10 +152,8 @@ def _write_lists(u, cols, live, thr, bits, need, taken, ties, out, out_slots, pa
     eq = (live & (uh == thr)).to(tl.int32)
     sel = live & ((uh > thr) | ((eq > 0) & (ties + tl.cumsum(eq, 0) <= need)))     # bits 0: every live key
     pos = taken + tl.cumsum(sel.to(tl.int32), 0) - 1
-    logical = cols // BS
-    page = tl.load(pages_ptr + r * pages_stride + logical, mask=sel & (logical < n_pages), other=-1)
     tl.store(out + pos, cols, mask=sel)
-    tl.store(out_slots + pos, tl.where(page >= 0, page * BS + cols % BS, -1), mask=sel)
+    tl.store(out_slots + pos, _slots(pages_ptr, r, pages_stride, n_pages, cols, sel, BS), mask=sel)
     return taken + tl.sum(sel.to(tl.int32), 0), ties + tl.sum(eq, 0)
 
 
@@ -256,9 +263,8 @@ def _slot_lists_kernel(local_ptr, pages_ptr, pages_stride, n_pages, req_ptr, slo
     local = tl.load(local_ptr + t.to(tl.int64) * K + cols, mask=cols < K, other=-1)
     valid = local >= 0
     r = tl.load(req_ptr + t).to(tl.int64)
-    logical = local // BS
-    page = tl.load(pages_ptr + r * pages_stride + logical, mask=valid & (logical < n_pages), other=-1)
-    tl.store(slots_ptr + t.to(tl.int64) * K + cols, tl.where(page >= 0, page * BS + local % BS, -1), mask=cols < K)
+    tl.store(slots_ptr + t.to(tl.int64) * K + cols, _slots(pages_ptr, r, pages_stride, n_pages, local, valid, BS),
+             mask=cols < K)
     tl.store(lens_ptr + t, tl.sum(valid.to(tl.int32), 0))
 
 
