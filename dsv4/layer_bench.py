@@ -118,9 +118,8 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
         out = {"x @ [wq_a|wkv]": graph_time_us(lambda: x @ layer.w_in.T)}
     else:
         out = {"x @ [wq_a|wkv|compressors|head weights] (f32 out)": graph_time_us(lambda: mm_f32(x, layer.w_in))}
-    out["qr @ wq_b"] = graph_time_us(lambda: qr @ layer.wq_b.T)
+    out["qr @ wq_b" if idx is None else "qr @ [wq_b|indexer wq_b]"] = graph_time_us(lambda: qr @ layer.wq_b.T)
     if idx is not None:
-        out["qr @ indexer wq_b"] = graph_time_us(lambda: qr @ layer.idx_wq_b.T)
         a, k = scores.args, scores.kwargs
         out["indexer scores"] = graph_time_us(lambda: idx.scores(*a, **k))
         s = scores.inner(*a, **k)

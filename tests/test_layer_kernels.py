@@ -480,6 +480,14 @@ def test_front_kernel_rotates_the_indexer_queries_in_the_same_launch(iq_dtype):
     assert rel_err(got_iq.cpu().float(), rot.rotate(iq)) <= (1e-6 if iq_dtype == torch.float32 else 4e-3)
     assert torch.equal(q0.cpu(), q1.cpu()) and torch.equal(pages0.cpu(), pages1.cpu())
     assert torch.equal(faults0.cpu(), faults1.cpu())
+    # the queries as column blocks of one wider product (the layer's one qr product): read in place, the same rows
+    def column_block(x):
+        wide = torch.cat((x.flatten(1), torch.randn(T, 7, generator=g).to(x.dtype)), 1)
+        return dev(wide)[:, :x[0].numel()].view(x.shape)
+    q2, _, iq2 = front_kernel(column_block(q), dev(kv), dev(weight), *args, dev(slots), dev(faults0.new_ones(3, T)),
+                              padded_heads=4, eps=EPS, dtype=torch.bfloat16, iq=column_block(iq), iq_dtype=iq_dtype,
+                              into=row_store("fp8_ds_mla", dev(pages), bs))
+    assert torch.equal(q2.cpu(), q1.cpu()) and torch.equal(iq2.cpu(), got_iq.cpu())
 
 
 @pytest.mark.parametrize("nan", [False, True], ids=["finite", "a NaN entry"])

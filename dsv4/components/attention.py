@@ -68,10 +68,13 @@ class DSV4Attention(torch.nn.Module):
             parts.append(compressor.weights())
         if indexer is not None:
             parts += [indexer.compressor.weights(), indexer.weights_proj]
-            self.register_buffer("idx_wq_b", indexer.wq_b.to(dev, self.dtype))
         self.register_buffer("w_in", torch.cat([p.to(dev, self.dtype) for p in parts]))
         self.in_sizes = tuple(p.shape[0] for p in parts)       # the row blocks of w_in, in that order
-        self.register_buffer("wq_b", weights["wq_b.weight"].to(dev, self.dtype))
+        # One product of qr: the query heads and, in ratio-4 layers, the indexer's query heads (both the
+        # published code's linears of the same normalised qr, in the activation dtype)
+        q_parts = [weights["wq_b.weight"]] + ([indexer.wq_b] if indexer is not None else [])
+        self.register_buffer("wq_b", torch.cat([p.to(dev, self.dtype) for p in q_parts]))
+        self.q_sizes = tuple(p.shape[0] for p in q_parts)      # the row blocks of wq_b, in that order
         for name in ("q_norm.weight", "kv_norm.weight"):
             self.register_buffer(name.split(".")[0], weights[name].to(device=dev, dtype=torch.float32))
         sink = torch.full((padded,), float("-inf"), device=dev)    # padded heads: no effect
@@ -92,14 +95,16 @@ class DSV4Attention(torch.nn.Module):
         qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype)
         faults = torch.empty(FAULT_ROWS, T, dtype=torch.bool, device=x.device)
         idx, iq_raw = self.indexer, None
+        q_raw = qr @ self.wq_b.T
         if idx is not None:
             # in the activation dtype, as the published code's projection returns it (then RoPE, FP4)
-            iq_raw = (qr @ self.idx_wq_b.T).view(T, idx.n_heads, idx.head_dim)
+            q_raw, iq_raw = q_raw.split_with_sizes(self.q_sizes, 1)
+            iq_raw = iq_raw.view(T, idx.n_heads, idx.head_dim)
         front_iq = idx is not None and idx.front_queries
         iq_dtype = idx.score_dtype(caches.indexer_keys) if idx is not None else None
         # a kernel that scores e4m3 queries gets them from the front, their scales in the head weights
         fp8_iq = front_iq and idx.numerics.fp8_queries and x.is_cuda
-        q, iq = front_rows((qr @ self.wq_b.T).view(T, H, self.spec.head_dim), kv_raw, self.kv_norm, rot,
+        q, iq = front_rows(q_raw.view(T, H, self.spec.head_dim), kv_raw, self.kv_norm, rot,
                            plan.swa.write_slots, faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
                            dtype=self.dtype, iq=iq_raw if front_iq else None,
                            iq_dtype=torch.float8_e4m3fn if fp8_iq else iq_dtype,

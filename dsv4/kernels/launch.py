@@ -167,8 +167,14 @@ def as_dense(t):
 
 
 def rows_dense(t):
-    """A 2-D t whose rows may be strided (a column slice) but whose columns are adjacent."""
-    return t if t.stride(1) == 1 else t.contiguous()
+    """t whose rows (its first dimension) may be strided -- a column slice -- but each of whose rows is dense
+    (itself when it is; a kernel told the row stride reads it); otherwise t made contiguous."""
+    shape, strides, dense = t.shape, t.stride(), 1
+    for i in range(t.dim() - 1, 0, -1):
+        if shape[i] != 1 and strides[i] != dense:
+            return t.contiguous()
+        dense *= shape[i]
+    return t
 
 
 def full_rows(t):

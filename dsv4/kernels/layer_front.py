@@ -27,7 +27,7 @@ import triton.language as tl
 
 from dsv4.kernels.cache_write import fp8_heads, row_outputs, store_row
 from dsv4.kernels.fp4 import FP4_MAX_DIM, fp4_sim
-from dsv4.kernels.launch import as_dense, as_f32, as_i32, cdiv, launch, next_pow2, rows_dense
+from dsv4.kernels.launch import as_f32, as_i32, cdiv, launch, next_pow2, rows_dense
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, TL_DTYPES, round_to, widen
 
 ROPE_DIM = 64                       # RoPE dims: the last 64 of a row (dsv4.components.rope)
@@ -57,16 +57,16 @@ def _rotate(ev, od, cos_row, sin_row, D: tl.constexpr):
 
 
 @triton.jit
-def _q_part(t, hb, q_ptr, cos_ptr, sin_ptr, out_ptr, H, PH, eps, D: tl.constexpr, BH: tl.constexpr,
+def _q_part(t, hb, q_ptr, q_stride, cos_ptr, sin_ptr, out_ptr, H, PH, eps, D: tl.constexpr, BH: tl.constexpr,
             SOFT: tl.constexpr):
-    """Heads hb·BH.. of token t's query: the published per-head norm q·rsqrt(mean(q²) + eps) with every
+    """Heads hb·BH.. of token t's query (rows q_stride apart): the published per-head norm q·rsqrt(mean(q²) + eps) with every
     step in the activation dtype (the squares, their mean, the sum with eps, the rsqrt and the product each
     rounded, as the published code computes it on a tensor of that dtype), RoPE, into the head-padded
     buffer."""
     h = hb * BH + tl.arange(0, BH)
     dims = tl.arange(0, D)
     dt = out_ptr.dtype.element_ty
-    src = (t.to(tl.int64) * H + h)[:, None] * D + dims[None, :]
+    src = t.to(tl.int64) * q_stride + h[:, None] * D + dims[None, :]
     x = tl.load(q_ptr + src, mask=(h < H)[:, None], other=0.0)               # padded heads: 0 -> 0
     if x.dtype != dt:                                      # a wider product's output, rounded as the linear's
         x = round_to(x.to(tl.float32), dt, SOFT)
@@ -116,16 +116,17 @@ def _kv_part(t, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, s
 
 
 @triton.jit
-def _rot_part(t, hb, x_ptr, cos_ptr, sin_ptr, out_ptr, H, w_ptr, w_stride, w_scale, wq_ptr, D: tl.constexpr,
-              BH: tl.constexpr, SOFT: tl.constexpr, FP4: tl.constexpr, FP8: tl.constexpr):
-    """Heads hb·BH.. of token t of x [T, H, D] (float32 or bf16): RoPE, then (FP4) the indexer's published numerics
+def _rot_part(t, hb, x_ptr, x_stride, cos_ptr, sin_ptr, out_ptr, H, w_ptr, w_stride, w_scale, wq_ptr,
+              D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr, FP4: tl.constexpr, FP8: tl.constexpr):
+    """Heads hb·BH.. of token t of x [T, H, D] (float32 or bf16; rows x_stride apart): RoPE, then (FP4) the indexer's published numerics
     (dsv4/kernels/fp4.py), stored in out's dtype; with FP8 rounded to bf16 and stored as e4m3 bytes over
     each head's power-of-two scale, which goes into its head weight: wq[t, h] = w[t, h] · w_scale · scale
     (the fp8 indexers' queries, dsv4.strategies.fp8_keys.fp8_queries)."""
     h = hb * BH + tl.arange(0, BH)
     dims = tl.arange(0, D)
     at = (t.to(tl.int64) * H + h)[:, None] * D + dims[None, :]
-    x = widen(tl.load(x_ptr + at, mask=(h < H)[:, None], other=0.0), SOFT)
+    src = t.to(tl.int64) * x_stride + h[:, None] * D + dims[None, :]
+    x = widen(tl.load(x_ptr + src, mask=(h < H)[:, None], other=0.0), SOFT)
     ev, od = tl.split(tl.reshape(x, [BH, D // 2, 2]))
     ev, od = _rotate(ev, od, cos_ptr + t * (ROPE // 2), sin_ptr + t * (ROPE // 2), D)
     y = tl.reshape(tl.join(ev, od), [BH, D])
@@ -141,8 +142,8 @@ def _rot_part(t, hb, x_ptr, cos_ptr, sin_ptr, out_ptr, H, w_ptr, w_stride, w_sca
 
 
 @triton.jit
-def _front_kernel(q_ptr, qo_ptr, H, PH, NQ, iq_ptr, iqo_ptr, HI, NI, iw_ptr, iw_stride, iw_scale, iwq_ptr, kv_ptr,
-                  kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr, T, eps, cache_ptr,
+def _front_kernel(q_ptr, q_stride, qo_ptr, H, PH, NQ, iq_ptr, iq_stride, iqo_ptr, HI, NI, iw_ptr, iw_stride,
+                  iw_scale, iwq_ptr, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr, T, eps, cache_ptr,
                   cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D: tl.constexpr, BH: tl.constexpr,
                   NQB: tl.constexpr, DI: tl.constexpr, BHI: tl.constexpr, NIB: tl.constexpr, FP4: tl.constexpr,
                   FP8: tl.constexpr, DTYPE: tl.constexpr, FAULT_ROWS: tl.constexpr, KIND: tl.constexpr,
@@ -151,10 +152,10 @@ def _front_kernel(q_ptr, qo_ptr, H, PH, NQ, iq_ptr, iqo_ptr, HI, NI, iw_ptr, iw_
     (NIB per token); the next T: KV rows."""
     pid = tl.program_id(0)
     if pid < NQ:
-        _q_part(pid // NQB, pid % NQB, q_ptr, cos_ptr, sin_ptr, qo_ptr, H, PH, eps, D, BH, SOFT)
+        _q_part(pid // NQB, pid % NQB, q_ptr, q_stride, cos_ptr, sin_ptr, qo_ptr, H, PH, eps, D, BH, SOFT)
     elif pid < NQ + NI:
-        _rot_part((pid - NQ) // NIB, (pid - NQ) % NIB, iq_ptr, cos_ptr, sin_ptr, iqo_ptr, HI, iw_ptr, iw_stride,
-                  iw_scale, iwq_ptr, DI, BHI, SOFT, FP4, FP8)
+        _rot_part((pid - NQ) // NIB, (pid - NQ) % NIB, iq_ptr, iq_stride, cos_ptr, sin_ptr, iqo_ptr, HI, iw_ptr,
+                  iw_stride, iw_scale, iwq_ptr, DI, BHI, SOFT, FP4, FP8)
     else:
         _kv_part(pid - NQ - NI, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr,
                  T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D, DTYPE, FAULT_ROWS, KIND, BS,
@@ -179,8 +180,8 @@ def _norm_rows_kernel(x_ptr, x_stride, w_ptr, out_ptr, N, eps, BLOCK: tl.constex
 
 @triton.jit
 def _rotate_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr):
-    _rot_part(tl.program_id(0), tl.program_id(1), x_ptr, cos_ptr, sin_ptr, out_ptr, H, x_ptr, 0, 1.0, x_ptr, D, BH,
-              SOFT, False, False)
+    _rot_part(tl.program_id(0), tl.program_id(1), x_ptr, H * D, cos_ptr, sin_ptr, out_ptr, H, x_ptr, 0, 1.0, x_ptr,
+              D, BH, SOFT, False, False)
 
 
 def _check_dim(D: int) -> None:
@@ -195,7 +196,8 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
     `rotate_rows_kernel` on the indexer's queries iq [T, Hi, Di] (float32 or bf16, stored in `iq_dtype`; with
     `iq_fp4` then rotated and FP4-simulated as the published code does, dsv4/kernels/fp4.py); any may be
     None, the other arguments as theirs -> (q_rows_kernel's result, kv_rows_kernel's, the queries'; None for
-    an absent part). Each part's rows are separate programs of one grid.
+    an absent part). Each part's rows are separate programs of one grid. The rows of q and iq may be strided
+    (column blocks of one product: the layer's one product of qr gives both).
 
     With `iq_dtype` float8_e4m3fn the queries come out as `fp8_keys.fp8_queries` makes them from the
     bf16-rounded rows and the head weights `iq_weights` [T, Hi] float32 (rows may be strided) with
@@ -216,7 +218,7 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
         bh = min(heads_per_program, next_pow2(max(padded_heads, 1)))
         nqb = cdiv(padded_heads, bh)
         nq = T * nqb if padded_heads else 0
-        q = as_dense(q)
+        q = rows_dense(q)
     iq_out, ni, nib, hi, di, bhi = None, 0, 1, 0, ROPE_DIM, 1
     fp8, iw, iwq = iq is not None and iq_dtype == torch.float8_e4m3fn, some, some
     if iq is not None:
@@ -226,7 +228,7 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
             raise ValueError(f"front_kernel: FP4 numerics on query heads of {di} dims (at most {FP4_MAX_DIM})")
         if iq.shape[0] != T:
             raise ValueError(f"front_kernel: indexer queries {tuple(iq.shape)} for {T} tokens")
-        iq = as_dense(iq)
+        iq = rows_dense(iq)
         if fp8:
             if iq_weights is None or iq_weights.shape != (T, hi) or iq_weights.dtype != torch.float32:
                 raise ValueError(f"front_kernel: fp8 indexer queries need their head weights, [{T}, {hi}] float32")
@@ -255,8 +257,9 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
         flags = torch.empty(1, 1, dtype=torch.bool, device=some.device)
         kv_args = (some, 0, f32, f32, as_f32(sin), i32, f32, i32, flags, 0, eps, f32, f32, f32, 0, 0)
     if nq + ni + tk:
-        launch(_front_kernel, (nq + ni + tk,), q if q is not None else some, q_out if q_out is not None else some, H,
-               padded_heads, nq, iq if iq is not None else some, iq_out if iq_out is not None else some, hi, ni,
+        launch(_front_kernel, (nq + ni + tk,), q if q is not None else some, q.stride(0) if q is not None else 0,
+               q_out if q_out is not None else some, H, padded_heads, nq, iq if iq is not None else some,
+               iq.stride(0) if iq is not None else 0, iq_out if iq_out is not None else some, hi, ni,
                iw, iw.stride(0) if fp8 else 0, float(iq_w_scale), iwq, *kv_args, D=D, BH=bh, NQB=nqb, DI=di, BHI=bhi,
                NIB=nib, FP4=bool(iq_fp4), FP8=fp8, DTYPE=TL_DTYPES[str(dtype)], FAULT_ROWS=fault_rows, KIND=kind,
                BS=bs, SOFT=SOFT_ROUND, num_warps=num_warps)

@@ -278,7 +278,9 @@ def pool_args(cache) -> tuple:
     if row not in LAYOUT_CODES:
         raise ValueError(f"mqa_kernel=triton_sparse reads {', '.join(LAYOUT_CODES)} rows, not {row} "
                          f"(cache {cache.name}); check() refuses this combination")
-    code, data = LAYOUT_CODES[row], cache.data
+    code, data, store = LAYOUT_CODES[row], cache.data, cache.store
+    if store is not None:                  # the views its row stores write through, made once per cache
+        return (code, cache.block_size, *store.args())
     if code == 0:
         return code, cache.block_size, data, data, data, 0, cache.num_slots
     return (code, cache.block_size, data, data.view(torch.bfloat16), data.view(torch.int64), data.stride(0),
