@@ -27,6 +27,7 @@ from dsv4.kernels.indexer_logits import indexer_logits
 from dsv4.kernels.topk_lists import topk_lists
 from dsv4.reference import rel_err
 from dsv4.report import table
+from dsv4.sizes import cdiv
 from dsv4.strategies import Fp8KeyLayout, Mxfp4KeyLayout, PlainRowLayout
 
 NREQ, TOKENS, HEADS, DIM, K, BS = 64, 2, 64, 128, 512, 64
@@ -37,7 +38,7 @@ TOPK_SHAPES = [dict(), dict(num_warps=8), dict(num_warps=16), dict(sample=1024),
 def case(context: int, dtype):
     g = torch.Generator(device="cuda").manual_seed(context)
     entries = context // 4 + 1
-    P = -(-entries // BS)
+    P = cdiv(entries, BS)
     pages = torch.randperm(NREQ * P, device="cuda", generator=g).view(NREQ, P).int()
     data = (torch.randn(NREQ * P, BS, DIM, device="cuda", generator=g) / 4).to(dtype)
     keys = PagedCache(name="indexer", layout=PlainRowLayout(name=str(dtype), dtype=str(dtype).split(".")[1]),

@@ -15,6 +15,7 @@ from dsv4.bench import available_options, graph_time_us
 from dsv4.components.kv_pool import PagedCache
 from dsv4.reference import rel_err
 from dsv4.report import table
+from dsv4.sizes import cdiv
 
 NREQ, TOKENS, BS = 64, 2, 64
 CONTEXTS = (8192, 65536, 131072)
@@ -27,7 +28,7 @@ def decode_case(context: int, heads: int, dim: int, *, seed: int = 0):
     [pages, BS, Di]."""
     g = torch.Generator(device="cuda").manual_seed(seed + context)
     entries = context // 4 + 1
-    P = -(-entries // BS)
+    P = cdiv(entries, BS)
     pages = torch.randperm(NREQ * P, device="cuda", generator=g).view(NREQ, P).int()
     keys = torch.randn(NREQ * P, BS, dim, device="cuda", generator=g)
     req = torch.arange(NREQ, device="cuda").repeat_interleave(TOKENS)

@@ -27,6 +27,7 @@ from dsv4.bench import CEILINGS, available_options, eager_us, graph_time_us, opt
 from dsv4.components.engine import CudaTimer, Segment
 from dsv4.report import table
 from dsv4.runner import tensor_bytes
+from dsv4.sizes import cdiv
 
 DECODE_CASES = [(64, 2, 8192), (64, 2, 65536), (1, 1, 8192), (16, 1, 8192), (64, 1, 8192), (128, 1, 8192)]
 PREFILL_TOKENS = 8192
@@ -186,8 +187,8 @@ def _engine(job, backend: Backend, layers, *, nreq: int, tokens: int, context: i
     from dsv4.runner import build_engine
 
     pool = PoolConfig(swa_block_size=64, compressed_block_tokens=256,
-                      swa_blocks=nreq * (-(-(job.spec.sliding_window + tokens) // 64) + 2) + -(-context // 64) + 8,
-                      compressed_blocks=nreq * -(-(context + tokens) // 256) + 8, max_requests=nreq + 1)
+                      swa_blocks=nreq * (cdiv(job.spec.sliding_window + tokens, 64) + 2) + cdiv(context, 64) + 8,
+                      compressed_blocks=nreq * cdiv(context + tokens, 256) + 8, max_requests=nreq + 1)
     gc = GraphConfig(enabled=graphs, capture_sizes=(nreq * tokens,), max_context=context + tokens)
     weights = {l: random_layer_weights(job.spec, l, 0) for l in layers}
     return build_engine(replace(job, combo=backend.combo), weights, pool, graphs=gc)

@@ -13,8 +13,8 @@ from tests.triton_mode import DEVICE, INTERPRET, MARK  # first: sets TRITON_INTE
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import (as_dense, as_f32, as_i32, cdiv, full_rows, launch, next_pow2, rows_dense,
-                                 variants)
+from dsv4.kernels.launch import as_dense, as_f32, as_i32, full_rows, launch, rows_dense, variants
+from dsv4.sizes import cdiv, next_pow2
 
 pytestmark = MARK
 

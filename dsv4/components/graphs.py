@@ -21,6 +21,7 @@ import torch
 from dsv4.components.engine import pack_inputs
 from dsv4.components.plan import StepPlan
 from dsv4.graph import GraphConfig
+from dsv4.sizes import cdiv
 
 
 @dataclass(slots=True)
@@ -46,7 +47,7 @@ class StepGraphs:
         """Pages of each group a request of max_context positions needs (the captured tables' width)."""
         out = {}
         for name, g in engine.pools[rank].groups.items():
-            out[name] = max(1, -(-g.rule.rows(self.config.max_context) // g.block_size))
+            out[name] = max(1, cdiv(g.rule.rows(self.config.max_context), g.block_size))
         return out
 
     def size_for(self, T: int, segs: Sequence) -> int | None:

@@ -25,6 +25,7 @@ from typing import Any, Hashable
 from dsv4.components.plan import COMPRESSOR_REACH
 from dsv4.errors import InvalidRequest
 from dsv4.settings import at_least, parse
+from dsv4.sizes import cdiv
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,7 +121,7 @@ class PageGroup:
         """Logical pages that rows the step writes fall in and that have no physical page yet."""
         bs, table = self.block_size, self.tables[rid]
         lo = self.rule.first_written(start, new_len) // bs
-        hi = -(-self.rule.rows(new_len) // bs)
+        hi = cdiv(self.rule.rows(new_len), bs)
         return [p for p in range(lo, hi) if p >= len(table) or table[p] < 0]
 
     def take(self, rid: Hashable, want: list[int]) -> tuple[int, list[int]]:
@@ -311,7 +312,7 @@ def page_groups(*, window: int, ratios, pool: PoolConfig) -> dict[str, PageGroup
 def held_pages(group: PageGroup, length: int) -> int:
     """Pages a request of `length` positions holds in `group` once its last step committed."""
     bs, rule = group.block_size, group.rule
-    return max(0, -(-rule.rows(length) // bs) - rule.first_kept(length) // bs)
+    return max(0, cdiv(rule.rows(length), bs) - rule.first_kept(length) // bs)
 
 
 def shortfall(groups: dict[str, PageGroup], lengths) -> list[tuple[PageGroup, int]]:

@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.fp4 import fp4_record
-from dsv4.kernels.launch import as_i32, cdiv, launch, next_pow2
+from dsv4.kernels.launch import as_i32, launch
 from dsv4.kernels.rounding import SOFT_ROUND, round_to, widen
+from dsv4.sizes import cdiv, next_pow2
 
 NOPE_DIMS, ROPE_DIMS = 448, 64
 NOPE, TILE = tl.constexpr(NOPE_DIMS), tl.constexpr(64)                        # e4m3 dims, dims per scale

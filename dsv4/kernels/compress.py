@@ -22,7 +22,8 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, next_pow2, rows_dense
+from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, rows_dense
+from dsv4.sizes import next_pow2
 from dsv4.kernels.cache_write import row_outputs, store_row
 from dsv4.kernels.fp4 import FP4_MAX_DIM, fp4_sim
 from dsv4.kernels.layer_front import ROPE, ROPE_DIM, _rotate

@@ -16,7 +16,8 @@ import os
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, cdiv, launch
+from dsv4.kernels.launch import as_dense, as_f32, launch
+from dsv4.sizes import cdiv
 
 BLOCK = 128
 

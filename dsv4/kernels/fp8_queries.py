@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.cache_write import fp8_heads
-from dsv4.kernels.launch import as_dense, launch, next_pow2, rows_dense
+from dsv4.kernels.launch import as_dense, launch, rows_dense
+from dsv4.sizes import next_pow2
 
 
 @triton.jit

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_i32, cdiv, launch, native_e4m3, next_pow2, nvidia_at_least, rows_dense
+from dsv4.kernels.launch import as_dense, as_i32, launch, native_e4m3, nvidia_at_least, rows_dense
+from dsv4.sizes import cdiv, next_pow2
 
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
 RECORDS = {"mxfp4": 1, "fp8": 2}   # uint8 key pages: RECORD by the layout's kv_row_dtype

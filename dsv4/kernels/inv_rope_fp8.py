@@ -13,7 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, cdiv, launch
+from dsv4.kernels.launch import as_dense, launch
+from dsv4.sizes import cdiv
 
 
 @triton.jit

@@ -10,10 +10,9 @@ otherwise the compiled variant is launched directly on the current stream: throu
 itself where the Triton is one whose launcher calling convention is known here (3.5 and 3.6) and the
 kernel needs no scratch memory, else through the compiled kernel's `run`.
 
-Kernels are looked up by identity (a JITFunction's own hash recomputes its cache key in Python), and the
-grid arithmetic on the host uses `cdiv`/`next_pow2` below (Triton's are constexpr functions, several
-µs a call outside a kernel). `device_arch` and `native_e4m3` are the device facts the kernels' wrappers
-plan by, asked once per device.
+Kernels are looked up by identity (a JITFunction's own hash recomputes its cache key in Python); the
+grid arithmetic on the host is dsv4/sizes.py's. `device_arch` and `native_e4m3` are the device facts the
+kernels' wrappers plan by, asked once per device.
 
 Under the interpreter (`TRITON_INTERPRET=1`, the CPU tests) and while a launch hook is installed (a
 profiler such as proton), it is exactly `kernel[grid](*args, **meta)`.
@@ -56,16 +55,6 @@ def nvidia_at_least(device, sm: int) -> bool:
 def native_e4m3(device) -> bool:
     """Whether `device` converts OCP e4m3 in hardware (NVIDIA sm89 and newer; not ROCm's FNUZ-only gfx942)."""
     return nvidia_at_least(device, 89)
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for host integers."""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """The least power of two >= n for n >= 1 (0 for n = 0), as triton.next_power_of_2."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 class _Kernel:

@@ -27,8 +27,9 @@ import triton.language as tl
 
 from dsv4.kernels.cache_write import fp8_heads, row_outputs, store_row
 from dsv4.kernels.fp4 import FP4_MAX_DIM, fp4_sim
-from dsv4.kernels.launch import as_f32, as_i32, cdiv, launch, next_pow2, rows_dense
+from dsv4.kernels.launch import as_f32, as_i32, launch, rows_dense
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, TL_DTYPES, round_to, widen
+from dsv4.sizes import cdiv, next_pow2
 
 ROPE_DIM = 64                       # RoPE dims: the last 64 of a row (dsv4.components.rope)
 ROPE = tl.constexpr(ROPE_DIM)
@@ -59,10 +60,10 @@ def _rotate(ev, od, cos_row, sin_row, D: tl.constexpr):
 @triton.jit
 def _q_part(t, hb, q_ptr, q_stride, cos_ptr, sin_ptr, out_ptr, H, PH, eps, D: tl.constexpr, BH: tl.constexpr,
             SOFT: tl.constexpr):
-    """Heads hb·BH.. of token t's query (rows q_stride apart): the published per-head norm q·rsqrt(mean(q²) + eps) with every
-    step in the activation dtype (the squares, their mean, the sum with eps, the rsqrt and the product each
-    rounded, as the published code computes it on a tensor of that dtype), RoPE, into the head-padded
-    buffer."""
+    """Heads hb·BH.. of token t's query (rows q_stride apart): the published per-head norm
+    q·rsqrt(mean(q²) + eps) with every step in the activation dtype (the squares, their mean, the sum with
+    eps, the rsqrt and the product each rounded, as the published code computes it on a tensor of that
+    dtype), RoPE, into the head-padded buffer."""
     h = hb * BH + tl.arange(0, BH)
     dims = tl.arange(0, D)
     dt = out_ptr.dtype.element_ty
@@ -118,10 +119,10 @@ def _kv_part(t, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, s
 @triton.jit
 def _rot_part(t, hb, x_ptr, x_stride, cos_ptr, sin_ptr, out_ptr, H, w_ptr, w_stride, w_scale, wq_ptr,
               D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr, FP4: tl.constexpr, FP8: tl.constexpr):
-    """Heads hb·BH.. of token t of x [T, H, D] (float32 or bf16; rows x_stride apart): RoPE, then (FP4) the indexer's published numerics
-    (dsv4/kernels/fp4.py), stored in out's dtype; with FP8 rounded to bf16 and stored as e4m3 bytes over
-    each head's power-of-two scale, which goes into its head weight: wq[t, h] = w[t, h] · w_scale · scale
-    (the fp8 indexers' queries, dsv4.strategies.fp8_keys.fp8_queries)."""
+    """Heads hb·BH.. of token t of x [T, H, D] (float32 or bf16; rows x_stride apart): RoPE, then (FP4) the
+    indexer's published numerics (dsv4/kernels/fp4.py), stored in out's dtype; with FP8 rounded to bf16 and
+    stored as e4m3 bytes over each head's power-of-two scale, which goes into its head weight:
+    wq[t, h] = w[t, h] · w_scale · scale (the fp8 indexers' queries, dsv4.strategies.fp8_keys.fp8_queries)."""
     h = hb * BH + tl.arange(0, BH)
     dims = tl.arange(0, D)
     at = (t.to(tl.int64) * H + h)[:, None] * D + dims[None, :]
@@ -143,11 +144,11 @@ def _rot_part(t, hb, x_ptr, x_stride, cos_ptr, sin_ptr, out_ptr, H, w_ptr, w_str
 
 @triton.jit
 def _front_kernel(q_ptr, q_stride, qo_ptr, H, PH, NQ, iq_ptr, iq_stride, iqo_ptr, HI, NI, iw_ptr, iw_stride,
-                  iw_scale, iwq_ptr, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr, T, eps, cache_ptr,
-                  cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D: tl.constexpr, BH: tl.constexpr,
-                  NQB: tl.constexpr, DI: tl.constexpr, BHI: tl.constexpr, NIB: tl.constexpr, FP4: tl.constexpr,
-                  FP8: tl.constexpr, DTYPE: tl.constexpr, FAULT_ROWS: tl.constexpr, KIND: tl.constexpr,
-                  BS: tl.constexpr, SOFT: tl.constexpr):
+                  iw_scale, iwq_ptr, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr,
+                  faults_ptr, T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots,
+                  D: tl.constexpr, BH: tl.constexpr, NQB: tl.constexpr, DI: tl.constexpr, BHI: tl.constexpr,
+                  NIB: tl.constexpr, FP4: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr,
+                  FAULT_ROWS: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr, SOFT: tl.constexpr):
     """Programs 0..NQ-1: query heads (NQB programs per token); the next NI: the indexer's query heads
     (NIB per token); the next T: KV rows."""
     pid = tl.program_id(0)

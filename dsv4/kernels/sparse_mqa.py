@@ -40,12 +40,13 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, as_i32, cdiv, device_arch, launch, native_e4m3, next_pow2
+from dsv4.kernels.launch import as_dense, as_f32, as_i32, device_arch, launch, native_e4m3
+from dsv4.sizes import cdiv, next_pow2
 from dsv4.strategies.triton_sparse import VARIANTS
 
 LOG2E = 1.4426950408889634
@@ -269,9 +270,23 @@ def _processors(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def pool_args(cache) -> tuple:
-    """(layout code, block_size, uint8 view, bf16 view, int64 view, page stride in bytes, num_slots) of a
-    PagedCache."""
+class Pool(NamedTuple):
+    """A PagedCache as the sparse MQA kernels read it."""
+    layout: int          # a LAYOUT_CODES value
+    block_size: int
+    data: Any            # fp8_ds_mla: the uint8 pages; bf16: the rows
+    bf16: Any            # fp8_ds_mla: the pages as bf16 (the RoPE dims); bf16: the rows
+    words: Any           # fp8_ds_mla: the pages as int64 (the exponent words); bf16: the rows
+    page_stride: int     # fp8_ds_mla: bytes per page; bf16: 0
+    num_slots: int
+
+    def args(self) -> tuple:
+        """The kernels' pool arguments after the layout and block size, and before the index lists."""
+        return self.data, self.bf16, self.words
+
+
+def pool_args(cache) -> Pool:
+    """A PagedCache as the kernels read it (its views made once, by its layout's row store, where it has one)."""
     import torch
 
     row = cache.layout.kv_row_dtype
@@ -280,11 +295,11 @@ def pool_args(cache) -> tuple:
                          f"(cache {cache.name}); check() refuses this combination")
     code, data, store = LAYOUT_CODES[row], cache.data, cache.store
     if store is not None:                  # the views its row stores write through, made once per cache
-        return (code, cache.block_size, *store.args())
+        return Pool(code, cache.block_size, *store.args())
     if code == 0:
-        return code, cache.block_size, data, data, data, 0, cache.num_slots
-    return (code, cache.block_size, data, data.view(torch.bfloat16), data.view(torch.int64), data.stride(0),
-            cache.num_slots)
+        return Pool(code, cache.block_size, data, data, data, 0, cache.num_slots)
+    return Pool(code, cache.block_size, data, data.view(torch.bfloat16), data.view(torch.int64), data.stride(0),
+                cache.num_slots)
 
 
 class Launch(NamedTuple):
@@ -360,7 +375,7 @@ def plan_kernel(variant: str, *, arch: str, layouts: tuple[int, int], head_dim: 
     return "hopper" if not why and programs >= HOPPER_MIN_PROGRAMS_PER_SM * processors else "two_pass"
 
 
-def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple | None = None, extra_idx=None,
+def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool | None = None, extra_idx=None,
                extra_len=None, *, block_n: int = 0, block_h: int = 0, block_d: int = 0, num_warps: int = 4,
                num_warps_pv: int = 0, native_fp8: bool | None = None, variant: str = "auto"):
     """q [T, H, D] -> (out [T, H, D] in q's dtype, lse [T, H] float32, natural log, sink excluded).
@@ -376,7 +391,7 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
     native = native_e4m3(q.device) if native_fp8 is None else native_fp8
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     kernel = plan_kernel(variant, arch="interpreter" if interpret else device_arch(q.device),
-                         layouts=(swa[0], extra[0] if extra is not None else swa[0]), head_dim=D, native=native,
+                         layouts=(swa.layout, (extra or swa).layout), head_dim=D, native=native,
                          dtype=str(q.dtype).removeprefix("torch."), programs=T * cdiv(H, 64),
                          processors=_processors(q.device))
     if kernel == "hopper" and (block_n, block_h, block_d, num_warps, num_warps_pv) != (0, 0, 0, 4, 0):
@@ -401,15 +416,16 @@ def sparse_mqa(q, sink, scale: float, swa: tuple, swa_idx, swa_len, extra: tuple
     nbs, nbe = cdiv(sw, BN), cdiv(ew, BN)
     NB, NC = nbs + nbe, (nbs + nbe) * BN
     e, e_idx, e_len = (extra, e_idx, e_len) if extra is not None else (swa, s_idx, s_len)  # no extra: never read
-    common = dict(S_LAYOUT=swa[0], E_LAYOUT=e[0], S_BS=swa[1], E_BS=e[1], HAS_EXTRA=extra is not None, BN=BN, D=D,
+    common = dict(S_LAYOUT=swa.layout, E_LAYOUT=e.layout, S_BS=swa.block_size, E_BS=e.block_size,
+                  HAS_EXTRA=extra is not None, BN=BN, D=D,
                   NATIVE=native, DOT=tl.float32 if interpret else tl.bfloat16)
     step = max(1, WORKSPACE_BYTES // (H * NC * 2))
     p = torch.empty(min(T, step) * H * NC, dtype=torch.bfloat16, device=q.device)
     ml = torch.empty(min(T, step) * NB * H * 2, dtype=torch.float32, device=q.device)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        pools = (*swa[2:5], s_idx[t0:t1], s_len[t0:t1], sw, *swa[5:],
-                 *e[2:5], e_idx[t0:t1], e_len[t0:t1], ew, *e[5:])
+        pools = (*swa.args(), s_idx[t0:t1], s_len[t0:t1], sw, swa.page_stride, swa.num_slots,
+                 *e.args(), e_idx[t0:t1], e_len[t0:t1], ew, e.page_stride, e.num_slots)
         launch(_scores_kernel, (NB, t1 - t0, cdiv(H, BH)), q[t0:t1], p, ml, *pools, H, NC, NB, nbs,
                scale * LOG2E, BH=BH, **common, num_warps=num_warps, num_stages=1)
         launch(_pv_kernel, (D // DB, t1 - t0, cdiv(H, BH)), p, ml, sink, out[t0:t1], lse[t0:t1], *pools, H,

@@ -29,7 +29,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                             warpgroup_mma_wait)
 
-from dsv4.kernels.launch import cdiv, launch
+from dsv4.kernels.launch import launch
+from dsv4.sizes import cdiv
 from dsv4.kernels.sparse_mqa import LOG2E_C
 
 # Triton 3.6 (the H200's) calls the CTA barrier thread_barrier, 3.9 (CI's, for the compile check) barrier
@@ -262,7 +263,7 @@ def _hopper_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
                        [4, 4], [WG1_REGS, PRODUCER_REGS])
 
 
-def sparse_mqa_hopper(q, sink, scale_l2: float, swa: tuple, swa_idx, swa_len, extra: tuple | None = None,
+def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=None,
                       extra_idx=None, extra_len=None):
     """(out [T, H, 512], lse [T, H]) like sparse_mqa's, for fp8_ds_mla (OCP) pools given as `pool_args`.
     sink: the sinks, float32 [H], contiguous; scale_l2: softmax scale x log2(e). Lists int32, contiguous."""
@@ -276,8 +277,8 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa: tuple, swa_idx, swa_len, ex
     e, e_idx, e_len = (extra, extra_idx, extra_len) if extra is not None else (swa, swa_idx, swa_len)
     launch(
         _hopper_kernel, (T, cdiv(H, 64)), q, sink, out, lse,
-        swa[2], swa[3], swa[4], swa_idx, swa_len, swa_idx.shape[1], swa[5], swa[6], swa[1],
-        e[2], e[3], e[4], e_idx, e_len, e_idx.shape[1] if extra is not None else 0, e[5], e[6], e[1],
+        *swa.args(), swa_idx, swa_len, swa_idx.shape[1], swa.page_stride, swa.num_slots, swa.block_size,
+        *e.args(), e_idx, e_len, e_idx.shape[1] if extra is not None else 0, e.page_stride, e.num_slots, e.block_size,
         H, scale_l2, D=D, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
         maxnreg=MAXNREG)
     return out, lse

@@ -30,7 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_i32, cdiv, launch, next_pow2, rows_dense
+from dsv4.kernels.launch import as_i32, launch, rows_dense
+from dsv4.sizes import cdiv, next_pow2
 
 # H200, 128 rows (64 requests x 2 tokens) of 2,048, 16,384 and 32,768 columns, K = 512 (bench/tune_indexer.py)
 BLOCK, RADIX, NUM_WARPS, SAMPLE, WARP_COLS = 2048, 4, 16, 2048, 128

@@ -42,8 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from dsv4.sizes import round_up
 from dsv4.strategies.flashmla import fp8_ds_mla_pages
-from dsv4.strategies.mqa_kernel import valid_entries
+from dsv4.strategies.mqa_kernel import pad_columns, valid_entries
 from dsv4.strategies.protocols import Needs, SparseKV
 
 SWA_COLUMNS = 128                          # FlashInfer's fixed SWA width (the model's sliding window)
@@ -57,18 +58,6 @@ CACHE_LAYOUTS = {"trtllm_combined": frozenset({"bf16", "fp8_per_tensor"}),      
                  "sm120_two_pool": frozenset({"fp8_ds_mla"})}
 ROW_KINDS = {"trtllm_combined": frozenset({"bfloat16", "fp8_per_tensor"}),        # layout.kv_row_dtype, at run time
              "sm120_two_pool": frozenset({"fp8_ds_mla"})}
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _pad_cols(idx, width: int):
-    import torch
-
-    if idx.shape[1] == width:
-        return idx.contiguous()
-    return torch.cat((idx, idx.new_full((idx.shape[0], width - idx.shape[1]), -1)), 1).contiguous()
 
 
 def compact(indices, lens, num_slots: int):
@@ -88,7 +77,7 @@ def _swa_list(kv: SparseKV):
                          f"FlashInfer's DSV4 kernels take at most {SWA_COLUMNS} SWA rows per query "
                          f"(model.sliding_window must be {SWA_COLUMNS})")
     idx, n = compact(kv.swa_indices, kv.swa_lens, kv.swa.num_slots)
-    return _pad_cols(idx, SWA_COLUMNS), n
+    return pad_columns(idx, SWA_COLUMNS), n
 
 
 def combined_sparse_indices(kv: SparseKV):
@@ -111,7 +100,7 @@ def combined_sparse_indices(kv: SparseKV):
         n_c = torch.zeros(swa.shape[0], dtype=torch.int32, device=swa.device)
     else:
         comp, n_c = compact(kv.extra_indices, kv.extra_lens, kv.extra.num_slots)
-        comp = _pad_cols(comp, _round_up(comp.shape[1], INDEX_ROW_MULTIPLE))
+        comp = pad_columns(comp, round_up(comp.shape[1], INDEX_ROW_MULTIPLE))
     return torch.cat((swa, comp), 1).contiguous(), (n_c + SWA_COLUMNS).to(torch.int32)
 
 
@@ -143,7 +132,7 @@ def two_pool_args(kv: SparseKV) -> dict[str, Any]:
     out: dict[str, Any] = dict(sparse_indices=swa, swa_topk_lens=n_swa.contiguous())
     if kv.extra is not None:
         comp, n_c = compact(kv.extra_indices, kv.extra_lens, kv.extra.num_slots)
-        comp = _pad_cols(comp, max(SM120_EXTRA_MULTIPLE, _round_up(comp.shape[1], SM120_EXTRA_MULTIPLE)))
+        comp = pad_columns(comp, max(SM120_EXTRA_MULTIPLE, round_up(comp.shape[1], SM120_EXTRA_MULTIPLE)))
         out.update(extra_sparse_indices=comp.unsqueeze(1), extra_sparse_topk_lens=n_c.contiguous())
     return out
 

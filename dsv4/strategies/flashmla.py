@@ -22,20 +22,16 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dsv4.settings import at_least
-from dsv4.strategies.mqa_kernel import attended
+from dsv4.sizes import round_up
+from dsv4.strategies.mqa_kernel import attended, pad_columns
 from dsv4.strategies.protocols import Needs, SparseKV
 
 WIDTH_MULTIPLE = 128          # index widths: multiples of B_TOPK (64 for h64, 128 for h128)
 
 
-def _pad_width(idx, multiple: int = WIDTH_MULTIPLE):
-    import torch
-
-    w = idx.shape[1]
-    target = max(multiple, -(-w // multiple) * multiple)
-    if target == w:
-        return idx if idx.is_contiguous() else idx.contiguous()
-    return torch.cat((idx, idx.new_full((idx.shape[0], target - w), -1)), 1).contiguous()
+def _pad_width(idx):
+    """idx padded with -1 to the width FlashMLA reads (a multiple of WIDTH_MULTIPLE, at least one)."""
+    return pad_columns(idx, max(WIDTH_MULTIPLE, round_up(idx.shape[1], WIDTH_MULTIPLE)))
 
 
 def fp8_ds_mla_pages(cache):

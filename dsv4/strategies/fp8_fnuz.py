@@ -19,14 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.strategies.fp8_layouts import (DATA_BYTES, EXPONENTS, NOPE_BYTES, SCALE_BYTES, Fp8DsMlaLayout,
-                                          decode_records, read_records, write_records)
+from dsv4.strategies.fp8_layouts import (DATA_BYTES, EXPONENTS, FNUZ_NAN, NOPE_BYTES, SCALE_BYTES, Fp8DsMlaLayout,
+                                          decode_records, encode_records, read_records, write_records)
 from dsv4.strategies.protocols import Needs
 
 _OCP = Fp8DsMlaLayout()
 
 FNUZ_QUANT_MAX = 224.0    # what a block's amax maps to (vLLM's FNUZ fp8 range; = OCP 448 / 2)
-FNUZ_NAN = 0x80
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,16 +56,7 @@ class Fp8DsMlaFnuzLayout:
         """[N, 512] -> (data [N, 576] uint8, scales [N, 8] uint8), from the bf16-rounded rows."""
         import torch
 
-        x = rows.bfloat16()
-        nope = x[:, :NOPE_BYTES].float().unflatten(-1, (EXPONENTS, 64))
-        amax = nope.abs().amax(-1, keepdim=True).clamp_min(1e-4)
-        e = torch.ceil(torch.log2(amax / FNUZ_QUANT_MAX))
-        q = (nope / torch.exp2(e)).clamp(-FNUZ_QUANT_MAX, FNUZ_QUANT_MAX).to(torch.float8_e4m3fnuz)
-        q = q.flatten(-2).view(torch.uint8)
-        q = torch.where(q == FNUZ_NAN, torch.zeros_like(q), q)     # torch writes 0x00 for -0; never 0x80
-        data = torch.cat((q, x[:, NOPE_BYTES:].contiguous().view(torch.uint8)), 1)
-        exp = (e.squeeze(-1) + 127).clamp(0, 255).to(torch.uint8)
-        return data, torch.cat((exp, torch.zeros_like(exp[:, :1])), 1)
+        return encode_records(rows, torch.float8_e4m3fnuz, FNUZ_QUANT_MAX)
 
     def unpack(self, data, scales):
         """(data [..., 576], scales [..., 8]) -> [..., 512] float32."""

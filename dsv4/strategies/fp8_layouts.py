@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dsv4.settings import at_least
+from dsv4.sizes import round_up
 from dsv4.strategies.cache_layout import kept_rows
 from dsv4.strategies.protocols import Needs
 
 E4M3_MAX = 448.0
 DATA_BYTES, SCALE_BYTES, NOPE_BYTES, EXPONENTS = 576, 8, 448, 7     # the record (docs/numerics.md §3.2)
+FNUZ_NAN = 0x80           # e4m3fnuz's one NaN byte (and OCP e4m3's negative zero)
 
 
 def _e4m3():
@@ -36,6 +38,26 @@ def record_offsets(pages, slots, block_size: int, data_bytes: int = DATA_BYTES, 
     data = (base + t * data_bytes)[..., None] + torch.arange(data_bytes, device=s.device)
     scl = (base + block_size * data_bytes + t * scale_bytes)[..., None] + torch.arange(scale_bytes, device=s.device)
     return data, scl
+
+
+def encode_records(rows, fp8, quant_max: float, *, nope_dim: int = NOPE_BYTES, tile: int = 64):
+    """[N, nope_dim + rope dims] -> (data [N, nope_dim + 2·rope] uint8, scales [N, nope_dim/tile + 1] uint8),
+    from the bf16-rounded rows: per `tile` NoPE dims scale = 2^ceil(log2(max(amax, 1e-4) / quant_max)) (its
+    UE8M0 byte, then a zero pad byte), each NoPE byte the value over its scale in the torch dtype `fp8`
+    (the record's flavour; FNUZ's NaN byte 0x80, which torch writes for -0, stored as 0x00), the RoPE
+    dims as bf16 bytes."""
+    import torch
+
+    x = rows.bfloat16()
+    nope = x[:, :nope_dim].float().unflatten(-1, (-1, tile))
+    amax = nope.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+    e = torch.ceil(torch.log2(amax / quant_max))
+    q = (nope / torch.exp2(e)).clamp(-quant_max, quant_max).to(fp8).flatten(-2).view(torch.uint8)
+    if fp8 == torch.float8_e4m3fnuz:
+        q = torch.where(q == FNUZ_NAN, torch.zeros_like(q), q)
+    data = torch.cat((q, x[:, nope_dim:].contiguous().view(torch.uint8)), 1)
+    exp = (e.squeeze(-1) + 127).clamp(0, 255).to(torch.uint8)
+    return data, torch.cat((exp, torch.zeros_like(exp[:, :1])), 1)
 
 
 def decode_records(data, scales, fp8, *, nope_dim: int = NOPE_BYTES, tile: int = 64):
@@ -115,7 +137,7 @@ class Fp8DsMlaLayout:
 
     def page_bytes(self, block_size: int, head_dim: int) -> int:
         raw = block_size * self.bytes_per_token(head_dim)
-        return -(-raw // self.align) * self.align
+        return round_up(raw, self.align)
 
     def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str):
         import torch
@@ -125,17 +147,7 @@ class Fp8DsMlaLayout:
     # ---- packing ---------------------------------------------------------------------------------
     def pack(self, rows):
         """[N, 512] -> (data [N, 576] uint8, scales [N, 8] uint8), from the bf16-rounded rows."""
-        import torch
-
-        x = rows.bfloat16()
-        nope = x[:, :self.nope_dim].float().unflatten(-1, (-1, self.tile))
-        amax = nope.abs().amax(-1, keepdim=True).clamp_min(1e-4)
-        e = torch.ceil(torch.log2(amax / E4M3_MAX))
-        q = (nope / torch.exp2(e)).clamp(-E4M3_MAX, E4M3_MAX).to(_e4m3()).flatten(-2)
-        data = torch.cat((q.view(torch.uint8), x[:, self.nope_dim:].contiguous().view(torch.uint8)), 1)
-        exp = (e.squeeze(-1) + 127).clamp(0, 255).to(torch.uint8)
-        scales = torch.cat((exp, torch.zeros_like(exp[:, :1])), 1)
-        return data, scales
+        return encode_records(rows, _e4m3(), E4M3_MAX, nope_dim=self.nope_dim, tile=self.tile)
 
     def unpack(self, data, scales):
         """(data [..., 576], scales [..., 8]) -> [..., 512] float32."""

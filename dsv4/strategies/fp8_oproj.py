@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dsv4.sizes import round_up
 from dsv4.strategies.fp8_layouts import E4M3_MAX
 from dsv4.strategies.protocols import Needs, OProjWeights
 from dsv4.strategies.triton_sparse import TRITON_ARCHS
@@ -183,7 +184,7 @@ def blockwise_scaled_mm(a, sa, w, sw):
     import torch
 
     M = a.shape[0]
-    Mp = -(-M // M_ALIGN) * M_ALIGN
+    Mp = round_up(M, M_ALIGN)
     if Mp != M:
         a = torch.cat((a, a.new_zeros(Mp - M, a.shape[1])))
         sa = torch.cat((sa.float(), sa.new_ones(Mp - M, sa.shape[1], dtype=torch.float32)))

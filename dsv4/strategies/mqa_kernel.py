@@ -18,6 +18,15 @@ def valid_entries(indices, lens, num_slots: int):
     return (indices >= 0) & (indices < num_slots) & (cols < lens[:, None].to(indices.device))
 
 
+def pad_columns(idx, width: int):
+    """idx [T, W] with -1 columns appended up to `width` >= W, contiguous (itself where it already is)."""
+    import torch
+
+    if idx.shape[1] == width:
+        return idx if idx.is_contiguous() else idx.contiguous()
+    return torch.cat((idx, idx.new_full((idx.shape[0], width - idx.shape[1]), -1)), 1).contiguous()
+
+
 def attended(kv: SparseKV):
     """The rows each query attends to, as ids over both pools (SWA slot s -> s, compressed slot s ->
     swa.num_slots + s), in SparseKV order (SWA list, then compressed list), valid ones first, -1 after
