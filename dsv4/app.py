@@ -22,6 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from dsv4.catalogue import CONFIG_DIR, GROUPS, instantiate_group, options  # noqa: F401  (the app's names too)
 from dsv4.compat import Combination, check
 from dsv4.components.kv_pool import PoolConfig, page_groups, shortfall
 from dsv4.device import DeviceInfo, local_platform
@@ -30,12 +31,10 @@ from dsv4.errors import USER_ERRORS, ConfigError, IncompatibleCombination, Probl
 from dsv4.graph import GraphConfig
 from dsv4.parallel import ParallelConfig, torchrun_world_size
 from dsv4.report import result_row, table, write_row
-from dsv4.settings import MODES, SECTIONS, RunSettings, option  # noqa: F401  (MODES: the app's modes)
+from dsv4.settings import MODES, SECTIONS, RunSettings  # noqa: F401  (MODES: the app's modes)
 from dsv4.spec import ModelSpec
 from dsv4.workload import Workload
 
-GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer")
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 RANK_ERROR_GRACE_S = 5.0     # how long a torchrun rank other than 0 waits before exiting on a user error
 
 
@@ -53,11 +52,6 @@ class Job:
     run: RunSettings
     workload: Workload
     pool: PoolConfig
-
-
-def instantiate_group(node: Any, group: str = "strategy"):
-    """One strategy from its YAML node, every field checked first (dsv4.settings.option)."""
-    return option(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node, group)
 
 
 def run_settings(cfg: DictConfig) -> RunSettings:
@@ -352,9 +346,8 @@ def info(job: Job) -> str:
 
     rows = []
     for group in GROUPS:
-        for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
-            strat = instantiate_group(OmegaConf.load(path), group)
-            rows.append(row(f"{group}={path.stem}", replace(job.combo, **{group: strat}), strat,
+        for name, strat in options(group).items():
+            rows.append(row(f"{group}={name}", replace(job.combo, **{group: strat}), strat,
                             getattr(job.combo, group).name == strat.name))
     ix = job.combo.indexer
     for name, top_k in TOP_K.items():           # the indexer's own setting, with the job's indexer
@@ -365,8 +358,7 @@ def info(job: Job) -> str:
     head = (f"dsv4 info: model={job.spec.name}, tp_size={job.combo.tp_size}, dtype={job.combo.dtype}, "
             f"device {job.device.describe()} (this machine: {here}; {where})\n"
             f"* = current choice\n")
-    layouts = [instantiate_group(OmegaConf.load(p), "cache_layout")
-               for p in sorted((CONFIG_DIR / "cache_layout").glob("*.yaml"))]
+    layouts = list(options("cache_layout").values())
     return (head + table(["option", "verdict", "packages", "why not"], rows, left=(0, 2, 3))
             + f"\n\nKV bytes per rank, model={job.spec.name} (B/tok: per context token, compressed rows + "
               f"{indexer_kind(job.combo.dtype, job.combo.indexer)} indexer keys):\n"

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from dsv4.catalogue import options
 from dsv4.components.kv_pool import PagedCache
 from dsv4.reference import rel_err
 from dsv4.report import table
@@ -123,27 +124,16 @@ def oproj_case(T: int, G: int, seed: int = 0, hpg: int = 8, o_lora: int = 1024, 
     return w, o, pos
 
 
-def option(group: str, name: str):
-    """The shipped option `name` of config group `group`, instantiated."""
-    from omegaconf import OmegaConf
-
-    from dsv4.app import CONFIG_DIR, instantiate_group
-
-    return instantiate_group(OmegaConf.load(CONFIG_DIR / group / f"{name}.yaml"), group)
-
-
 def available_options(job, group: str) -> list:
     """Every option of `group` that check() accepts on this machine with the job's other choices,
     except for the cache layout, which is fp8_ds_mla for every kernel (the one all of them read)."""
     from dataclasses import replace
 
-    from dsv4.app import CONFIG_DIR
     from dsv4.compat import check
     from dsv4.device import local_platform
 
     out = []
-    for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
-        strat = option(group, path.stem)
+    for strat in options(group).values():
         combo = replace(job.combo, **{group: strat}, cache_layout=Fp8DsMlaLayout(), dtype="bfloat16")
         probs = [p for p in check(combo, job.device, here=local_platform()) if p.group in (group, "dtype")]
         if not probs:

@@ -137,17 +137,21 @@ CROSS_RULES: tuple[Callable[[Combination, DeviceInfo], list[Problem]], ...] = (
     _tp_rule, _world_rule, _padding_rule, _dtype_rule, _graph_rule)
 
 
-# The shipped option of each group that runs anywhere, offered when a choice cannot run on a device.
-SAFE_CHOICE = {"mqa_kernel": "mqa_kernel=reference", "o_proj": "o_proj=reference", "cache_layout": "cache_layout=bf16",
-               "indexer": "indexer=exact", "indexer.top_k": f"indexer.top_k={DEFAULT_TOP_K}"}
-# The shipped head-padding options (configs/head_padding/), for suggesting one that yields what a kernel takes.
-PADDING_OPTIONS: tuple[tuple[str, tuple[int, ...] | None], ...] = (
-    ("buckets_64_128", (64, 128)), ("buckets_pow2", (8, 16, 32, 64, 128)),
-    ("buckets_mult16", (16, 32, 48, 64, 80, 96, 112, 128)), ("none", None))
+def safe_choice(group: str) -> str:
+    """The fix offered when a choice cannot run on a device: the group's default (configs/config.yaml),
+    which needs nothing (a test holds the defaults to that), or the indexer's default top-k."""
+    from dsv4.catalogue import defaults
+
+    return f"indexer.top_k={DEFAULT_TOP_K}" if group == "indexer.top_k" else f"{group}={defaults()[group]}"
 
 
-def _pad(heads: int, buckets: tuple[int, ...] | None) -> int | None:
-    return heads if buckets is None else next((b for b in buckets if b >= heads), None)
+def _paddings_for(heads: int, wanted) -> list[str]:
+    """The shipped head paddings that give `heads` a count in `wanted`, the one that pads least first."""
+    from dsv4.catalogue import options
+
+    fits = sorted((p, name) for name, opt in options("head_padding").items()
+                  if (p := opt.padded_heads(heads)) is not None and p in wanted)
+    return [name for _, name in fits]
 
 
 FP8_FORMATS = {"ocp": "OCP e4m3 (float8_e4m3fn, bias 7, max 448)",
@@ -177,7 +181,7 @@ def _shell_word(spec: str) -> str:
 def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str | None) -> list[Problem]:
     n = strat.needs(device)
     name, out = strat.name, []
-    fix_self = SAFE_CHOICE[group]
+    fix_self = safe_choice(group)
     fix_machine = n.fix or fix_self
     if n.platforms and device.platform not in n.platforms:
         out.append(Problem(group=group, value=name, reason=f"runs on {'/'.join(sorted(n.platforms))}, "
@@ -200,8 +204,7 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
     h = c.local_heads
     hp = c.head_padding.padded_heads(h) if h is not None else None
     if n.padded_heads and hp is not None and hp not in n.padded_heads:
-        fits = sorted((_pad(h, b), opt) for opt, b in PADDING_OPTIONS if _pad(h, b) in n.padded_heads)
-        fits = [opt for _, opt in fits]           # the option that pads least first
+        fits = _paddings_for(h, n.padded_heads)
         out.append(Problem(group="head_padding", value=c.head_padding.name,
                            reason=f"{group}={name} needs padded heads in {sorted(n.padded_heads)}; "
                                   f"got {hp} ({h} heads per rank)",

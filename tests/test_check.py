@@ -438,18 +438,22 @@ def test_problem_line_without_supported_or_fix():
     assert p.line() == "- deployment=h200: elsewhere"
 
 
-def test_padding_options_known_to_check_match_the_configs():
-    """compat.PADDING_OPTIONS (used to suggest a head_padding fix) lists exactly the shipped YAMLs."""
-    from omegaconf import OmegaConf
+def test_the_catalogue_holds_the_shipped_yamls_and_defaults_that_need_nothing():
+    """catalogue.options(group) is every YAML of configs/<group>/ by name; each group's default (the fix
+    check() offers when a choice cannot run on a device) needs nothing, so it runs anywhere."""
+    from dsv4.catalogue import GROUPS, defaults, option, options
+    from dsv4.errors import ConfigError
 
-    from dsv4.compat import PADDING_OPTIONS
-    from tests.conftest import CONFIGS
-
-    shipped = {}
-    for path in (CONFIGS / "head_padding").glob("*.yaml"):
-        node = OmegaConf.to_container(OmegaConf.load(path))
-        shipped[path.stem] = tuple(node["buckets"]) if "buckets" in node else None
-    assert dict(PADDING_OPTIONS) == shipped
+    for group in GROUPS:
+        assert list(options(group)) == sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+        assert all(opt.name == name for name, opt in options(group).items())
+    assert set(defaults()) == set(GROUPS)
+    cpu = DeviceInfo(platform="cpu")
+    for group, name in defaults().items():
+        if group != "head_padding":                   # head paddings have no needs
+            assert option(group, name).needs(cpu) == Needs(), group
+    with pytest.raises(ConfigError, match="not a shipped option"):
+        option("o_proj", "nope")
 
 
 # ---- mqa_kernel=triton_sparse: variant=hopper narrows what it runs on -------------------------------------

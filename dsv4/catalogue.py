@@ -1,0 +1,57 @@
+"""The shipped options of each strategy group: the one reader of dsv4/configs/<group>/*.yaml.
+
+An option is its class and its YAML file. `check()` computes its fixes from what ships here (a group's
+default in configs/config.yaml, which needs nothing; the head padding that yields what a kernel takes),
+and `mode=info` and `mode=bench` list and compose the options through `options`.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from dsv4.errors import ConfigError
+from dsv4.settings import option as parse_option
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer")
+
+
+def instantiate_group(node: Any, group: str = "strategy"):
+    """One strategy from its YAML node, every field checked first (dsv4.settings.option)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    return parse_option(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node, group)
+
+
+@functools.cache
+def options(group: str) -> dict[str, Any]:
+    """The shipped options of `group`, instantiated, by name (their YAML files' stems), in name order."""
+    from omegaconf import OmegaConf
+
+    paths = sorted((CONFIG_DIR / group).glob("*.yaml"))
+    if not paths:
+        raise ConfigError(f"no shipped options for group {group!r} (one of {', '.join(GROUPS)})")
+    return {p.stem: instantiate_group(OmegaConf.load(p), group) for p in paths}
+
+
+def option(group: str, name: str):
+    """The shipped option `name` of `group`."""
+    opts = options(group)
+    if name not in opts:
+        raise ConfigError(f"{group}={name} is not a shipped option (one of {', '.join(opts)})")
+    return opts[name]
+
+
+@functools.cache
+def defaults() -> dict[str, str]:
+    """Each group's option in configs/config.yaml's defaults list: the choice when nothing else is said."""
+    from omegaconf import OmegaConf
+
+    out = {}
+    for entry in OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml"))["defaults"]:
+        if isinstance(entry, dict) and len(entry) == 1:
+            (group, name), = entry.items()
+            if group in GROUPS:
+                out[group] = name
+    return out
