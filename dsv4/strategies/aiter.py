@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dsv4.strategies.fp8_layouts import decode_records, record_offsets
-from dsv4.strategies.mqa_kernel import attended
+from dsv4.strategies.mqa_kernel import attended, distinct_rows
 from dsv4.strategies.protocols import Needs, OProjWeights, SparseKV
 
 AITER_VERSION = "0.1.7.post2.dev18"
@@ -95,21 +95,8 @@ def mla_buffer(kv: SparseKV, ids, *, fmt: str):
     """The kv_buffer [N + 1, 1, 1, 576] bf16 and each entry's row in it ([T, W] int32, -1 kept):
     row 0 is the sink key (zeros, then 1 at SINK_DIMS), rows 1.. the distinct rows `ids` names, each
     decoded once: its 512 dims, then 64 zeros."""
-    import torch
-
-    S = kv.swa.num_slots
-    used, inv = torch.unique(ids[ids >= 0], return_inverse=True)
-    buf = torch.zeros(len(used) + 1, QK_DIM, dtype=torch.bfloat16, device=ids.device)
+    buf, rows = distinct_rows(kv, ids, width=QK_DIM, lead=1, read=lambda cache, slots: read_rows(cache, slots, fmt=fmt))
     buf[0, list(SINK_DIMS)] = 1.0
-    from_swa = used < S
-    if bool(from_swa.any()):
-        buf[1:][from_swa, :D] = read_rows(kv.swa, used[from_swa], fmt=fmt).bfloat16()
-    if bool((~from_swa).any()):
-        if kv.extra is None:
-            raise ValueError("internal: a compressed row without a compressed cache")
-        buf[1:][~from_swa, :D] = read_rows(kv.extra, used[~from_swa] - S, fmt=fmt).bfloat16()
-    rows = torch.full_like(ids, -1, dtype=torch.int32)
-    rows[ids >= 0] = (inv + 1).to(torch.int32)
     return buf.view(-1, 1, 1, QK_DIM), rows
 
 

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 from dsv4.settings import at_least
 from dsv4.sizes import round_up
-from dsv4.strategies.mqa_kernel import attended, pad_columns
+from dsv4.strategies.mqa_kernel import attended, distinct_rows, pad_columns
 from dsv4.strategies.protocols import Needs, SparseKV
 
 WIDTH_MULTIPLE = 128          # index widths: multiples of B_TOPK (64 for h64, 128 for h128)
@@ -117,17 +117,9 @@ class FlashMLASparse:
         import torch
 
         # the rows that count, over both pools and valid ones first (so that topk_length counts exactly them)
-        glob, counts = attended(kv)
-        offset = kv.swa.num_slots
-        used, inv = torch.unique(glob[glob >= 0], return_inverse=True)
-        rows = torch.empty(len(used), 512, dtype=torch.bfloat16, device=q.device)
-        swa_rows = used < offset
-        rows[swa_rows] = kv.swa.read(used[swa_rows].int()).bfloat16()
-        if kv.extra is not None:
-            rows[~swa_rows] = kv.extra.read((used[~swa_rows] - offset).int()).bfloat16()
-        local = torch.full_like(glob, -1)
-        local[glob >= 0] = inv
-        local = _pad_width(local.int())
+        ids, counts = attended(kv)
+        rows, local = distinct_rows(kv, ids, width=kv.swa.head_dim)
+        local = _pad_width(local)
         lens = counts.int()
         out, _, lse = flash_mla.flash_mla_sparse_fwd(
             q.to(torch.bfloat16).contiguous(), rows.unsqueeze(1), local.unsqueeze(1), scale, 512,

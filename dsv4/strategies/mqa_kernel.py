@@ -27,6 +27,28 @@ def pad_columns(idx, width: int):
     return torch.cat((idx, idx.new_full((idx.shape[0], width - idx.shape[1]), -1)), 1).contiguous()
 
 
+def distinct_rows(kv: SparseKV, ids, *, width: int, lead: int = 0, read=None):
+    """The rows that ids [T, W] (`attended`'s, -1 padded) name, each decoded once into a bf16 buffer, and
+    each entry's row in it: -> (buffer [lead + N, width] bf16: `lead` zero rows, then the N distinct rows,
+    their head_dim values then zeros; local [T, W] int32, -1 kept). `read(cache, slots)` decodes a pool's
+    rows (the cache's own `read` if None). The gather paths of kernels that read a bf16 workspace
+    (FlashMLA's prefill, aiter); torch.unique sizes the buffer, so it synchronizes with the host."""
+    import torch
+
+    read = read or (lambda cache, slots: cache.read(slots))
+    S, D = kv.swa.num_slots, kv.swa.head_dim
+    used, inv = torch.unique(ids[ids >= 0], return_inverse=True)
+    buf = torch.zeros(lead + len(used), width, dtype=torch.bfloat16, device=ids.device)
+    from_swa = used < S
+    if bool(from_swa.any()):
+        buf[lead:][from_swa, :D] = read(kv.swa, used[from_swa].int()).bfloat16()
+    if bool((~from_swa).any()):
+        buf[lead:][~from_swa, :D] = read(kv.extra, (used[~from_swa] - S).int()).bfloat16()
+    local = torch.full_like(ids, -1, dtype=torch.int32)
+    local[ids >= 0] = (inv + lead).to(torch.int32)
+    return buf, local
+
+
 def attended(kv: SparseKV):
     """The rows each query attends to, as ids over both pools (SWA slot s -> s, compressed slot s ->
     swa.num_slots + s), in SparseKV order (SWA list, then compressed list), valid ones first, -1 after
