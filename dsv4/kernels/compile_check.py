@@ -104,9 +104,10 @@ def compile_for(target: str, what: str) -> float:
                      {"N", "K"}, gpu, warps)
         return time.perf_counter() - t0
     from dsv4.kernels import sparse_mqa as mod
+    from dsv4.kernels.launch import E4M3_SM
 
     code = mod.LAYOUT_CODES[what]
-    native = gpu.backend == "cuda" and gpu.arch >= 89 and code == 1
+    native = gpu.backend == "cuda" and gpu.arch >= E4M3_SM and code == 1
     ints = {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "NC"}
     for plan in (mod.plan_launch(256, 64, 640, 132), mod.plan_launch(1, 64, 640, 132)):
         for fn, extra, warps in ((mod._scores_kernel, {}, 4),
@@ -134,6 +135,7 @@ def _compile_layer(gpu) -> None:
     import triton.language as tl
 
     from dsv4.kernels import cache_write, compress, fp8_queries, indexer_logits, layer_front, topk_lists
+    from dsv4.kernels.launch import E4M3_SM
 
     def types(table):
         return lambda a: table.get(a, "fp32" if a in ("eps", "w_scale", "iw_scale") else "i32")
@@ -197,7 +199,7 @@ def _compile_layer(gpu) -> None:
     il = indexer_logits
     # the planned decode and prefill shapes, over plain rows; and bf16's over FP4 records (bf16 queries) and
     # fp8 records (e4m3 queries: an e4m3 product where the target has one, else decoded to bf16)
-    fp8 = "fp8" if gpu.backend == "cuda" and gpu.arch >= 89 else "bf16"
+    fp8 = "fp8" if gpu.backend == "cuda" and gpu.arch >= E4M3_SM else "bf16"
     shapes = [(dtype, plan, 0, prec) for (dtype, _size), plan in il.LAUNCH.items()
               for prec in [il.INPUT_PRECISION[gpu.backend] if dtype == "float32" else "bf16"]]
     shapes += [(kind, plan, il.RECORDS[kind], "bf16" if kind == "mxfp4" else fp8)

@@ -52,9 +52,12 @@ def nvidia_at_least(device, sm: int) -> bool:
     return arch.startswith("sm") and int(arch[2:]) >= sm
 
 
+E4M3_SM = 89          # NVIDIA GPUs from this compute capability on convert OCP e4m3 in hardware
+
+
 def native_e4m3(device) -> bool:
     """Whether `device` converts OCP e4m3 in hardware (NVIDIA sm89 and newer; not ROCm's FNUZ-only gfx942)."""
-    return nvidia_at_least(device, 89)
+    return nvidia_at_least(device, E4M3_SM)
 
 
 class _Kernel:
