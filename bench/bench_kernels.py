@@ -13,7 +13,7 @@ import torch
 
 from dsv4.components.rope import Rope
 from dsv4.device import detect
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.strategies import DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, TorchFp8OProj
 from dsv4.bench import POOL_BLOCKS, graph_time_us, oproj_case, sparse_case
 from tests.conftest import tiny_spec

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 
 
 def main(a: str, b: str) -> None:

@@ -1,7 +1,7 @@
 """Which row counts torch._scaled_mm's block-scaled fp8 matmul accepts on this GPU (o_proj=torch_fp8)."""
 import torch
 
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.strategies.fp8_oproj import blockwise_scaled_mm, pow2_scale, quantize_weight_blocks
 
 torch.manual_seed(0)

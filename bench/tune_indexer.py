@@ -25,7 +25,7 @@ from dsv4.indexer_bench import as_bf16_rows, stored_keys
 from dsv4.kernels.fp8_queries import fp8_queries_kernel
 from dsv4.kernels.indexer_logits import indexer_logits
 from dsv4.kernels.topk_lists import topk_lists
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.report import table
 from dsv4.sizes import cdiv
 from dsv4.strategies import Fp8KeyLayout, Mxfp4KeyLayout, PlainRowLayout

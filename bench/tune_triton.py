@@ -19,7 +19,7 @@ import torch
 
 from dsv4.bench import DECODE_CASES, POOL_BLOCKS, graph_time_us, oproj_case, sparse_case
 from dsv4.components.rope import Rope
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.strategies import FlashMLASparse, TritonSparseMQA
 from dsv4.device import detect
 from tests.conftest import tiny_spec

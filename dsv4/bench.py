@@ -16,7 +16,7 @@ import torch
 
 from dsv4.catalogue import options
 from dsv4.components.kv_pool import PagedCache
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.report import table
 from dsv4.strategies import Fp8DsMlaLayout, OProjWeights, SparseKV
 

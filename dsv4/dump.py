@@ -46,7 +46,7 @@ def recompute(path: str | Path) -> dict[int, dict[str, Any]]:
     """
     from safetensors.torch import load_file
 
-    from dsv4.reference import oracle_outputs
+    from dsv4.oracle import oracle_outputs
 
     path = Path(path)
     meta = json.loads((path / "spec.json").read_text())

@@ -13,7 +13,7 @@ import torch
 
 from dsv4.bench import available_options, graph_time_us
 from dsv4.components.kv_pool import PagedCache
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.report import table
 from dsv4.sizes import cdiv
 

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from dsv4 import reference as ref
+from dsv4 import oracle as ref
 from dsv4.compat import DTYPE_ERROR_BUDGET, SELECTION_GAP
 from dsv4.components.builders import Strategies, build_layer, build_pool
 from dsv4.components.kv_pool import PoolConfig

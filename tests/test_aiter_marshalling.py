@@ -37,7 +37,7 @@ from dsv4.bench import random_pages
 from dsv4.compat import Combination, check
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
-from dsv4.reference import rel_err, round_rows
+from dsv4.oracle import rel_err, round_rows
 from dsv4.spec import ModelSpec
 from dsv4.strategies import (AiterSparseMQA, BucketHeadPadding, FlashInferSparse, FlashMLASparse,
                              Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, OProjWeights, PlainRowLayout,
@@ -888,7 +888,7 @@ import importlib.util, math, sys, types
 import torch
 import tests.test_aiter_marshalling as T       # before the stubs below go into sys.modules
 from dsv4.device import DeviceInfo
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.strategies import AiterSparseMQA, ReferenceMQA
 
 src = sys.argv[1]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dsv4
-from dsv4 import reference
+from dsv4 import oracle
 from dsv4.components.attention import DSV4Attention
 from dsv4.components.engine import Engine
 from dsv4.device import DeviceInfo, local_platform
@@ -165,7 +165,7 @@ def test_build_engine_holds_every_rank_and_matches_given_weights():
         e.add_request(0)
     a = engine.step(x, torch.arange(130), [0] * 130).outputs[2]
     b = one.step(x, torch.arange(130), [0] * 130).outputs[2]
-    assert reference.rel_err(a, b) <= 1e-5
+    assert oracle.rel_err(a, b) <= 1e-5
     with pytest.raises(dsv4.ConfigError, match=r"no weights for layers \[0\]"):
         dsv4.build_engine(job, layers=[0, 2], weights=W)
 

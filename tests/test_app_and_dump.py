@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from dsv4.app import main
 from dsv4.dump import recompute
-from dsv4.reference import grade_selection, rel_err
+from dsv4.oracle import grade_selection, rel_err
 from tests.conftest import run_py
 
 TINY = ["model=dsv4_tiny", "dtype=float32", "workload.kv_pool.swa_block_size=8",

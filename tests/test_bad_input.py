@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dsv4 import reference as ref
+from dsv4 import oracle as ref
 from dsv4.errors import IncompatibleCombination, InvalidRequest
 from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
 

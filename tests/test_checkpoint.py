@@ -27,7 +27,7 @@ from dsv4.components.weights import random_layer_weights, weight_shapes
 from dsv4.device import DeviceInfo
 from dsv4.dump import recompute
 from dsv4.errors import ConfigError
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.strategies import DeepGemmFp8OProj, OProjWeights, ReferenceOProj, TorchFp8OProj, TritonFp8OProj
 from tests.conftest import CONFIGS, ROOT, fp8_block_product, run_py, tiny_spec
 

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from dsv4.bench import random_pages
 from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.spec import ModelSpec
 from dsv4.strategies import (BucketHeadPadding, FlashInferSparse, Fp8DsMlaLayout, Fp8PerTensorLayout,
                              NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj, SparseKV)

@@ -9,7 +9,7 @@ import torch
 from dsv4.compat import Combination, check
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
-from dsv4.reference import _rope
+from dsv4.oracle import _rope
 from dsv4.strategies import (BucketHeadPadding, DeepGemmFp8OProj, Fp8DsMlaLayout, ReferenceMQA, TorchFp8OProj,
                              TritonFp8OProj)
 from dsv4.strategies.fp8_oproj import inverse_rope_fp8_quant, quantize_weight_blocks

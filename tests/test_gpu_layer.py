@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-from dsv4 import reference as ref
+from dsv4 import oracle as ref
 from dsv4.errors import InvalidRequest
 from dsv4.graph import GraphConfig
 from dsv4.strategies import (

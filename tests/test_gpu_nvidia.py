@@ -6,7 +6,7 @@ import torch
 
 from dsv4.bench import oproj_case, sparse_case
 from dsv4.components.rope import Rope
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, TorchFp8OProj,
                              TritonFp8OProj)
 from dsv4.strategies.fp8_oproj import inverse_rope_fp8_quant, quantize_weight_blocks

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from dsv4 import reference as ref
+from dsv4 import oracle as ref
 from dsv4.compat import check
 from dsv4.device import DeviceInfo
 from dsv4.strategies import ExactIndexer, Fp4SimIndexer, Mxfp4Indexer, Mxfp4KeyLayout
@@ -111,7 +111,7 @@ def test_hadamard_rotation_is_the_orthonormal_sylvester_transform():
 
 
 def test_the_oracles_fp4_numerics_are_the_strategys():
-    """Two implementations (dsv4/strategies/indexer.py for the layer, dsv4/reference.py for the oracle), one
+    """Two implementations (dsv4/strategies/indexer.py for the layer, dsv4/oracle.py for the oracle), one
     result on random rows, zeros and extremes."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(500, 128, generator=g) * torch.exp(torch.randn(500, 1, generator=g) * 3)

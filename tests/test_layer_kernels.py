@@ -42,7 +42,7 @@ from dsv4.kernels.cache_write import fp8_ds_mla_store, plain_rows_store, write_f
 from dsv4.kernels.compress import compress_kernel
 from dsv4.kernels.indexer_logits import indexer_logits
 from dsv4.kernels.layer_front import front_kernel, kv_rows_kernel, q_rows_kernel
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout
 
 pytestmark = MARK

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4 import reference as ref
+from dsv4 import oracle as ref
 from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
 
 LENGTHS = {"long": 300, "mid": 45, "short": 9}      # long: 75 C4 entries > topk 8, 2 C128 entries

@@ -22,7 +22,7 @@ import torch
 from dsv4.bench import random_pages
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, OProjWeights, ReferenceMQA, ReferenceOProj,
                              SparseKV)
 from tests.conftest import fp8_block_product, tiny_spec

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from dsv4 import reference as ref
+from dsv4 import oracle as ref
 from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
 
 LENGTHS = {"a": 270, "b": 23}       # a: 2 ratio-128 entries, 67 ratio-4 entries; b: short, mixed in

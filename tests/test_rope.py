@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import (CONFIGS, published_angles, published_freqs_cis, published_rope_freqs, published_rope_kw,
                             spec_rope_freqs, tiny_spec)
-from dsv4 import reference
+from dsv4 import oracle
 from dsv4.components.rope import Rope, RopeRows, rope_frequencies
 from dsv4.spec import ModelSpec
 
@@ -145,7 +145,7 @@ def test_shipped_configs_give_the_published_frequencies(name):
     for ratio in sorted(set(spec.compress_ratios)):
         want = published_rope_freqs(ratio, **published_rope_kw(spec))
         assert torch.equal(f32(Rope.for_layer(spec, ratio).freqs), want), ratio
-        assert torch.equal(reference._freqs(spec.to_dump(), ratio), want), ratio     # the oracle's own
+        assert torch.equal(oracle._freqs(spec.to_dump(), ratio), want), ratio     # the oracle's own
 
 
 # ---- tables: the published float32 numbers, bit for bit ------------------------------------------
@@ -174,7 +174,7 @@ def test_tables_are_the_published_ones_bit_for_bit(ratio):
         x = torch.randn(len(pos), 2, 512, generator=g)
         for inverse in (False, True):
             ours = rope.apply(x, pos, inverse=inverse)
-            theirs = reference._rope(x, pos[:, None], reference._freqs(spec.to_dump(), ratio), inverse=inverse)
+            theirs = oracle._rope(x, pos[:, None], oracle._freqs(spec.to_dump(), ratio), inverse=inverse)
             assert torch.equal(ours, theirs), (name, inverse)
 
 

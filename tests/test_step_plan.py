@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4 import reference as ref
+from dsv4 import oracle as ref
 from dsv4.components.builders import Strategies, build_layer
 from dsv4.components.kv_pool import LayerCaches, PagedCache, CompressorState
 from dsv4.components.plan import COMPRESSOR_REACH, PageTable, StepPlan

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dsv4 import parallel
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from tests.conftest import ROOT, chunked, drive, hidden_for, make_engine, tiny_spec
 
 SPEC = dict(o_groups=4)            # dsv4_tiny with 4 output groups: 8 heads split 2 or 4 ways

@@ -15,7 +15,7 @@ if not CUDA:
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton>=3.7)")
 
 from dsv4.device import DeviceInfo  # noqa: E402
-from dsv4.reference import rel_err  # noqa: E402
+from dsv4.oracle import rel_err  # noqa: E402
 from dsv4.strategies import TritonFp8OProj  # noqa: E402
 from tests.conftest import fp8_block_product  # noqa: E402
 

@@ -16,7 +16,7 @@ import torch
 from tests.triton_mode import BIG, DEVICE, GPU, MARK  # first: sets TRITON_INTERPRET without a GPU
 
 from dsv4.bench import sparse_case
-from dsv4.reference import rel_err
+from dsv4.oracle import rel_err
 from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout, ReferenceMQA
 from dsv4.strategies.triton_sparse import TritonSparseMQA
 

@@ -183,7 +183,7 @@ class ExactIndexer:
     error_budget: ClassVar[float] = 0.0
     transforms: ClassVar[bool] = False        # queries and keys are scored as the layer computes them
     fp4: ClassVar[bool] = False               # the transforms are the published FP4 ones (dsv4/kernels/fp4.py)
-    oracle_numerics: ClassVar[str] = "exact"  # what the oracle recomputes the indexer with (reference.py)
+    oracle_numerics: ClassVar[str] = "exact"  # what the oracle recomputes the indexer with (oracle.py)
     fp8_queries: ClassVar[bool] = False       # its GPU kernel scores e4m3 queries, scales in the head weights
 
     scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
