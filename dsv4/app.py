@@ -2,7 +2,8 @@
 
 Modes: `run` (workload through the paged caches, compared with the oracle), `check` (validate the
 combination for the device, allocate nothing), `info` (every option's verdict on the device), `bench`
-(kernels on a GPU), `summarize` (a sweep folder's rows -> summary.csv/.md/.png).
+(kernels on a GPU), `summarize` (a sweep folder's rows -> summary.csv/.md/.png). Every mode but
+`summarize` is a function of the validated job, in `JOB_MODES`.
 
 In a multirun (`python run.py -m ...`) a job is one cell of a sweep: a combination that cannot run
 here is written as an `incompatible` row and the job returns normally; a real error is written as an
@@ -26,9 +27,9 @@ from dsv4.catalogue import CONFIG_DIR, GROUPS, instantiate_group, options  # noq
 from dsv4.compat import Combination, check
 from dsv4.components.kv_pool import PoolConfig, page_groups, shortfall
 from dsv4.device import DeviceInfo, local_platform
-from dsv4.memory import indexer_kind, memory_table
 from dsv4.errors import USER_ERRORS, ConfigError, IncompatibleCombination, Problem, ResultMismatch
 from dsv4.graph import GraphConfig
+from dsv4.memory import indexer_kind, memory_table
 from dsv4.parallel import ParallelConfig, torchrun_world_size
 from dsv4.report import result_row, table, write_row
 from dsv4.settings import MODES, SECTIONS, RunSettings  # noqa: F401  (MODES: the app's modes)
@@ -171,48 +172,42 @@ def summarize_sweep(cfg: DictConfig) -> None:
     s.show()
 
 
-def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None,
-         multirun: bool = False) -> float | None:
-    mode = cfg.get("mode", "run")
-    try:
-        mode = run_settings(cfg).mode
-        if mode == "summarize":
-            summarize_sweep(cfg)
-            return None
-        job = make_job(cfg, choices=choices, out_dir=out_dir)
-    except Exception as e:
-        if mode != "run":
-            raise
-        # the row says which cell could not even be made into a job (e.g. an option's invalid field)
-        path = write_row(Path(out_dir) if out_dir is not None else Path.cwd(),
-                         result_row(status="error", problems=[], choices=dict(choices or {}), device=None,
-                                    settings={k: cfg.get(k) for k in ("tp_size", "dtype", "seed")},
-                                    error=f"{type(e).__name__}: {e}"))
-        if multirun:
-            return sweep_cell_failed(e, path)
-        raise
-    if mode == "info":
-        print(info(job))
-        return None
-    problems = problems_for(job, running=mode in ("run", "bench"))
-    if mode == "check":
-        raise_if(job, problems)
-        print(f"OK: model={job.spec.name} on {job.device.describe()}, tp_size={job.combo.tp_size}, "
-              f"{job.spec.num_attention_heads // job.combo.tp_size} heads per rank padded to "
-              f"{job.combo.head_padding.padded_heads(job.spec.num_attention_heads // job.combo.tp_size)}")
-        print("  " + " ".join(f"{k}={v}" for k, v in job.choices.items()))
-        return None
-    if mode == "bench":
-        from dsv4 import parallel
-        from dsv4.bench import run_bench
-        raise_if(job, problems)
-        ranks = None
-        if job.combo.world_size is not None:
-            ranks = parallel.init(platform=job.device.platform, tp_size=job.combo.tp_size, config=job.parallel)
-        run_bench(job, ranks)
-        if ranks is not None:
-            parallel.shutdown()
-        return None
+def error_row(out_dir, e: Exception, *, choices: dict[str, str], device, settings: dict[str, Any]) -> Path:
+    """The `error` result row of a job that failed (or could not be made), written into out_dir."""
+    return write_row(Path(out_dir), result_row(status="error", problems=[], choices=dict(choices), device=device,
+                                               settings=settings, error=f"{type(e).__name__}: {e}"))
+
+
+def info_mode(job: Job, *, multirun: bool) -> None:
+    print(info(job))
+
+
+def check_mode(job: Job, *, multirun: bool) -> None:
+    raise_if(job, problems_for(job, running=False))
+    heads = job.spec.num_attention_heads // job.combo.tp_size
+    print(f"OK: model={job.spec.name} on {job.device.describe()}, tp_size={job.combo.tp_size}, "
+          f"{heads} heads per rank padded to {job.combo.head_padding.padded_heads(heads)}")
+    print("  " + " ".join(f"{k}={v}" for k, v in job.choices.items()))
+
+
+def bench_mode(job: Job, *, multirun: bool) -> None:
+    from dsv4 import parallel
+    from dsv4.bench import run_bench
+
+    raise_if(job, problems_for(job, running=True))
+    ranks = None
+    if job.combo.world_size is not None:
+        ranks = parallel.init(platform=job.device.platform, tp_size=job.combo.tp_size, config=job.parallel)
+    run_bench(job, ranks)
+    if ranks is not None:
+        parallel.shutdown()
+
+
+def run_mode(job: Job, *, multirun: bool) -> float | None:
+    """The run: an `incompatible` row for a combination check() refuses, else the layer run against the
+    oracle (its row written by the run; an `error` row if it fails). In a multirun a failed cell says so and
+    returns, so that the sweep goes on."""
+    problems = problems_for(job, running=True)
     if problems:
         path = write_row(job.out_dir, result_row(status="incompatible", problems=problems, choices=job.choices,
                                                  device=job.device, settings=settings(job)))
@@ -228,12 +223,35 @@ def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str
             return None
         raise
     except Exception as e:
-        path = write_row(job.out_dir, result_row(status="error", problems=[], choices=job.choices,
-                                                 device=job.device, settings=settings(job),
-                                                 error=f"{type(e).__name__}: {e}"))
+        path = error_row(job.out_dir, e, choices=job.choices, device=job.device, settings=settings(job))
         if multirun:
             return sweep_cell_failed(e, path)
         raise
+
+
+# the modes that run a job (mode=summarize reads a sweep's folder instead: `main`)
+JOB_MODES = {"run": run_mode, "check": check_mode, "info": info_mode, "bench": bench_mode}
+
+
+def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None,
+         multirun: bool = False) -> float | None:
+    mode = cfg.get("mode", "run")
+    try:
+        mode = run_settings(cfg).mode
+        if mode == "summarize":
+            summarize_sweep(cfg)
+            return None
+        job = make_job(cfg, choices=choices, out_dir=out_dir)
+    except Exception as e:
+        if mode != "run":
+            raise
+        # the row says which cell could not even be made into a job (e.g. an option's invalid field)
+        path = error_row(out_dir if out_dir is not None else Path.cwd(), e, choices=choices or {}, device=None,
+                         settings={k: cfg.get(k) for k in ("tp_size", "dtype", "seed")})
+        if multirun:
+            return sweep_cell_failed(e, path)
+        raise
+    return JOB_MODES[mode](job, multirun=multirun)
 
 
 def run_ranks(job: Job) -> float | None:

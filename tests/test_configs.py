@@ -425,6 +425,13 @@ def test_cli_unknown_mode_lists_modes(bad_mode):
     assert all(m in bad_mode.stderr for m in MODES)
 
 
+def test_every_mode_has_its_entry():
+    """The app's table of modes holds every mode the settings accept (summarize reads a sweep, not a job)."""
+    from dsv4.app import JOB_MODES
+
+    assert set(JOB_MODES) | {"summarize"} == set(MODES)
+
+
 def test_cli_unknown_mode_has_no_traceback(bad_mode):
     assert bad_mode.returncode != 0
     assert "Traceback" not in bad_mode.stderr
