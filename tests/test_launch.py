@@ -51,6 +51,8 @@ def test_argument_helpers_return_their_input_when_it_already_fits():
     assert as_f32(f.T).is_contiguous() and torch.equal(as_f32(f.T), f.T)
     assert as_i32(i.long()).dtype == torch.int32 and as_f32(i).dtype == torch.float32
     assert rows_dense(f.T).stride(1) == 1
+    heads = torch.randn(4, 3 * 5 + 7, device=DEVICE)[:, :15].view(4, 3, 5)      # rows of dense [3, 5] blocks
+    assert rows_dense(heads) is heads and rows_dense(heads.transpose(1, 2)).is_contiguous()
 
 
 def test_full_rows_reads_a_column_slice_without_a_copy():
