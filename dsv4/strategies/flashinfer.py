@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 
 from dsv4.sizes import round_up
 from dsv4.strategies.flashmla import fp8_ds_mla_pages
-from dsv4.strategies.mqa_kernel import pad_columns, valid_entries
+from dsv4.strategies.mqa_kernel import compact, pad_columns, valid_entries
 from dsv4.strategies.protocols import Needs, SparseKV
 
 SWA_COLUMNS = 128                          # FlashInfer's fixed SWA width (the model's sliding window)
@@ -58,17 +58,6 @@ CACHE_LAYOUTS = {"trtllm_combined": frozenset({"bf16", "fp8_per_tensor"}),      
                  "sm120_two_pool": frozenset({"fp8_ds_mla"})}
 ROW_KINDS = {"trtllm_combined": frozenset({"bfloat16", "fp8_per_tensor"}),        # layout.kv_row_dtype, at run time
              "sm120_two_pool": frozenset({"fp8_ds_mla"})}
-
-
-def compact(indices, lens, num_slots: int):
-    """The entries a SparseKV list means (slot in [0, num_slots) and column < length), first and in
-    their order, then -1; and how many there are. -> (indices [T, W] int32, counts [T] int32)."""
-    import torch
-
-    valid = valid_entries(indices, lens, num_slots)
-    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
-    out = torch.where(valid, indices, torch.full_like(indices, -1)).gather(1, order)
-    return out.to(torch.int32), valid.sum(1).to(torch.int32)
 
 
 def _swa_list(kv: SparseKV):

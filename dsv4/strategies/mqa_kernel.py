@@ -49,6 +49,23 @@ def distinct_rows(kv: SparseKV, ids, *, width: int, lead: int = 0, read=None):
     return buf, local
 
 
+def _valid_first(ids, ok):
+    """ids [T, W] with the entries where `ok` first, in their order, then -1."""
+    import torch
+
+    order = torch.argsort((~ok).to(torch.int8), dim=1, stable=True)
+    return torch.where(ok, ids, -1).gather(1, order)
+
+
+def compact(indices, lens, num_slots: int):
+    """The entries a SparseKV list means (`valid_entries`), first and in their order, then -1; and how
+    many there are. -> (indices [T, W] int32, counts [T] int32)."""
+    import torch
+
+    valid = valid_entries(indices, lens, num_slots)
+    return _valid_first(indices, valid).to(torch.int32), valid.sum(1).to(torch.int32)
+
+
 def attended(kv: SparseKV):
     """The rows each query attends to, as ids over both pools (SWA slot s -> s, compressed slot s ->
     swa.num_slots + s), in SparseKV order (SWA list, then compressed list), valid ones first, -1 after
@@ -58,14 +75,11 @@ def attended(kv: SparseKV):
     import torch
 
     S = kv.swa.num_slots
-    ok = valid_entries(kv.swa_indices, kv.swa_lens, S)
-    ids = torch.where(ok, kv.swa_indices.long(), -1)
+    ok, ids = valid_entries(kv.swa_indices, kv.swa_lens, S), kv.swa_indices.long()
     if kv.extra is not None:
-        eok = valid_entries(kv.extra_indices, kv.extra_lens, kv.extra.num_slots)
-        ids = torch.cat((ids, torch.where(eok, kv.extra_indices.long() + S, -1)), 1)
-        ok = torch.cat((ok, eok), 1)
-    order = torch.argsort((~ok).to(torch.int8), dim=1, stable=True)
-    return ids.gather(1, order), ok.sum(1)
+        ok = torch.cat((ok, valid_entries(kv.extra_indices, kv.extra_lens, kv.extra.num_slots)), 1)
+        ids = torch.cat((ids, kv.extra_indices.long() + S), 1)
+    return _valid_first(ids, ok), ok.sum(1)
 
 
 def _gather(cache, indices, lens):
