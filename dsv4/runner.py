@@ -1,6 +1,8 @@
 """`mode=run`: build the workload's layers, run it through the paged caches, grade it with the oracle."""
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Any
 
 import torch
@@ -117,6 +119,9 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     torch.manual_seed(seed)
     weights, wo_a_fp8 = load_or_random(job, layers, seed)
     engine = build_engine(job, weights, pool, wo_a_fp8, ranks)
+    t0 = time.perf_counter()
+    engine.warm_up(job.graphs.capture_sizes)
+    warm_up_s = time.perf_counter() - t0
     rec_raw = run_workload(engine, wl, hidden_size=spec.hidden_size, seed=seed,
                            progress=tty_progress() if ranks.is_main else None, record=ranks.is_main)
     per_rank = [m for part in ranks.gather(rank_memory(engine, ranks, job.device)) for m in part]
@@ -183,6 +188,10 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     metrics["kv_gib_per_1m_tokens"] = model_memory(spec, c.cache_layout,
                                                    indexer=indexer_kind(c.dtype, c.indexer))["total_bytes"] / GIB
     metrics["ranks"] = per_rank
+    metrics["warm_up_s"] = warm_up_s
+    steps_ms = [1e3 * s for s in rec_raw.decode_step_s]
+    metrics["decode_ms_first_step"] = steps_ms[0] if steps_ms else None
+    metrics["decode_ms_median_step"] = statistics.median(steps_ms) if steps_ms else None
 
     wdict = {"prompt_lens": list(wl.prompt_lens), "prefill_chunk": wl.prefill_chunk, "decode_steps": wl.decode_steps,
              "decode_tokens": wl.decode_tokens, "layers": list(layers), "tokens": int(rec["positions"].numel())}
@@ -202,6 +211,10 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
           "float32 rows\n  topk exact: share of tokens whose top-k set is the oracle's; KV B/token: compressed rows "
           "and indexer keys per context token (the SWA window is bounded: SWA KiB/req)")
     print("\n".join(summary_lines(spec, c.cache_layout, c.dtype, c.indexer)))
+    if steps_ms:
+        print(f"  decode steps, every layer: first {steps_ms[0]:.2f} ms, median {metrics['decode_ms_median_step']:.2f} "
+              f"ms of {len(steps_ms)}" + (f" (warm-up before them: {warm_up_s:.1f} s, {engine.graphs.describe()})"
+                                         if engine.graphs is not None else ""))
     print(f"  per rank ({per_rank[0]['peak_of']} peak): " + "; ".join(
         f"rank {m['rank']}: KV pools {m['kv_pool_bytes'] / 2**20:.1f} MiB, weights {m['weight_bytes'] / 2**20:.1f} MiB, "
         f"peak {m['peak_bytes'] / 2**20:.0f} MiB" for m in per_rank))

@@ -66,6 +66,7 @@ class RunRecord:
     steps: dict = field(default_factory=dict)           # phase -> count
     tokens: dict = field(default_factory=dict)          # phase -> count
     pool_bytes: dict = field(default_factory=dict)      # layer -> KV bytes held at the end (rank 0)
+    decode_step_s: list = field(default_factory=list)   # each decode step's seconds, its layers summed
 
     def cat(self) -> dict[str, Any]:
         import torch
@@ -115,6 +116,8 @@ def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, pro
         for layer, t in out.topk.items() if record else ():
             rec.topk.setdefault(layer, []).append(t.cpu())
         rec.steps[phase] = rec.steps.get(phase, 0) + 1
+        if phase == "decode":
+            rec.decode_step_s.append(sum(out.seconds[layer] for layer in out.outputs))
         rec.tokens[phase] = rec.tokens.get(phase, 0) + len(rid)
         for i, k in chunk.items():
             done[i] += k

@@ -240,3 +240,56 @@ def test_a_refused_step_leaves_every_other_row_as_it_was(graphs):
     kv_rows.copy_(saved)
     out = eng.step(torch.cat((X["a"][40:42], X["b"][40:42])), torch.cat((torch.arange(40, 42),) * 2), ["a"] * 2 + ["b"] * 2)
     assert all(bool(torch.isfinite(y).all()) for y in out.outputs.values())
+
+
+def _knobs():
+    """Triton's knobs where this Triton has its post-compile hook (called after each compilation or load
+    from its cache), else None."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    return knobs if hasattr(getattr(knobs, "runtime", None), "jit_post_compile_hook") else None
+
+
+@pytest.mark.parametrize("backend", ["triton+triton_fp8", "flashmla+deepgemm"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_steps_after_warm_up_compile_nothing(backend, graphs):
+    """After warm_up() (every capture size captured; without graphs, each size run once on an empty step),
+    one prefill and one eager decode step, further decode steps of new lengths, request mixes and token
+    counts -- replayed and eager -- compile no Triton kernel: neither our launcher nor Triton's post-compile
+    hook sees a new variant."""
+    from dsv4.kernels.launch import compiled
+
+    sizes = (1, 2, 4, 8, 16, 32)
+    spec, eng, _ = engine(backend, graphs=graphs)
+    eng.warm_up(sizes)
+    if graphs:
+        assert sorted(eng.graphs.captured) == list(eng.graphs.config.capture_sizes) == list(sizes)
+    lengths = {"a": 150, "b": 31, "c": 6}
+    X = {r: x.cuda() for r, x in hidden_for({r: n + 60 for r, n in lengths.items()}, spec.hidden_size,
+                                             seed=9).items()}
+    drive(eng, X, [lengths])                                    # a prefill: eager, its own picks compiled
+
+    def step(chunk, eager=False):
+        xs = torch.cat([X[r][eng.lengths[r]:eng.lengths[r] + n] for r, n in chunk.items()])
+        pos = torch.cat([torch.arange(eng.lengths[r], eng.lengths[r] + n) for r, n in chunk.items()])
+        return eng.step(xs, pos, [r for r, n in chunk.items() for _ in range(n)], eager=eager)
+
+    step({"a": 2, "b": 2}, eager=True)                         # the first eager decode step
+    knobs, seen = _knobs(), []
+    hook = None
+    if knobs is not None:
+        hook = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = lambda *a, **k: seen.append(k.get("repr", "?"))
+    before = compiled()
+    try:
+        mixes = [{"a": 1}, {"a": 1, "b": 1, "c": 1}, {"b": 3, "c": 2}, {"a": 4, "b": 4, "c": 4},
+                 {"a": 2, "c": 1}, {"a": 7, "b": 5, "c": 1}, {"c": 16}, {"a": 1, "b": 2}]
+        for i, chunk in enumerate(mixes):
+            replayed = step(chunk)
+            assert (replayed.graph_size is not None) == graphs
+            step({r: 1 for r in chunk}, eager=True)
+            assert compiled() == before and not seen, (chunk, i, seen, compiled())
+    finally:
+        if knobs is not None:
+            knobs.runtime.jit_post_compile_hook = hook

@@ -43,6 +43,7 @@ from dsv4.kernels.compress import compress_kernel
 from dsv4.kernels.indexer_logits import indexer_logits
 from dsv4.kernels.layer_front import front_kernel, kv_rows_kernel, q_rows_kernel
 from dsv4.oracle import rel_err
+from dsv4.sizes import round_up
 from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout
 
 pytestmark = MARK
@@ -79,10 +80,11 @@ def assert_bf16_close(out, ref):
     assert float((o == r).float().mean()) >= 0.99
 
 
-def step_plan(spans, *, ratios=(4, 128), state_block=8, entry_block=2, pad=3, holes=(), seed=0):
+def step_plan(spans, *, ratios=(4, 128), state_block=8, entry_block=2, pad=3, holes=(), seed=0, table_pages=1):
     """A StepPlan (on the CPU) of requests `spans` = [(first position, new tokens)], `pad` padding rows,
-    each page group's table of distinct random pages; `holes` = [(ratio, request, logical page)] of state
-    tables set to -1. Returns (plan, state pages per ratio as {ratio: num_blocks})."""
+    each page group's table of distinct random pages, a multiple of `table_pages` wide; `holes` = [(ratio,
+    request, logical page)] of state tables set to -1. Returns (plan, state pages per ratio as {ratio:
+    num_blocks})."""
     g = gen(seed)
     B = len(spans)
     lens = torch.tensor([s + n for s, n in spans], dtype=torch.int32)
@@ -90,7 +92,7 @@ def step_plan(spans, *, ratios=(4, 128), state_block=8, entry_block=2, pad=3, ho
     longest = int(lens.max())
 
     def table(bs: int, rows: int) -> PageTable:
-        P = max(1, -(-rows // bs))
+        P = round_up(max(1, -(-rows // bs)), table_pages)
         return PageTable(block_size=bs, pages=torch.randperm(B * P, generator=g).view(B, P).int())
 
     state = {r: table(state_block, longest) for r in ratios}
@@ -1127,3 +1129,84 @@ def test_front_kernel_makes_fp8_indexer_queries():
     with pytest.raises(ValueError, match="head weights"):
         front_kernel(None, None, None, dev(rot.cos), dev(rot.sin), None, None, padded_heads=0, eps=EPS,
                      dtype=torch.bfloat16, iq=dev(iq), iq_dtype=torch.float8_e4m3fn, iq_fp4=True)
+
+
+# ---- what a step's sizes make the kernels compile -------------------------------------------------------
+def nvidia_specialization(kernel, args, meta):
+    """The specialization Triton compiles `kernel` for on an NVIDIA GPU when called with args/meta (its key:
+    each argument's type and divisibility or value class, the constexprs and launch options), derived with
+    Triton's own argument binder, with or without a GPU."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    if not isinstance(kernel, JITFunction):       # the interpreter's: the same function and settings, compiled
+        kw = {k: kernel.kwargs.get(k) for k in ("do_not_specialize", "do_not_specialize_on_alignment")}
+        kernel = JITFunction(kernel.fn, **kw)
+    binder = create_function_from_signature(kernel.signature, kernel.params, CUDABackend)
+    _, spec, options = binder(*args, **meta)
+    return repr((spec, sorted(options.items())))
+
+
+def step_kernels(spans, pad: int, seed: int) -> dict[str, set]:
+    """The layer's Triton kernels on one step of requests `spans` (block tables a multiple of 16 pages wide,
+    as an engine makes them) -> {kernel name: the specializations it was launched with}."""
+    from dsv4.kernels.compress import CompressJob, compress_kernels
+    from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
+    from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
+    from dsv4.kernels.launch import observe
+    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.topk_lists import topk_lists
+
+    g, R, D, Di, H, Hi, K = gen(seed), 4, 128, 64, 3, 4, 8
+    plan, blocks = step_plan(spans, ratios=(R,), entry_block=4, pad=pad, seed=seed, table_pages=16)
+    T, ents = plan.num_tokens, plan.entries[R]
+    seen: dict[str, set] = {}
+    rot, faults = plan.rope_rows(ROPE), dev(torch.zeros(3, T, dtype=torch.bool))
+    swa = PagedCache(name="swa", layout=STORE_LAYOUTS["bf16"], data=dev(random_cache(
+        STORE_LAYOUTS["bf16"], plan.swa.table.pages.numel(), 8, D, g)), block_size=8, head_dim=D)
+    comp = PagedCache(name="compressed", layout=STORE_LAYOUTS["bf16"], data=dev(random_cache(
+        STORE_LAYOUTS["bf16"], ents.table.pages.numel(), 4, D, g)), block_size=4, head_dim=D)
+    keys = PagedCache(name="indexer_keys", layout=STORE_LAYOUTS["float32"], data=dev(random_cache(
+        STORE_LAYOUTS["float32"], ents.table.pages.numel(), 4, Di, g)), block_size=4, head_dim=Di)
+    with observe(lambda kernel, args, meta: seen.setdefault(kernel.fn.__name__, set()).add(
+            nvidia_specialization(kernel, args, meta))):
+        q, _, iq = front_kernel(dev(torch.randn(T, H, D, generator=g).bfloat16()), dev(torch.randn(T, D, generator=g)),
+                                dev(1 + 0.1 * torch.randn(D, generator=g)), dev(rot.cos), dev(rot.sin),
+                                dev(plan.swa.write_slots), faults, padded_heads=4, eps=EPS, dtype=torch.bfloat16,
+                                into=swa.store, iq=dev(torch.randn(T, Hi, Di, generator=g)), iq_dtype=torch.float32)
+        comps = [compressor(R, D, seed=seed + 1), compressor(R, Di, seed=seed + 2)]
+        # the compressors' columns of one wider product, as the layer slices them
+        jobs = [CompressJob(scores=dev(torch.randn(T, 2 * c.width + 7, generator=g))[:, :2 * c.width], ape=dev(c.ape), norm=dev(c.norm),
+                            state=dev(torch.randn(blocks[R] * 8, 2 * c.width, generator=g)), head_dim=c.dim,
+                            fault_row=1 + i, into=cache.store) for i, (c, cache) in enumerate(zip(comps, (comp, keys)))]
+        erot = plan.rope_rows(ROPE, shift=R)
+        compress_kernels(jobs, dev(erot.cos), dev(erot.sin), dev(plan.positions), dev(plan.step_start),
+                         dev(plan.token_request), dev(plan.state[R].write_slots), dev(ents.close_slots),
+                         dev(plan.state[R].table.pages), faults, ratio=R, state_block=8, eps=EPS)
+        scores = indexer_logits(iq, dev(torch.randn(T, Hi, generator=g)), keys, dev(ents.table.pages),
+                                dev(plan.token_request), dev(ents.counts), width=ents.width)
+        _, slots, lens = topk_lists(scores, dev(ents.counts), dev(ents.table.pages), dev(plan.token_request), topk=K,
+                                    block_size=4)
+        out, _ = sparse_mqa(q, dev(torch.zeros(4)), D ** -0.5, pool_args(swa), dev(plan.swa.indices),
+                            dev(plan.swa.lens), pool_args(comp), slots, lens, variant="two_pass", block_n=16,
+                            block_h=4, block_d=64, num_warps_pv=4)          # launch shapes: not the planner's picks
+        x = out.float().clamp(-8, 8).to(torch.float8_e4m3fn).view(T, 2, 2 * D)
+        grouped_fp8_gemm(x, torch.ones(T, 2, 2 * D // 128, device=DEVICE),
+                         dev(torch.randn(2, 128, 2 * D, generator=g).to(torch.float8_e4m3fn)),
+                         torch.ones(2, 1, 2 * D // 128, device=DEVICE))
+        inv_rope_fp8_quant(out, dev(rot.cos), dev(rot.sin), 2, mn_major_scales=True)
+    return seen
+
+
+def test_a_steps_sizes_and_lengths_compile_no_new_variant():
+    """Two steps of different token counts (one of them 1), request mixes, lengths and table widths (16 and
+    32 pages): every kernel of the layer is specialized the same way for both, so a decode step of new
+    lengths compiles nothing (TABLE_PAGES-wide tables and aligned plan inputs keep what Triton specializes
+    on: integers' divisibility by 16, pointers' alignment; token counts are not specialized)."""
+    a = step_kernels([(40, 2), (77, 1), (13, 2)], pad=3, seed=90)
+    b = step_kernels([(200, 2), (3, 1), (90, 9), (150, 1)], pad=0, seed=91)
+    c = step_kernels([(33, 1)], pad=0, seed=92)
+    assert set(a) == {"_front_kernel", "_compress_kernel", "_indexer_kernel", "_topk_lists_kernel", "_scores_kernel",
+                      "_pv_kernel", "_grouped_fp8_kernel", "_inv_rope_fp8_kernel"}
+    for name in a:
+        assert len(a[name]) == 1 and a[name] == b[name] == c[name], name

@@ -117,3 +117,33 @@ def test_an_engine_of_its_own_fills_the_plan_and_matches_the_oracle(layer):
         assert ref.rel_err(y, ours[layer][r]) <= 1e-6
         if sel is not None:
             assert torch.equal(torch.cat(topk[r]), our_topk[layer][r])
+
+
+def test_an_eager_steps_plan_inputs_keep_their_alignment_and_table_widths():
+    """What keeps a new step length from compiling a new kernel variant (dsv4.components.engine): every
+    packed plan input starts 16-byte aligned in the one host-to-device buffer, and block tables are a
+    multiple of TABLE_PAGES pages wide, whatever the step's requests and lengths."""
+    from dsv4.components.engine import ALIGN, TABLE_PAGES, Segment, pack_inputs, unpack_inputs
+
+    spec = tiny_spec()
+    eng, _ = make_engine(spec, layout=LAYOUT, dtype="float32")
+    X = hidden_for({"a": 70, "b": 9, "c": 1}, spec.hidden_size)
+    drive(eng, X, [{"a": 70, "b": 9, "c": 1}])
+    pool = eng.pools[0]
+    for segs in ([Segment(rid="a", start=70, offset=0, count=1)],
+                 [Segment(rid=r, start=n, offset=i, count=1) for i, (r, n) in enumerate({"a": 70, "b": 9}.items())],
+                 [Segment(rid=r, start=n, offset=2 * i, count=2) for i, (r, n) in
+                  enumerate({"a": 70, "b": 9, "c": 1}.items())]):
+        reserved = pool.reserve({s.rid: (s.start, s.start + s.count) for s in segs})
+        host = eng.plan_inputs(pool, segs)
+        buf = torch.from_numpy(pack_inputs(host))
+        parts = unpack_inputs(buf, host)
+        for name, a in host.items():
+            assert parts[name].storage_offset() % ALIGN == 0 and buf.data_ptr() % 16 == 0, name
+            assert torch.equal(parts[name], torch.from_numpy(a)), name
+            if name not in ("query_start", "seq_lens"):
+                assert a.shape[1] % TABLE_PAGES == 0, name
+                for i, seg in enumerate(segs):                  # the request's table, then -1
+                    row = pool.groups[name].tables[seg.rid]
+                    assert a[i, :len(row)].tolist() == list(row) and (a[i, len(row):] == -1).all(), name
+        pool.rollback(reserved)

@@ -29,6 +29,7 @@ from dsv4.components.attention import FAULT_COMPRESSED, FAULT_INDEXER, FAULT_SWA
 from dsv4.components.kv_pool import KVPool
 from dsv4.components.plan import PageTable, StepPlan
 from dsv4.errors import InvalidRequest
+from dsv4.sizes import round_up
 from dsv4.spec import ModelSpec
 
 
@@ -107,6 +108,10 @@ def timer_for(device: str) -> LayerTimer:
     return CudaTimer() if device != "cpu" else WallTimer()
 
 
+# Shapes an eager step's plan keeps from step to step, so that a new length compiles no new kernel variant
+# (Triton specializes integer arguments divisible by 16 or equal to 1, and pointers on 16-byte alignment):
+TABLE_PAGES = 16      # block tables are this many pages wide, or a multiple (-1 padded)
+ALIGN = 4             # int32 elements: each packed plan input starts 16-byte aligned
 FAULT_WHAT = {FAULT_SWA: "swa row", FAULT_COMPRESSED: "compressed row", FAULT_INDEXER: "indexer key"}
 
 
@@ -118,6 +123,29 @@ class Engine:
         self.lengths: dict[Hashable, int] = {}
         self.graphs = graphs            # a graphs.StepGraphs, or None (eager only)
         self._kernel_plans: dict[tuple[int, str], Any] = {}     # (rank, layer type) -> the last step's
+
+    def warm_up(self, sizes: Sequence[int] = ()) -> None:
+        """Make ready what decode steps run before the first of them. With graphs, every capture size is
+        captured now (its kernels compiled or loaded from Triton's cache on the way) instead of at the first
+        step of that size; without, on a GPU, each step size in `sizes` (token counts) runs once eagerly on
+        an empty step (every row padding: nothing is read or written). Later steps of other lengths compile
+        nothing: the kernels do not specialize on what changes from step to step (token counts; tables
+        TABLE_PAGES wide, plan inputs aligned). A larger step (prefill) compiles what its size picks the
+        first time it is picked."""
+        if self.graphs is not None:
+            self.graphs.capture(self)
+            return
+        if torch.device(self.device).type != "cuda":
+            return
+        for size in sizes:
+            for r, pool in enumerate(self.pools):
+                plan = self.build_plan(pool, self.plan_inputs(pool, (), requests=size), num_tokens=size)
+                self.kernel_plans(plan, r, fresh=True)
+                self.indexer_plans(plan, r)
+                for layer, ranks in self.layers.items():
+                    x = torch.zeros(size, self.spec.hidden_size, dtype=ranks[r].dtype, device=self.device)
+                    ranks[r](x, plan, pool.layers[layer])
+        torch.cuda.synchronize()
 
     def add_request(self, rid: Hashable) -> None:
         if rid in self.lengths:
@@ -218,7 +246,8 @@ class Engine:
     def plan_inputs(self, pool: KVPool, segs: Sequence[Segment], *, requests: int | None = None,
                     widths: dict[str, int] | None = None) -> dict[str, Any]:
         """The host side of a plan: query_start, seq_lens and every group's block tables as int32 numpy
-        arrays, padded to `requests` rows and `widths` pages (the capture shapes of a graph)."""
+        arrays, padded to `requests` rows and `widths` pages (the capture shapes of a graph; without them the
+        widest table's pages, rounded up to a multiple of TABLE_PAGES)."""
         B = len(segs) if requests is None else requests
         qs = np.zeros(B + 1, dtype=np.int32)
         lens = np.zeros(B, dtype=np.int32)
@@ -229,7 +258,7 @@ class Engine:
         out = {"query_start": qs, "seq_lens": lens}
         for name, g in pool.groups.items():
             rows = [g.tables[s.rid] for s in segs]
-            w = max([len(r) for r in rows] + [1]) if widths is None else widths[name]
+            w = round_up(max([len(r) for r in rows] + [1]), TABLE_PAGES) if widths is None else widths[name]
             tab = np.full((B, w), -1, dtype=np.int32)
             for i, r in enumerate(rows):
                 tab[i, :len(r)] = r[:w]
@@ -317,8 +346,15 @@ class Engine:
 
 
 def pack_inputs(host: dict[str, Any]):
-    """`Engine.plan_inputs`' arrays as one int32 array: what one host-to-device copy moves."""
-    return np.concatenate([a.ravel() for a in host.values()])
+    """`Engine.plan_inputs`' arrays as one int32 array: what one host-to-device copy moves. Each array
+    starts ALIGN elements in, so that the views kernels read are 16-byte aligned whatever the step's size
+    (Triton specializes a kernel on its pointers' alignment)."""
+    out = np.zeros(sum(round_up(a.size, ALIGN) for a in host.values()), dtype=np.int32)
+    off = 0
+    for a in host.values():
+        out[off:off + a.size] = a.ravel()
+        off += round_up(a.size, ALIGN)
+    return out
 
 
 def unpack_inputs(buf, host: dict[str, Any]) -> dict[str, Any]:
@@ -326,7 +362,7 @@ def unpack_inputs(buf, host: dict[str, Any]) -> dict[str, Any]:
     parts, off = {}, 0
     for name, a in host.items():
         parts[name] = buf[off:off + a.size].view(a.shape)
-        off += a.size
+        off += round_up(a.size, ALIGN)
     return parts
 
 

@@ -18,10 +18,10 @@ from typing import Any, Sequence
 
 import torch
 
-from dsv4.components.engine import pack_inputs
+from dsv4.components.engine import TABLE_PAGES, pack_inputs
 from dsv4.components.plan import StepPlan
 from dsv4.graph import GraphConfig
-from dsv4.sizes import cdiv
+from dsv4.sizes import cdiv, round_up
 
 
 @dataclass(slots=True)
@@ -44,11 +44,15 @@ class StepGraphs:
         self.pool = None
 
     def widths(self, engine, rank: int) -> dict[str, int]:
-        """Pages of each group a request of max_context positions needs (the captured tables' width)."""
+        """Pages of each group a request of max_context positions needs (the captured tables' width), rounded
+        up as an eager step's are."""
         out = {}
         for name, g in engine.pools[rank].groups.items():
-            out[name] = max(1, cdiv(g.rule.rows(self.config.max_context), g.block_size))
+            out[name] = round_up(max(1, cdiv(g.rule.rows(self.config.max_context), g.block_size)), TABLE_PAGES)
         return out
+
+    def describe(self) -> str:
+        return f"CUDA graphs captured at {len(self.captured)} sizes up to {max(self.captured, default=0)} tokens"
 
     def size_for(self, T: int, segs: Sequence) -> int | None:
         """The capture size a step of T tokens replays at, or None (eager): too many tokens, or a request

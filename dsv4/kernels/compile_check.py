@@ -111,7 +111,7 @@ def compile_for(target: str, what: str) -> float:
     ints = {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "NC"}
     for plan in (mod.plan_launch(256, 64, 640, 132), mod.plan_launch(1, 64, 640, 132)):
         for fn, extra, warps in ((mod._scores_kernel, {}, 4),
-                                 (mod._pv_kernel, dict(DB=plan.block_d, NBP=8), plan.num_warps_pv)):
+                                 (mod._pv_kernel, dict(DB=plan.block_d, NBC=mod.ML_BLOCKS), plan.num_warps_pv)):
             const = dict(S_LAYOUT=code, E_LAYOUT=code, S_BS=64, E_BS=3, HAS_EXTRA=True, BH=plan.block_h,
                          BN=plan.block_n, D=512, DOT=tl.bfloat16, NATIVE=native, **extra)
             _compile(fn, const, lambda a: _arg_type(a, code), ints, gpu, warps)

@@ -128,7 +128,7 @@ def _compress_rows(t, sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, po
         tl.store(faults_ptr + fault_row * T + t, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])     # step sizes: one variant for all
 def _compress_kernel(cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr, keep_ptr, close_ptr, pages_ptr, P, faults_ptr, T,
                      eps, sc_ptr, sc_stride, ape_ptr, norm_ptr, st_ptr, n_state, out_ptr, store_ptr, fault_row,
                      cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots,

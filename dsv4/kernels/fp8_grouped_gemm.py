@@ -22,7 +22,7 @@ from dsv4.sizes import cdiv
 BLOCK = 128
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])     # step sizes: one variant for all
 def _grouped_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, z_ptr, T, G, N, K, BM: tl.constexpr, DOT: tl.constexpr,
                         STAGES: tl.constexpr):
     pid_m = tl.program_id(0)

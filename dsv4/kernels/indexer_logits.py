@@ -191,7 +191,7 @@ def _block(q_hi, q_lo, wv, k_ptr, pages_ptr, P, n_slots, cols, i, req, cnt, r_lo
     return tl.where(cols[:, None] < cnt[None, :], logits, float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])     # step sizes: one variant for all
 def _indexer_kernel(q_ptr, w_ptr, w_stride, w_scale, k_ptr, pages_ptr, req_ptr, cnt_ptr, out_ptr, T, H, DI, P, width,
                     n_slots,
                     BS: tl.constexpr, TG: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr,

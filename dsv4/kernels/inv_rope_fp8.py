@@ -17,7 +17,7 @@ from dsv4.kernels.launch import as_dense, launch
 from dsv4.sizes import cdiv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_token", "s_block"])     # DeepGEMM's scale strides follow T
 def _inv_rope_fp8_kernel(o_ptr, cos_ptr, sin_ptr, x_ptr, s_ptr, s_token, s_block, n_blocks, groups_per_token,
                          HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BPP: tl.constexpr):
     pid = tl.program_id(0)

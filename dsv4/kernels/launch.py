@@ -19,6 +19,7 @@ profiler such as proton), it is exactly `kernel[grid](*args, **meta)`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -103,8 +104,24 @@ def _c_launch(compiled):
     return (c, run.launch_cooperative_grid, run.launch_pdl) if callable(c) else None
 
 
+_OBSERVERS: list = []        # observe(): called with (kernel, args, meta) before each launch
+
+
+@contextlib.contextmanager
+def observe(fn):
+    """Within the block, `fn(kernel, args, meta)` sees every launch (compiled or interpreted) before it runs:
+    what a kernel is called with, e.g. to derive the specialization Triton compiles it for."""
+    _OBSERVERS.append(fn)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(fn)
+
+
 def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     """kernel[grid](*args, **meta), with the specialization's compiled kernel launched directly."""
+    for fn in _OBSERVERS:
+        fn(kernel, args, meta)
     k = _KERNELS.get(id(kernel), False)
     if k is False:
         k = _KERNELS[id(kernel)] = _Kernel(kernel) if hasattr(kernel, "device_caches") else None
@@ -139,6 +156,12 @@ def variants(kernel) -> int:
     """How many compiled variants `launch` keeps for `kernel` (0 under the interpreter)."""
     k = _KERNELS.get(id(kernel))
     return len(k.variants) if k else 0
+
+
+def compiled() -> dict[str, int]:
+    """Compiled variants `launch` has launched so far, by kernel name: each new one was compiled or loaded
+    from Triton's cache on the host, inside the step that first needed it."""
+    return {k.fn.fn.__name__: len(k.variants) for k in _KERNELS.values() if k is not None and k.variants}
 
 
 # ---- arguments in the form a kernel reads, without a dispatcher call when they already are -----------

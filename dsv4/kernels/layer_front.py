@@ -142,7 +142,7 @@ def _rot_part(t, hb, x_ptr, x_stride, cos_ptr, sin_ptr, out_ptr, H, w_ptr, w_str
         tl.store(out_ptr + at, round_to(y, out_ptr.dtype.element_ty, SOFT), mask=(h < H)[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NQ", "NI", "T"])     # step sizes: one variant for all
 def _front_kernel(q_ptr, q_stride, qo_ptr, H, PH, NQ, iq_ptr, iq_stride, iqo_ptr, HI, NI, iw_ptr, iw_stride,
                   iw_scale, iwq_ptr, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr,
                   faults_ptr, T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots,

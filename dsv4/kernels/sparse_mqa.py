@@ -55,6 +55,7 @@ LOG2E_C = tl.constexpr(LOG2E)      # the same, inside kernels
 # FNUZ e4m3 NoPE bytes
 LAYOUT_CODES = {"bfloat16": 0, "fp8_ds_mla": 1, "fp8_ds_mla_fnuz": 2}
 WORKSPACE_BYTES = 1 << 28      # the bf16 p workspace of one launch; longer steps run in token chunks
+ML_BLOCKS = 32                 # list blocks whose maxima and sums the P·V pass combines at a time
 
 
 @triton.jit
@@ -146,7 +147,7 @@ def _score_block(q_ptr, p_ptr, ml_ptr, t, blk, heads, hmask, H, NC, NB, idx_ptr,
     tl.store(ml_ptr + mrow + 1, tl.sum(p, 1), mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB"])     # step sizes: one variant for all
 def _scores_kernel(q_ptr, p_ptr, ml_ptr,
                    s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots,
                    e_u8, e_bf, e_w64, e_idx, e_len, e_w, e_stride, e_slots,
@@ -209,14 +210,14 @@ def _pv_lists(p_ptr, ml_ptr, t, M_use, heads, hmask, H, NC, NB, NBS, d0, nb_s, n
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB"])     # step sizes: one variant for all
 def _pv_kernel(p_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr,
                s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots,
                e_u8, e_bf, e_w64, e_idx, e_len, e_w, e_stride, e_slots,
                H, NC, NB, NBS,
                S_LAYOUT: tl.constexpr, E_LAYOUT: tl.constexpr, S_BS: tl.constexpr, E_BS: tl.constexpr,
                HAS_EXTRA: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DB: tl.constexpr,
-               NBP: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
+               NBC: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
     d0 = tl.program_id(0) * DB
     t = tl.program_id(1)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -228,15 +229,20 @@ def _pv_kernel(p_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr,
     else:
         n_e = 0
     nb_e = tl.cdiv(n_e, BN)
-    # the token's maximum and sum over the blocks the scores pass wrote
-    b = tl.arange(0, NBP)
-    written = (b < nb_s) | ((b >= NBS) & (b < NBS + nb_e))
-    mrow = ((t.to(tl.int64) * NB + b)[:, None] * H + heads[None, :]) * 2
-    mb = tl.load(ml_ptr + mrow, mask=written[:, None] & hmask[None, :], other=float("-inf"))
-    lb = tl.load(ml_ptr + mrow + 1, mask=written[:, None] & hmask[None, :], other=0.0)
-    M = tl.max(mb, 0)
+    # the token's maximum and sum over the blocks the scores pass wrote, NBC blocks at a time
+    M = tl.full([BH], float("-inf"), tl.float32)
+    L = tl.zeros([BH], tl.float32)
+    for b0 in range(0, NB, NBC):
+        b = b0 + tl.arange(0, NBC)
+        written = (b < nb_s) | ((b >= NBS) & (b < NBS + nb_e))
+        mrow = ((t.to(tl.int64) * NB + b)[:, None] * H + heads[None, :]) * 2
+        mb = tl.load(ml_ptr + mrow, mask=written[:, None] & hmask[None, :], other=float("-inf"))
+        lb = tl.load(ml_ptr + mrow + 1, mask=written[:, None] & hmask[None, :], other=0.0)
+        M_new = tl.maximum(M, tl.max(mb, 0))
+        M_use = tl.where(M_new == float("-inf"), 0.0, M_new)
+        L = L * tl.exp2(M - M_use) + tl.sum(lb * tl.exp2(mb - M_use[None, :]), 0)
+        M = M_new
     M_use = tl.where(M == float("-inf"), 0.0, M)
-    L = tl.sum(lb * tl.exp2(mb - M_use[None, :]), 0)
     lists = (p_ptr, ml_ptr, t, M_use, heads, hmask, H, NC, NB, NBS, d0, nb_s, nb_e, n_s, n_e, s_u8, s_bf, s_w64, s_idx,
              s_w, s_stride, s_slots, e_u8, e_bf, e_w64, e_idx, e_w, e_stride, e_slots)
     if d0 + DB <= D - 64:                       # e4m3 dims only (3 of 4 programs at DB=128): no RoPE loads
@@ -429,6 +435,6 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
         launch(_scores_kernel, (NB, t1 - t0, cdiv(H, BH)), q[t0:t1], p, ml, *pools, H, NC, NB, nbs,
                scale * LOG2E, BH=BH, **common, num_warps=num_warps, num_stages=1)
         launch(_pv_kernel, (D // DB, t1 - t0, cdiv(H, BH)), p, ml, sink, out[t0:t1], lse[t0:t1], *pools, H,
-               NC, NB, nbs, BH=BH, DB=DB, NBP=next_pow2(NB), **common,
+               NC, NB, nbs, BH=BH, DB=DB, NBC=ML_BLOCKS, **common,
                num_warps=num_warps_pv or plan.num_warps_pv, num_stages=1)
     return out, lse
