@@ -15,7 +15,8 @@ from dsv4.components.rope import Rope
 from dsv4.device import detect
 from dsv4.oracle import rel_err
 from dsv4.strategies import DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, TorchFp8OProj
-from dsv4.bench import POOL_BLOCKS, graph_time_us, oproj_case, sparse_case
+from dsv4.benches.cases import POOL_BLOCKS, oproj_case, sparse_case
+from dsv4.benches.timing import graph_time_us
 from tests.conftest import tiny_spec
 
 

@@ -1,4 +1,4 @@
-"""Chosen rows of `mode=bench`'s whole-layer table (dsv4/layer_bench.py), for a run with little time.
+"""Chosen rows of `mode=bench`'s whole-layer table (dsv4/benches/layer.py), for a run with little time.
 
   python bench/layer_table.py --cases 64x2@8192 64x2@65536 --backends "flashmla + deepgemm_fp8"
   python bench/layer_table.py --no-prefill deployment=h200 model=dsv4_pro
@@ -10,8 +10,9 @@ import argparse
 
 from hydra import compose, initialize_config_dir
 
-from dsv4.app import CONFIG_DIR, make_job
-from dsv4.layer_bench import DECODE_CASES, bench_layer_step
+from dsv4.catalogue import CONFIG_DIR
+from dsv4.job import make_job
+from dsv4.benches.layer import DECODE_CASES, bench_layer_step
 
 
 def case(text: str) -> tuple[int, int, int]:

@@ -14,9 +14,10 @@ from collections import defaultdict
 import torch
 from hydra import compose, initialize_config_dir
 
-from dsv4.app import CONFIG_DIR, make_job
-from dsv4.bench import replay_us
-from dsv4.layer_bench import _engine, backends, decode_step, fill
+from dsv4.catalogue import CONFIG_DIR
+from dsv4.job import make_job
+from dsv4.benches.timing import replay_us
+from dsv4.benches.layer import _engine, backends, decode_step, fill
 
 
 def traced(fn, calls: int = 10, *, host: bool = False):

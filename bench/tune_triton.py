@@ -17,7 +17,8 @@ import functools
 
 import torch
 
-from dsv4.bench import DECODE_CASES, POOL_BLOCKS, graph_time_us, oproj_case, sparse_case
+from dsv4.benches.cases import DECODE_CASES, POOL_BLOCKS, oproj_case, sparse_case
+from dsv4.benches.timing import graph_time_us
 from dsv4.components.rope import Rope
 from dsv4.oracle import rel_err
 from dsv4.strategies import FlashMLASparse, TritonSparseMQA

@@ -17,7 +17,7 @@ __all__ = [
 ]
 _HOMES = {       # where each public name lives; imported on first use
     "dsv4.api": ("compose", "validate", "build_layer", "build_pool", "build_engine"),
-    "dsv4.app": ("Job",),
+    "dsv4.job": ("Job",),
     "dsv4.spec": ("ModelSpec",),
     "dsv4.device": ("DeviceInfo", "detect"),
     "dsv4.errors": ("Problem", "ConfigError", "IncompatibleCombination", "InvalidRequest"),
@@ -45,7 +45,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from dsv4.api import build_engine, build_layer, build_pool, compose, validate
-    from dsv4.app import Job
+    from dsv4.job import Job
     from dsv4.components.attention import DSV4Attention
     from dsv4.components.engine import Engine
     from dsv4.components.kv_pool import KVPool, LayerCaches, PoolConfig

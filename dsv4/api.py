@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from dsv4.app import GROUPS, Job, make_job, problems_for, raise_if
+from dsv4.catalogue import GROUPS
+from dsv4.job import Job, make_job, problems_for, raise_if
 from dsv4.device import DeviceInfo
 from dsv4.errors import ConfigError
 from dsv4.spec import ModelSpec

@@ -44,6 +44,22 @@ def option(group: str, name: str):
 
 
 @functools.cache
+def model_presets() -> dict[str, Any]:
+    """The shipped model presets (configs/model/*.yaml) that build a ModelSpec, by name."""
+    from omegaconf import OmegaConf
+
+    from dsv4.spec import ModelSpec
+
+    out = {}
+    for p in sorted((CONFIG_DIR / "model").glob("*.yaml")):
+        try:
+            out[p.stem] = ModelSpec.from_config(OmegaConf.to_container(OmegaConf.load(p), resolve=True))
+        except (ConfigError, TypeError, ValueError):     # a preset that does not build is no model
+            continue
+    return out
+
+
+@functools.cache
 def defaults() -> dict[str, str]:
     """Each group's option in configs/config.yaml's defaults list: the choice when nothing else is said."""
     from omegaconf import OmegaConf

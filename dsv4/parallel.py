@@ -150,3 +150,47 @@ def spawn(fn: Callable, world: int, *args) -> None:
     import torch.multiprocessing as mp
 
     mp.spawn(_spawned, args=(world, free_port(), fn, args), nprocs=world, join=True)
+
+
+# ---- a job's ranks ------------------------------------------------------------------------------------
+def processes(job) -> int:
+    """How many processes run the job's ranks: one per rank under torchrun or parallel.launcher=spawn."""
+    if job.combo.world_size is not None:
+        return job.combo.world_size
+    return job.combo.tp_size if job.parallel.launcher == "spawn" and job.combo.tp_size > 1 else 1
+
+
+def run_ranks(job, execute: Callable) -> float | None:
+    """`execute(job, ranks=None)` on this process's ranks: launched by torchrun, this process is one rank;
+    with parallel.launcher=spawn and tp_size > 1 it starts the tp_size rank processes (each given the job)
+    and waits for them; otherwise the ranks are simulated here."""
+    import json
+
+    from dsv4.errors import ResultMismatch
+
+    if job.combo.world_size is not None:
+        return _run_rank(job, execute)
+    if processes(job) > 1:
+        try:
+            spawn(_run_rank, job.combo.tp_size, job, execute)
+        except Exception as e:        # the failing rank printed its message; this one names the job
+            row = job.out_dir / "result.json"
+            if row.exists() and json.loads(row.read_text()).get("status") == "mismatch":   # rank 0 judged it
+                raise ResultMismatch(json.loads(row.read_text()).get("error") or "outputs outside the error "
+                                     f"budget (row: {row})") from None
+            raise RuntimeError(f"a rank of the tp_size={job.combo.tp_size} job failed ({e}); its message is above") from None
+        row = job.out_dir / "result.json"
+        return json.loads(row.read_text()).get("metrics.max_rel_err") if row.exists() else None
+    return execute(job)
+
+
+def _run_rank(job, execute: Callable) -> float | None:
+    """One rank's process: join the group, run, leave. A failure ends this process at once with the
+    rank's message (fail_rank); the launcher ends the others."""
+    try:
+        ranks = init(platform=job.device.platform, tp_size=job.combo.tp_size, config=job.parallel)
+        value = execute(job, ranks)       # its gather is the last collective: no barrier, so other ranks
+        shutdown()                        # do not wait (under the group's timeout) while rank 0 grades
+        return value
+    except Exception as e:
+        fail_rank(int(os.environ["RANK"]), e)

@@ -109,3 +109,22 @@ def tty_progress(stream=None):
             stream.write("\n")
         stream.flush()
     return show
+
+
+def error_row(out_dir, e: Exception, *, choices: dict[str, str], device, settings: dict[str, Any]) -> Path:
+    """The `error` result row of a job that failed (or could not be made), written into out_dir."""
+    return write_row(Path(out_dir), result_row(status="error", problems=[], choices=dict(choices), device=device,
+                                               settings=settings, error=f"{type(e).__name__}: {e}"))
+
+
+def sweep_cell_failed(e: Exception, row: Path) -> None:
+    """A multirun job that failed: its `error` row is written; say so on stderr (with the traceback,
+    unless it is a user error whose message says what to change) and return, so the other cells
+    still run and the end-of-sweep summary is written (the summary callback then exits 1)."""
+    import traceback
+
+    from dsv4.errors import USER_ERRORS
+
+    if not isinstance(e, USER_ERRORS):
+        traceback.print_exception(e)
+    print(f"error (row: {row}): {type(e).__name__}: {e}", file=sys.stderr)

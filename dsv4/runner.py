@@ -109,7 +109,7 @@ def verdict(metrics: dict[str, dict], *, budget: float, gap: float) -> list[str]
 def execute(job, ranks: Ranks | None = None) -> float | None:
     """Run the workload on this process's ranks; the main rank grades it, prints and writes result.json
     (other ranks return None)."""
-    from dsv4.app import settings
+    from dsv4.job import settings
 
     ranks = ranks or Ranks(tp_size=job.combo.tp_size)
     spec, c = job.spec, job.combo

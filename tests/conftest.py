@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from dsv4.app import CONFIG_DIR as CONFIGS      # the packaged config tree, dsv4/configs
+from dsv4.catalogue import CONFIG_DIR as CONFIGS      # the packaged config tree, dsv4/configs
 
 ROOT = Path(__file__).resolve().parents[1]
 

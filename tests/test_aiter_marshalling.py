@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from dsv4.bench import random_pages
+from dsv4.benches.cases import random_pages
 from dsv4.compat import Combination, check
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
@@ -719,7 +719,7 @@ def load_spec(name: str) -> ModelSpec:
 
 
 def option(group: str, name: str):
-    from dsv4.app import instantiate_group
+    from dsv4.catalogue import instantiate_group
 
     return instantiate_group(OmegaConf.load(CONFIGS / group / f"{name}.yaml"))
 
@@ -834,7 +834,7 @@ def test_missing_package_is_named_when_checking_this_machine():
 
 # ---- the presets and deployments, composed ------------------------------------------------------------
 def test_backend_preset_on_the_rocm_deployments(compose_cfg):
-    from dsv4.app import make_job
+    from dsv4.job import make_job
 
     job = make_job(compose_cfg(["backend=aiter", "deployment=mi355x"]))
     assert [getattr(job.combo, g).name for g in ("mqa_kernel", "o_proj", "head_padding", "cache_layout")] == \

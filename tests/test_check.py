@@ -40,7 +40,7 @@ def load_spec(name: str) -> ModelSpec:
 
 def load_option(group: str, option: str):
     """A shipped strategy option, instantiated the way the app does it."""
-    from dsv4.app import instantiate_group
+    from dsv4.catalogue import instantiate_group
 
     return instantiate_group(OmegaConf.load(CONFIGS / group / f"{option}.yaml"))
 

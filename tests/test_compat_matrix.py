@@ -15,7 +15,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from dsv4.app import GROUPS, make_job
+from dsv4.catalogue import GROUPS
+from dsv4.job import make_job
 from dsv4.compat import check
 from dsv4.device import DeviceInfo
 from dsv4.strategies.top_k import TOP_K

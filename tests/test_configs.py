@@ -25,7 +25,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import dsv4.strategies
 from tests.conftest import CONFIGS, options, run_py
-from dsv4.app import GROUPS, MODES, info, instantiate_group, make_job, problems_for
+from dsv4.catalogue import GROUPS, instantiate_group
+from dsv4.job import make_job, problems_for
+from dsv4.modes.info import info
+from dsv4.settings import MODES
 from dsv4.compat import check
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.spec import ModelSpec
@@ -314,10 +317,10 @@ def test_info_says_no_with_the_reason(compose_cfg):
 
 
 def test_cpu_deployment_can_run_on_a_gpu_host(compose_cfg, monkeypatch):
-    import dsv4.app
+    import dsv4.job
 
     job = make_job(compose_cfg(["deployment=cpu"]), choices={"deployment": "cpu"})
-    monkeypatch.setattr(dsv4.app, "local_platform", lambda: "cuda")
+    monkeypatch.setattr(dsv4.job, "local_platform", lambda: "cuda")
     assert problems_for(job, running=True) == []
 
 
@@ -427,7 +430,7 @@ def test_cli_unknown_mode_lists_modes(bad_mode):
 
 def test_every_mode_has_its_entry():
     """The app's table of modes holds every mode the settings accept (summarize reads a sweep, not a job)."""
-    from dsv4.app import JOB_MODES
+    from dsv4.modes import JOB_MODES
 
     assert set(JOB_MODES) | {"summarize"} == set(MODES)
 

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from dsv4.bench import random_pages
+from dsv4.benches.cases import random_pages
 from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo
 from dsv4.oracle import rel_err
@@ -754,7 +754,7 @@ POW2 = BucketHeadPadding(name="buckets_pow2", buckets=(8, 16, 32, 64, 128))
 
 
 def fi_combo(*, spec=FLASH, layout="bf16", head_padding=POW2, tp_size=1, dtype="bfloat16") -> Combination:
-    from dsv4.app import instantiate_group
+    from dsv4.catalogue import instantiate_group
 
     lay = instantiate_group(OmegaConf.load(CONFIGS / "cache_layout" / f"{layout}.yaml"))
     return Combination(spec=spec, mqa_kernel=FlashInferSparse(), o_proj=ReferenceOProj(), head_padding=head_padding,
@@ -823,7 +823,7 @@ def test_missing_package_is_named_when_checking_this_machine():
 
 
 def test_backend_preset_composes_and_is_valid_on_sm100(compose_cfg):
-    from dsv4.app import make_job
+    from dsv4.job import make_job
 
     job = make_job(compose_cfg(["backend=flashinfer", "deployment=b200"]))
     assert [getattr(job.combo, g).name for g in ("mqa_kernel", "o_proj", "head_padding", "cache_layout")] == \

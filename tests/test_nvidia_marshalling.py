@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 
-from dsv4.bench import random_pages
+from dsv4.benches.cases import random_pages
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
 from dsv4.oracle import rel_err

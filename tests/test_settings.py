@@ -183,7 +183,7 @@ def test_a_mismatch_of_spawned_ranks_stays_a_mismatch(tmp_path):
 
 
 def test_a_string_setting_the_command_line_parsed_as_a_number_stays_a_string(compose_cfg, tmp_path, monkeypatch):
-    from dsv4.app import make_job
+    from dsv4.job import make_job
 
     monkeypatch.chdir(tmp_path)
     assert make_job(compose_cfg([*TINY, "dump_dir=2024"])).run.dump_dir == "2024"

@@ -32,7 +32,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from dsv4.app import GROUPS, cli, info, main, make_job, problems_for
+from dsv4.app import cli, main
+from dsv4.catalogue import GROUPS
+from dsv4.job import make_job, problems_for, settings
+from dsv4.modes.info import info
 from dsv4.compat import check
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.errors import IncompatibleCombination
@@ -101,7 +104,7 @@ def test_experiment_composes_as_a_multirun_and_every_cell_composes(compose_cfg, 
         job = make_job(compose_cfg([f"experiment={experiment}", *cell]))
         for override in cell:
             key, value = override.split("=")
-            got = getattr(job.combo, key).name if key in GROUPS else str(job.cfg[key])
+            got = getattr(job.combo, key).name if key in GROUPS else str(settings(job)[key])
             assert got == value, override
         problems = check(job.combo, job.device)
         assert all(p.fix for p in problems), [p.line() for p in problems]

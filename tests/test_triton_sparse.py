@@ -15,7 +15,7 @@ import torch
 
 from tests.triton_mode import BIG, DEVICE, GPU, MARK  # first: sets TRITON_INTERPRET without a GPU
 
-from dsv4.bench import sparse_case
+from dsv4.benches.cases import sparse_case
 from dsv4.oracle import rel_err
 from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout, ReferenceMQA
 from dsv4.strategies.triton_sparse import TritonSparseMQA
@@ -85,7 +85,7 @@ def test_launch_shapes_agree(launch):
 
 
 def test_planned_launch_follows_the_step_size():
-    from dsv4.kernels.sparse_mqa import Launch, plan_launch
+    from dsv4.kernels.sparse_plan import Launch, plan_launch
 
     assert plan_launch(1, 64, 640, 132) == Launch(64, 16, 64, 8)          # b=1 decode: more, smaller programs
     assert plan_launch(256, 64, 640, 132) == Launch(128, 64, 128, 4)      # b=128, s_q=2
@@ -123,7 +123,7 @@ def test_launch_shapes_need_the_two_pass_variant(variant):
 def test_kernel_plan(monkeypatch):
     """auto takes the Hopper kernel on sm90 for fp8_ds_mla pages once the step gives 3/8 as many
     programs as SMs; an explicit hopper that cannot run is an error naming the reason and the fix."""
-    from dsv4.kernels.sparse_mqa import plan_kernel
+    from dsv4.kernels.sparse_plan import plan_kernel
 
     h200 = dict(arch="sm90", layouts=(1, 1), head_dim=512, native=True, dtype="bfloat16", processors=132)
     assert plan_kernel("auto", **h200, programs=256) == "hopper"              # b=128, s_q=2, 64 heads
@@ -138,7 +138,7 @@ def test_kernel_plan(monkeypatch):
         assert plan_kernel("auto", **other, programs=256) == "two_pass"
         with pytest.raises(ValueError, match=why):
             plan_kernel("hopper", **other, programs=256)
-    from dsv4.kernels import sparse_mqa as mod
+    from dsv4.kernels import sparse_plan as mod
 
     monkeypatch.setattr(mod, "gluon_error", lambda: "Triton 3.4 has no usable Gluon")   # an older Triton
     assert plan_kernel("auto", **h200, programs=256) == "two_pass"
@@ -147,14 +147,16 @@ def test_kernel_plan(monkeypatch):
 
 
 def test_gluon_needs_triton_3_6(monkeypatch):
-    from dsv4.kernels import sparse_mqa as mod
+    import triton
+
+    from dsv4.kernels import sparse_plan as mod
 
     mod.gluon_error.cache_clear()
     try:
-        monkeypatch.setattr(mod.triton, "__version__", "3.5.1")
+        monkeypatch.setattr(triton, "__version__", "3.5.1")
         assert ">= 3.6" in mod.gluon_error() and "3.5.1" in mod.gluon_error()
         mod.gluon_error.cache_clear()
-        monkeypatch.setattr(mod.triton, "__version__", "3.6.0")
+        monkeypatch.setattr(triton, "__version__", "3.6.0")
         assert mod.gluon_error() == ""                     # the module imports with any Triton from 3.6 on
     finally:
         mod.gluon_error.cache_clear()

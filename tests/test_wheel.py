@@ -71,7 +71,7 @@ def test_the_wheel_ships_the_configs_and_the_command(installed):
 def test_the_installed_package_is_the_one_imported(installed, tmp_path):
     site, _ = installed
     r = run_installed(site, tmp_path, sys.executable, "-c",
-                      "import dsv4, dsv4.app; print(dsv4.__file__); print(dsv4.app.CONFIG_DIR)")
+                      "import dsv4, dsv4.catalogue; print(dsv4.__file__); print(dsv4.catalogue.CONFIG_DIR)")
     assert r.returncode == 0, r.stderr[-3000:]
     module, configs = r.stdout.split()
     assert Path(module) == site / "dsv4" / "__init__.py" and Path(configs) == site / "dsv4" / "configs"

@@ -76,7 +76,6 @@ SINGLE_FILE = "model.safetensors"
 PREFIXES = ("layers.{l}.attn.", "model.layers.{l}.self_attn.", "model.layers.{l}.attn.")   # published first
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")         # on the linear: `wq_a.scale` | `wq_a.weight_scale_inv`
 DEFAULT_BLOCK = (128, 128)
-MODEL_DIR = Path(__file__).resolve().parents[1] / "configs" / "model"
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _SCALE_DTYPES = (torch.float8_e8m0fnu, torch.float32)       # uint8 is viewed as float8_e8m0fnu
@@ -200,19 +199,9 @@ def _override(field_name: str, value: Any) -> str:
 
 def _matching_models(config: dict[str, Any]) -> list[str]:
     """Model presets (configs/model/*.yaml) that config.json agrees with on every field it has."""
-    if not MODEL_DIR.is_dir():
-        return []
-    from omegaconf import OmegaConf
+    from dsv4.catalogue import model_presets
 
-    names = []
-    for p in sorted(MODEL_DIR.glob("*.yaml")):
-        try:
-            spec = ModelSpec.from_config(OmegaConf.to_container(OmegaConf.load(p), resolve=True))
-        except (ConfigError, TypeError, ValueError):     # a preset that does not build is no suggestion
-            continue
-        if not config_mismatches(config, spec):
-            names.append(p.stem)
-    return names
+    return [name for name, spec in model_presets().items() if not config_mismatches(config, spec)]
 
 
 def check_config(ck: Checkpoint, spec: ModelSpec, model_choice: str) -> None:

@@ -1,6 +1,7 @@
 """Sparse MQA with attention sink in Triton, reading the paged cache in place (mqa_kernel=triton_sparse):
-the portable two-pass kernel, and `plan_kernel`, which sends large steps on sm90 with fp8_ds_mla pages to
-the one-pass Hopper kernel instead (sparse_mqa_hopper.py; 1.6x faster there, docs/benchmarks.md).
+the portable two-pass kernel, and the call that runs it or, where `plan_kernel` (sparse_plan.py) sends large
+steps on sm90 with fp8_ds_mla pages, the one-pass Hopper kernel (sparse_mqa_hopper.py; 1.6x faster there,
+docs/benchmarks.md).
 
 Two passes, so that no program holds more than a [heads, rows] or a [heads, dims] tile (in plain Triton a one-pass
 flash kernel owns a [heads, 512] float32 accumulator plus a decoded [rows, 512] tile: 255 registers,
@@ -39,15 +40,14 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
 
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, device_arch, launch, native_e4m3
-from dsv4.sizes import cdiv, next_pow2
-from dsv4.strategies.triton_sparse import VARIANTS
+from dsv4.sizes import cdiv
+from dsv4.kernels.sparse_plan import plan_kernel, plan_launch
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)      # the same, inside kernels
@@ -306,79 +306,6 @@ def pool_args(cache) -> Pool:
         return Pool(code, cache.block_size, data, data, data, 0, cache.num_slots)
     return Pool(code, cache.block_size, data, data.view(torch.bfloat16), data.view(torch.int64), data.stride(0),
                 cache.num_slots)
-
-
-class Launch(NamedTuple):
-    block_n: int      # index columns per scores program (and per P·V step)
-    block_h: int      # heads per program, both passes
-    block_d: int      # output dims per P·V program
-    num_warps_pv: int
-
-
-def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launch:
-    """Launch shapes from the step's size (H200 sweeps, docs/benchmarks.md). When the scores pass at
-    128 columns x 64 heads per program gives at least half as many programs as processors: that
-    (4 warps), and 128 output dims per P·V program. Otherwise (decode of a few requests) more, smaller
-    programs: 64 columns x 16 heads, 64 dims with 8 warps (the two-pass kernel on the H200: b=1 21 µs
-    instead of 34; 128 SWA-only queries, 128 programs: 28 µs with the first shape, 69 with the second)."""
-    full = min(64, max(16, next_pow2(heads)))
-    if 2 * tokens * cdiv(columns, 128) * cdiv(heads, full) >= processors:
-        return Launch(128, full, 128, 4)
-    return Launch(64, 16, 64, 8)
-
-
-# auto takes the one-pass Hopper kernel from this many (token, 64-head) programs per SM on: below it the
-# two-pass kernel's split over list blocks fills the GPU better. H200 (132 SMs), 64 heads, 128+512 rows,
-# two-pass / Hopper µs: 32 programs 31.4 / 34.2, 48 36.0 / 36.0, 64 45.2 / 41.5 (docs/benchmarks.md)
-HOPPER_MIN_PROGRAMS_PER_SM = 0.375
-
-
-GLUON_MIN_TRITON = (3, 6)        # the Gluon API the Hopper kernel is written in (3.6 runs it, 3.9 compiles it)
-
-
-@functools.lru_cache(maxsize=None)
-def gluon_error() -> str:
-    """Why the one-pass Hopper kernel cannot be built with this Triton ('' if it can)."""
-    version = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
-    if version < GLUON_MIN_TRITON:
-        return f"it needs Triton >= {'.'.join(map(str, GLUON_MIN_TRITON))}'s Gluon, this is {triton.__version__}"
-    try:
-        import dsv4.kernels.sparse_mqa_hopper  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any failure means: not available, with the reason
-        return f"Triton {triton.__version__} has no usable Gluon ({type(e).__name__}: {e})"
-    return ""
-
-
-def hopper_unfit(*, arch: str, layouts: tuple[int, int], head_dim: int, native: bool, dtype: str) -> str:
-    """Why the one-pass Hopper kernel cannot run this call ('' if it can)."""
-    if arch != "sm90":
-        return f"it runs on NVIDIA sm90 (Hopper warpgroup MMAs) only, not {arch}"
-    if dtype != "bfloat16":
-        return f"it takes bfloat16 queries, not {dtype}"
-    if layouts != (1, 1):
-        return "it reads fp8_ds_mla pages (OCP e4m3) only"
-    if head_dim != 512:
-        return f"it is built for head_dim 512, not {head_dim}"
-    if not native:
-        return "it decodes e4m3 with the hardware conversion (native_fp8=False asks for the integer decoding)"
-    return gluon_error()
-
-
-def plan_kernel(variant: str, *, arch: str, layouts: tuple[int, int], head_dim: int, native: bool, dtype: str,
-                programs: int, processors: int) -> str:
-    """'hopper' or 'two_pass' for a call. auto: Hopper where it can run and the step gives at least
-    HOPPER_MIN_PROGRAMS_PER_SM programs per SM; an explicit 'hopper' that cannot run is an error."""
-    if variant not in VARIANTS:
-        raise ValueError(f"mqa_kernel=triton_sparse: variant={variant!r} is not one of {VARIANTS}")
-    if variant == "two_pass":
-        return variant
-    why = hopper_unfit(arch=arch, layouts=layouts, head_dim=head_dim, native=native, dtype=dtype)
-    if variant == "hopper":
-        if why:
-            raise ValueError(f"mqa_kernel=triton_sparse variant=hopper: {why}; set mqa_kernel.variant=auto or "
-                             f"two_pass")
-        return variant
-    return "hopper" if not why and programs >= HOPPER_MIN_PROGRAMS_PER_SM * processors else "two_pass"
 
 
 def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool | None = None, extra_idx=None,

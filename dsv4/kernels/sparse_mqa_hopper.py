@@ -19,7 +19,7 @@ spills, 3.4x slower; two consumer warp groups of one budget: ptxas ignored setma
 
 Gluon exposes what this needs and plain Triton does not: explicit shared-memory buffers, warp
 specialization with per-partition register budgets, mbarriers, and asynchronous warpgroup MMAs reading
-the K buffer both as Kᵀ and as V. Only NVIDIA sm90 runs warpgroup MMAs; sparse_mqa.plan_kernel decides
+the K buffer both as Kᵀ and as V. Only NVIDIA sm90 runs warpgroup MMAs; sparse_plan.plan_kernel decides
 when it runs. The Gluon API used is Triton 3.6's (the H200's) and compiles with 3.9 (CI's compile check).
 """
 from __future__ import annotations
@@ -31,11 +31,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from dsv4.kernels.launch import launch
 from dsv4.sizes import cdiv
-from dsv4.kernels.sparse_mqa import LOG2E_C
 
 # Triton 3.6 (the H200's) calls the CTA barrier thread_barrier, 3.9 (CI's, for the compile check) barrier
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
+LOG2E_C = gl.constexpr(1.4426950408889634)     # log2(e)
 BH = gl.constexpr(64)      # heads per program: one warpgroup MMA's M
 BN = gl.constexpr(64)      # list columns per block
 # 12 warps x 168 registers = the SM's 64K: WG1 160, the producer 152, WG0 the rest (192)

@@ -16,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from dsv4.kernels.sparse_plan import VARIANTS
 from dsv4.strategies.protocols import Needs, SparseKV
 
 # bf16 tensor-core dots: NVIDIA Ampere and newer, AMD CDNA2 and newer
 TRITON_ARCHS = frozenset({"sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm110", "sm120", "sm121",
                           "gfx90a", "gfx942", "gfx950"})
 READS = frozenset({"bf16", "fp8_ds_mla", "fp8_ds_mla_fnuz"})
-VARIANTS = ("auto", "two_pass", "hopper")    # which kernel runs (dsv4/kernels/sparse_mqa.plan_kernel)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from dsv4.bench import CEILINGS, available_options, eager_us, graph_time_us, replay_us
+from dsv4.benches.cases import available_options
+from dsv4.benches.timing import CEILINGS, eager_us, graph_time_us, replay_us
 from dsv4.catalogue import option
 from dsv4.components.engine import CudaTimer, Segment
 from dsv4.report import table

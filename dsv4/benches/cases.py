@@ -1,0 +1,76 @@
+"""The benches' inputs: fresh random data, fp8_ds_mla pools far larger than L2 with slot lists random over
+them (FLOPs and bytes, docs/numerics.md §2.7: per query row 2·H·N·(512+512) FLOPs and N·584 bytes of KV, N
+the valid SWA + compressed entries, plus q and out), and the options this machine can time."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsv4.catalogue import options
+from dsv4.components.kv_pool import PagedCache
+from dsv4.strategies import Fp8DsMlaLayout, OProjWeights, SparseKV
+
+POOL_BLOCKS = 4096                                          # 262,144 rows x 584 B = 153 MB per cache
+DECODE_CASES = [("h64 128+512", 64, 64, 512, b, sq) for b, sq in ((1, 1), (64, 2), (128, 1), (128, 2))] + [
+    ("h128 128+1024", 128, 64, 1024, 128, 2), ("h64 128 SWA only", 64, None, 0, 128, 1)]
+
+def random_pages(name: str, blocks: int, block_size: int, g, layout=None) -> PagedCache:
+    """A PagedCache on g's device (fp8_ds_mla unless `layout` says otherwise) with a random row in every
+    slot, written in scrambled order."""
+    lay, dev = layout or Fp8DsMlaLayout(), g.device
+    c = PagedCache(name=name, layout=lay, block_size=block_size, head_dim=512,
+                   data=lay.allocate(num_blocks=blocks, block_size=block_size, head_dim=512, device=dev))
+    n = blocks * block_size
+    c.write(torch.randperm(n, generator=g, device=dev).int(), torch.randn(n, 512, generator=g, device=dev))
+    return c
+
+
+def sparse_case(T: int, H: int, *, extra_block, extra_w: int, seed: int, swa_w: int = 128, swa_blocks: int = 16,
+                extra_blocks: int = 64, full: bool = False, q_std: float = 1.0, layout=None, device: str = "cuda"):
+    """q [T, H, 512] bf16, a SparseKV over random pages, sinks. Slot lists are random over the pools,
+    -1 padded past random lengths (or full, for benchmarks that count every entry)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    swa = random_pages("swa", swa_blocks, 64, g, layout)
+
+    def lists(width, slots):
+        idx = torch.randint(0, slots, (T, width), generator=g, device=device)
+        lens = torch.full((T,), width, device=device) if full else \
+            torch.randint(1 if width == swa_w else 0, width + 1, (T,), generator=g, device=device)
+        cols = torch.arange(width, device=device)[None]
+        return torch.where(cols < lens[:, None], idx, -1).int(), lens.int()
+
+    si, sl = lists(swa_w, swa.num_slots)
+    kw: dict[str, Any] = dict(swa=swa, swa_indices=si, swa_lens=sl)
+    if extra_w:
+        ext = random_pages("compressed", extra_blocks, extra_block, g, layout)
+        ei, el = lists(extra_w, ext.num_slots)
+        kw |= dict(extra=ext, extra_indices=ei, extra_lens=el)
+    q = (torch.randn(T, H, 512, generator=g, device=device) * q_std).bfloat16()   # logits ~ N(0, q_std²)
+    return q, SparseKV(**kw), torch.randn(H, generator=g, device=device)
+
+
+def oproj_case(T: int, G: int, seed: int = 0, hpg: int = 8, o_lora: int = 1024, hidden: int = 4096):
+    g = torch.Generator().manual_seed(seed)
+    w = OProjWeights(wo_a=torch.randn(G * o_lora, hpg * 512, generator=g) * (hpg * 512) ** -0.5,
+                     wo_b=torch.randn(hidden, G * o_lora, generator=g) * (G * o_lora) ** -0.5, groups=G)
+    o = torch.randn(T, G * hpg, 512, generator=g).cuda().bfloat16()
+    pos = torch.randint(0, 100_000, (T,), generator=g).cuda()
+    return w, o, pos
+
+
+def available_options(job, group: str) -> list:
+    """Every option of `group` that check() accepts on this machine with the job's other choices,
+    except for the cache layout, which is fp8_ds_mla for every kernel (the one all of them read)."""
+    from dataclasses import replace
+
+    from dsv4.compat import check
+    from dsv4.device import local_platform
+
+    out = []
+    for strat in options(group).values():
+        combo = replace(job.combo, **{group: strat}, cache_layout=Fp8DsMlaLayout(), dtype="bfloat16")
+        probs = [p for p in check(combo, job.device, here=local_platform()) if p.group in (group, "dtype")]
+        if not probs:
+            out.append(strat)
+    return out

@@ -1,0 +1,61 @@
+"""`mode=bench`'s kernel tables: every sparse MQA kernel and output projection this machine runs, side by
+side in one process, on the same inputs."""
+from __future__ import annotations
+
+from dsv4.benches.cases import DECODE_CASES, POOL_BLOCKS, available_options, oproj_case, sparse_case
+from dsv4.benches.timing import CEILINGS, graph_time_us
+from dsv4.oracle import rel_err
+from dsv4.report import table
+
+
+def bench_mqa(job) -> str:
+    from dataclasses import replace
+
+    kernels = available_options(job, "mqa_kernel")
+    # on sm90, where auto runs the one-pass Hopper kernel, triton_sparse's two-pass kernel beside it
+    if job.device.arch == "sm90":
+        kernels += [replace(k, variant="two_pass") for k in kernels if getattr(k, "variant", None) == "auto"]
+    ceil = CEILINGS.get(job.device.arch, {})
+    rows = []
+    for label, H, eb, ew, b, sq in DECODE_CASES:
+        T = b * sq
+        q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
+                                  extra_blocks=POOL_BLOCKS, full=True)
+        n = 128 + ew
+        flops, nbytes = 2 * T * H * n * 1024, T * (n * 584 + 2 * H * 512 * 2)
+        ref_out = None
+        base = None
+        for k in kernels:
+            name = k.name if getattr(k, "variant", "auto") == "auto" else f"{k.name} ({k.variant})"
+            prep = k.prepare(device=job.device)
+            out, _ = k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)
+            ref_out = out if ref_out is None else ref_out
+            us = graph_time_us(lambda: k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep),
+                               calls=20 if k.name != "reference" else 3, repeats=7 if k.name != "reference" else 3)
+            base = base or us
+            tf, gb = flops / us / 1e6, nbytes / us / 1e3
+            rows.append([label, b, sq, name, f"{us:.1f}", f"{tf:.0f}", f"{gb:.0f}",
+                         f"{tf / ceil['tflops']:.0%}" if ceil else "-", f"{gb / ceil['gbps']:.0%}" if ceil else "-",
+                         f"{us / base:.2f}", f"{rel_err(out, ref_out):.1e}"])
+    return table(["case", "b", "s_q", "mqa_kernel", "µs", "TFLOP/s", "GB/s", "of bf16 peak", "of copy BW",
+                  "time / first", "rel err vs first"], rows)
+
+
+def bench_o_proj(job) -> str:
+    from dsv4.components.rope import Rope
+
+    strategies = available_options(job, "o_proj")
+    rope = Rope.for_layer(job.spec, 4)
+    rows = []
+    for T in (1, 128, 4096):
+        w, o, pos = oproj_case(T, 8)
+        rot = rope.at(pos)
+        base = ref = None
+        for s in strategies:
+            prep = s.prepare(w, device=job.device, dtype="bfloat16")
+            y = s(o, rot, prepared=prep)
+            ref = y if ref is None else ref
+            us = graph_time_us(lambda: s(o, rot, prepared=prep))
+            base = base or us
+            rows.append([T, s.name, f"{us:.1f}", f"{us / base:.2f}", f"{rel_err(y, ref):.1e}"])
+    return table(["T", "o_proj", "µs", "time / first", "rel err vs first"], rows)

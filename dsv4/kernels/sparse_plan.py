@@ -1,0 +1,87 @@
+"""How a sparse MQA call is planned, in plain Python (no Triton imported until the Hopper kernel's Gluon is
+asked about): which kernel runs it (`variant`: the one-pass Hopper kernel, sparse_mqa_hopper.py, or the
+portable two-pass one, sparse_mqa.py) and the two-pass kernel's launch shapes."""
+from __future__ import annotations
+
+import functools
+import re
+from typing import NamedTuple
+
+from dsv4.sizes import cdiv, next_pow2
+
+VARIANTS = ("auto", "two_pass", "hopper")    # which kernel runs a call (plan_kernel)
+
+
+class Launch(NamedTuple):
+    block_n: int      # index columns per scores program (and per P·V step)
+    block_h: int      # heads per program, both passes
+    block_d: int      # output dims per P·V program
+    num_warps_pv: int
+
+
+def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launch:
+    """Launch shapes from the step's size (H200 sweeps, docs/benchmarks.md). When the scores pass at
+    128 columns x 64 heads per program gives at least half as many programs as processors: that
+    (4 warps), and 128 output dims per P·V program. Otherwise (decode of a few requests) more, smaller
+    programs: 64 columns x 16 heads, 64 dims with 8 warps (the two-pass kernel on the H200: b=1 21 µs
+    instead of 34; 128 SWA-only queries, 128 programs: 28 µs with the first shape, 69 with the second)."""
+    full = min(64, max(16, next_pow2(heads)))
+    if 2 * tokens * cdiv(columns, 128) * cdiv(heads, full) >= processors:
+        return Launch(128, full, 128, 4)
+    return Launch(64, 16, 64, 8)
+
+
+# auto takes the one-pass Hopper kernel from this many (token, 64-head) programs per SM on: below it the
+# two-pass kernel's split over list blocks fills the GPU better. H200 (132 SMs), 64 heads, 128+512 rows,
+# two-pass / Hopper µs: 32 programs 31.4 / 34.2, 48 36.0 / 36.0, 64 45.2 / 41.5 (docs/benchmarks.md)
+HOPPER_MIN_PROGRAMS_PER_SM = 0.375
+
+
+GLUON_MIN_TRITON = (3, 6)        # the Gluon API the Hopper kernel is written in (3.6 runs it, 3.9 compiles it)
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_error() -> str:
+    """Why the one-pass Hopper kernel cannot be built with this Triton ('' if it can)."""
+    import triton
+
+    version = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
+    if version < GLUON_MIN_TRITON:
+        return f"it needs Triton >= {'.'.join(map(str, GLUON_MIN_TRITON))}'s Gluon, this is {triton.__version__}"
+    try:
+        import dsv4.kernels.sparse_mqa_hopper  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any failure means: not available, with the reason
+        return f"Triton {triton.__version__} has no usable Gluon ({type(e).__name__}: {e})"
+    return ""
+
+
+def hopper_unfit(*, arch: str, layouts: tuple[int, int], head_dim: int, native: bool, dtype: str) -> str:
+    """Why the one-pass Hopper kernel cannot run this call ('' if it can)."""
+    if arch != "sm90":
+        return f"it runs on NVIDIA sm90 (Hopper warpgroup MMAs) only, not {arch}"
+    if dtype != "bfloat16":
+        return f"it takes bfloat16 queries, not {dtype}"
+    if layouts != (1, 1):
+        return "it reads fp8_ds_mla pages (OCP e4m3) only"
+    if head_dim != 512:
+        return f"it is built for head_dim 512, not {head_dim}"
+    if not native:
+        return "it decodes e4m3 with the hardware conversion (native_fp8=False asks for the integer decoding)"
+    return gluon_error()
+
+
+def plan_kernel(variant: str, *, arch: str, layouts: tuple[int, int], head_dim: int, native: bool, dtype: str,
+                programs: int, processors: int) -> str:
+    """'hopper' or 'two_pass' for a call. auto: Hopper where it can run and the step gives at least
+    HOPPER_MIN_PROGRAMS_PER_SM programs per SM; an explicit 'hopper' that cannot run is an error."""
+    if variant not in VARIANTS:
+        raise ValueError(f"mqa_kernel=triton_sparse: variant={variant!r} is not one of {VARIANTS}")
+    if variant == "two_pass":
+        return variant
+    why = hopper_unfit(arch=arch, layouts=layouts, head_dim=head_dim, native=native, dtype=dtype)
+    if variant == "hopper":
+        if why:
+            raise ValueError(f"mqa_kernel=triton_sparse variant=hopper: {why}; set mqa_kernel.variant=auto or "
+                             f"two_pass")
+        return variant
+    return "hopper" if not why and programs >= HOPPER_MIN_PROGRAMS_PER_SM * processors else "two_pass"

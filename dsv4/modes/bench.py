@@ -1,0 +1,51 @@
+"""`mode=bench`: GPU timings of the sparse MQA kernels, the output projections, the whole layer step and the
+indexer, every option available on this machine side by side in one process (the tables: dsv4/benches/)."""
+from __future__ import annotations
+
+from dsv4.errors import ConfigError
+from dsv4.job import Job, problems_for, raise_if
+
+
+def bench_mode(job: Job, *, multirun: bool) -> None:
+    from dsv4 import parallel
+
+    raise_if(job, problems_for(job, running=True))
+    ranks = None
+    if job.combo.world_size is not None:
+        ranks = parallel.init(platform=job.device.platform, tp_size=job.combo.tp_size, config=job.parallel)
+    run_bench(job, ranks)
+    if ranks is not None:
+        parallel.shutdown()
+
+
+def run_bench(job, ranks=None) -> None:
+    """Every table, printed as it is measured (on rank 0 alone under torchrun: the tensor-parallel step)."""
+    import torch
+
+    from dsv4.benches.cases import available_options
+    from dsv4.benches.indexer import CONTEXTS, NREQ, TOKENS, bench_indexer
+    from dsv4.benches.kernels import bench_mqa, bench_o_proj
+    from dsv4.benches.layer import bench_layer_step
+    from dsv4.benches.tp_step import bench_tp_step
+
+    if job.device.platform != "cuda" or not torch.cuda.is_available():
+        raise ConfigError(f"mode=bench times GPU kernels: deployment gives {job.device.describe()} and this "
+                          f"machine has {'a' if torch.cuda.is_available() else 'no'} CUDA GPU")
+    if ranks is not None and ranks.distributed:
+        t = bench_tp_step(job, ranks)
+        if t is not None:
+            print(f"dsv4 bench on {ranks.world_size} x {job.device.describe()}, torch {torch.__version__}; "
+                  f"model={job.spec.name}; " + " ".join(f"{k}={v}" for k, v in job.choices.items()))
+            print(f"\nwhole layer, decode steps after a 600-token prefill, tp_size={ranks.world_size} "
+                  f"(one process per GPU, NCCL all-reduce) beside tp_size=1 (eager, median):\n{t}")
+        return
+    print(f"dsv4 bench on {job.device.describe()}, torch {torch.__version__}; model={job.spec.name}")
+    print("\nsparse MQA decode, fp8_ds_mla pages (153 MB per cache), full index lists:\n" + bench_mqa(job))
+    print("\no_proj, G=8 groups of 8 heads, 4096 -> 1024 per group, then wo_b:\n" + bench_o_proj(job))
+    print("\nwhole layer, one layer of each type:\n" + bench_layer_step(job))
+    indexers = available_options(job, "indexer")
+    print(f"\nthe indexer: scores and top-{job.spec.index_topk} of {NREQ} requests x {TOKENS} tokens by each option, "
+          "in CUDA graphs:\n" + bench_indexer(job, indexers))
+    print("\nthe ratio-4 layer with each indexer option:\n"
+          + bench_layer_step(job, [(NREQ, TOKENS, c) for c in CONTEXTS[::2]], indexers=[ix.name for ix in indexers],
+                             layer_types=("c4a",), prefill=False))

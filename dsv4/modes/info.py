@@ -1,0 +1,59 @@
+"""`mode=info`: every option of every strategy group, swapped into the job's combination, with its verdict."""
+from __future__ import annotations
+
+from dsv4.catalogue import GROUPS, options
+from dsv4.compat import check
+from dsv4.device import local_platform
+from dsv4.job import Job
+from dsv4.memory import indexer_kind, memory_table
+from dsv4.report import table
+
+
+def info_mode(job: Job, *, multirun: bool) -> None:
+    print(info(job))
+
+
+def info(job: Job) -> str:
+    """Every option of every strategy group, swapped into the current combination, with its verdict.
+    For a deployment of another platform than this machine's (`deployment=h200 mode=info` on a CPU),
+    the Python packages an option needs are listed as unknown: they can be looked for only there."""
+    from dataclasses import replace
+    from importlib.util import find_spec
+
+    from dsv4.strategies.top_k import TOP_K
+
+    here = local_platform()
+    local = job.device.platform == here
+
+    def row(option: str, combo, strat, current: bool) -> list:
+        probs = check(combo, job.device, here=here)
+        verdict = "ok" if not probs else "no"
+        reason = "; ".join(f"{p.group}={p.value}: {p.reason}" for p in probs)
+        modules = [m for m, _ in strat.needs(job.device).modules] if hasattr(strat, "needs") else []
+        if not modules:
+            packages = None
+        elif local:
+            packages = ", ".join(f"{m} {'found' if find_spec(m.partition('.')[0]) else 'missing'}" for m in modules)
+        else:
+            packages = ", ".join(f"{m} unknown" for m in modules)
+        return [f"{option}{'*' if current else ''}", verdict, packages, reason]
+
+    rows = []
+    for group in GROUPS:
+        for name, strat in options(group).items():
+            rows.append(row(f"{group}={name}", replace(job.combo, **{group: strat}), strat,
+                            getattr(job.combo, group).name == strat.name))
+    ix = job.combo.indexer
+    for name, top_k in TOP_K.items():           # the indexer's own setting, with the job's indexer
+        rows.append(row(f"indexer.top_k={name}", replace(job.combo, indexer=replace(ix, top_k=name)), top_k,
+                        ix.top_k == name))
+    where = ("packages looked for here" if local else
+             f"packages unknown: looked for only on a {job.device.platform} machine")
+    head = (f"dsv4 info: model={job.spec.name}, tp_size={job.combo.tp_size}, dtype={job.combo.dtype}, "
+            f"device {job.device.describe()} (this machine: {here}; {where})\n"
+            f"* = current choice\n")
+    layouts = list(options("cache_layout").values())
+    return (head + table(["option", "verdict", "packages", "why not"], rows, left=(0, 2, 3))
+            + f"\n\nKV bytes per rank, model={job.spec.name} (B/tok: per context token, compressed rows + "
+              f"{indexer_kind(job.combo.dtype, job.combo.indexer)} indexer keys):\n"
+            + memory_table(job.spec, layouts, job.combo.dtype, job.combo.indexer))

@@ -1,0 +1,62 @@
+"""The package's structure, read from its imports (every `import` statement, inside functions too): no
+module imports one that imports it back, the kernels import nothing above them, and nothing below the
+modes sees the app, the job's Hydra config or the benches."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dsv4
+
+ROOT = Path(dsv4.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def imports(path: Path) -> set[str]:
+    """Every module this file imports (dsv4's by their module, others by their top package)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                     for a in node.names]
+        for n in names:
+            out.add(n if n in MODULES else n.split(".")[0])
+    return out
+
+
+GRAPH = {m: imports(p) - {m} for m, p in MODULES.items()}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for d in GRAPH.get(todo.pop(), ()):
+                if d in MODULES and d not in seen:
+                    seen.add(d)
+                    todo.append(d)
+        return seen
+
+    cycles = sorted(m for m in MODULES if m in reach(m))
+    assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_the_floors_import_nothing_above_them():
+    above = ("dsv4.app", "dsv4.job", "dsv4.modes", "dsv4.runner", "dsv4.benches", "dsv4.cli", "dsv4.api")
+    for m, deps in GRAPH.items():
+        if m.startswith(("dsv4.kernels", "dsv4.components", "dsv4.strategies")):
+            bad = sorted(d for d in deps if d.startswith(above) or d in ("hydra", "omegaconf"))
+            assert not bad, f"{m} imports {bad}"
+        if m.startswith("dsv4.kernels"):
+            bad = sorted(d for d in deps if d.startswith("dsv4.") and not d.startswith(("dsv4.kernels", "dsv4.sizes")))
+            assert not bad, f"{m} imports {bad}"
