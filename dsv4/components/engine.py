@@ -346,9 +346,9 @@ class Engine:
 
 
 def pack_inputs(host: dict[str, Any]):
-    """`Engine.plan_inputs`' arrays as one int32 array: what one host-to-device copy moves. Each array
-    starts ALIGN elements in, so that the views kernels read are 16-byte aligned whatever the step's size
-    (Triton specializes a kernel on its pointers' alignment)."""
+    """`Engine.plan_inputs`' arrays as one int32 array: what one host-to-device copy moves. Each array starts
+    at a multiple of ALIGN elements, so that the views kernels read are 16-byte aligned whatever the step's
+    size (Triton specializes a kernel on its pointers' alignment)."""
     out = np.zeros(sum(round_up(a.size, ALIGN) for a in host.values()), dtype=np.int32)
     off = 0
     for a in host.values():
