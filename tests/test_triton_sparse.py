@@ -173,6 +173,33 @@ def test_launch_settings_are_not_dropped_when_the_hopper_kernel_runs(monkeypatch
         mod.sparse_mqa(q, sink, SCALE, mod.pool_args(kv.swa), kv.swa_indices, kv.swa_lens, block_n=16)
 
 
+def test_a_call_is_planned_by_the_target_its_strategy_prepared(monkeypatch):
+    """The device is an input: the strategy's prepare() resolves the device's facts once, and its calls plan
+    by that prepared value (here one that says sm90 with 7 processors), not by asking the GPU again."""
+    from dsv4.device import DeviceInfo
+    from dsv4.kernels import sparse_mqa as mod
+    from dsv4.kernels.sparse_plan import Target
+
+    dev = torch.device(DEVICE)
+    strat = TritonSparseMQA()
+    here = strat.prepare(device=DeviceInfo(platform="cpu") if dev.type == "cpu" else
+                         DeviceInfo(platform="cuda", arch=mod.device_arch(dev)))
+    assert here == mod.target_of(dev)
+    seen = []
+
+    def plan(variant, **facts):
+        seen.append(facts)
+        return "two_pass"
+
+    monkeypatch.setattr(mod, "plan_kernel", plan)
+    q, kv, sink = case(3, 8, LAYER_TYPES["c4a"], seed=4)
+    want, _ = strat(q, kv, sink=sink, scale=SCALE, prepared=here)
+    given = Target(arch="sm90", native_e4m3=here.native_e4m3, processors=7, interpret=here.interpret)
+    got, _ = strat(q, kv, sink=sink, scale=SCALE, prepared=given)
+    assert [(f["arch"], f["processors"]) for f in seen] == [(here.arch, here.processors), ("sm90", 7)]
+    assert rel_err(got.float(), want.float()) <= 1e-2      # 7 processors: other launch shapes, the same sums
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_lengths_outside_the_list_are_clamped(variant):
     """A negative length reads no row and one past the list's width reads the whole list, as the

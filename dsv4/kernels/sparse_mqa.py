@@ -39,15 +39,14 @@ the interpreter's bf16 `tl.dot` returns garbage (Triton 3.6-3.9 with NumPy 2), i
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, as_i32, device_arch, launch, native_e4m3
+from dsv4.kernels.launch import E4M3_SM, as_dense, as_f32, as_i32, device_arch, launch
 from dsv4.sizes import cdiv
-from dsv4.kernels.sparse_plan import plan_kernel, plan_launch
+from dsv4.kernels.sparse_plan import Target, plan_kernel, plan_launch
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)      # the same, inside kernels
@@ -267,13 +266,24 @@ def _finish(acc, m, l, sink_l2, out_ptrs, lse_ptrs, hmask, lse_mask):
                                 float("inf")), mask=lse_mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _processors(device) -> int:
+def target(*, platform: str, arch: str, torch_device: str) -> Target:
+    """A device (a DeviceInfo's platform, arch and torch device) as the calls are planned: its processors
+    asked once; under Triton's interpreter (TRITON_INTERPRET=1, read by Triton when the kernels were
+    defined) the 'interpreter', with a few processors, so that splitting is exercised."""
     import torch
 
-    if device.type == "cpu":
-        return 4                                  # the interpreter: any small number exercises splitting
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    if not hasattr(_scores_kernel, "device_caches"):          # an interpreted kernel
+        return Target(arch="interpreter", native_e4m3=False, processors=4, interpret=True)
+    nvidia = platform == "cuda" and arch.startswith("sm")
+    return Target(arch=arch if nvidia else platform, native_e4m3=nvidia and int(arch[2:]) >= E4M3_SM,
+                  processors=torch.cuda.get_device_properties(torch_device).multi_processor_count)
+
+
+@functools.lru_cache(maxsize=None)
+def target_of(device) -> Target:
+    """`target` of a torch device, for calls made without a prepared one (the benches, direct callers)."""
+    return target(platform="rocm" if device_arch(device) == "rocm" else device.type, arch=device_arch(device),
+                  torch_device=str(device))
 
 
 class Pool(NamedTuple):
@@ -310,23 +320,25 @@ def pool_args(cache) -> Pool:
 
 def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool | None = None, extra_idx=None,
                extra_len=None, *, block_n: int = 0, block_h: int = 0, block_d: int = 0, num_warps: int = 4,
-               num_warps_pv: int = 0, native_fp8: bool | None = None, variant: str = "auto"):
+               num_warps_pv: int = 0, native_fp8: bool | None = None, variant: str = "auto",
+               target: Target | None = None):
     """q [T, H, D] -> (out [T, H, D] in q's dtype, lse [T, H] float32, natural log, sink excluded).
 
     `swa`/`extra` are `pool_args(...)`; index lists [T, W] int32 with -1 padding and lengths [T].
     `variant` picks the kernel (plan_kernel): the one-pass Hopper kernel (sparse_mqa_hopper.py) or the
     portable two-pass one, whose launch shapes left at 0 come from `plan_launch`. `native_fp8`: decode
-    OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA sm89+)."""
+    OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA sm89+). `target`: the
+    device's facts as the strategy prepared them (default: `target_of` q's device)."""
     import torch
 
     T, H, D = q.shape
     q = as_dense(q)
-    native = native_e4m3(q.device) if native_fp8 is None else native_fp8
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    kernel = plan_kernel(variant, arch="interpreter" if interpret else device_arch(q.device),
-                         layouts=(swa.layout, (extra or swa).layout), head_dim=D, native=native,
-                         dtype=str(q.dtype).removeprefix("torch."), programs=T * cdiv(H, 64),
-                         processors=_processors(q.device))
+    tgt = target or target_of(q.device)
+    native = tgt.native_e4m3 if native_fp8 is None else native_fp8
+    interpret = tgt.interpret
+    kernel = plan_kernel(variant, arch=tgt.arch, layouts=(swa.layout, (extra or swa).layout), head_dim=D,
+                         native=native, dtype=str(q.dtype).removeprefix("torch."), programs=T * cdiv(H, 64),
+                         processors=tgt.processors)
     if kernel == "hopper" and (block_n, block_h, block_d, num_warps, num_warps_pv) != (0, 0, 0, 4, 0):
         raise ValueError("sparse_mqa: block_n/block_h/block_d/num_warps/num_warps_pv set the two-pass kernel's "
                          f"launch, and variant={variant} runs the one-pass Hopper kernel here; pass "
@@ -344,7 +356,7 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
         return out, lse
     sw = swa_idx.shape[1]
     ew = extra_idx.shape[1] if extra is not None else 0
-    plan = plan_launch(T, H, sw + ew, _processors(q.device))
+    plan = plan_launch(T, H, sw + ew, tgt.processors)
     BN, BH, DB = block_n or plan.block_n, block_h or plan.block_h, block_d or plan.block_d
     nbs, nbe = cdiv(sw, BN), cdiv(ew, BN)
     NB, NC = nbs + nbe, (nbs + nbe) * BN

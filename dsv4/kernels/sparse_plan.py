@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from dsv4.sizes import cdiv, next_pow2
 
 VARIANTS = ("auto", "two_pass", "hopper")    # which kernel runs a call (plan_kernel)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    """The device facts a call is planned by, resolved once from the device (the strategy's `prepare`), so
+    that no call asks the GPU again."""
+    arch: str             # 'sm90'-style for NVIDIA, 'rocm', 'interpreter' when Triton interprets the kernels
+    native_e4m3: bool     # OCP e4m3 converted in hardware (NVIDIA sm89 and newer)
+    processors: int       # streaming multiprocessors (compute units): what a launch has to fill
+    interpret: bool = False
 
 
 class Launch(NamedTuple):

@@ -63,8 +63,11 @@ class TritonSparseMQA:
                      fp8_formats=frozenset({"ocp", "fnuz"}),       # whichever the layout stores
                      model_values=(("head_dim", 512), ("qk_rope_head_dim", 64)))
 
-    def prepare(self, *, device) -> None:
-        return None
+    def prepare(self, *, device):
+        """The device's facts the calls are planned by (arch, e4m3 in hardware, processors), resolved once."""
+        from dsv4.kernels.sparse_mqa import target
+
+        return target(platform=device.platform, arch=device.arch, torch_device=device.torch_device)
 
     def plan(self, *, tokens: int, layer_type: str, previous=None) -> None:
         return None
@@ -77,4 +80,5 @@ class TritonSparseMQA:
             extra = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens)
         return sparse_mqa(q, sink, scale, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **extra,
                           block_n=self.block_n, block_h=self.block_h, block_d=self.block_d,
-                          num_warps=self.num_warps, num_warps_pv=self.num_warps_pv, variant=self.variant)
+                          num_warps=self.num_warps, num_warps_pv=self.num_warps_pv, variant=self.variant,
+                          target=prepared)
