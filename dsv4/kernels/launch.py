@@ -47,10 +47,14 @@ def device_arch(device) -> str:
     return f"sm{major}{minor}"
 
 
+def arch_at_least(arch: str, sm: int) -> bool:
+    """Whether `arch` ('sm90'-style) names an NVIDIA GPU of compute capability `sm` (e.g. 90) or newer."""
+    return arch.startswith("sm") and int(arch[2:]) >= sm
+
+
 def nvidia_at_least(device, sm: int) -> bool:
     """Whether `device` is an NVIDIA GPU of compute capability `sm` (e.g. 90) or newer."""
-    arch = device_arch(device)
-    return arch.startswith("sm") and int(arch[2:]) >= sm
+    return arch_at_least(device_arch(device), sm)
 
 
 E4M3_SM = 89          # NVIDIA GPUs from this compute capability on convert OCP e4m3 in hardware

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import E4M3_SM, as_dense, as_f32, as_i32, device_arch, launch
+from dsv4.kernels.launch import E4M3_SM, arch_at_least, as_dense, as_f32, as_i32, device_arch, launch
 from dsv4.sizes import cdiv
 from dsv4.kernels.sparse_plan import Target, plan_kernel, plan_launch
 
@@ -275,7 +275,7 @@ def target(*, platform: str, arch: str, torch_device: str) -> Target:
     if not hasattr(_scores_kernel, "device_caches"):          # an interpreted kernel
         return Target(arch="interpreter", native_e4m3=False, processors=4, interpret=True)
     nvidia = platform == "cuda" and arch.startswith("sm")
-    return Target(arch=arch if nvidia else platform, native_e4m3=nvidia and int(arch[2:]) >= E4M3_SM,
+    return Target(arch=arch if nvidia else platform, native_e4m3=nvidia and arch_at_least(arch, E4M3_SM),
                   processors=torch.cuda.get_device_properties(torch_device).multi_processor_count)
 
 
