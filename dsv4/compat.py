@@ -154,6 +154,13 @@ def _paddings_for(heads: int, wanted) -> list[str]:
     return [name for _, name in fits]
 
 
+def _layouts_storing(formats) -> list[str]:
+    """The shipped cache layouts whose rows are in `formats` (RowFormat values), by name."""
+    from dsv4.catalogue import options
+
+    return sorted(name for name, lay in options("cache_layout").items() if lay.row_format in formats)
+
+
 FP8_FORMATS = {"ocp": "OCP e4m3 (float8_e4m3fn, bias 7, max 448)",
                "fnuz": "FNUZ e4m3 (float8_e4m3fnuz, bias 8, max 240, byte 0x80 = NaN)"}
 
@@ -190,14 +197,15 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
     elif n.archs and device.arch not in n.archs:
         out.append(Problem(group=group, value=name, reason=f"needs arch in {sorted(n.archs)}, "
                            f"this device is {device.describe()}", supported=tuple(sorted(n.archs)), fix=fix_machine))
-    layout = c.cache_layout.name
-    stored = c.cache_layout.needs(device).fp8_formats if group != "cache_layout" else frozenset()
-    if n.cache_layouts and layout not in n.cache_layouts:
+    layout, fmt = c.cache_layout.name, c.cache_layout.row_format
+    stored = frozenset({fmt.fp8}) if fmt.fp8 else frozenset()
+    if n.row_formats and fmt not in n.row_formats:
+        readable = _layouts_storing(n.row_formats)
         out.append(Problem(group="cache_layout", value=layout, reason=f"{group}={name} reads only "
-                           f"{sorted(n.cache_layouts)}" + _fp8_note(n.fp8_formats, stored, layout, device),
-                           supported=tuple(sorted(n.cache_layouts)), fix=f"cache_layout={sorted(n.cache_layouts)[0]}"))
+                           f"{readable}" + _fp8_note(n.fp8_formats, stored, layout, device),
+                           supported=tuple(readable), fix=f"cache_layout={readable[0]}" if readable else None))
     elif n.fp8_formats and stored and not (n.fp8_formats & stored):
-        others = sorted(set(n.cache_layouts) - {layout})
+        others = [other for other in _layouts_storing(n.row_formats) if other != layout]
         out.append(Problem(group="cache_layout", value=layout, reason=f"{group}={name} reads the cache"
                            + _fp8_note(n.fp8_formats, stored, layout, device),
                            supported=tuple(others), fix=f"cache_layout={others[0]}" if others else None))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from dsv4.formats.row_format import BF16_ROWS, FLOAT32_ROWS, FP8_KEYS, MXFP4_KEYS
 from dsv4.spec import LAYER_TYPES, ModelSpec
 
 GIB = 2 ** 30
@@ -61,7 +62,7 @@ def layer_memory(spec: ModelSpec, ratio: int, layout, *, indexer: str = "float32
 
 def vllm_indexer_kind(layout) -> str:
     """The indexer record vLLM pairs with a main-cache layout: fp8 keys with fp8 rows, bf16 otherwise."""
-    return "fp8" if layout.kv_row_dtype.startswith("fp8") else "bf16"
+    return "fp8" if layout.row_format.fp8 else "bf16"
 
 
 def model_memory(spec: ModelSpec, layout, *, tokens: int = MILLION_TOKENS, indexer: str = "float32") -> dict:
@@ -82,8 +83,8 @@ def indexer_kind(dtype: str, indexer=None) -> str:
     if indexer is None:
         from dsv4.strategies.indexer import ExactIndexer
         indexer = ExactIndexer()
-    row = indexer.key_layout(dtype=dtype, head_dim=128).kv_row_dtype
-    return {"float32": "float32", "bfloat16": "bf16", "mxfp4": "mxfp4", "fp8": "fp8"}[row]
+    row = indexer.key_layout(dtype=dtype, head_dim=128).row_format
+    return {FLOAT32_ROWS: "float32", BF16_ROWS: "bf16", MXFP4_KEYS: "mxfp4", FP8_KEYS: "fp8"}[row]
 
 
 def summary_lines(spec: ModelSpec, layout, dtype: str, indexer=None) -> list[str]:

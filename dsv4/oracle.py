@@ -19,7 +19,9 @@ from typing import Any, Mapping
 
 import torch
 
-ROW_ROUNDINGS = ("float32", "bfloat16", "fp8_ds_mla", "fp8_ds_mla_fnuz", "fp8_per_tensor")
+from dsv4.formats.row_format import RowFormat, RowKind
+
+ROW_ROUNDINGS = (RowKind.PLAIN, RowKind.FP8_DS_MLA, RowKind.FP8_PER_TENSOR)    # the cache rows it rounds as
 INDEXER_NUMERICS = ("exact", "fp4")
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)         # the FP4 magnitudes, by code 0..7
 
@@ -91,27 +93,24 @@ def _e4m3(x):
 
 
 def round_rows(rows, kv_row_dtype: str, kv_scale: float | None = None):
-    """What a cached row reads back as (docs/numerics.md §3.2, §3.3): fp8 formats quantize the bf16 row."""
-    if kv_row_dtype == "float32":
+    """What a cached row reads back as (docs/numerics.md §3.2, §3.3), for the rows a dump names
+    (`kv_row_dtype`, a RowFormat's label): fp8 formats quantize the bf16 row."""
+    fmt = RowFormat.from_label(kv_row_dtype, kv_scale=kv_scale)
+    if fmt.kind not in ROW_ROUNDINGS:
+        raise NotImplementedError(f"oracle: kv_row_dtype={kv_row_dtype!r} is not a KV cache's rows")
+    if fmt.exact:
         return rows
+    if fmt.kind is RowKind.PLAIN:
+        return rows.to(getattr(torch, fmt.element)).float()
     x = rows.bfloat16().float()
-    if kv_row_dtype == "bfloat16":
-        return x
-    if kv_row_dtype == "fp8_ds_mla":          # 7 blocks of 64 NoPE dims, power-of-two scale each
+    if fmt.kind is RowKind.FP8_DS_MLA:        # 7 blocks of 64 NoPE dims, power-of-two scale each; FNUZ
+        fnuz = fmt.fp8 == "fnuz"              # e4m3 (max 240) is quantized to vLLM's range ±224
+        qmax, fp8 = (224, torch.float8_e4m3fnuz) if fnuz else (448, torch.float8_e4m3fn)
         nope = x[..., :448].unflatten(-1, (7, 64))
-        scale = torch.exp2(torch.ceil(torch.log2(nope.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448)))
-        nope = _e4m3((nope / scale).clamp(-448, 448)) * scale
+        scale = torch.exp2(torch.ceil(torch.log2(nope.abs().amax(-1, keepdim=True).clamp_min(1e-4) / qmax)))
+        nope = (nope / scale).clamp(-qmax, qmax).to(fp8).float() * scale
         return torch.cat((nope.flatten(-2), x[..., 448:]), -1)
-    if kv_row_dtype == "fp8_ds_mla_fnuz":     # the same record in FNUZ e4m3 (max 240), vLLM's range ±224
-        nope = x[..., :448].unflatten(-1, (7, 64))
-        scale = torch.exp2(torch.ceil(torch.log2(nope.abs().amax(-1, keepdim=True).clamp_min(1e-4) / 224)))
-        nope = (nope / scale).clamp(-224, 224).to(torch.float8_e4m3fnuz).float() * scale
-        return torch.cat((nope.flatten(-2), x[..., 448:]), -1)
-    if kv_row_dtype == "fp8_per_tensor":
-        if kv_scale is None:
-            raise ValueError("oracle: kv_row_dtype=fp8_per_tensor needs kv_scale")
-        return _e4m3((x / kv_scale).clamp(-448, 448)) * kv_scale
-    raise NotImplementedError(f"oracle: kv_row_dtype={kv_row_dtype!r} (have {', '.join(ROW_ROUNDINGS)})")
+    return _e4m3((x / fmt.kv_scale).clamp(-448, 448)) * fmt.kv_scale
 
 
 def _compress(x, wkv, wgate, ape, norm, R, D, f, eps):

@@ -9,6 +9,7 @@ import torch
 
 from dsv4 import oracle as ref
 from dsv4.compat import DTYPE_ERROR_BUDGET, SELECTION_GAP
+from dsv4.formats.row_format import RowKind
 from dsv4.components.builders import Strategies, build_layer, build_pool
 from dsv4.components.kv_pool import PoolConfig
 from dsv4.components.checkpoint import load_or_random
@@ -129,8 +130,9 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         return None
     rec = rec_raw.cat()
 
-    row_dtype = c.cache_layout.kv_row_dtype
-    kv_scale = getattr(c.cache_layout, "kv_scale", None) if row_dtype == "fp8_per_tensor" else None
+    row_format = c.cache_layout.row_format
+    row_dtype = row_format.label
+    kv_scale = row_format.kv_scale if row_format.kind is RowKind.FP8_PER_TENSOR else None
     names = layer_names(spec, layers)
     metrics: dict[str, Any] = {}
     rows = []
@@ -145,7 +147,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         out = rec["outputs"][l]
         m: dict[str, Any] = {"layer": l, "compress_ratio": R, "rel_err": ref.rel_err(out, o["out"]),
                              "cosine": ref.cosine(out, o["out"])}
-        if row_dtype != "float32":      # what the cache's rounding costs against exact float32 rows
+        if not row_format.exact:        # what the cache's rounding costs against exact float32 rows
             m["rel_err_vs_f32_kv"] = ref.rel_err(out, ref.oracle_outputs(
                 *args, kv_row_dtype="float32", topk=given, indexer_numerics=c.indexer.oracle_numerics)["out"])
         if topk is not None:

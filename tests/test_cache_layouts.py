@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from dsv4.components.kv_pool import PagedCache
 from dsv4.errors import InvalidRequest
+from dsv4.formats.fp8 import per_tensor_query, per_tensor_scales
 from dsv4.strategies import Fp8DsMlaLayout, Fp8PerTensorLayout, PlainRowLayout
 
 D, NOPE, ROPE, TILE = 512, 448, 64, 64
@@ -413,13 +414,13 @@ def test_fp8_per_tensor_bytes_and_read(kv_scale):
 def test_fp8_per_tensor_query_and_kernel_scales(q_scale, kv_scale):
     lay = Fp8PerTensorLayout(kv_scale=kv_scale, q_scale=q_scale)
     sigma = D ** -0.5
-    bmm1, bmm2 = lay.kernel_scales(sigma)
+    bmm1, bmm2 = per_tensor_scales(lay.row_format, sigma)
     assert bmm1 == pytest.approx(sigma * q_scale * kv_scale, rel=1e-12) and bmm2 == kv_scale
 
     g = torch.Generator().manual_seed(5)
     q = (torch.randn(6, D, generator=g) * 3).bfloat16().float()           # a bf16 query (what vLLM has)
     k = torch.randn(10, D, generator=g) * 2
-    q8 = lay.fp8_query(q)
+    q8 = per_tensor_query(lay.row_format, q)
     assert q8.dtype == torch.float8_e4m3fn
     assert q8.view(torch.uint8).tolist() == [[e4m3_byte(v / q_scale) for v in r] for r in q.tolist()]
 
@@ -446,7 +447,7 @@ def test_fp8_query_of_a_float32_query_is_rounded_once():
     lay = Fp8PerTensorLayout(q_scale=1.0)
     q = torch.tensor([1.0625 + 2.0 ** -12, -(1.0625 + 2.0 ** -12), 3.0 + 2.0 ** -20])
     # 1.0625 + 2^-12 lies above the e4m3 midpoint 1.0625 -> 1.125 (0x39); bf16 first makes it the tie -> 1.0
-    assert lay.fp8_query(q).view(torch.uint8).tolist() == [e4m3_byte(v) for v in q.tolist()] == [0x39, 0xB9, 0x44]
+    assert per_tensor_query(lay.row_format, q).view(torch.uint8).tolist() == [e4m3_byte(v) for v in q.tolist()] == [0x39, 0xB9, 0x44]
 
 
 # ==================================================================================================

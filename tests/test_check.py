@@ -21,6 +21,7 @@ from tests.conftest import CONFIGS
 from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo
 from dsv4.errors import IncompatibleCombination, Problem
+from dsv4.formats.row_format import FP8_DS_MLA as FP8_DS_MLA_ROWS, RowFormat
 from dsv4.spec import ModelSpec
 from dsv4.strategies import NoHeadPadding, ReferenceMQA, ReferenceOProj
 from dsv4.strategies.protocols import CacheLayout, MQAKernelStrategy, Needs, OProjStrategy
@@ -78,8 +79,8 @@ class FakeLayout:
     error_budget: ClassVar[float] = 0.0
 
     @property
-    def kv_row_dtype(self) -> str:
-        return "fp8"
+    def row_format(self) -> RowFormat:
+        return FP8_DS_MLA_ROWS
 
     def needs(self, device) -> Needs:
         return self.need
@@ -104,7 +105,7 @@ class FakeLayout:
 
 
 FLASHMLA = FakeKernel(name="flashmla_sparse", need=Needs(
-    platforms=frozenset({"cuda"}), archs=frozenset({"sm90", "sm100"}), cache_layouts=frozenset({"fp8_ds_mla"}),
+    platforms=frozenset({"cuda"}), archs=frozenset({"sm90", "sm100"}), row_formats=frozenset({FP8_DS_MLA_ROWS}),
     padded_heads=frozenset({64, 128}), modules=(("flash_mla", "sgl-flash-mla"),)))
 FP8_EINSUM = FakeKernel(name="fp8_einsum", need=Needs(
     platforms=frozenset({"cuda"}), dtypes=frozenset({"bfloat16"}), modules=(("deep_gemm", "sgl-deep-gemm"),)))

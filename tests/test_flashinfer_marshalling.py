@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from dsv4.benches.cases import random_pages
 from dsv4.compat import Combination, check
 from dsv4.device import DeviceInfo
+from dsv4.formats.row_format import RowKind
 from dsv4.oracle import rel_err
 from dsv4.spec import ModelSpec
 from dsv4.strategies import (BucketHeadPadding, FlashInferSparse, Fp8DsMlaLayout, Fp8PerTensorLayout,
@@ -419,7 +420,7 @@ def make_q(T: int, H: int, Hp: int, seed: int):
 
 def kernel_q(layout, q):
     """The query the kernel is given, back in float32 (written here from §3.3, not taken from the adapter)."""
-    if layout.kv_row_dtype == "fp8_per_tensor":
+    if layout.row_format.kind is RowKind.FP8_PER_TENSOR:
         return (q.float() / layout.q_scale).clamp(-448, 448).to(E4M3).float() * layout.q_scale
     return q.bfloat16().float()
 

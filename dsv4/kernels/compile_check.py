@@ -6,8 +6,8 @@
   python -m dsv4.kernels.compile_check                              # every job below
   python -m dsv4.kernels.compile_check cuda:80/fp8_ds_mla hip:gfx942/fp8_ds_mla_fnuz cuda:89/o_proj
 
-Each argument is TARGET/WHAT; TARGET is cuda:<sm> or hip:<gfx arch>; WHAT is a key of LAYOUT_CODES
-(mqa_kernel=triton_sparse's two-pass kernels reading such pages; OCP e4m3 bytes take the hardware
+Each argument is TARGET/WHAT; TARGET is cuda:<sm> or hip:<gfx arch>; WHAT names a row format of
+LAYOUT_CODES (mqa_kernel=triton_sparse's two-pass kernels reading such pages; OCP e4m3 bytes take the hardware
 conversion where sparse_mqa would use it, NVIDIA sm89+), `o_proj` (o_proj=triton_fp8's grouped e4m3
 product, NVIDIA sm89+ only), `hopper` (triton_sparse's one-pass Gluon kernel, sm90 only) or `layer` (the
 layer's front, compressor, cache-writer and indexer kernels: layer_front, compress, cache_write,
@@ -106,7 +106,7 @@ def compile_for(target: str, what: str) -> float:
     from dsv4.kernels import sparse_mqa as mod
     from dsv4.kernels.launch import E4M3_SM
 
-    code = mod.LAYOUT_CODES[what]
+    code = {f.label: c for f, c in mod.LAYOUT_CODES.items()}[what]
     native = gpu.backend == "cuda" and gpu.arch >= E4M3_SM and code == 1
     ints = {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "NC"}
     for plan in (mod.plan_launch(256, 64, 640, 132), mod.plan_launch(1, 64, 640, 132)):
@@ -202,8 +202,8 @@ def _compile_layer(gpu) -> None:
     fp8 = "fp8" if gpu.backend == "cuda" and gpu.arch >= E4M3_SM else "bf16"
     shapes = [(dtype, plan, 0, prec) for (dtype, _size), plan in il.LAUNCH.items()
               for prec in [il.INPUT_PRECISION[gpu.backend] if dtype == "float32" else "bf16"]]
-    shapes += [(kind, plan, il.RECORDS[kind], "bf16" if kind == "mxfp4" else fp8)
-               for (dtype, _size), plan in il.LAUNCH.items() if dtype == "bfloat16" for kind in il.RECORDS]
+    shapes += [(rows.label, plan, record, "bf16" if rows.label == "mxfp4" else fp8)
+               for (dtype, _size), plan in il.LAUNCH.items() if dtype == "bfloat16" for rows, record in il.RECORDS.items()]
     for dtype, plan, record, prec in shapes:
         e4m3 = dtype == "fp8"
         name = {"float32": "*fp32"}.get(dtype, "*u8" if e4m3 else "*bf16")
@@ -230,7 +230,7 @@ def _compile_layer(gpu) -> None:
 def main(argv: list[str]) -> int:
     from dsv4.kernels.sparse_mqa import LAYOUT_CODES
 
-    jobs = [a.split("/") for a in argv] or ([(t, lay) for t in TARGETS for lay in LAYOUT_CODES]
+    jobs = [a.split("/") for a in argv] or ([(t, lay.label) for t in TARGETS for lay in LAYOUT_CODES]
                                             + [(t, "o_proj") for t in FP8_TARGETS]
                                             + [(t, "hopper") for t in HOPPER_TARGETS]
                                             + [(t, "layer") for t in LAYER_TARGETS])

@@ -40,11 +40,12 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from dsv4.formats.row_format import FP8_KEYS, MXFP4_KEYS
 from dsv4.kernels.launch import as_dense, as_i32, launch, native_e4m3, nvidia_at_least, rows_dense
 from dsv4.sizes import cdiv, next_pow2
 
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
-RECORDS = {"mxfp4": 1, "fp8": 2}   # uint8 key pages: RECORD by the layout's kv_row_dtype
+RECORDS = {MXFP4_KEYS: 1, FP8_KEYS: 2}   # uint8 key pages: RECORD by the layout's row_format
 TOKENS_PER_PROGRAM = 2          # TG: a decode request's two tokens (MTP) share each key block
 
 @dataclass(frozen=True, slots=True)
@@ -280,18 +281,18 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
         q = q.flatten(1, 2)
     T, H, DI = q.shape
     data = keys.data
-    record = RECORDS.get(keys.layout.kv_row_dtype, 0) if data.dtype == torch.uint8 else 0
+    record = RECORDS.get(keys.layout.row_format, 0) if data.dtype == torch.uint8 else 0
     if data.dtype == torch.uint8:
         per_key = DI // 2 + DI // 32 if record == 1 else DI + 4
         if not record or DI % 64 or data.dim() != 2 or data.shape[1] != keys.block_size * per_key:
-            raise ValueError(f"indexer_logits: key pages {tuple(data.shape)} ({keys.layout.kv_row_dtype}) do not "
+            raise ValueError(f"indexer_logits: key pages {tuple(data.shape)} ({keys.layout.row_format.label}) do not "
                              f"hold {keys.block_size} FP4 or fp8 records of {DI} dims (a multiple of 64)")
     elif data.dtype not in (torch.float32, torch.bfloat16) or data.shape[-1] != DI:
         raise ValueError(f"indexer_logits reads float32 or bf16 keys of {DI} dims or FP4 or fp8 records, not "
                          f"{data.dtype} [{data.shape[-1]}]")
-    if e4m3 and record != RECORDS["fp8"]:
+    if e4m3 and record != RECORDS[FP8_KEYS]:
         raise ValueError(f"indexer_logits: e4m3 queries are scored against fp8 records, not "
-                         f"{keys.layout.kv_row_dtype} keys")
+                         f"{keys.layout.row_format.label} keys")
     key_dtype = torch.bfloat16 if record else data.dtype    # the dtype the queries are rounded to
     out = torch.empty(T, width, dtype=torch.float32, device=q.device)
     if not T or not width:

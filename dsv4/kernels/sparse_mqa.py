@@ -44,15 +44,16 @@ from typing import Any, NamedTuple
 import triton
 import triton.language as tl
 
+from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
 from dsv4.kernels.launch import E4M3_SM, arch_at_least, as_dense, as_f32, as_i32, device_arch, launch
 from dsv4.sizes import cdiv
 from dsv4.kernels.sparse_plan import Target, plan_kernel, plan_launch
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)      # the same, inside kernels
-# how a cache's rows are stored (its layout's kv_row_dtype): bf16 rows, fp8_ds_mla records with OCP or
-# FNUZ e4m3 NoPE bytes
-LAYOUT_CODES = {"bfloat16": 0, "fp8_ds_mla": 1, "fp8_ds_mla_fnuz": 2}
+# the kernels' code for each row format they read (a cache layout's row_format): bf16 rows, fp8_ds_mla
+# records with OCP or FNUZ e4m3 NoPE bytes
+LAYOUT_CODES = {BF16_ROWS: 0, FP8_DS_MLA: 1, FP8_DS_MLA_FNUZ: 2}
 WORKSPACE_BYTES = 1 << 28      # the bf16 p workspace of one launch; longer steps run in token chunks
 ML_BLOCKS = 32                 # list blocks whose maxima and sums the P·V pass combines at a time
 
@@ -305,10 +306,10 @@ def pool_args(cache) -> Pool:
     """A PagedCache as the kernels read it (its views made once, by its layout's row store, where it has one)."""
     import torch
 
-    row = cache.layout.kv_row_dtype
+    row = cache.layout.row_format
     if row not in LAYOUT_CODES:
-        raise ValueError(f"mqa_kernel=triton_sparse reads {', '.join(LAYOUT_CODES)} rows, not {row} "
-                         f"(cache {cache.name}); check() refuses this combination")
+        raise ValueError(f"mqa_kernel=triton_sparse reads {', '.join(f.label for f in LAYOUT_CODES)} rows, not "
+                         f"{row.label} (cache {cache.name}); check() refuses this combination")
     code, data, store = LAYOUT_CODES[row], cache.data, cache.store
     if store is not None:                  # the views its row stores write through, made once per cache
         return Pool(code, cache.block_size, *store.args())

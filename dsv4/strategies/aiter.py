@@ -47,12 +47,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from dsv4.strategies.fp8_layouts import decode_records, record_offsets
+from dsv4.formats.row_format import FP8_DS_MLA, FP8_DS_MLA_FNUZ
 from dsv4.strategies.mqa_kernel import attended, distinct_rows
 from dsv4.strategies.protocols import Needs, OProjWeights, SparseKV
 
 AITER_VERSION = "0.1.7.post2.dev18"
 FP8_FORMAT = {"gfx942": "fnuz", "gfx950": "ocp"}                 # aiter's dtypes.fp8 per arch
-RECORD = {"fnuz": "fp8_ds_mla_fnuz", "ocp": "fp8_ds_mla"}         # the cache layout holding that flavour
+RECORD = {"fnuz": FP8_DS_MLA_FNUZ, "ocp": FP8_DS_MLA}           # the rows holding that flavour
 TORCH_FP8 = {"fnuz": "float8_e4m3fnuz", "ocp": "float8_e4m3fn"}
 D, QK_DIM = 512, 576                                            # V4 rows; aiter's MLA record (512 + 64)
 SINK_DIMS = (512, 513, 514)                                     # where the sink key and term live
@@ -80,13 +81,14 @@ def read_rows(cache, slots, *, fmt: str):
     """`cache`'s rows at `slots`, decoded the way this device's aiter reads fp8 (`fmt`). Refuses a
     cache whose bytes are another record or the other e4m3 flavour: read as `fmt` they would be worth
     half or twice their value (and FNUZ 0x80 is NaN)."""
-    kind = cache.layout.kv_row_dtype
-    if kind not in RECORD.values():
+    row, want = cache.layout.row_format, RECORD[fmt]
+    if row.kind is not want.kind:
         raise ValueError(f"mqa_kernel=aiter_sparse reads fp8_ds_mla pages, the {cache.name} cache is "
-                         f"{cache.layout.name}; fix: cache_layout={RECORD[fmt]}")
-    if kind != RECORD[fmt]:
+                         f"{cache.layout.name} (check() refuses this); fix: cache_layout={want.label}")
+    if row != want:
         raise ValueError(f"mqa_kernel=aiter_sparse decodes e4m3 as {TORCH_FP8[fmt]} on this device; the "
-                         f"{cache.name} cache holds {kind} bytes; fix: cache_layout={RECORD[fmt]}")
+                         f"{cache.name} cache holds {row.label} bytes (check() refuses this); fix: "
+                         f"cache_layout={want.label}")
     return cache.read(slots)
 
 
@@ -176,7 +178,7 @@ class AiterSparseMQA:
         fmt = FP8_FORMAT.get(device.arch)
         fmts = frozenset({fmt}) if fmt else frozenset(FP8_FORMAT.values())
         return Needs(platforms=frozenset({"rocm"}), archs=frozenset(FP8_FORMAT),
-                     cache_layouts=frozenset(RECORD[f] for f in fmts), padded_heads=PADDED_HEADS,
+                     row_formats=frozenset(RECORD[f] for f in fmts), padded_heads=PADDED_HEADS,
                      dtypes=frozenset({"bfloat16"}), modules=(("aiter", "amd-aiter"),), fp8_formats=fmts,
                      graphs=False)      # the attended rows are gathered by torch.unique, which reads sizes
 

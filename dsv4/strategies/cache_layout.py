@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from dsv4.formats.row_format import RowFormat, plain_rows
 from dsv4.strategies.protocols import Needs
 
 _ROW_DTYPES = {"float32": 4, "bfloat16": 2}
@@ -41,8 +42,8 @@ class PlainRowLayout:
             raise ValueError(f"cache_layout={self.name}: dtype must be one of {sorted(_ROW_DTYPES)}, got {self.dtype!r}")
 
     @property
-    def kv_row_dtype(self) -> str:
-        return self.dtype
+    def row_format(self) -> RowFormat:
+        return plain_rows(self.dtype)
 
     def needs(self, device) -> Needs:
         return Needs()

@@ -42,6 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from dsv4.formats.fp8 import per_tensor_query, per_tensor_scales
+from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_PER_TENSOR, RowKind
 from dsv4.sizes import round_up
 from dsv4.strategies.flashmla import fp8_ds_mla_pages
 from dsv4.strategies.mqa_kernel import compact, pad_columns, valid_entries
@@ -54,10 +56,8 @@ INDEX_ROW_MULTIPLE = 4                     # combined table rows: 16-byte vector
 SM120_EXTRA_MULTIPLE = 64                  # sm120 compressed list width: its split tile (fewer distinct shapes)
 MODES = {"sm100": "trtllm_combined", "sm103": "trtllm_combined",
          "sm120": "sm120_two_pool", "sm121": "sm120_two_pool"}
-CACHE_LAYOUTS = {"trtllm_combined": frozenset({"bf16", "fp8_per_tensor"}),      # config names, for check()
-                 "sm120_two_pool": frozenset({"fp8_ds_mla"})}
-ROW_KINDS = {"trtllm_combined": frozenset({"bfloat16", "fp8_per_tensor"}),        # layout.kv_row_dtype, at run time
-             "sm120_two_pool": frozenset({"fp8_ds_mla"})}
+ROWS = {"trtllm_combined": frozenset({BF16_ROWS, FP8_PER_TENSOR}),      # the rows each mode reads
+        "sm120_two_pool": frozenset({FP8_DS_MLA})}
 
 
 def _swa_list(kv: SparseKV):
@@ -132,10 +132,10 @@ def kv_pool_views(cache) -> tuple[Any, str]:
     contiguous (the kernel steps 512 elements per slot); fp8_ds_mla: `[num_blocks, B, 1, 584]` ("NHD")."""
     import torch
 
-    kind = cache.layout.kv_row_dtype
-    if kind == "fp8_ds_mla":
+    row = cache.layout.row_format
+    if row == FP8_DS_MLA:
         return fp8_ds_mla_pages(cache), "NHD"
-    if kind in ("bfloat16", "fp8_per_tensor"):
+    if row in ROWS["trtllm_combined"]:
         data = cache.data
         if data.dim() != 3 or data.shape[-1] != 512 or not data.is_contiguous():
             raise ValueError(f"mqa_kernel=flashinfer_sparse: the {cache.name} cache must be contiguous "
@@ -145,28 +145,29 @@ def kv_pool_views(cache) -> tuple[Any, str]:
                              "not bfloat16 / float8_e4m3fn")
         return data, "HND"
     raise ValueError(f"mqa_kernel=flashinfer_sparse reads bf16 or fp8_per_tensor rows (sm100/sm103) or "
-                     f"fp8_ds_mla pages (sm120/sm121), not {kind} rows; fix: cache_layout=bf16")
+                     f"fp8_ds_mla pages (sm120/sm121), not {row.label} rows (check() refuses this); fix: cache_layout=bf16")
 
 
 def scales(layout, softmax_scale: float) -> tuple[float, float]:
     """(bmm1_scale, bmm2_scale): logits = bmm1 · q·k, out = bmm2 · P·v, in the stored (q, k) units.
     Per-tensor fp8 folds the q and kv scales in (§3.3); bf16 rows and fp8_ds_mla pages (dequantized
     by the kernel) take the softmax scale and 1."""
-    kind = layout.kv_row_dtype
-    if kind == "fp8_per_tensor":
-        b1, b2 = layout.kernel_scales(softmax_scale)
+    row = layout.row_format
+    if row.kind is RowKind.FP8_PER_TENSOR:
+        b1, b2 = per_tensor_scales(row, softmax_scale)
         return float(b1), float(b2)
-    if kind in ("bfloat16", "fp8_ds_mla"):
+    if row in (BF16_ROWS, FP8_DS_MLA):
         return float(softmax_scale), 1.0
-    raise ValueError(f"mqa_kernel=flashinfer_sparse has no scales for {kind} rows; fix: cache_layout=bf16")
+    raise ValueError(f"mqa_kernel=flashinfer_sparse has no scales for {row.label} rows (check() refuses this); "
+                     "fix: cache_layout=bf16")
 
 
 def kernel_query(layout, q):
     """q as the kernel takes it: e4m3(q / q_scale) over per-tensor fp8 rows, else bf16."""
     import torch
 
-    if layout.kv_row_dtype == "fp8_per_tensor":
-        return layout.fp8_query(q).contiguous()
+    if layout.row_format.kind is RowKind.FP8_PER_TENSOR:
+        return per_tensor_query(layout.row_format, q).contiguous()
     return q.to(torch.bfloat16).contiguous()
 
 
@@ -179,13 +180,13 @@ def call_args(q, kv: SparseKV, *, sink, scale: float, mode: str, workspace, out=
     if q.shape[1] not in PADDED_HEADS:
         raise ValueError(f"mqa_kernel=flashinfer_sparse takes {sorted(PADDED_HEADS)} (padded) heads, got "
                          f"{q.shape[1]}; fix: head_padding=buckets_pow2")
-    if mode not in CACHE_LAYOUTS:
-        raise ValueError(f"mqa_kernel=flashinfer_sparse: unknown mode {mode!r} (one of {sorted(CACHE_LAYOUTS)})")
+    if mode not in ROWS:
+        raise ValueError(f"mqa_kernel=flashinfer_sparse: unknown mode {mode!r} (one of {sorted(ROWS)})")
     layout = kv.swa.layout
     for c in (kv.swa, kv.extra):
-        if c is not None and c.layout.kv_row_dtype not in ROW_KINDS[mode]:
-            raise ValueError(f"mqa_kernel=flashinfer_sparse ({mode}) reads {sorted(CACHE_LAYOUTS[mode])} caches, "
-                             f"the {c.name} cache is {c.layout.name}")
+        if c is not None and c.layout.row_format not in ROWS[mode]:
+            raise ValueError(f"mqa_kernel=flashinfer_sparse ({mode}) reads {sorted(f.label for f in ROWS[mode])} "
+                             f"rows, the {c.name} cache is {c.layout.name} (check() refuses this)")
     swa_view, kv_layout = kv_pool_views(kv.swa)
     extra_view = kv_pool_views(kv.extra)[0] if kv.extra is not None else None
     bmm1, bmm2 = scales(layout, scale)
@@ -218,8 +219,8 @@ class FlashInferSparse:
 
     def needs(self, device) -> Needs:
         mode = MODES.get(device.arch)
-        layouts = CACHE_LAYOUTS[mode] if mode else CACHE_LAYOUTS["trtllm_combined"] | CACHE_LAYOUTS["sm120_two_pool"]
-        return Needs(platforms=frozenset({"cuda"}), archs=frozenset(MODES), cache_layouts=layouts,
+        rows = ROWS[mode] if mode else ROWS["trtllm_combined"] | ROWS["sm120_two_pool"]
+        return Needs(platforms=frozenset({"cuda"}), archs=frozenset(MODES), row_formats=rows,
                      padded_heads=PADDED_HEADS,
                      dtypes=frozenset({"bfloat16"}) if mode == "sm120_two_pool" else frozenset(),
                      modules=(("flashinfer", "flashinfer-python"),),

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from dsv4.formats.row_format import FP8_DS_MLA
 from dsv4.settings import at_least
 from dsv4.sizes import round_up
 from dsv4.strategies.mqa_kernel import attended, distinct_rows, pad_columns
@@ -73,7 +74,7 @@ class FlashMLASparse:
 
     def needs(self, device) -> Needs:
         return Needs(platforms=frozenset({"cuda"}), archs=frozenset({"sm90", "sm100"}),
-                     cache_layouts=frozenset({"fp8_ds_mla"}), padded_heads=frozenset({64, 128}),
+                     row_formats=frozenset({FP8_DS_MLA}), padded_heads=frozenset({64, 128}),
                      dtypes=frozenset({"bfloat16"}), modules=(("flash_mla", "sgl-flash-mla"),),
                      graphs=not self.prefill_gather_min_tokens)    # the gather path sizes its rows by torch.unique
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from dsv4.formats.row_format import FP8_DS_MLA_FNUZ, RowFormat
 from dsv4.strategies.fp8_layouts import (DATA_BYTES, EXPONENTS, FNUZ_NAN, NOPE_BYTES, SCALE_BYTES, Fp8DsMlaLayout,
                                           decode_records, encode_records, read_records, write_records)
 from dsv4.strategies.protocols import Needs
@@ -35,11 +36,11 @@ class Fp8DsMlaFnuzLayout:
     error_budget: ClassVar[float] = 1e-4     # vs the oracle: the oracle rounds rows as stored
 
     @property
-    def kv_row_dtype(self) -> str:
-        return "fp8_ds_mla_fnuz"
+    def row_format(self) -> RowFormat:
+        return FP8_DS_MLA_FNUZ
 
     def needs(self, device) -> Needs:
-        return Needs(fp8_formats=frozenset({"fnuz"}))
+        return Needs()
 
     # the record's geometry is fp8_ds_mla's: same 584 bytes, same pages, same 576-aligned stride
     def bytes_per_token(self, head_dim: int) -> int:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dsv4.formats.row_format import FP8_KEYS, RowFormat
 from dsv4.strategies import key_records
 from dsv4.strategies.fp8_layouts import E4M3_MAX
 from dsv4.strategies.indexer import (
@@ -57,8 +58,8 @@ class Fp8KeyLayout:
     head_dim: int = 128
 
     @property
-    def kv_row_dtype(self) -> str:
-        return "fp8"
+    def row_format(self) -> RowFormat:
+        return FP8_KEYS
 
     @property
     def data_bytes(self) -> int:

@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from dsv4.formats.fp8 import E4M3_MAX, FNUZ_NAN, e4m3_over
+from dsv4.formats.row_format import FP8_DS_MLA, RowFormat, RowKind
 from dsv4.settings import at_least
 from dsv4.sizes import round_up
 from dsv4.strategies.cache_layout import kept_rows
 from dsv4.strategies.protocols import Needs
 
-E4M3_MAX = 448.0
 DATA_BYTES, SCALE_BYTES, NOPE_BYTES, EXPONENTS = 576, 8, 448, 7     # the record (docs/numerics.md §3.2)
-FNUZ_NAN = 0x80           # e4m3fnuz's one NaN byte (and OCP e4m3's negative zero)
 
 
 def _e4m3():
@@ -112,8 +112,8 @@ class Fp8DsMlaLayout:
     align: int = at_least(1, 576)        # page strides are multiples of this (vLLM's KV-spec alignment)
 
     @property
-    def kv_row_dtype(self) -> str:
-        return "fp8_ds_mla"
+    def row_format(self) -> RowFormat:
+        return FP8_DS_MLA
 
     @property
     def data_bytes(self) -> int:
@@ -189,8 +189,8 @@ class Fp8PerTensorLayout:
             raise ValueError(f"cache_layout={self.name}: kv_scale and q_scale must be > 0")
 
     @property
-    def kv_row_dtype(self) -> str:
-        return "fp8_per_tensor"
+    def row_format(self) -> RowFormat:
+        return RowFormat(kind=RowKind.FP8_PER_TENSOR, fp8="ocp", kv_scale=self.kv_scale, q_scale=self.q_scale)
 
     def needs(self, device) -> Needs:
         return Needs()
@@ -208,7 +208,7 @@ class Fp8PerTensorLayout:
 
     @staticmethod
     def quantize(x, scale: float):
-        return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(_e4m3())
+        return e4m3_over(x, scale)
 
     def write(self, cache, slots, rows, *, block_size: int) -> None:
         import torch
@@ -231,11 +231,3 @@ class Fp8PerTensorLayout:
 
     def kernel_store(self, cache, block_size: int):
         return None                                # rows go through `write`
-
-    def fp8_query(self, q):
-        """q as a kernel that wants an fp8 query takes it: e4m3(q / q_scale)."""
-        return self.quantize(q, self.q_scale)
-
-    def kernel_scales(self, softmax_scale: float) -> tuple[float, float]:
-        """(bmm1_scale, bmm2_scale) for fp8 q and fp8 rows: logits = bmm1 · q8·k8, out = bmm2 · P·v8."""
-        return softmax_scale * self.q_scale * self.kv_scale, self.kv_scale

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from dsv4.formats.row_format import MXFP4_KEYS, RowFormat
 from dsv4.strategies import key_records
 from dsv4.strategies.indexer import (
     FP4_BLOCK,
@@ -42,8 +43,8 @@ class Mxfp4KeyLayout:
             raise ValueError(f"mxfp4 keys: head_dim {self.head_dim} is not a multiple of {2 * self.block}")
 
     @property
-    def kv_row_dtype(self) -> str:
-        return "mxfp4"
+    def row_format(self) -> RowFormat:
+        return MXFP4_KEYS
 
     @property
     def data_bytes(self) -> int:

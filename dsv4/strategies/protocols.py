@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from dsv4.formats.row_format import RowFormat
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -22,7 +24,7 @@ class Needs:
     """What a strategy requires of the machine and of the other strategies. Empty = anything."""
     platforms: frozenset[str] = frozenset()        # {"cuda"}, {"rocm"}
     archs: frozenset[str] = frozenset()            # {"sm90", "sm100"}
-    cache_layouts: frozenset[str] = frozenset()    # {"fp8_ds_mla"}
+    row_formats: frozenset[RowFormat] = frozenset()   # the cache rows it reads: {FP8_DS_MLA}
     padded_heads: frozenset[int] = frozenset()     # {64, 128}
     dtypes: frozenset[str] = frozenset()           # activation dtypes: {"bfloat16"}
     modules: tuple[tuple[str, str], ...] = ()      # (import name, pip distribution)
@@ -31,10 +33,10 @@ class Needs:
     model_powers_of_two: tuple[str, ...] = ()           # ModelSpec fields that must be powers of two
     model_choices: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (ModelSpec field, the values it may take)
     index_page_keys: frozenset[int] = frozenset()       # indexer keys per ratio-4 entry page it reads
-    # e4m3 flavours of fp8 cache bytes: for a kernel, the ones it decodes them as on this device; for a
-    # cache layout, the one it stores. "ocp" = float8_e4m3fn (bias 7, max 448), "fnuz" =
-    # float8_e4m3fnuz (bias 8, max 240, no -0: byte 0x80 is NaN). Read as FNUZ a byte is worth half what
-    # it is as OCP, so check() refuses a kernel and a layout with disjoint sets. Empty = none / any.
+    # e4m3 flavours a kernel decodes fp8 cache bytes as on this device (a layout's own is its
+    # RowFormat.fp8). "ocp" = float8_e4m3fn (bias 7, max 448), "fnuz" = float8_e4m3fnuz (bias 8, max
+    # 240, no -0: byte 0x80 is NaN). Read as FNUZ a byte is worth half what it is as OCP, so check()
+    # refuses a kernel and a layout whose flavours differ. Empty = none / any.
     fp8_formats: frozenset[str] = frozenset()
     # the override that lifts the platform/arch requirement when the strategy has a wider setting
     # (e.g. "mqa_kernel.variant=auto"); empty = the group's safe choice (the reference)
@@ -85,7 +87,7 @@ class CacheLayout(Protocol):
     error_budget: float      # relative error vs the oracle (same cache rounding) this option may add
 
     @property
-    def kv_row_dtype(self) -> str: ...          # how a stored row is rounded (the dump's kv_row_dtype)
+    def row_format(self) -> RowFormat: ...      # what a stored row is: kernels, check() and the oracle read it
 
     def needs(self, device: DeviceInfo) -> Needs: ...
     def bytes_per_token(self, head_dim: int) -> int: ...

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dsv4.kernels.sparse_plan import VARIANTS
+from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
 from dsv4.strategies.protocols import Needs, SparseKV
 
 # bf16 tensor-core dots: NVIDIA Ampere and newer, AMD CDNA2 and newer
 TRITON_ARCHS = frozenset({"sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm110", "sm120", "sm121",
                           "gfx90a", "gfx942", "gfx950"})
-READS = frozenset({"bf16", "fp8_ds_mla", "fp8_ds_mla_fnuz"})
+READS = frozenset({BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ})       # the rows the kernels decode
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,11 +55,11 @@ class TritonSparseMQA:
     def needs(self, device) -> Needs:
         if self.variant == "hopper":
             return Needs(platforms=frozenset({"cuda"}), archs=frozenset({"sm90"}),
-                         cache_layouts=frozenset({"fp8_ds_mla"}), dtypes=frozenset({"bfloat16"}),
+                         row_formats=frozenset({FP8_DS_MLA}), dtypes=frozenset({"bfloat16"}),
                          modules=(("triton", "triton>=3.6"),), fp8_formats=frozenset({"ocp"}),
                          model_values=(("head_dim", 512), ("qk_rope_head_dim", 64)),
                          fix="mqa_kernel.variant=auto")
-        return Needs(platforms=frozenset({"cuda", "rocm"}), archs=TRITON_ARCHS, cache_layouts=READS,
+        return Needs(platforms=frozenset({"cuda", "rocm"}), archs=TRITON_ARCHS, row_formats=READS,
                      dtypes=frozenset({"bfloat16"}), modules=(("triton", "triton"),),
                      fp8_formats=frozenset({"ocp", "fnuz"}),       # whichever the layout stores
                      model_values=(("head_dim", 512), ("qk_rope_head_dim", 64)))
