@@ -87,7 +87,8 @@ def oproj_breakdown(dev) -> None:
     grouped wo_a product alone in each precision, and wo_b."""
     import deep_gemm
 
-    from dsv4.strategies.fp8_oproj import blockwise_scaled_mm, fused_inverse_rope_fp8_quant, inverse_rope_fp8_quant
+    from dsv4.strategies.o_proj.fp8_common import fused_inverse_rope_fp8_quant, inverse_rope_fp8_quant
+    from dsv4.strategies.o_proj.torch_fp8 import blockwise_scaled_mm
 
     rope = Rope.for_layer(tiny_spec(), 4)
     print("\n## o_proj breakdown, G=8 (µs): prologue = inverse RoPE + per-128 fp8 quant")

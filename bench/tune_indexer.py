@@ -64,7 +64,7 @@ def deepgemm():
     try:
         import deep_gemm  # noqa: F401
 
-        from dsv4.strategies.fp8_keys import deepgemm_scores
+        from dsv4.strategies.indexer.deepgemm_fp8 import deepgemm_scores
     except Exception:  # noqa: BLE001 -- a broken install is as absent
         return None
     major = torch.cuda.get_device_capability()[0]
@@ -98,7 +98,7 @@ def flashinfer_topk_rows(context: int, scores, counts, pages, req, want) -> list
         return []
     import flashinfer
 
-    from dsv4.strategies.top_k import PREFER_LOWER_INDEX, TOP_K
+    from dsv4.strategies.indexer.top_k import PREFER_LOWER_INDEX, TOP_K
 
     T, width = scores.shape
     ent = torch.arange(width, device="cuda")

@@ -137,7 +137,8 @@ def oproj() -> None:
 
     from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
     from dsv4.strategies import DeepGemmFp8OProj, ReferenceOProj, TorchFp8OProj, TritonFp8OProj
-    from dsv4.strategies.fp8_oproj import blockwise_scaled_mm, fused_inverse_rope_fp8_quant, quantize_weight_blocks
+    from dsv4.strategies.o_proj.fp8_common import fused_inverse_rope_fp8_quant, quantize_weight_blocks
+    from dsv4.strategies.o_proj.torch_fp8 import blockwise_scaled_mm
 
     dev, rope, G = detect(), Rope.for_layer(tiny_spec(), 4), 8
     print("\nwo_a alone, G=8, 4096 -> 1024 per group (µs; rel err vs DeepGEMM)\n| T | launch | triton_fp8 | rel err | "

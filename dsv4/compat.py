@@ -15,11 +15,11 @@ from dsv4.device import DeviceInfo
 from dsv4.dtypes import ACTIVATION_DTYPES
 from dsv4.errors import Problem
 from dsv4.spec import ModelSpec
-from dsv4.strategies.top_k import DEFAULT_TOP_K, TOP_K
+from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K, TOP_K
 
 
 def _default_indexer():
-    from dsv4.strategies.indexer import ExactIndexer
+    from dsv4.strategies.indexer.exact import ExactIndexer
     return ExactIndexer()
 
 

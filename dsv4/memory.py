@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dsv4.formats.row_format import BF16_ROWS, FLOAT32_ROWS, FP8_KEYS, MXFP4_KEYS
+from dsv4.formats.row_format import BF16_ROWS, FLOAT32_ROWS, FP8_KEYS, MXFP4_KEYS, plain_rows
 from dsv4.spec import LAYER_TYPES, ModelSpec
 
 GIB = 2 ** 30
@@ -81,15 +81,16 @@ def indexer_kind(dtype: str, indexer=None) -> str:
     """Our indexer keys' record (an `indexer_entry_bytes` kind) for activations of `dtype`, as the indexer
     option stores them (its `key_layout`; default `exact`: rows in that dtype)."""
     if indexer is None:
-        from dsv4.strategies.indexer import ExactIndexer
+        from dsv4.strategies.indexer.exact import ExactIndexer
         indexer = ExactIndexer()
-    row = indexer.key_layout(dtype=dtype, head_dim=128).row_format
+    keys = indexer.key_layout(dtype=dtype, head_dim=128)
+    row = keys.row_format if keys is not None else plain_rows(dtype)
     return {FLOAT32_ROWS: "float32", BF16_ROWS: "bf16", MXFP4_KEYS: "mxfp4", FP8_KEYS: "fp8"}[row]
 
 
 def summary_lines(spec: ModelSpec, layout, dtype: str, indexer=None) -> list[str]:
     """What `run` prints: this run's caches, vLLM's equivalent, and the published accounting."""
-    from dsv4.strategies.cache_layout import PlainRowLayout
+    from dsv4.strategies.cache_layout.plain import PlainRowLayout
 
     mine = indexer_kind(dtype, indexer)
     ours = model_memory(spec, layout, indexer=mine)

@@ -37,13 +37,14 @@ from dsv4.benches.cases import random_pages
 from dsv4.compat import Combination, check
 from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
+from dsv4.formats.fp8_ds_mla import fnuz_to_ocp_pages, ocp_to_fnuz_pages
 from dsv4.oracle import rel_err, round_rows
 from dsv4.spec import ModelSpec
 from dsv4.strategies import (AiterSparseMQA, BucketHeadPadding, FlashInferSparse, FlashMLASparse,
                              Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, OProjWeights, PlainRowLayout,
                              ReferenceMQA, ReferenceOProj, RocmBf16OProj, SparseKV)
-from dsv4.strategies import aiter as ai
-from dsv4.strategies.fp8_fnuz import fnuz_to_ocp_pages, ocp_to_fnuz_pages
+from dsv4.strategies.mqa_kernel import aiter_sparse as ai
+from dsv4.strategies.o_proj.rocm_bf16 import grouped_input
 from dsv4.strategies.protocols import Needs
 from tests.conftest import CONFIGS, ROOT, run_py, through, tiny_spec
 
@@ -532,7 +533,7 @@ def test_grouped_input_is_the_inverse_roped_groups():
     o = torch.randn(5, 8, D, generator=g)
     pos = torch.arange(5) * 37
     rope = Rope.for_layer(tiny_spec(), 128)
-    x = ai.grouped_input(o, rope.at(pos), 2)
+    x = grouped_input(o, rope.at(pos), 2)
     want = rope.apply(o, pos, inverse=True).bfloat16().view(5, 2, 4 * D).transpose(0, 1)
     assert torch.equal(x, want) and x.is_contiguous()
 

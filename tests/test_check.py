@@ -459,7 +459,7 @@ def test_the_catalogue_holds_the_shipped_yamls_and_defaults_that_need_nothing():
 
 # ---- mqa_kernel=triton_sparse: variant=hopper narrows what it runs on -------------------------------------
 def test_triton_sparse_hopper_variant_needs_sm90_and_fp8_ds_mla_pages():
-    from dsv4.strategies.triton_sparse import TritonSparseMQA
+    from dsv4.strategies.mqa_kernel.triton_sparse import TritonSparseMQA
 
     fp8 = load_option("cache_layout", "fp8_ds_mla")
     auto, hopper = TritonSparseMQA(), TritonSparseMQA(variant="hopper")

@@ -19,7 +19,7 @@ from dsv4.catalogue import GROUPS
 from dsv4.job import make_job
 from dsv4.compat import check
 from dsv4.device import DeviceInfo
-from dsv4.strategies.top_k import TOP_K
+from dsv4.strategies.indexer.top_k import TOP_K
 from tests.conftest import CONFIGS, ROOT, options
 
 GOLDEN = ROOT / "tests" / "golden" / "compat_matrix.json"

@@ -286,7 +286,7 @@ def test_spec_rejects_a_negative_compress_ratio():
 # ---- in-process app behaviour --------------------------------------------------------------------------
 def info_top_ks() -> dict:
     """mode=info's rows of the indexer's top-k settings -> their strategies."""
-    from dsv4.strategies.top_k import TOP_K
+    from dsv4.strategies.indexer.top_k import TOP_K
 
     return {f"indexer.top_k={name}": s for name, s in TOP_K.items()}
 

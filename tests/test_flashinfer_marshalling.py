@@ -34,7 +34,7 @@ from dsv4.oracle import rel_err
 from dsv4.spec import ModelSpec
 from dsv4.strategies import (BucketHeadPadding, FlashInferSparse, Fp8DsMlaLayout, Fp8PerTensorLayout,
                              NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj, SparseKV)
-from dsv4.strategies import flashinfer as fi
+from dsv4.strategies.mqa_kernel import flashinfer_sparse as fi
 from tests.conftest import CONFIGS, ROOT, through
 
 D = 512

@@ -12,7 +12,7 @@ from dsv4.device import DeviceInfo
 from dsv4.oracle import _rope
 from dsv4.strategies import (BucketHeadPadding, DeepGemmFp8OProj, Fp8DsMlaLayout, ReferenceMQA, TorchFp8OProj,
                              TritonFp8OProj)
-from dsv4.strategies.fp8_oproj import inverse_rope_fp8_quant, quantize_weight_blocks
+from dsv4.strategies.o_proj.fp8_common import inverse_rope_fp8_quant, quantize_weight_blocks
 from tests.conftest import published_rope_freqs, tiny_spec
 
 SM90 = DeviceInfo(platform="cuda", arch="sm90", name="H200")

@@ -9,7 +9,7 @@ from dsv4.components.rope import Rope
 from dsv4.oracle import rel_err
 from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, TorchFp8OProj,
                              TritonFp8OProj)
-from dsv4.strategies.fp8_oproj import inverse_rope_fp8_quant, quantize_weight_blocks
+from dsv4.strategies.o_proj.fp8_common import inverse_rope_fp8_quant, quantize_weight_blocks
 from tests.conftest import gpu_device, fp8_block_product, tiny_spec
 
 
@@ -101,7 +101,7 @@ def test_fp8_oproj_matches_fp8_simulation_and_reference(strategy, T, G):
 @pytest.mark.parametrize("mn_major", [False, True], ids=["token-major scales", "DeepGEMM sm90 scales"])
 @pytest.mark.parametrize("T,H,G", [(1, 64, 8), (37, 16, 2), (4096, 64, 8)])
 def test_fused_inverse_rope_fp8_kernel_matches_torch(T, H, G, mn_major):
-    from dsv4.strategies.fp8_oproj import fused_inverse_rope_fp8_quant, inverse_rope_fp8_quant
+    from dsv4.strategies.o_proj.fp8_common import fused_inverse_rope_fp8_quant, inverse_rope_fp8_quant
 
     g = torch.Generator(device="cuda").manual_seed(T)
     o = (torch.randn(T, H, 512, generator=g, device="cuda") * 4).bfloat16()

@@ -18,7 +18,7 @@ from dsv4 import oracle as ref
 from dsv4.compat import check
 from dsv4.device import DeviceInfo
 from dsv4.strategies import ExactIndexer, Fp4SimIndexer, Mxfp4Indexer, Mxfp4KeyLayout
-from dsv4.strategies.indexer import e2m1, fp4_qdq, pow2_ceil, rotate
+from dsv4.formats.fp4 import e2m1, fp4_qdq, pow2_ceil, rotate
 from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
 from tests.test_cache_layouts import e4m3_byte      # OCP e4m3fn from the format's definition
 
@@ -111,7 +111,7 @@ def test_hadamard_rotation_is_the_orthonormal_sylvester_transform():
 
 
 def test_the_oracles_fp4_numerics_are_the_strategys():
-    """Two implementations (dsv4/strategies/indexer.py for the layer, dsv4/oracle.py for the oracle), one
+    """Two implementations (dsv4/formats/fp4.py for the layer, dsv4/oracle.py for the oracle), one
     result on random rows, zeros and extremes."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(500, 128, generator=g) * torch.exp(torch.randn(500, 1, generator=g) * 3)
@@ -336,7 +336,7 @@ def test_fp8_key_records_byte_for_byte():
     scale: each record equals the hand-made one; FP4-simulated keys (what the options store) come back
     exactly."""
     from dsv4.strategies import Fp8KeyLayout
-    from dsv4.strategies.indexer import fp4_sim
+    from dsv4.formats.fp4 import fp4_sim
 
     g, x = keys_over_decades(24, seed=11)
     x[1, 32:] = torch.tensor([448.0, 9.0, 4.5, 17.0, -0.0078125 * 1.5, 2.0 ** -10, -(2.0 ** -10) * 3, 1e-6] * 12)
@@ -367,7 +367,7 @@ def test_fp8_pages_hold_codes_then_scales():
 def test_deepgemm_plan_rows():
     """deepgemm_fp8's step plan: each token's count of visible entries (at least 1: a row of padding
     alone made DeepGEMM fault) and its request's entries table, missing pages as page 0."""
-    from dsv4.strategies.fp8_keys import token_rows
+    from dsv4.strategies.indexer.deepgemm_fp8 import token_rows
 
     req = torch.tensor([0, 1, 1, 2, 2, 2])
     counts = torch.tensor([5, 7, 8, 0, 1, 2], dtype=torch.int32)

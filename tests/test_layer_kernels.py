@@ -735,7 +735,7 @@ def e4m3_case(seed: int, holes=((2, 1),)):
     """indexer_case's step with FP4-simulated queries and keys (fp4_sim's values: exact in e4m3 over each
     head's or key's power-of-two scale), the queries also in e4m3 with their scales in the head weights."""
     from dsv4.strategies import Fp4SimIndexer
-    from dsv4.strategies.fp8_keys import fp8_queries
+    from dsv4.strategies.indexer.key_layouts import fp8_queries
 
     q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, 8, 128, holes=holes, seed=seed)
     fp4 = Fp4SimIndexer()
@@ -852,7 +852,7 @@ def test_indexer_logits_decode_sized():
         assert torch.equal(run_indexer(q, w, rec, plan, idx), run_indexer(q, w, rows, plan, idx))
     # FP4-simulated values, e4m3 queries against fp8 records (the tensor cores' e4m3 product on sm89+)
     from dsv4.strategies import Fp4SimIndexer
-    from dsv4.strategies.fp8_keys import fp8_queries
+    from dsv4.strategies.indexer.key_layouts import fp8_queries
 
     fp4 = Fp4SimIndexer()
     q = fp4.queries(q)
@@ -1028,7 +1028,7 @@ def test_flashinfer_top_k_through_its_contract(monkeypatch):
     deterministic mode with ties to the lower index, zero offsets, the rows' counts as lengths (a column
     slice of padded rows read as the whole rows, NaN past the slice), then our page lookup -- the lists,
     slots and counts of test_topk_lists' stable sort, in any order."""
-    from dsv4.strategies.top_k import PREFER_LOWER_INDEX, TOP_K
+    from dsv4.strategies.indexer.top_k import PREFER_LOWER_INDEX, TOP_K
 
     calls: list = []
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer(calls))
@@ -1054,7 +1054,7 @@ def test_flashinfer_top_k_selects_what_triton_selects(width):
     rows of 2,048 and 32,768 entries, K = 512, some rows partly visible, some with every score tied), against
     indexer.top_k=triton: the same entries, slots and counts; the same lists on a second call, and from
     padded rows (a column slice, NaN past the visible entries)."""
-    from dsv4.strategies.top_k import TOP_K
+    from dsv4.strategies.indexer.top_k import TOP_K
 
     fi, ours = TOP_K["flashinfer"], TOP_K["triton"]
     if not width:
@@ -1087,8 +1087,8 @@ def test_fp8_queries_kernel_is_the_torch_path():
     """deepgemm_fp8's queries in one launch: the e4m3 bytes and the folded head weights of fp8_queries,
     bit for bit (FP4-simulated queries, raw ones over many decades, a zero head; strided weight rows)."""
     from dsv4.kernels.fp8_queries import fp8_queries_kernel
-    from dsv4.strategies.fp8_keys import fp8_queries
-    from dsv4.strategies.indexer import fp4_sim
+    from dsv4.strategies.indexer.key_layouts import fp8_queries
+    from dsv4.formats.fp4 import fp4_sim
 
     g, T, H, D = gen(91), 6, 5, 128
     q = torch.randn(T, H, D, generator=g) * torch.exp(torch.randn(T, H, 1, generator=g) * 4)
@@ -1108,7 +1108,7 @@ def test_front_kernel_makes_fp8_indexer_queries():
     `fp8_queries` with the head weights (strided rows) -- bit for bit, beside the query and KV parts."""
     from dsv4.components.front import rotate_rows
     from dsv4.strategies import Fp4SimIndexer
-    from dsv4.strategies.fp8_keys import fp8_queries
+    from dsv4.strategies.indexer.key_layouts import fp8_queries
 
     g, T, Hi, Di = gen(87), 5, 6, 128
     iq = torch.randn(T, Hi, Di, generator=g) * torch.exp(torch.randn(T, Hi, 1, generator=g) * 3)

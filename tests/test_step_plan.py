@@ -18,7 +18,6 @@ from dsv4.components.plan import COMPRESSOR_REACH, PageTable, StepPlan
 from dsv4.components.weights import random_layer_weights
 from dsv4.device import DeviceInfo
 from dsv4.strategies import NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
-from dsv4.strategies.indexer import plain_keys
 from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
 
 CPU = DeviceInfo(platform="cpu")
@@ -57,7 +56,7 @@ class OwnEngine:
             coff = 2 if R == 4 else 1
             kw |= dict(compressed=paged("compressed", LAYOUT, "entries", D), state=state(coff * D))
         if R == 4:
-            kw |= dict(indexer_keys=paged("indexer", plain_keys("float32"), "entries", Di), indexer_state=state(2 * Di))
+            kw |= dict(indexer_keys=paged("indexer", PlainRowLayout(name="float32", dtype="float32"), "entries", Di), indexer_state=state(2 * Di))
         self.caches = LayerCaches(ratio=R, swa=paged("swa", LAYOUT, "swa", D), **kw)
         self.lengths = [0] * requests
 

@@ -1,6 +1,6 @@
 """The package's structure, read from its imports (every `import` statement, inside functions too): no
 module imports one that imports it back, the kernels import nothing above them, and nothing below the
-modes sees the app, the job's Hydra config or the benches."""
+modes sees the app, the job's Hydra config or the benches; each strategy option is a module of its own."""
 from __future__ import annotations
 
 import ast
@@ -64,3 +64,18 @@ def test_the_floors_import_nothing_above_them():
         if m.startswith("dsv4.formats"):
             bad = sorted(d for d in deps if d.startswith("dsv4.") and not d.startswith(("dsv4.formats", "dsv4.sizes")))
             assert not bad, f"{m} imports {bad}"
+
+
+def test_each_option_is_a_module_of_its_groups_folder_that_no_other_strategy_imports():
+    """strategies/<group>/<option>.py: an option's class lives in its group's folder, and what options share
+    lives in a module of its own (dsv4/formats/, a group's common module), never in another option's."""
+    from dsv4.catalogue import GROUPS, options
+
+    homes = {g: {type(o).__module__ for o in options(g).values()} for g in GROUPS}
+    for g, mods in homes.items():
+        assert all(m.startswith(f"dsv4.strategies.{g}.") and m.count(".") == 3 for m in mods), (g, mods)
+    option_modules = set().union(*homes.values())
+    for m, deps in GRAPH.items():
+        if m.startswith("dsv4.strategies."):
+            bad = sorted(d for d in deps if d in option_modules and d != m)
+            assert not bad, f"{m} imports the option modules {bad}"

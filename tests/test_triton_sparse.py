@@ -18,7 +18,7 @@ from tests.triton_mode import BIG, DEVICE, GPU, MARK  # first: sets TRITON_INTER
 from dsv4.benches.cases import sparse_case
 from dsv4.oracle import rel_err
 from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout, ReferenceMQA
-from dsv4.strategies.triton_sparse import TritonSparseMQA
+from dsv4.strategies.mqa_kernel.triton_sparse import TritonSparseMQA
 
 pytestmark = MARK
 ARCH = ("rocm" if torch.version.hip else "sm%d%d" % torch.cuda.get_device_capability()) if GPU else "cpu"

@@ -68,14 +68,15 @@ def option_rows(ix, spec, context: int, top_ks=("triton",)) -> list[list]:
     """[context, option, top-k, key B/entry, step plan µs (made once per step for the step's ratio-4
     layers; 0: none), scores µs, scores + top-k µs, rel err vs bf16 rows, same top-k set], one row per
     top-k of `top_ks` (top_k.TOP_K's names)."""
-    from dsv4.strategies.indexer import triton_scores
-    from dsv4.strategies.top_k import TOP_K
+    from dsv4.strategies import PlainRowLayout
+    from dsv4.strategies.indexer.common import triton_scores
+    from dsv4.strategies.indexer.top_k import TOP_K
 
     Hi, Di, K = spec.index_n_heads, spec.index_head_dim, spec.index_topk
     q, w, pages, req, counts, rows = decode_case(context, Hi, Di)
     if ix.transforms:
         q, rows = ix.queries(q), ix.keys(rows.view(-1, Di)).view(rows.shape)
-    layout = ix.key_layout(dtype="bfloat16", head_dim=Di)
+    layout = ix.key_layout(dtype="bfloat16", head_dim=Di) or PlainRowLayout(name="bf16", dtype="bfloat16")
     keys = stored_keys(layout, rows)
     del rows
     width = pages.shape[1] * BS
@@ -119,7 +120,7 @@ def top_ks_here(job) -> list[str]:
 
     from dsv4.compat import check
     from dsv4.device import local_platform
-    from dsv4.strategies.top_k import TOP_K
+    from dsv4.strategies.indexer.top_k import TOP_K
 
     return [name for name in TOP_K if not [
         p for p in check(replace(job.combo, indexer=replace(job.combo.indexer, top_k=name)), job.device,

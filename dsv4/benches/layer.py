@@ -251,7 +251,7 @@ def prefill_row(job, backend: Backend, layer: int) -> list:
 
 def indexer_label(ix) -> str:
     """An indexer option's name, with its top-k where that is not ours."""
-    from dsv4.strategies.top_k import DEFAULT_TOP_K
+    from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K
 
     return ix.name if ix.top_k == DEFAULT_TOP_K else f"{ix.name}, top_k={ix.top_k}"
 

@@ -69,7 +69,7 @@ from safetensors import safe_open
 from dsv4.components.weights import random_layer_weights, weight_shapes
 from dsv4.errors import ConfigError
 from dsv4.spec import ModelSpec
-from dsv4.strategies.fp8_oproj import BLOCK as FP8_BLOCK              # what the fp8 o_proj strategies consume
+from dsv4.strategies.o_proj.fp8_common import BLOCK as FP8_BLOCK
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -9,7 +9,7 @@ exact float32 for float32 keys, a bf16 product for bf16 keys and records (the pu
 selection is the local entry indices of the top min(K, visible) scores, -1 padded to K, the valid ones
 first (so their count is the list's length); their order carries no meaning.
 What the queries and keys are before they are scored and stored is the `indexer` strategy's
-(`numerics`, dsv4/strategies/indexer.py): as computed (`exact`), or Hadamard-rotated and FP4-simulated
+(`numerics`, dsv4/strategies/indexer/): as computed (`exact`), or Hadamard-rotated and FP4-simulated
 as the published code trains and runs them (`fp4_sim`).
 
 Scores are one call over the step and the top-k another: on a GPU the strategy's scoring kernel (ours,
@@ -26,7 +26,7 @@ TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens a
 class Indexer:
     def __init__(self, *, wq_b, weights_proj, compressor, n_heads: int, head_dim: int, topk: int,
                  numerics=None, device=None) -> None:
-        from dsv4.strategies.indexer import ExactIndexer
+        from dsv4.strategies.indexer.exact import ExactIndexer
 
         self.wq_b, self.weights_proj, self.compressor = wq_b.float(), weights_proj.float(), compressor
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
@@ -109,13 +109,13 @@ class Indexer:
     def lists(self, scores, plan):
         """The selection as the MQA kernel reads it: (local indices [T, K] int32 as `select` gives them,
         their global slots [T, K] int32 through each token's table, -1 padded, and how many are valid
-        [T] int32). On a GPU the strategy's `top_k` (dsv4/strategies/top_k.py: our radix select, valid
+        [T] int32). On a GPU the strategy's `top_k` (dsv4/strategies/indexer/top_k.py: our radix select, valid
         entries in index order, or FlashInfer's), where `select` gives them best first."""
         import torch
 
         ents = plan.entries[4]
         if scores.is_cuda:
-            from dsv4.strategies.top_k import TOP_K
+            from dsv4.strategies.indexer.top_k import TOP_K
             return TOP_K[self.numerics.top_k](scores, ents.counts, ents.table.pages, plan.token_request,
                                               topk=self.topk, block_size=ents.table.block_size)
         local = self.select(scores)

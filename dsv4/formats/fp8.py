@@ -6,6 +6,12 @@ E4M3_MAX = 448.0          # OCP e4m3's largest finite value
 FNUZ_NAN = 0x80           # e4m3fnuz's one NaN byte (and OCP e4m3's negative zero)
 
 
+def e4m3_dtype():
+    import torch
+
+    return torch.float8_e4m3fn
+
+
 def e4m3_over(x, scale: float):
     """e4m3(x / scale), clamped to e4m3's range: a per-tensor fp8 row or query (float8_e4m3fn)."""
     import torch

@@ -1,2 +1,6 @@
 """Our own Triton kernels. Imported only by the strategies that use them; on a CPU the tests run them
 under TRITON_INTERPRET=1."""
+
+# the GPUs our Triton kernels are built for: bf16 tensor-core dots, NVIDIA Ampere and newer, AMD CDNA2 and newer
+TRITON_ARCHS = frozenset({"sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm110", "sm120", "sm121",
+                          "gfx90a", "gfx942", "gfx950"})

@@ -3,7 +3,7 @@
 compress kernel stores them, without the host sync of their torch path (slots of -1 are skipped in the
 kernel, not selected on the host).
 
-fp8_ds_mla record (dsv4.strategies.fp8_layouts): the row rounded to bf16; per 64 NoPE dims the scale
+fp8_ds_mla record (dsv4/formats/fp8_ds_mla.py): the row rounded to bf16; per 64 NoPE dims the scale
 2^e, e = ceil(log2(max(amax, 1e-4) / 448)), and the e4m3 bytes of x / 2^e; the 64 RoPE dims as bf16; 7
 exponent bytes e + 127 and a zero byte. Exactness against torch:
 - e comes from the IEEE bits of amax / 448 (division rounded to nearest, `div_rn`): the biased exponent,
@@ -14,7 +14,7 @@ exponent bytes e + 127 and a zero byte. Exactness against torch:
 - the e4m3 byte is computed in integer arithmetic as torch's `fp8e4m3fn_from_fp32_value` does (round to
   nearest even, subnormals through the float adder), so no fp8 hardware is needed (A100, the CPU
   interpreter) and the bytes are torch's bit for bit.
-FNUZ (dsv4.strategies.fp8_fnuz): range ±224 instead of ±448 doubles the scale (e + 1) and halves x / 2^e,
+FNUZ (cache_layout=fp8_ds_mla_fnuz): range ±224 instead of ±448 doubles the scale (e + 1) and halves x / 2^e,
 and FNUZ's grid is OCP's halved, so its bytes are OCP's with negative zero (0x80, FNUZ's NaN) as 0x00.
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ def fp8_ds_mla_record(x, slot, u8_ptr, bf_ptr, w64_ptr, page_stride, BS: tl.cons
 
 @triton.jit
 def fp8_key_record(x, slot, u8_ptr, page_stride, BS: tl.constexpr, N: tl.constexpr, SOFT: tl.constexpr):
-    """Store row x [N] float32 as the fp8 key record of `slot` (dsv4/strategies/fp8_keys.py): the
+    """Store row x [N] float32 as the fp8 key record of `slot` (dsv4/strategies/indexer/key_layouts.py): the
     bf16-rounded row's e4m3 bytes over its scale 2^ceil(log2(max(amax, 1e-4) / 448)) at page·page_stride
     + t·N, the scale's float32 bytes at page·page_stride + BS·N + 4t."""
     x = widen(round_to(x, tl.bfloat16, SOFT), SOFT)

@@ -1,7 +1,7 @@
-"""The published indexer numerics inside our kernels (dsv4.strategies.indexer is the torch specification):
+"""The published indexer numerics inside our kernels (dsv4.formats.fp4 is the torch specification):
 the Hadamard rotation of a row (Sylvester order, float32 butterflies, scale n^-1/2, one rounding to bf16)
 and FP4 e2m1 simulation with one power-of-two scale per 32 values, bit for bit as `rotate` and `fp4_qdq`
-compute them; and the FP4 key record of indexer=mxfp4 (dsv4/strategies/mxfp4.py).
+compute them; and the FP4 key record of indexer=mxfp4 (dsv4/strategies/indexer/key_layouts.py).
 
 Every step is exact or one IEEE rounding, in the same order as the torch code: the butterflies pair the
 same values stage by stage; the block scale comes from the float bits of amax·fp32(1/6) (the exponent,

@@ -98,8 +98,8 @@ def _key_scores(q_hi, q_lo, wv, k_ptr, pages_ptr, req, P, n_slots, cols, limit, 
                 TG: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, PREC: tl.constexpr, RECORD: tl.constexpr):
     """Σ_h w·ReLU(q·k) -> [BN, TG] for the entries `cols` of request `req`, their keys 0 at or past `limit`,
     without a page (as the torch path reads them: zero rows) and for dims past DI. RECORD 0: plain rows in
-    the keys' dtype; 1: FP4 records (dsv4/strategies/mxfp4.py), decoded to bf16 (exactly, for FP4-simulated
-    keys); 2: fp8 records (dsv4/strategies/fp8_keys.py), their e4m3 bytes the operand of an e4m3 product
+    the keys' dtype; 1: FP4 records (dsv4/strategies/indexer/key_layouts.py), decoded to bf16 (exactly, for FP4-simulated
+    keys); 2: fp8 records (dsv4/strategies/indexer/key_layouts.py), their e4m3 bytes the operand of an e4m3 product
     (PREC "fp8") or decoded, their scale applied to the head sums (s·Σ_h w·ReLU(x) = Σ_h w·ReLU(s·x) for a
     power of two s > 0, exactly)."""
     BN: tl.constexpr = cols.shape[0]

@@ -4,7 +4,7 @@ Each program takes BPP blocks of 128 dims of one token: it reads the bf16 values
 (even, odd) pairs, de-rotates the pairs of each head's last 64 (RoPE) dims with the token's 32
 cos/sin values (loaded once per program), takes each block's amax, and writes its e4m3 bytes and
 one power-of-two float32 scale per block -- the bytes `deepgemm_fp8`/`torch_fp8` consume, the same
-as `dsv4.strategies.fp8_oproj.inverse_rope_fp8_quant` computes in torch ops. The scales are stored
+as `dsv4.strategies.o_proj.fp8_common.inverse_rope_fp8_quant` computes in torch ops. The scales are stored
 token-major, or block-major with the token count padded to a multiple of 4 (`mn_major_scales`): the
 layout DeepGEMM's sm90 kernels read, which it would otherwise make with a copy on every call.
 """

@@ -122,7 +122,7 @@ def _rot_part(t, hb, x_ptr, x_stride, cos_ptr, sin_ptr, out_ptr, H, w_ptr, w_str
     """Heads hb·BH.. of token t of x [T, H, D] (float32 or bf16; rows x_stride apart): RoPE, then (FP4) the
     indexer's published numerics (dsv4/kernels/fp4.py), stored in out's dtype; with FP8 rounded to bf16 and
     stored as e4m3 bytes over each head's power-of-two scale, which goes into its head weight:
-    wq[t, h] = w[t, h] · w_scale · scale (the fp8 indexers' queries, dsv4.strategies.fp8_keys.fp8_queries)."""
+    wq[t, h] = w[t, h] · w_scale · scale (the fp8 indexers' queries, dsv4.strategies.indexer.key_layouts.fp8_queries)."""
     h = hb * BH + tl.arange(0, BH)
     dims = tl.arange(0, D)
     at = (t.to(tl.int64) * H + h)[:, None] * D + dims[None, :]

@@ -11,6 +11,11 @@ from typing import NamedTuple
 from dsv4.sizes import cdiv, next_pow2
 
 VARIANTS = ("auto", "two_pass", "hopper")    # which kernel runs a call (plan_kernel)
+# what the one-pass Hopper kernel takes: the rule `hopper_unfit` applies per call and that
+# mqa_kernel=triton_sparse variant=hopper declares in its needs()
+HOPPER_ARCHS = frozenset({"sm90"})           # Hopper warpgroup MMAs
+HOPPER_DTYPES = frozenset({"bfloat16"})      # query dtypes
+HOPPER_HEAD_DIM = 512
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,14 +73,14 @@ def gluon_error() -> str:
 
 def hopper_unfit(*, arch: str, layouts: tuple[int, int], head_dim: int, native: bool, dtype: str) -> str:
     """Why the one-pass Hopper kernel cannot run this call ('' if it can)."""
-    if arch != "sm90":
-        return f"it runs on NVIDIA sm90 (Hopper warpgroup MMAs) only, not {arch}"
-    if dtype != "bfloat16":
-        return f"it takes bfloat16 queries, not {dtype}"
+    if arch not in HOPPER_ARCHS:
+        return f"it runs on NVIDIA {'/'.join(sorted(HOPPER_ARCHS))} (Hopper warpgroup MMAs) only, not {arch}"
+    if dtype not in HOPPER_DTYPES:
+        return f"it takes {'/'.join(sorted(HOPPER_DTYPES))} queries, not {dtype}"
     if layouts != (1, 1):
         return "it reads fp8_ds_mla pages (OCP e4m3) only"
-    if head_dim != 512:
-        return f"it is built for head_dim 512, not {head_dim}"
+    if head_dim != HOPPER_HEAD_DIM:
+        return f"it is built for head_dim {HOPPER_HEAD_DIM}, not {head_dim}"
     if not native:
         return "it decodes e4m3 with the hardware conversion (native_fp8=False asks for the integer decoding)"
     return gluon_error()

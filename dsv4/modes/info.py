@@ -20,7 +20,7 @@ def info(job: Job) -> str:
     from dataclasses import replace
     from importlib.util import find_spec
 
-    from dsv4.strategies.top_k import TOP_K
+    from dsv4.strategies.indexer.top_k import TOP_K
 
     here = local_platform()
     local = job.device.platform == here

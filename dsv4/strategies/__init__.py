@@ -1,20 +1,29 @@
-"""Strategy options. One class per option family; the YAML under configs/<group>/ picks and names it."""
-from dsv4.strategies.aiter import AiterSparseMQA, RocmBf16OProj
-from dsv4.strategies.cache_layout import PlainRowLayout
-from dsv4.strategies.flashinfer import FlashInferSparse
-from dsv4.strategies.flashmla import FlashMLASparse
-from dsv4.strategies.fp8_fnuz import Fp8DsMlaFnuzLayout
-from dsv4.strategies.fp8_keys import DeepGemmFp8Indexer, Fp8KeyLayout, TritonFp8Indexer
-from dsv4.strategies.fp8_layouts import Fp8DsMlaLayout, Fp8PerTensorLayout
-from dsv4.strategies.fp8_oproj import DeepGemmFp8OProj, TorchFp8OProj, TritonFp8OProj
-from dsv4.strategies.head_padding import BucketHeadPadding, NoHeadPadding
-from dsv4.strategies.indexer import ExactIndexer, Fp4SimIndexer
-from dsv4.strategies.mqa_kernel import ReferenceMQA
-from dsv4.strategies.mxfp4 import Mxfp4Indexer, Mxfp4KeyLayout
-from dsv4.strategies.o_proj import ReferenceOProj
+"""Strategy options, one folder per group and one module per option (configs/<group>/ names them); the
+Protocols in protocols.py. The classes are importable from here, where the YAML files' `_target_` names them."""
+from dsv4.strategies.cache_layout.fp8_ds_mla import Fp8DsMlaLayout
+from dsv4.strategies.cache_layout.fp8_ds_mla_fnuz import Fp8DsMlaFnuzLayout
+from dsv4.strategies.cache_layout.fp8_per_tensor import Fp8PerTensorLayout
+from dsv4.strategies.cache_layout.plain import PlainRowLayout
+from dsv4.strategies.head_padding.buckets import BucketHeadPadding
+from dsv4.strategies.head_padding.none import NoHeadPadding
+from dsv4.strategies.indexer.deepgemm_fp8 import DeepGemmFp8Indexer
+from dsv4.strategies.indexer.exact import ExactIndexer
+from dsv4.strategies.indexer.fp4_sim import Fp4SimIndexer
+from dsv4.strategies.indexer.key_layouts import Fp8KeyLayout, Mxfp4KeyLayout
+from dsv4.strategies.indexer.mxfp4 import Mxfp4Indexer
+from dsv4.strategies.indexer.triton_fp8 import TritonFp8Indexer
+from dsv4.strategies.mqa_kernel.aiter_sparse import AiterSparseMQA
+from dsv4.strategies.mqa_kernel.flashinfer_sparse import FlashInferSparse
+from dsv4.strategies.mqa_kernel.flashmla_sparse import FlashMLASparse
+from dsv4.strategies.mqa_kernel.reference import ReferenceMQA
+from dsv4.strategies.mqa_kernel.triton_sparse import TritonSparseMQA
+from dsv4.strategies.o_proj.deepgemm_fp8 import DeepGemmFp8OProj
+from dsv4.strategies.o_proj.reference import ReferenceOProj
+from dsv4.strategies.o_proj.rocm_bf16 import RocmBf16OProj
+from dsv4.strategies.o_proj.torch_fp8 import TorchFp8OProj
+from dsv4.strategies.o_proj.triton_fp8 import TritonFp8OProj
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, MQAKernelStrategy, Needs,
                                        OProjStrategy, OProjWeights, SparseKV)
-from dsv4.strategies.triton_sparse import TritonSparseMQA
 
 __all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8Indexer", "DeepGemmFp8OProj",
            "ExactIndexer", "FlashInferSparse", "FlashMLASparse", "Fp4SimIndexer", "Fp8DsMlaFnuzLayout",

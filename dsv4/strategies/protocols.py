@@ -120,7 +120,8 @@ class IndexerStrategy(Protocol):
 
     def needs(self, device: DeviceInfo) -> Needs: ...
     def prepare(self, *, head_dim: int, device: DeviceInfo) -> Any: ...
-    def key_layout(self, *, dtype: str, head_dim: int) -> CacheLayout: ...   # how its keys are stored
+    # how its keys are stored; None: plain rows in the activation dtype (the pool's PlainRowLayout)
+    def key_layout(self, *, dtype: str, head_dim: int) -> CacheLayout | None: ...
     def queries(self, q: Tensor, prepared: Any) -> Tensor: ...     # [T, Hi, Di] float32 -> float32
     def keys(self, rows: Tensor, prepared: Any) -> Tensor: ...     # [T, Di] float32 -> float32
     # once per step on a GPU, shared by the step's ratio-4 layers: what `scores` needs made per step

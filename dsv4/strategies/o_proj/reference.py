@@ -1,4 +1,5 @@
-"""OProjStrategy options shipped with the core: the float reference (bf16/fp32 einsum)."""
+"""o_proj=reference: the float projection (inverse RoPE, the grouped `wo_a` einsum, `wo_b`) in the
+activation dtype, on any device."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,11 +1,7 @@
-"""MQAKernelStrategy options shipped with the core: the torch reference."""
+"""The index lists an MQA call reads (SparseKV: per token, global slots into the SWA and the compressed
+pools, -1 padded, with lengths), and the rules every kernel adapter applies to them: which entries are
+valid, valid ones first, padded columns, the distinct rows a gathering kernel decodes once."""
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import ClassVar
-
-from dsv4.settings import at_least
-from dsv4.strategies.protocols import Needs, SparseKV
 
 
 def valid_entries(indices, lens, num_slots: int):
@@ -27,7 +23,7 @@ def pad_columns(idx, width: int):
     return torch.cat((idx, idx.new_full((idx.shape[0], width - idx.shape[1]), -1)), 1).contiguous()
 
 
-def distinct_rows(kv: SparseKV, ids, *, width: int, lead: int = 0, read=None):
+def distinct_rows(kv, ids, *, width: int, lead: int = 0, read=None):
     """The rows that ids [T, W] (`attended`'s, -1 padded) name, each decoded once into a bf16 buffer, and
     each entry's row in it: -> (buffer [lead + N, width] bf16: `lead` zero rows, then the N distinct rows,
     their head_dim values then zeros; local [T, W] int32, -1 kept). `read(cache, slots)` decodes a pool's
@@ -66,7 +62,7 @@ def compact(indices, lens, num_slots: int):
     return _valid_first(indices, valid).to(torch.int32), valid.sum(1).to(torch.int32)
 
 
-def attended(kv: SparseKV):
+def attended(kv):
     """The rows each query attends to, as ids over both pools (SWA slot s -> s, compressed slot s ->
     swa.num_slots + s), in SparseKV order (SWA list, then compressed list), valid ones first, -1 after
     them: an entry counts if its slot is in its pool and its column is below the length (as ReferenceMQA
@@ -80,69 +76,3 @@ def attended(kv: SparseKV):
         ok = torch.cat((ok, valid_entries(kv.extra_indices, kv.extra_lens, kv.extra.num_slots)), 1)
         ids = torch.cat((ids, kv.extra_indices.long() + S), 1)
     return _valid_first(ids, ok), ok.sum(1)
-
-
-def _gather(cache, indices, lens):
-    """Rows named by `indices` (float32, zero for invalid ones) and which of them count."""
-    import torch
-
-    valid = valid_entries(indices, lens, cache.num_slots)
-    return cache.read(torch.where(valid, indices, torch.full_like(indices, -1))), valid
-
-
-def sparse_mqa_with_sink(q, rows, valid, sink, scale: float):
-    """docs/numerics.md §2.7 in float32. q [T,H,D], rows [T,N,D], valid [T,N] -> out [T,H,D] f32, lse [T,H].
-
-    The sink adds mass only to the denominator; a query with no valid row gets 0 (lse = +inf).
-    """
-    import torch
-
-    s = torch.einsum("thd,tnd->thn", q.float(), rows) * scale
-    s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    m0 = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(s - m0)
-    l = p.sum(-1, keepdim=True)
-    denom = l + torch.exp(sink.float()[None, :, None] - m0)
-    out = torch.einsum("thn,tnd->thd", p, rows) / denom
-    has = l > 0
-    out = torch.where(has, out, torch.zeros_like(out))
-    lse = torch.where(has, m0 + torch.log(l), torch.full_like(m0, float("inf"))).squeeze(-1)
-    return out, lse
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReferenceMQA:
-    """Torch sparse MQA on any device: reads rows through the cache layout, computes in float32.
-
-    Queries are processed `chunk` at a time so the gathered rows stay bounded in memory.
-    """
-    name: str = "reference"
-    error_budget: ClassVar[float] = 0.0     # vs the oracle: float32 math over the rows as stored
-    chunk: int = at_least(1, 64)      # cached rows per step of the reference loop
-
-    def needs(self, device) -> Needs:
-        return Needs()
-
-    def prepare(self, *, device) -> None:
-        return None
-
-    def plan(self, *, tokens: int, layer_type: str, previous=None) -> None:
-        return None
-
-    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None, plan=None):
-        import torch
-
-        outs, lses = [], []
-        for t0 in range(0, q.shape[0], self.chunk):
-            sl = slice(t0, t0 + self.chunk)
-            rows, valid = _gather(kv.swa, kv.swa_indices[sl], kv.swa_lens[sl])
-            if kv.extra is not None:
-                er, ev = _gather(kv.extra, kv.extra_indices[sl], kv.extra_lens[sl])
-                rows, valid = torch.cat((rows, er), 1), torch.cat((valid, ev), 1)
-            o, lse = sparse_mqa_with_sink(q[sl], rows, valid, sink, scale)
-            outs.append(o.to(q.dtype))
-            lses.append(lse)
-        if not outs:
-            return q.new_zeros(q.shape), q.new_zeros(q.shape[:2], dtype=torch.float32)
-        return torch.cat(outs), torch.cat(lses)

@@ -21,11 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from dsv4.formats.fp8_ds_mla import fp8_ds_mla_pages
+from dsv4.formats.index_lists import attended, distinct_rows, pad_columns
 from dsv4.formats.row_format import FP8_DS_MLA
 from dsv4.settings import at_least
 from dsv4.sizes import round_up
-from dsv4.strategies.mqa_kernel import attended, distinct_rows, pad_columns
 from dsv4.strategies.protocols import Needs, SparseKV
+
 
 WIDTH_MULTIPLE = 128          # index widths: multiples of B_TOPK (64 for h64, 128 for h128)
 
@@ -33,13 +35,6 @@ WIDTH_MULTIPLE = 128          # index widths: multiples of B_TOPK (64 for h64, 1
 def _pad_width(idx):
     """idx padded with -1 to the width FlashMLA reads (a multiple of WIDTH_MULTIPLE, at least one)."""
     return pad_columns(idx, max(WIDTH_MULTIPLE, round_up(idx.shape[1], WIDTH_MULTIPLE)))
-
-
-def fp8_ds_mla_pages(cache):
-    """The [num_blocks, B, 1, 584] view FlashMLA reads of a PagedCache in the fp8_ds_mla layout:
-    row t of page b at b*page_bytes + t*584 (the page stride keeps our 576-aligned padding)."""
-    B, data = cache.block_size, cache.data
-    return data.as_strided((data.shape[0], B, 1, 584), (data.stride(0), 584, 584, 1))
 
 
 def _pages(memo: dict, cache):

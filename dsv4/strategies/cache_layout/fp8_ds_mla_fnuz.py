@@ -19,14 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from dsv4.formats.fp8_ds_mla import (DATA_BYTES, FNUZ_QUANT_MAX, SCALE_BYTES, check_row_dim, decode_records, encode_records,
+                                     page_bytes, read_records, write_records)
 from dsv4.formats.row_format import FP8_DS_MLA_FNUZ, RowFormat
-from dsv4.strategies.fp8_layouts import (DATA_BYTES, EXPONENTS, FNUZ_NAN, NOPE_BYTES, SCALE_BYTES, Fp8DsMlaLayout,
-                                          decode_records, encode_records, read_records, write_records)
 from dsv4.strategies.protocols import Needs
-
-_OCP = Fp8DsMlaLayout()
-
-FNUZ_QUANT_MAX = 224.0    # what a block's amax maps to (vLLM's FNUZ fp8 range; = OCP 448 / 2)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,13 +40,16 @@ class Fp8DsMlaFnuzLayout:
 
     # the record's geometry is fp8_ds_mla's: same 584 bytes, same pages, same 576-aligned stride
     def bytes_per_token(self, head_dim: int) -> int:
-        return _OCP.bytes_per_token(head_dim)
+        check_row_dim(self.name, head_dim)
+        return DATA_BYTES + SCALE_BYTES
 
     def page_bytes(self, block_size: int, head_dim: int) -> int:
-        return _OCP.page_bytes(block_size, head_dim)
+        return page_bytes(block_size, self.bytes_per_token(head_dim))
 
     def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str):
-        return _OCP.allocate(num_blocks=num_blocks, block_size=block_size, head_dim=head_dim, device=device)
+        import torch
+
+        return torch.zeros(num_blocks, self.page_bytes(block_size, head_dim), dtype=torch.uint8, device=device)
 
     # ---- packing ---------------------------------------------------------------------------------
     def pack(self, rows):
@@ -80,56 +79,3 @@ class Fp8DsMlaFnuzLayout:
             return None
         from dsv4.kernels.cache_write import fp8_ds_mla_store
         return fp8_ds_mla_store(cache, block_size, fnuz=True)
-
-
-# ---- converting whole caches between the two flavours ---------------------------------------------
-def _regions(pages, block_size: int):
-    """Masks over one page's bytes: (NoPE e4m3 bytes, UE8M0 exponent bytes)."""
-    import torch
-
-    n = pages.shape[1]
-    if n < block_size * (DATA_BYTES + SCALE_BYTES):
-        raise ValueError(f"pages of {n} bytes cannot hold {block_size} fp8_ds_mla tokens")
-    i = torch.arange(n, device=pages.device)
-    in_data = i < block_size * DATA_BYTES
-    nope = in_data & (i % DATA_BYTES < NOPE_BYTES)
-    j = i - block_size * DATA_BYTES
-    exps = (j >= 0) & (j < block_size * SCALE_BYTES) & (j % SCALE_BYTES < EXPONENTS)
-    return nope, exps
-
-
-def ocp_to_fnuz_pages(pages, block_size: int):
-    """fp8_ds_mla pages -> fp8_ds_mla_fnuz pages holding the same values (a new tensor).
-
-    Each e4m3 byte keeps its bit pattern (worth half as FNUZ) except OCP's negative zero 0x80, which
-    becomes 0x00; each written exponent byte goes up by one (twice the scale). Exponent byte 0 marks a
-    slot never written (a written one is >= 105, the 1e-4 amax floor) and stays 0; RoPE dims and
-    padding are copied."""
-    import torch
-
-    nope, exps = _regions(pages, block_size)
-    out = pages.clone()
-    b = out[:, nope]
-    out[:, nope] = torch.where(b == FNUZ_NAN, torch.zeros_like(b), b)
-    e = out[:, exps]
-    if bool((e == 255).any()):
-        raise ValueError("an OCP scale exponent of 255 has no FNUZ counterpart")
-    out[:, exps] = torch.where(e > 0, e + 1, e)
-    return out
-
-
-def fnuz_to_ocp_pages(pages, block_size: int):
-    """fp8_ds_mla_fnuz pages -> fp8_ds_mla pages holding the same values (a new tensor): the inverse
-    of `ocp_to_fnuz_pages`. Refuses bytes with no OCP counterpart at the same scale: 0x80 (NaN) and
-    ±240 (0x7f / 0xff), which this layout's quantizer (range ±224) never writes."""
-    import torch
-
-    nope, exps = _regions(pages, block_size)
-    b = pages[:, nope]
-    bad = (b == FNUZ_NAN) | (b == 0x7F) | (b == 0xFF)
-    if bool(bad.any()):
-        raise ValueError(f"FNUZ bytes {sorted(set(b[bad].tolist()))} (NaN / ±240) have no OCP counterpart")
-    out = pages.clone()
-    e = out[:, exps]
-    out[:, exps] = torch.where(e > 0, e - 1, e)
-    return out

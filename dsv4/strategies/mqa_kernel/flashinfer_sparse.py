@@ -43,19 +43,32 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dsv4.formats.fp8 import per_tensor_query, per_tensor_scales
+from dsv4.formats.fp8_ds_mla import fp8_ds_mla_pages
+from dsv4.formats.index_lists import compact, pad_columns, valid_entries
 from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_PER_TENSOR, RowKind
 from dsv4.sizes import round_up
-from dsv4.strategies.flashmla import fp8_ds_mla_pages
-from dsv4.strategies.mqa_kernel import compact, pad_columns, valid_entries
 from dsv4.strategies.protocols import Needs, SparseKV
 
+
 SWA_COLUMNS = 128                          # FlashInfer's fixed SWA width (the model's sliding window)
+
+
 PADDED_HEADS = frozenset({8, 16, 32, 64, 128})
+
+
 WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
 INDEX_ROW_MULTIPLE = 4                     # combined table rows: 16-byte vector loads of int32
+
+
 SM120_EXTRA_MULTIPLE = 64                  # sm120 compressed list width: its split tile (fewer distinct shapes)
+
+
 MODES = {"sm100": "trtllm_combined", "sm103": "trtllm_combined",
          "sm120": "sm120_two_pool", "sm121": "sm120_two_pool"}
+
+
 ROWS = {"trtllm_combined": frozenset({BF16_ROWS, FP8_PER_TENSOR}),      # the rows each mode reads
         "sm120_two_pool": frozenset({FP8_DS_MLA})}
 

@@ -1,11 +1,10 @@
-"""CacheLayout options: how one 512-dim latent KV row is stored in a paged cache.
+"""cache_layout=bf16 and cache_layout=float32: rows stored as they are, [pages, block_size, head_dim].
 
-Storage is always a tensor with one leading page dimension; `write`/`read` address rows by global
-slot id (`page * block_size + offset`, -1 = skip), so a byte-packed layout (fp8_ds_mla, 584 B/token
-with page-level regions) fits the same Protocol as these plain rows. On a GPU, writes never read a
-value on the host (a layer's step is captured in CUDA graphs): our Triton writers where a layout has
-one (dsv4/kernels/cache_write.py), else the sync-free scatter of `kept_rows`.
-"""
+Storage is always a tensor with one leading page dimension; `write`/`read` address rows by global slot id
+(`page * block_size + offset`, -1 = skip), so a byte-packed layout (fp8_ds_mla, 584 B/token with
+page-level regions) fits the same Protocol as these plain rows. On a GPU, writes never read a value on the
+host (a layer's step is captured in CUDA graphs): our Triton writer (dsv4/kernels/cache_write.py). The
+indexer's plain keys are rows of this layout too (dsv4/strategies/indexer/common.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,20 +13,8 @@ from typing import ClassVar
 from dsv4.formats.row_format import RowFormat, plain_rows
 from dsv4.strategies.protocols import Needs
 
+
 _ROW_DTYPES = {"float32": 4, "bfloat16": 2}
-
-
-def kept_rows(slots):
-    """For a scatter that must not read how many rows are kept (a GPU step): the row each of `slots`
-    takes its slot and values from -- itself if kept (slot >= 0), else the first kept row, so a
-    skipped row writes that row's bytes again --, and whether any row is kept (if none, a caller writes
-    back what its target already holds). -> (src [N] int64, any_kept 0-d bool)."""
-    import torch
-
-    keep = slots >= 0
-    first = keep.to(torch.int8).argmax()
-    src = torch.where(keep, torch.arange(slots.shape[0], device=slots.device), first)
-    return src, keep.any()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

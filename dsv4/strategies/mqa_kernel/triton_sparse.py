@@ -16,13 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.kernels.sparse_plan import VARIANTS
 from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
+from dsv4.kernels import TRITON_ARCHS
+from dsv4.kernels.sparse_plan import HOPPER_ARCHS, HOPPER_DTYPES, HOPPER_HEAD_DIM, VARIANTS
 from dsv4.strategies.protocols import Needs, SparseKV
 
-# bf16 tensor-core dots: NVIDIA Ampere and newer, AMD CDNA2 and newer
-TRITON_ARCHS = frozenset({"sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm110", "sm120", "sm121",
-                          "gfx90a", "gfx942", "gfx950"})
+
 READS = frozenset({BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ})       # the rows the kernels decode
 
 
@@ -54,10 +53,10 @@ class TritonSparseMQA:
 
     def needs(self, device) -> Needs:
         if self.variant == "hopper":
-            return Needs(platforms=frozenset({"cuda"}), archs=frozenset({"sm90"}),
-                         row_formats=frozenset({FP8_DS_MLA}), dtypes=frozenset({"bfloat16"}),
+            return Needs(platforms=frozenset({"cuda"}), archs=HOPPER_ARCHS,
+                         row_formats=frozenset({FP8_DS_MLA}), dtypes=HOPPER_DTYPES,
                          modules=(("triton", "triton>=3.6"),), fp8_formats=frozenset({"ocp"}),
-                         model_values=(("head_dim", 512), ("qk_rope_head_dim", 64)),
+                         model_values=(("head_dim", HOPPER_HEAD_DIM), ("qk_rope_head_dim", 64)),
                          fix="mqa_kernel.variant=auto")
         return Needs(platforms=frozenset({"cuda", "rocm"}), archs=TRITON_ARCHS, row_formats=READS,
                      dtypes=frozenset({"bfloat16"}), modules=(("triton", "triton"),),

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 from dsv4.strategies.protocols import Needs
 
+
 DEFAULT_TOP_K = "triton"        # the indexer options' top-k unless they say otherwise
+
+
 PREFER_LOWER_INDEX = 1          # FlashInfer's TopKTieBreak for ties at the K-th score
 
 

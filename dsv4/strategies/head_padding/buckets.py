@@ -1,19 +1,8 @@
-"""HeadPaddingPolicy options: the head count q/out buffers are allocated at."""
+"""head_padding=buckets_*: the q/out buffers hold the smallest bucket that fits the rank's heads (the
+head counts a vendor kernel takes: FlashMLA 64/128, FlashInfer powers of two, aiter multiples of 16)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NoHeadPadding:
-    """Allocate exactly the rank's heads (reference, Triton, ROCm)."""
-    name: str = "none"
-
-    def padded_heads(self, heads: int) -> int | None:
-        return heads
-
-    def supported(self) -> tuple[int, ...]:
-        return ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""mqa_kernel=aiter_sparse and o_proj=rocm_bf16: AMD's aiter (PyPI amd-aiter, import aiter; ROCm only).
+"""mqa_kernel=aiter_sparse: AMD's aiter MLA decode (PyPI amd-aiter, import aiter; ROCm only).
 
 Targeted at amd-aiter 0.1.7.post2.dev18 (the release on PyPI when this was written; its wheel's Python
 sources were read). NOT RUN ON AMD HARDWARE: what is tested, on the CPU, is the marshalling, against a
@@ -14,9 +14,6 @@ attention sink anywhere. What it has, and what this uses:
   kv_indices[kv_indptr[b] : kv_indptr[b+1]] (ragged CSR; page size 1, so kv_last_page_lens = 1);
   logits = sm_scale · q·k over all 576 dims, V = the first 512 dims of a row, o [B, H, 512] bf16. In
   non-persistent mode its bf16 kernels take 16 or 128 heads (`get_meta_param` asserts it).
-* `aiter.ops.triton.batched_gemm_bf16.batched_gemm_bf16(XQ, WQ, bias=None, dtype=torch.bfloat16,
-  splitK=None, YQ=None, config=None)`: Y[i] = X[i] @ W[i]^T, X [B, M, K], W [B, N, K] (tuned configs for
-  MI300X and MI350X ship with it) -- the grouped `wo_a` product of the output projection.
 * `aiter.dtypes.fp8`: float8_e4m3fnuz on gfx942, float8_e4m3fn on gfx950.
 
 How V4 (512-dim rows, V = K, a sink per head) goes through the V3-shaped MLA decode:
@@ -39,26 +36,43 @@ How V4 (512-dim rows, V = K, a sink per head) goes through the V3-shaped MLA dec
 * Non-persistent mla_decode_fwd fills no log-sum-exp it returns, so the lse is None (the layer does not
   use it), as for flashinfer_sparse.
 
-Everything but the two `__call__`s is pure marshalling, importable and testable without aiter.
+Everything but `__call__` is pure marshalling, importable and testable without aiter.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dsv4.strategies.fp8_layouts import decode_records, record_offsets
+from dsv4.formats.fp8_ds_mla import decode_records, record_offsets
+from dsv4.formats.index_lists import attended, distinct_rows
 from dsv4.formats.row_format import FP8_DS_MLA, FP8_DS_MLA_FNUZ
-from dsv4.strategies.mqa_kernel import attended, distinct_rows
-from dsv4.strategies.protocols import Needs, OProjWeights, SparseKV
+from dsv4.strategies.protocols import Needs, SparseKV
+
 
 AITER_VERSION = "0.1.7.post2.dev18"
+
+
 FP8_FORMAT = {"gfx942": "fnuz", "gfx950": "ocp"}                 # aiter's dtypes.fp8 per arch
+
+
 RECORD = {"fnuz": FP8_DS_MLA_FNUZ, "ocp": FP8_DS_MLA}           # the rows holding that flavour
+
+
 TORCH_FP8 = {"fnuz": "float8_e4m3fnuz", "ocp": "float8_e4m3fn"}
+
+
 D, QK_DIM = 512, 576                                            # V4 rows; aiter's MLA record (512 + 64)
+
+
 SINK_DIMS = (512, 513, 514)                                     # where the sink key and term live
+
+
 SINK_LIMIT = 1.0e4
+
+
 PADDED_HEADS = frozenset(range(16, 129, 16))
+
+
 NATIVE_HEADS = 128                                              # heads one kernel row takes besides 16
 
 
@@ -209,44 +223,3 @@ class AiterSparseMQA:
         mla.mla_decode_fwd(a["q"], a["kv_buffer"], a["o"], a["qo_indptr"], a["kv_indptr"], a["kv_indices"],
                            a["kv_last_page_lens"], a["max_seqlen_q"], sm_scale=a["sm_scale"])
         return a["o"].view(q.shape).to(q.dtype), None
-
-
-# ---- o_proj=rocm_bf16 -------------------------------------------------------------------------------
-def grouped_input(o, rot, groups: int):
-    """Inverse RoPE on o [T, H, 512] (float32 math), bf16, per output group: -> [G, T, hpg·512] bf16
-    contiguous, batch = group (the XQ of batched_gemm_bf16)."""
-    import torch
-
-    x = rot.rotate(o, inverse=True).to(torch.bfloat16)
-    return x.reshape(x.shape[0], groups, -1).transpose(0, 1).contiguous()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RocmBf16OProj:
-    """Inverse RoPE, the grouped `wo_a` product through aiter's batched bf16 GEMM, `wo_b` in bf16 (torch)."""
-    name: str = "rocm_bf16"
-    error_budget: ClassVar[float] = 1e-2     # vs the oracle: bf16 products
-
-    def needs(self, device) -> Needs:
-        return Needs(platforms=frozenset({"rocm"}), archs=frozenset(FP8_FORMAT), dtypes=frozenset({"bfloat16"}),
-                     modules=(("aiter", "amd-aiter"),))
-
-    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
-        import torch
-
-        g = weights.groups
-        wa = weights.wo_a.to(device=device.torch_device, dtype=torch.bfloat16)
-        return {"wo_a": wa.view(g, wa.shape[0] // g, wa.shape[1]).contiguous(),       # WQ [G, o_lora, hpg·D]
-                "wo_b": weights.wo_b.to(device=device.torch_device, dtype=torch.bfloat16)}
-
-    def __call__(self, o, rot, *, prepared):
-        import importlib
-
-        import torch
-
-        wa, wb = prepared["wo_a"], prepared["wo_b"]
-        if o.shape[0] == 0:
-            return o.new_zeros(0, wb.shape[0], dtype=torch.bfloat16)
-        bgemm = importlib.import_module("aiter.ops.triton.batched_gemm_bf16").batched_gemm_bf16
-        z = bgemm(grouped_input(o, rot, wa.shape[0]), wa, dtype=torch.bfloat16)   # [G, T, o_lora]
-        return z.transpose(0, 1).reshape(o.shape[0], -1) @ wb.T

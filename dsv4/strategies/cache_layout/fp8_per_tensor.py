@@ -1,0 +1,74 @@
+"""cache_layout=fp8_per_tensor: e4m3 rows with one scale for the whole cache, FlashInfer sm100's fp8
+rows (docs/numerics.md §3.3). Its RowFormat carries `kv_scale` and `q_scale`, which a kernel reading
+these rows takes its query and its bmm scales from (dsv4/formats/fp8.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from dsv4.formats.fp8 import e4m3_dtype, e4m3_over
+from dsv4.formats.row_format import RowFormat, RowKind
+from dsv4.formats.scatter import kept_rows
+from dsv4.strategies.protocols import Needs
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fp8PerTensorLayout:
+    """e4m3 rows [num_blocks, B, 512] with one scale for the whole cache (FlashInfer sm100's fp8 path).
+
+    A row is stored as e4m3(bf16(row) / kv_scale); an fp8 query as e4m3(q / q_scale). A kernel then
+    takes bmm1_scale = softmax_scale · q_scale · kv_scale and bmm2_scale = kv_scale (vLLM fixes both
+    scales at 1.0 for DSV4: the RMS-normed rows sit well inside e4m3's ±448).
+    """
+    name: str = "fp8_per_tensor"
+    error_budget: ClassVar[float] = 1e-4     # vs the oracle: the oracle rounds rows as stored
+    kv_scale: float = 1.0
+    q_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.kv_scale > 0 and self.q_scale > 0):
+            raise ValueError(f"cache_layout={self.name}: kv_scale and q_scale must be > 0")
+
+    @property
+    def row_format(self) -> RowFormat:
+        return RowFormat(kind=RowKind.FP8_PER_TENSOR, fp8="ocp", kv_scale=self.kv_scale, q_scale=self.q_scale)
+
+    def needs(self, device) -> Needs:
+        return Needs()
+
+    def bytes_per_token(self, head_dim: int) -> int:
+        return head_dim
+
+    def page_bytes(self, block_size: int, head_dim: int) -> int:
+        return block_size * head_dim
+
+    def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str):
+        import torch
+
+        return torch.zeros(num_blocks, block_size, head_dim, dtype=e4m3_dtype(), device=device)
+
+    @staticmethod
+    def quantize(x, scale: float):
+        return e4m3_over(x, scale)
+
+    def write(self, cache, slots, rows, *, block_size: int) -> None:
+        import torch
+
+        flat = cache.view(-1, cache.shape[-1])     # rows are quantized from their bf16 value, as vLLM's insert op does
+        if not cache.is_cuda:
+            keep = slots >= 0
+            flat[slots[keep].long()] = self.quantize(rows[keep].bfloat16(), self.kv_scale)
+            return
+        src, any_kept = kept_rows(slots)
+        tgt = slots.index_select(0, src).clamp(min=0).long()
+        vals = self.quantize(rows.index_select(0, src).bfloat16(), self.kv_scale)
+        flat[tgt] = torch.where(any_kept, vals.view(torch.uint8), flat[tgt].view(torch.uint8)).view(flat.dtype)
+
+    def read(self, cache, slots, *, block_size: int):
+        import torch
+
+        rows = cache.view(-1, cache.shape[-1])[slots.clamp(min=0).long()].float() * self.kv_scale
+        return torch.where((slots >= 0)[..., None], rows, torch.zeros((), device=rows.device))
+
+    def kernel_store(self, cache, block_size: int):
+        return None                                # rows go through `write`

@@ -1,0 +1,1 @@
+"""head_padding options: the head count the q/out buffers are allocated at."""

@@ -1,0 +1,110 @@
+"""What the fp8 o_proj options (`deepgemm_fp8`, `torch_fp8`, `triton_fp8`) share, following vLLM's DSV4
+o_proj (docs/numerics.md §4.2): inverse RoPE on the attention output fused with fp8 quantization at one
+power-of-two scale per 128 contiguous dims of each (token, group) vector (our Triton kernel,
+dsv4/kernels/inv_rope_fp8.py); `wo_a` quantized once at build time in 128×128 blocks (power-of-two
+scales) -- or, loaded from a checkpoint, its stored e4m3 bytes and UE8M0 block scales used as they are;
+then the grouped product z[t,g] = W_oa[g] · o[t,g] in fp8 with float accumulation, and `wo_b` in bf16."""
+from __future__ import annotations
+
+from dsv4.formats.fp8 import E4M3_MAX
+from dsv4.kernels import TRITON_ARCHS
+from dsv4.strategies.protocols import Needs, OProjWeights
+
+
+BLOCK = 128
+
+
+SM90 = (1, 128, 128)          # DeepGEMM's sm90 recipe: fp32 scales per 1x128 activation and 128x128 weight block
+
+
+# the NVIDIA architectures Triton supports that have e4m3 tensor cores (sm89 and newer)
+FP8_TRITON_ARCHS = frozenset(a for a in TRITON_ARCHS if a.startswith("sm") and int(a[2:]) >= 89)
+
+
+def pow2_scale(amax, floor: float):
+    import torch
+
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp_min(floor) / E4M3_MAX)))
+
+
+def inverse_rope_fp8_quant(o, rot, groups: int):
+    """o [T, H, D] -> (x [T, G, hpg·D] e4m3, scales [T, G, hpg·D/128] float32 powers of two).
+
+    The torch-op reference of the fused kernel (dsv4/kernels/inv_rope_fp8.py): o rotated back by -p·f
+    on its last 64 dims in float32, then one scale per 128 dims."""
+    import torch
+
+    T = o.shape[0]
+    x = rot.rotate(o, inverse=True)                   # float32; o itself is not modified
+    blocks = x.view(T, groups, -1, BLOCK)
+    scale = pow2_scale(blocks.abs().amax(-1, keepdim=True), 1e-10)   # vLLM clamps amax at 1e-10 here
+    q = (blocks / scale).to(torch.float8_e4m3fn)      # |blocks / scale| <= 448 by the choice of scale
+    return q.view(T, groups, -1), scale.squeeze(-1)
+
+
+def fused_inverse_rope_fp8_quant(o, rot, groups: int, *, mn_major_scales: bool = False):
+    """The same bytes as `inverse_rope_fp8_quant`, from our fused Triton kernel (one read of o, one
+    write of the fp8 bytes), the scales token-major or (`mn_major_scales`) in DeepGEMM's sm90 layout
+    (dsv4/kernels/inv_rope_fp8.py); on a CPU tensor, the torch-op version."""
+    if not o.is_cuda:
+        return inverse_rope_fp8_quant(o, rot, groups)
+    import torch
+
+    from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
+
+    return inv_rope_fp8_quant(o if o.dtype == torch.bfloat16 else o.bfloat16(), rot.cos, rot.sin, groups,
+                              mn_major_scales=mn_major_scales)
+
+
+def quantize_weight_blocks(w):
+    """w [G, N, K] -> (e4m3 [G, N, K], scales [G, N/128, K/128] float32 powers of two)."""
+    import torch
+
+    G, N, K = w.shape
+    blocks = w.float().view(G, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+    s = pow2_scale(blocks.abs().amax(dim=(2, 4), keepdim=True), 1e-4)
+    q = (blocks / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(G, N, K)
+    return q, s.view(G, N // BLOCK, K // BLOCK)
+
+
+def stored_weight_blocks(weights: OProjWeights, device):
+    """A checkpoint's e4m3 `wo_a` and its 128×128 block scales, as stored, viewed per group:
+    (e4m3 [G, N, K], scales [G, N/128, K/128] float32 — UE8M0 scales convert exactly)."""
+    import torch
+
+    g, w, s = weights.groups, weights.wo_a_fp8, weights.wo_a_scale
+    rows, K = w.shape
+    n = rows // g
+    if (s is None or w.dtype != torch.float8_e4m3fn or rows % g or n % BLOCK or K % BLOCK
+            or tuple(s.shape) != (rows // BLOCK, K // BLOCK)):
+        raise ValueError(f"wo_a_fp8 {w.dtype} {tuple(w.shape)} with scales {None if s is None else tuple(s.shape)}: "
+                         f"expected e4m3 [{g}·N, K] with one scale per 128×128 block, N and K multiples of {BLOCK}")
+    dev = device.torch_device
+    return w.to(dev).view(g, n, K), s.to(dev).float().view(g, n // BLOCK, K // BLOCK)
+
+
+def grouped_weights(weights: OProjWeights, device):
+    import torch
+
+    g = weights.groups
+    if weights.wo_a_fp8 is not None:          # a checkpoint's bytes: no dequantize-requantize round trip
+        return stored_weight_blocks(weights, device), weights.wo_b.to(device=device.torch_device,
+                                                                      dtype=torch.bfloat16)
+    wa = weights.wo_a.to(device=device.torch_device, dtype=torch.float32)
+    wa = wa.view(g, wa.shape[0] // g, wa.shape[1])
+    if wa.shape[1] % BLOCK or wa.shape[2] % BLOCK:
+        raise ValueError(f"fp8 o_proj needs wo_a group dims divisible by {BLOCK}, got {tuple(wa.shape[1:])}")
+    return quantize_weight_blocks(wa), weights.wo_b.to(device=device.torch_device, dtype=torch.bfloat16)
+
+
+def block_scaled_weights(weights: OProjWeights, device) -> dict:
+    """wo_a's e4m3 bytes [G, N, K] and 128x128 block scales as separate tensors, wo_b in bf16."""
+    (wq, ws), wo_b = grouped_weights(weights, device)
+    return {"w": wq, "ws": ws, "wo_b": wo_b, "groups": weights.groups}
+
+
+def fp8_needs(*, archs, modules=()) -> Needs:
+    """128×128 weight blocks: each group's wo_a rows (o_lora_rank) and columns (heads/group · 512) in whole
+    blocks; the prologue is our Triton kernel."""
+    return Needs(platforms=frozenset({"cuda"}), archs=frozenset(archs), dtypes=frozenset({"bfloat16"}),
+                 modules=(("triton", "triton"),) + tuple(modules), model_multiples=(("o_lora_rank", BLOCK),))

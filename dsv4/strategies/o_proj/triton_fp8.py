@@ -1,0 +1,41 @@
+"""o_proj=triton_fp8: the fp8 projection (fp8_common.py) with our Triton grouped e4m3 product
+(dsv4/kernels/fp8_grouped_gemm.py; NVIDIA sm89+), bit-identical to DeepGEMM's; `wo_b` in bf16."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from dsv4.strategies.o_proj.fp8_common import (FP8_TRITON_ARCHS, block_scaled_weights, fp8_needs,
+                                               fused_inverse_rope_fp8_quant)
+from dsv4.strategies.protocols import Needs, OProjWeights
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TritonFp8OProj:
+    """The same fp8 projection with our Triton grouped product (dsv4/kernels/fp8_grouped_gemm.py), for
+    NVIDIA GPUs with fp8 tensor cores (sm89+) and no DeepGEMM. Launch defaults from the H200 sweep
+    (docs/benchmarks.md)."""
+    name: str = "triton_fp8"
+    error_budget: ClassVar[float] = 5e-2     # vs the oracle: e4m3 activations and weights
+    block_m: int = 64         # tokens per program
+    num_warps: int = 4
+    num_stages: int = 4       # software-pipelining depth of the K loop
+
+    def __post_init__(self) -> None:
+        for key, allowed in (("block_m", (64, 128)), ("num_warps", (4, 8)), ("num_stages", (1, 2, 3, 4))):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"o_proj=triton_fp8: {key}={getattr(self, key)} is not one of {allowed}")
+
+    def needs(self, device) -> Needs:
+        return fp8_needs(archs=FP8_TRITON_ARCHS)
+
+    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
+        return block_scaled_weights(weights, device)
+
+    def __call__(self, o, rot, *, prepared):
+        from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
+
+        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared["groups"])
+        z = grouped_fp8_gemm(x, xs, prepared["w"], prepared["ws"], block_m=self.block_m, num_warps=self.num_warps,
+                             num_stages=self.num_stages)
+        return z.flatten(1) @ prepared["wo_b"].T
