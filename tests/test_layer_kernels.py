@@ -837,6 +837,41 @@ def test_indexer_logits_refuses_e4m3_queries_without_fp8_records():
             run_indexer(q8, wq, other, plan, idx)
 
 
+def test_indexer_scoring_is_planned_by_the_target_its_strategy_prepared():
+    """The device is an input: an indexer option scored by our kernel resolves the device's facts once in
+    prepare(), and its calls plan by that value (here one that says sm90: the pipelined launch), not by
+    asking the GPU or the environment again; the same scores either way."""
+    from dataclasses import replace
+
+    from dsv4.device import DeviceInfo
+    from dsv4.kernels.launch import device_arch, observe, target_of
+    from dsv4.strategies import ExactIndexer
+
+    dev_ = torch.device(DEVICE)
+    here = ExactIndexer().prepare(head_dim=64, device=DeviceInfo(platform="cpu") if dev_.type == "cpu" else
+                                  DeviceInfo(platform="cuda", arch=device_arch(dev_)))
+    assert here == (None if dev_.type == "cpu" else target_of(dev_))
+    here = here or target_of(dev_)
+    q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, 8, 64, seed=3)
+    stages = []
+    with observe(lambda kernel, args, meta: stages.append(meta["STAGES"])):
+        want = run_indexer(q, w, keys, plan, idx, target=here)
+        got = run_indexer(q, w, keys, plan, idx, target=replace(here, arch="sm90"))
+        other = run_indexer(q, w, keys, plan, idx, target=replace(here, arch="sm80"))
+    assert stages[1] > 1 and stages[2] == 1 and stages[0] == (stages[1] if here.arch == "sm90" else 1)
+    assert torch.equal(got, want) and torch.equal(other, want)
+
+
+def test_triton_fp8_prepares_the_target_its_product_plans_by():
+    from dsv4.device import DeviceInfo
+    from dsv4.strategies import TritonFp8OProj
+    from dsv4.strategies.protocols import OProjWeights
+
+    g = gen(5)
+    w = OProjWeights(wo_a=torch.randn(256, 256, generator=g), wo_b=torch.randn(64, 256, generator=g), groups=2)
+    assert "target" not in TritonFp8OProj().prepare(w, device=DeviceInfo(platform="cpu"), dtype="bfloat16")
+
+
 @pytest.mark.skipif(not BIG, reason="decode-sized: GPU only")
 def test_indexer_logits_decode_sized():
     """64 requests x 2 tokens, 64 heads of 128 dims, ~1000-2000 visible entries of 4096: the same scores as

@@ -178,13 +178,14 @@ def test_a_call_is_planned_by_the_target_its_strategy_prepared(monkeypatch):
     by that prepared value (here one that says sm90 with 7 processors), not by asking the GPU again."""
     from dsv4.device import DeviceInfo
     from dsv4.kernels import sparse_mqa as mod
-    from dsv4.kernels.sparse_plan import Target
+    from dsv4.kernels.launch import device_arch, target_of
+    from dsv4.kernels.target import Target
 
     dev = torch.device(DEVICE)
     strat = TritonSparseMQA()
     here = strat.prepare(device=DeviceInfo(platform="cpu") if dev.type == "cpu" else
-                         DeviceInfo(platform="cuda", arch=mod.device_arch(dev)))
-    assert here == mod.target_of(dev)
+                         DeviceInfo(platform="cuda", arch=device_arch(dev)))
+    assert here == target_of(dev)
     seen = []
 
     def plan(variant, **facts):

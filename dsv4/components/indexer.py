@@ -88,7 +88,8 @@ class Indexer:
         ents = plan.entries[4]
         if q.is_cuda:                           # the strategy's kernel
             return self.numerics.scores(q, w, keys, ents.table.pages, plan.token_request, ents.counts,
-                                        width=ents.width, w_scale=self.weight_scale, plan=index_plan)
+                                        width=ents.width, w_scale=self.weight_scale, plan=index_plan,
+                                        prepared=self.prepared)
         import torch
 
         q = q.to(self.score_dtype(keys)).float()

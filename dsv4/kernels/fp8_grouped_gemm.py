@@ -11,12 +11,11 @@ rounded to bf16 by torch: the interpreter's float32 -> bf16 conversion truncates
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, launch
+from dsv4.kernels.launch import as_dense, as_f32, launch, target_of
+from dsv4.kernels.target import Target
 from dsv4.sizes import cdiv
 
 BLOCK = 128
@@ -46,10 +45,12 @@ def _grouped_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, z_ptr, T, G, N, K, BM: tl.
     tl.store(z, acc.to(z_ptr.dtype.element_ty), mask=live[:, None])
 
 
-def grouped_fp8_gemm(x, xs, w, ws, *, block_m: int = 64, num_warps: int = 4, num_stages: int = 4):
+def grouped_fp8_gemm(x, xs, w, ws, *, block_m: int = 64, num_warps: int = 4, num_stages: int = 4,
+                     target: Target | None = None):
     """x [T, G, K] e4m3, xs [T, G, K/128] float32; w [G, N, K] e4m3, ws [G, N/128, K/128] float32 ->
     z [T, G, N] bf16. The default launch was the fastest up to 1024 tokens in both H200 runs, and at 4096
-    the fastest in one and within 8% of the best in the other (bench/tune_triton.py oproj, docs/benchmarks.md)."""
+    the fastest in one and within 8% of the best in the other (bench/tune_triton.py oproj, docs/benchmarks.md).
+    `target`: the device's facts as the strategy prepared them (default: `launch.target_of` x's device)."""
     import torch
 
     T, G, K = x.shape
@@ -60,7 +61,7 @@ def grouped_fp8_gemm(x, xs, w, ws, *, block_m: int = 64, num_warps: int = 4, num
             or tuple(xs.shape) != (T, G, K // BLOCK):
         raise ValueError(f"grouped fp8 product: x {tuple(x.shape)}, xs {tuple(xs.shape)}, w {tuple(w.shape)}, "
                          f"ws {tuple(ws.shape)}: expected K and N multiples of {BLOCK} and one scale per block")
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = (target or target_of(x.device)).interpret
     z = torch.empty(T, G, N, dtype=torch.float32 if interpret else torch.bfloat16, device=x.device)
     if T == 0:
         return z.bfloat16()

@@ -34,14 +34,14 @@ bf16 values are exact in float32: the same scores).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import triton
 import triton.language as tl
 
 from dsv4.formats.row_format import FP8_KEYS, MXFP4_KEYS
-from dsv4.kernels.launch import as_dense, as_i32, launch, native_e4m3, nvidia_at_least, rows_dense
+from dsv4.kernels.launch import arch_at_least, as_dense, as_i32, launch, rows_dense, target_of
+from dsv4.kernels.target import Target
 from dsv4.sizes import cdiv, next_pow2
 
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
@@ -63,9 +63,9 @@ LAUNCH = {("float32", "decode"): Launch(128, 8, 8, 3), ("bfloat16", "decode"): L
 PREFILL_TOKENS = 1024           # steps of at least this many tokens take the prefill shape
 
 
-def pipelined(device) -> bool:
+def pipelined(target: Target) -> bool:
     """Whether the planned pipelined shapes fit: sm90+ (their shared memory); not below, nor on AMD."""
-    return nvidia_at_least(device, 90)
+    return arch_at_least(target.arch, 90)
 
 
 @triton.jit
@@ -263,7 +263,7 @@ def _indexer_kernel(q_ptr, w_ptr, w_stride, w_scale, k_ptr, pages_ptr, req_ptr, 
 
 
 def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float = 1.0, block_n: int = 0,
-                   blocks_per_program: int = 0, num_warps: int = 0, stages: int = 0):
+                   blocks_per_program: int = 0, num_warps: int = 0, stages: int = 0, target: Target | None = None):
     """[T, width] float32 indexer scores: q [T, Hi, Di] (float32, or already in the keys' dtype; or e4m3,
     [T, Hi, Di] or [T, 1, Hi, Di], each head over its scale as `fp8_keys.fp8_queries` makes it, for fp8
     records), w [T, Hi] float32 head weights (rows may be strided) times `w_scale`, `keys` a PagedCache of
@@ -273,7 +273,8 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
     entry has no page: the torch path reads a zero key), the rest −inf. Records are scored by their exact
     values (the module docstring: bf16 queries against FP4 records, bf16 or e4m3 ones against fp8 records).
     Sync-free; grid (T / TOKENS_PER_PROGRAM, width / (block_n · blocks_per_program)); launch shapes left at
-    0 are the H200's best for the keys' dtype and the step's size (LAUNCH)."""
+    0 are the H200's best for the keys' dtype and the step's size (LAUNCH). `target`: the device's facts as
+    the strategy prepared them (default: `launch.target_of` q's device)."""
     import torch
 
     e4m3 = q.dtype == torch.float8_e4m3fn
@@ -301,18 +302,18 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
     plan = LAUNCH[str(key_dtype).removeprefix("torch."), "prefill" if T >= PREFILL_TOKENS else "decode"]
     block_n, blocks_per_program = block_n or plan.block_n, blocks_per_program or plan.blocks
     num_warps = num_warps or plan.num_warps
-    stages = stages or (plan.stages if pipelined(q.device) else 1)
+    tgt = target or target_of(q.device)
+    stages = stages or (plan.stages if pipelined(tgt) else 1)
     hp = max(next_pow2(H), 16 // tg)         # a dot needs >= 16 rows
     dp = max(next_pow2(DI), 16)
     pages = as_i32(pages)
     w = rows_dense(w if w.dtype == torch.float32 else w.float())
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if e4m3 and not interpret and native_e4m3(q.device):     # e4m3 operands to the tensor cores as they are
+    if e4m3 and not tgt.interpret and tgt.native_e4m3:     # e4m3 operands to the tensor cores as they are
         precision = "fp8"
     elif key_dtype == torch.bfloat16:
-        precision = "bf16_widened" if interpret else "bf16"
+        precision = "bf16_widened" if tgt.interpret else "bf16"
     else:
-        precision = INPUT_PRECISION["hip" if torch.version.hip else "cuda"]
+        precision = INPUT_PRECISION["hip" if tgt.arch == "rocm" else "cuda"]
     if not e4m3 and q.dtype != key_dtype:
         q = q.to(key_dtype)
     grid = (cdiv(T, tg), cdiv(width, block_n * blocks_per_program))

@@ -26,6 +26,8 @@ import re
 import torch
 import triton
 
+from dsv4.kernels.target import Target
+
 try:
     from triton import knobs
 except Exception:             # a Triton without knobs (before 3.4): every launch takes Triton's own path
@@ -63,6 +65,35 @@ E4M3_SM = 89          # NVIDIA GPUs from this compute capability on convert OCP 
 def native_e4m3(device) -> bool:
     """Whether `device` converts OCP e4m3 in hardware (NVIDIA sm89 and newer; not ROCm's FNUZ-only gfx942)."""
     return nvidia_at_least(device, E4M3_SM)
+
+
+@triton.jit
+def _probe(x_ptr):
+    """A kernel of no work: whether Triton interprets this process's kernels (`interpreted`)."""
+    pass
+
+
+def interpreted() -> bool:
+    """Whether Triton interprets our kernels (TRITON_INTERPRET=1 when they were defined: the CPU tests)."""
+    return not hasattr(_probe, "device_caches")
+
+
+def target(*, platform: str, arch: str, torch_device: str) -> Target:
+    """A device (a DeviceInfo's platform, arch and torch device) as our kernels' calls are planned: its
+    processors asked once; under Triton's interpreter the 'interpreter', with a few processors, so that
+    splitting is exercised. What a strategy's `prepare` resolves."""
+    if interpreted():
+        return Target(arch="interpreter", native_e4m3=False, processors=4, interpret=True)
+    nvidia = platform == "cuda" and arch.startswith("sm")
+    return Target(arch=arch if nvidia else platform, native_e4m3=nvidia and arch_at_least(arch, E4M3_SM),
+                  processors=torch.cuda.get_device_properties(torch_device).multi_processor_count)
+
+
+@functools.lru_cache(maxsize=None)
+def target_of(device) -> Target:
+    """`target` of a torch device, for calls made without a prepared one (the benches, direct callers)."""
+    arch = device_arch(device)
+    return target(platform="rocm" if arch == "rocm" else device.type, arch=arch, torch_device=str(device))
 
 
 class _Kernel:

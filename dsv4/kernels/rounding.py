@@ -1,10 +1,10 @@
 """How our kernels round floats, bit for bit as torch does, compiled and under the interpreter."""
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+
+from dsv4.kernels.launch import interpreted
 
 # float32 bit patterns from here up (|x| >= 3.3961e38, inf, NaN) are not finite once rounded to bf16: the rows
 # dsv4.components.front.stored_badly refuses to store
@@ -13,7 +13,7 @@ BF16_INF_FROM: tl.constexpr = tl.constexpr(0x7F7F8000)
 # The interpreter converts between float32 and bf16 wrongly (rounding half-up without carrying into the
 # exponent, subnormals; Triton 3.6-3.9), so there both directions are integer arithmetic; compiled kernels
 # use the hardware's conversions (ties to even, as torch rounds).
-SOFT_ROUND = os.environ.get("TRITON_INTERPRET") == "1"
+SOFT_ROUND = interpreted()
 
 # a torch dtype's Triton type, by str(dtype) (no torch import here)
 TL_DTYPES = {"torch.float32": tl.float32, "torch.bfloat16": tl.bfloat16, "torch.float16": tl.float16}

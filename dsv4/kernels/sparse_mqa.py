@@ -38,16 +38,16 @@ the interpreter's bf16 `tl.dot` returns garbage (Triton 3.6-3.9 with NumPy 2), i
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
 
 from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
-from dsv4.kernels.launch import E4M3_SM, arch_at_least, as_dense, as_f32, as_i32, device_arch, launch
+from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, target_of
 from dsv4.sizes import cdiv
-from dsv4.kernels.sparse_plan import Target, plan_kernel, plan_launch
+from dsv4.kernels.sparse_plan import plan_kernel, plan_launch
+from dsv4.kernels.target import Target
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)      # the same, inside kernels
@@ -265,26 +265,6 @@ def _finish(acc, m, l, sink_l2, out_ptrs, lse_ptrs, hmask, lse_mask):
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=hmask[:, None])
     tl.store(lse_ptrs, tl.where(has, (m_use + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453,
                                 float("inf")), mask=lse_mask)
-
-
-def target(*, platform: str, arch: str, torch_device: str) -> Target:
-    """A device (a DeviceInfo's platform, arch and torch device) as the calls are planned: its processors
-    asked once; under Triton's interpreter (TRITON_INTERPRET=1, read by Triton when the kernels were
-    defined) the 'interpreter', with a few processors, so that splitting is exercised."""
-    import torch
-
-    if not hasattr(_scores_kernel, "device_caches"):          # an interpreted kernel
-        return Target(arch="interpreter", native_e4m3=False, processors=4, interpret=True)
-    nvidia = platform == "cuda" and arch.startswith("sm")
-    return Target(arch=arch if nvidia else platform, native_e4m3=nvidia and arch_at_least(arch, E4M3_SM),
-                  processors=torch.cuda.get_device_properties(torch_device).multi_processor_count)
-
-
-@functools.lru_cache(maxsize=None)
-def target_of(device) -> Target:
-    """`target` of a torch device, for calls made without a prepared one (the benches, direct callers)."""
-    return target(platform="rocm" if device_arch(device) == "rocm" else device.type, arch=device_arch(device),
-                  torch_device=str(device))
 
 
 class Pool(NamedTuple):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from dsv4.sizes import cdiv, next_pow2
@@ -16,16 +15,6 @@ VARIANTS = ("auto", "two_pass", "hopper")    # which kernel runs a call (plan_ke
 HOPPER_ARCHS = frozenset({"sm90"})           # Hopper warpgroup MMAs
 HOPPER_DTYPES = frozenset({"bfloat16"})      # query dtypes
 HOPPER_HEAD_DIM = 512
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Target:
-    """The device facts a call is planned by, resolved once from the device (the strategy's `prepare`), so
-    that no call asks the GPU again."""
-    arch: str             # 'sm90'-style for NVIDIA, 'rocm', 'interpreter' when Triton interprets the kernels
-    native_e4m3: bool     # OCP e4m3 converted in hardware (NVIDIA sm89 and newer)
-    processors: int       # streaming multiprocessors (compute units): what a launch has to fill
-    interpret: bool = False
 
 
 class Launch(NamedTuple):

@@ -129,9 +129,10 @@ class IndexerStrategy(Protocol):
     def plan(self, *, token_request: Tensor, counts: Tensor, pages: Tensor, block_size: int) -> Any: ...
     # on a GPU: the step's scores [T, >= width] float32 of q [T, Hi, Di] over each token's request's keys
     # (a PagedCache in its key_layout, through the entries table `pages`), entries j < counts[t] visible;
-    # the top-k reads only those. `plan`: what plan() gave for the step (None: the call makes its own)
+    # the top-k reads only those. `plan`: what plan() gave for the step (None: the call makes its own);
+    # `prepared`: what prepare() gave (e.g. the device's facts its kernel plans by)
     def scores(self, q: Tensor, w: Tensor, keys: PagedCache, pages: Tensor, token_request: Tensor,
-               counts: Tensor, *, width: int, w_scale: float, plan: Any = None) -> Tensor: ...
+               counts: Tensor, *, width: int, w_scale: float, plan: Any = None, prepared: Any = None) -> Tensor: ...
 
 
 @runtime_checkable

@@ -9,17 +9,29 @@ from dsv4.formats.fp4 import FP4_BLOCK, fp4_sim
 from dsv4.strategies.protocols import Needs
 
 
-def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, plan=None):
+def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, plan=None, prepared=None):
     """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): rows of the keys' dtype,
-    FP4 or fp8 records (no per-step plan)."""
+    FP4 or fp8 records (no per-step plan), planned by the device's facts `triton_prepare` resolved."""
     from dsv4.kernels.indexer_logits import indexer_logits
 
-    return indexer_logits(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale)
+    return indexer_logits(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale, target=prepared)
 
 
 def no_prepare(self, *, head_dim: int, device) -> Any:
-    """An option's `prepare` when its transforms need nothing made on the device."""
+    """An option's `prepare` when its transforms and its scoring need nothing made on the device."""
     return None
+
+
+def triton_prepare(self, *, head_dim: int, device) -> Any:
+    """An option's `prepare` when our Triton kernel scores its keys and its transforms need nothing: on a GPU
+    the device's facts the kernel's calls are planned by (dsv4.kernels.launch.target), resolved once; None
+    elsewhere (the torch path scores)."""
+    platform = getattr(device, "platform", None)
+    if platform not in ("cuda", "rocm"):
+        return None
+    from dsv4.kernels.launch import target
+
+    return target(platform=platform, arch=device.arch, torch_device=device.torch_device)
 
 
 def no_plan(self, *, token_request, counts, pages, block_size: int) -> None:

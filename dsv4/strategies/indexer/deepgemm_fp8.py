@@ -58,7 +58,7 @@ def deepgemm_plan(*, token_request, counts, pages, block_size: int) -> DeepGemmP
 
 
 def deepgemm_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float,
-                    plan: DeepGemmPlan | None = None):
+                    plan: DeepGemmPlan | None = None, prepared=None):
     """[T, >= width] float32 scores by deep_gemm.fp8_paged_mqa_logits, every token its own batch row, its
     request's block table row and its count of visible entries (the step's DeepGemmPlan; made here for a
     call without one); entries at or past the count may hold anything (the top-k reads each row's first

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.strategies.indexer.common import no_plan, no_prepare, plain_keys, triton_scores
+from dsv4.strategies.indexer.common import no_plan, triton_prepare, plain_keys, triton_scores
 from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K, check_top_k
 from dsv4.strategies.protocols import Needs
 
@@ -22,7 +22,7 @@ class ExactIndexer:
     oracle_numerics: ClassVar[str] = "exact"  # what the oracle recomputes the indexer with (oracle.py)
     fp8_queries: ClassVar[bool] = False       # its GPU kernel scores e4m3 queries, scales in the head weights
 
-    scores, prepare, plan, key_layout = staticmethod(triton_scores), no_prepare, no_plan, plain_keys
+    scores, prepare, plan, key_layout = staticmethod(triton_scores), triton_prepare, no_plan, plain_keys
 
     def needs(self, device) -> Needs:
         return Needs()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.strategies.indexer.common import (fp4_keys, fp4_needs, fp4_queries, no_plan, no_prepare, plain_keys,
+from dsv4.strategies.indexer.common import (fp4_keys, fp4_needs, fp4_queries, no_plan, triton_prepare, plain_keys,
                                            triton_scores)
 from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K, check_top_k
 
@@ -29,5 +29,5 @@ class Fp4SimIndexer:
     oracle_numerics: ClassVar[str] = "fp4"
     fp8_queries: ClassVar[bool] = False
 
-    scores, prepare, plan, key_layout = staticmethod(triton_scores), no_prepare, no_plan, plain_keys
+    scores, prepare, plan, key_layout = staticmethod(triton_scores), triton_prepare, no_plan, plain_keys
     queries, keys, needs = fp4_queries, fp4_keys, fp4_needs

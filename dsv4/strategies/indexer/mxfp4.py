@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.strategies.indexer.common import fp4_keys, fp4_needs, fp4_queries, no_plan, no_prepare, triton_scores
+from dsv4.strategies.indexer.common import fp4_keys, fp4_needs, fp4_queries, no_plan, triton_prepare, triton_scores
 from dsv4.strategies.indexer.key_layouts import Mxfp4KeyLayout
 from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K, check_top_k
 
@@ -31,7 +31,7 @@ class Mxfp4Indexer:
     oracle_numerics: ClassVar[str] = "fp4"
     fp8_queries: ClassVar[bool] = False
 
-    scores, prepare, plan = staticmethod(triton_scores), no_prepare, no_plan
+    scores, prepare, plan = staticmethod(triton_scores), triton_prepare, no_plan
     queries, keys, needs = fp4_queries, fp4_keys, fp4_needs
 
     def key_layout(self, *, dtype: str, head_dim: int):

@@ -8,18 +8,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.strategies.indexer.common import fp4_keys, fp4_needs, fp4_queries, no_plan, no_prepare
+from dsv4.strategies.indexer.common import fp4_keys, fp4_needs, fp4_queries, no_plan, triton_prepare
 from dsv4.strategies.indexer.key_layouts import Fp8KeyLayout, e4m3_queries
 from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K, check_top_k
 
 
-def triton_fp8_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, plan=None):
+def triton_fp8_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, plan=None,
+                      prepared=None):
     """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): e4m3 queries, their scales
     in the head weights, against the fp8 records as stored (no per-step plan)."""
     from dsv4.kernels.indexer_logits import indexer_logits
 
     q8, wq = e4m3_queries(q, w, w_scale)
-    return indexer_logits(q8, wq, keys, pages, token_request, counts, width=width)
+    return indexer_logits(q8, wq, keys, pages, token_request, counts, width=width, target=prepared)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,7 +37,7 @@ class TritonFp8Indexer:
     fp4: ClassVar[bool] = True
     oracle_numerics: ClassVar[str] = "fp4"
     fp8_queries: ClassVar[bool] = True
-    scores, prepare, plan = staticmethod(triton_fp8_scores), no_prepare, no_plan
+    scores, prepare, plan = staticmethod(triton_fp8_scores), triton_prepare, no_plan
     queries, keys, needs = fp4_queries, fp4_keys, fp4_needs
 
     def key_layout(self, *, dtype: str, head_dim: int):

@@ -65,7 +65,7 @@ class TritonSparseMQA:
 
     def prepare(self, *, device):
         """The device's facts the calls are planned by (arch, e4m3 in hardware, processors), resolved once."""
-        from dsv4.kernels.sparse_mqa import target
+        from dsv4.kernels.launch import target
 
         return target(platform=device.platform, arch=device.arch, torch_device=device.torch_device)
 

@@ -30,12 +30,18 @@ class TritonFp8OProj:
         return fp8_needs(archs=FP8_TRITON_ARCHS)
 
     def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
-        return block_scaled_weights(weights, device)
+        """The weights in blocks, and the device's facts the product's calls plan by (resolved once)."""
+        from dsv4.kernels.launch import target
+
+        out = block_scaled_weights(weights, device)
+        if device.platform != "cpu":
+            out["target"] = target(platform=device.platform, arch=device.arch, torch_device=device.torch_device)
+        return out
 
     def __call__(self, o, rot, *, prepared):
         from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
 
         x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared["groups"])
         z = grouped_fp8_gemm(x, xs, prepared["w"], prepared["ws"], block_m=self.block_m, num_warps=self.num_warps,
-                             num_stages=self.num_stages)
+                             num_stages=self.num_stages, target=prepared.get("target"))
         return z.flatten(1) @ prepared["wo_b"].T

@@ -1,0 +1,16 @@
+"""The device facts our kernels' calls are planned by, as one value (`Target`): resolved once from the device
+by a strategy's `prepare` (dsv4.kernels.launch.target), so that no call asks the GPU, or reads whether
+Triton interprets the kernels, again. Plain Python: the strategies' needs() may import what sits beside it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Target:
+    """The device facts a call is planned by, resolved once from the device (the strategy's `prepare`), so
+    that no call asks the GPU again."""
+    arch: str             # 'sm90'-style for NVIDIA, 'rocm', 'interpreter' when Triton interprets the kernels
+    native_e4m3: bool     # OCP e4m3 converted in hardware (NVIDIA sm89 and newer)
+    processors: int       # streaming multiprocessors (compute units): what a launch has to fill
+    interpret: bool = False
