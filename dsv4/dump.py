@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 
-def write_dump(path: str | Path, *, spec, layers: dict[int, dict], record: dict[str, Any], kv_row_dtype: str,
+def write_dump(path: str | Path, *, spec, layers: dict[int, dict], record: dict[str, Any], row_format: str,
                choices: dict[str, str], kv_scale: float | None = None, indexer_numerics: str = "exact") -> Path:
     import torch
     from safetensors.torch import save_file
@@ -21,7 +21,7 @@ def write_dump(path: str | Path, *, spec, layers: dict[int, dict], record: dict[
     path.mkdir(parents=True, exist_ok=True)
     meta = {"model": spec.to_dump(),
             "layers": [{"index": l, "compress_ratio": spec.compress_ratio(l)} for l in layers],
-            "kv_row_dtype": kv_row_dtype, "indexer_numerics": indexer_numerics, "softmax_scale": spec.softmax_scale,
+            "row_format": row_format, "indexer_numerics": indexer_numerics, "softmax_scale": spec.softmax_scale,
             "choices": dict(choices)}
     if kv_scale is not None:
         meta["kv_scale"] = kv_scale
@@ -58,7 +58,7 @@ def recompute(path: str | Path) -> dict[int, dict[str, Any]]:
         w = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
         topk = t.get(f"layers.{l}.outputs.topk_indices")
         o = oracle_outputs(meta["model"], ratio, w, t["inputs.hidden_states"], t["inputs.positions"],
-                           t["inputs.request_index"], kv_row_dtype=meta["kv_row_dtype"], kv_scale=meta.get("kv_scale"),
+                           t["inputs.request_index"], row_format=meta.get("row_format", meta.get("kv_row_dtype")), kv_scale=meta.get("kv_scale"),
                            topk=None if topk is None else topk.long(),
                            indexer_numerics=meta.get("indexer_numerics", "exact"))
         res[l] = {"out": o["out"], "dumped": t[f"layers.{l}.outputs.attn_out"], "scores": o["scores"],

@@ -5,7 +5,7 @@ request's full history is recomputed densely, as docs/numerics.md §5 writes it.
 incremental is tested against this. It takes the dump contract's plain data (the `model` dict of
 spec.json and weights under checkpoint names), so a dump can be recomputed anywhere.
 
-Cached KV rows (SWA and compressed) are rounded as the run's cache stored them (`kv_row_dtype`); the
+Cached KV rows (SWA and compressed) are rounded as the run's cache stored them (`row_format`); the
 indexer's queries and keys follow the run's indexer numerics (`indexer_numerics`: "exact", or "fp4" --
 the published code's Hadamard rotation and FP4 simulation, written here from their definitions).
 With random weights the indexer's top-k has near ties, so outputs can be recomputed over a given
@@ -92,12 +92,12 @@ def _e4m3(x):
     return x.to(torch.float8_e4m3fn).float()
 
 
-def round_rows(rows, kv_row_dtype: str, kv_scale: float | None = None):
+def round_rows(rows, row_format: str, kv_scale: float | None = None):
     """What a cached row reads back as (docs/numerics.md §3.2, §3.3), for the rows a dump names
-    (`kv_row_dtype`, a RowFormat's label): fp8 formats quantize the bf16 row."""
-    fmt = RowFormat.from_label(kv_row_dtype, kv_scale=kv_scale)
+    (`row_format`, a RowFormat's label): fp8 formats quantize the bf16 row."""
+    fmt = RowFormat.from_label(row_format, kv_scale=kv_scale)
     if fmt.kind not in ROW_ROUNDINGS:
-        raise NotImplementedError(f"oracle: kv_row_dtype={kv_row_dtype!r} is not a KV cache's rows")
+        raise NotImplementedError(f"oracle: row_format={row_format!r} is not a KV cache's rows")
     if fmt.exact:
         return rows
     if fmt.kind is RowKind.PLAIN:
@@ -133,7 +133,7 @@ def _compress(x, wkv, wgate, ape, norm, R, D, f, eps):
     return torch.stack(out) if out else torch.zeros(0, D)
 
 
-def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, *, kv_row_dtype: str,
+def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, *, row_format: str,
                  kv_scale: float | None = None, topk=None, indexer_numerics: str = "exact") -> dict[str, Any]:
     """One request's whole history x [L, hidden] at positions 0..L-1.
 
@@ -152,7 +152,7 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
     pos = torch.arange(L)
     qr = _rms(x @ w["wq_a.weight"].T, w["q_norm.weight"], eps)
     q = _rope(_rms((qr @ w["wq_b.weight"].T).view(L, H, D), None, eps), pos[:, None], f)
-    raw = round_rows(_rope(_rms(x @ w["wkv.weight"].T, w["kv_norm.weight"], eps), pos, f), kv_row_dtype, kv_scale)
+    raw = round_rows(_rope(_rms(x @ w["wkv.weight"].T, w["kv_norm.weight"], eps), pos, f), row_format, kv_scale)
 
     keys, res = raw, {}
     p_, i_ = pos[:, None], pos[None, :]
@@ -160,7 +160,7 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
     if ratio > 1:
         c = "compressor."
         comp = round_rows(_compress(x, w[c + "wkv.weight"], w[c + "wgate.weight"], w[c + "ape"],
-                                    w[c + "norm.weight"], ratio, D, f, eps), kv_row_dtype, kv_scale)
+                                    w[c + "norm.weight"], ratio, D, f, eps), row_format, kv_scale)
         n = comp.shape[0]
         j_ = torch.arange(n)[None, :]
         visible = j_ < ((pos + 1) // ratio)[:, None]               # causally complete entries
@@ -196,7 +196,7 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
 
 
 def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], hidden, positions,
-                   request_index, *, kv_row_dtype: str, kv_scale: float | None = None, topk=None,
+                   request_index, *, row_format: str, kv_scale: float | None = None, topk=None,
                    indexer_numerics: str = "exact") -> dict[str, Any]:
     """Recompute every token of a run (tokens in any order, grouped by `request_index`).
 
@@ -214,7 +214,7 @@ def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], h
         if positions[rows].tolist() != list(range(len(rows))):
             raise ValueError(f"request {r}: tokens are not its whole history 0..L-1")
         given = None if topk is None else topk[rows]
-        res = oracle_layer(model, ratio, w, hidden[rows], kv_row_dtype=kv_row_dtype, kv_scale=kv_scale, topk=given,
+        res = oracle_layer(model, ratio, w, hidden[rows], row_format=row_format, kv_scale=kv_scale, topk=given,
                            indexer_numerics=indexer_numerics)
         out[rows] = res["out"]
         if ratio == 4:

@@ -21,14 +21,29 @@ class Status(enum.StrEnum):
     ERROR = "error"
     MISSING = "missing"
 
-DISTRIBUTIONS = {"torch": "torch", "hydra": "hydra-core", "omegaconf": "omegaconf", "flash_mla": "sgl-flash-mla",
-                 "deep_gemm": "sgl-deep-gemm", "flashinfer": "flashinfer-python", "aiter": "amd-aiter",
-                 "triton": "triton"}
+BASE_DISTRIBUTIONS = {"torch": "torch", "hydra": "hydra-core", "omegaconf": "omegaconf"}
+
+
+def distributions() -> dict[str, str]:
+    """Import name -> pip distribution of what a row's versions record: the app's own packages and every
+    kernel package a shipped option names in its Needs (read from the options, not restated here)."""
+    import re
+
+    from dsv4.catalogue import options
+    from dsv4.compat import NEEDS_GROUPS
+    from dsv4.device import DeviceInfo
+
+    out = dict(BASE_DISTRIBUTIONS)
+    for group in NEEDS_GROUPS:
+        for opt in options(group).values():
+            for module, dist in opt.needs(DeviceInfo(platform="cpu")).modules:
+                out.setdefault(module.partition(".")[0], re.split(r"[<>=!~ ]", dist, maxsplit=1)[0])
+    return out
 
 
 def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version()}
-    for key, dist in DISTRIBUTIONS.items():
+    for key, dist in distributions().items():
         try:
             out[key] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -131,7 +131,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     rec = rec_raw.cat()
 
     row_format = c.cache_layout.row_format
-    row_dtype = row_format.label
+    row_label = row_format.label
     kv_scale = row_format.kv_scale if row_format.kind is RowKind.FP8_PER_TENSOR else None
     names = layer_names(spec, layers)
     metrics: dict[str, Any] = {}
@@ -142,14 +142,14 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         topk = rec["topk"].get(l)
         given = None if topk is None else topk.long()
         args = (model, R, weights[l], rec["hidden"], rec["positions"], rec["request_index"])
-        o = ref.oracle_outputs(*args, kv_row_dtype=row_dtype, kv_scale=kv_scale, topk=given,
+        o = ref.oracle_outputs(*args, row_format=row_label, kv_scale=kv_scale, topk=given,
                                indexer_numerics=c.indexer.oracle_numerics)
         out = rec["outputs"][l]
         m: dict[str, Any] = {"layer": l, "compress_ratio": R, "rel_err": ref.rel_err(out, o["out"]),
                              "cosine": ref.cosine(out, o["out"])}
         if not row_format.exact:        # what the cache's rounding costs against exact float32 rows
             m["rel_err_vs_f32_kv"] = ref.rel_err(out, ref.oracle_outputs(
-                *args, kv_row_dtype="float32", topk=given, indexer_numerics=c.indexer.oracle_numerics)["out"])
+                *args, row_format="float32", topk=given, indexer_numerics=c.indexer.oracle_numerics)["out"])
         if topk is not None:
             g = [ref.grade_selection(topk[rows_], sc, spec.index_topk) for rows_, sc in o["scores"].values()]
             m["topk_exact"] = sum(x["exact"] for x in g) / len(g)
@@ -200,7 +200,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     how = f"{ranks.world_size} processes ({job.device.platform} ranks, torch.distributed)" if ranks.distributed \
         else "ranks simulated in one process" if c.tp_size > 1 else "one process"
     print(f"dsv4 run  model={spec.name} on {job.device.describe()}  dtype={c.dtype} tp_size={c.tp_size} "
-          f"({how}) kv_row_dtype={row_dtype}")
+          f"({how}) row_format={row_label}")
     print("  " + " ".join(f"{k}={v}" for k, v in job.choices.items()))
     print(f"  workload: {len(wl.prompt_lens)} requests, prompts {list(wl.prompt_lens)}, prefill chunk "
           f"{wl.prefill_chunk}, {wl.decode_steps} decode steps x {wl.decode_tokens} tokens/request; "
@@ -230,7 +230,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
                                              metrics=metrics, error="; ".join(wrong) or None))
     print(f"  result: {path}")
     if job.run.dump_dir:
-        dump = write_dump(job.run.dump_dir, spec=spec, layers=weights, record=rec, kv_row_dtype=row_dtype,
+        dump = write_dump(job.run.dump_dir, spec=spec, layers=weights, record=rec, row_format=row_label,
                           choices=job.choices, kv_scale=kv_scale, indexer_numerics=c.indexer.oracle_numerics)
         print(f"  dump written to {dump} (spec.json, tensors.safetensors)")
     if wrong:

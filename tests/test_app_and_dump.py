@@ -38,9 +38,9 @@ def test_run_writes_result_and_a_dump_that_recomputes(compose_cfg, tmp_path, lay
 
     spec = json.loads((dump / "spec.json").read_text())
     extra = {"kv_scale"} if layout == "fp8_per_tensor" else set()
-    assert set(spec) == {"model", "layers", "kv_row_dtype", "indexer_numerics", "softmax_scale", "choices"} | extra
+    assert set(spec) == {"model", "layers", "row_format", "indexer_numerics", "softmax_scale", "choices"} | extra
     assert spec["indexer_numerics"] == "fp4"          # backend=reference's indexer: fp4_sim
-    assert spec["kv_row_dtype"] == ROW_DTYPE[layout]
+    assert spec["row_format"] == ROW_DTYPE[layout]
     assert spec.get("kv_scale", 1.0) == 1.0
     assert set(spec["model"]) == {"hidden_size", "num_attention_heads", "head_dim", "qk_rope_head_dim", "q_lora_rank",
                                   "o_lora_rank", "o_groups", "sliding_window", "index_topk", "index_n_heads",

@@ -134,7 +134,7 @@ def test_failure_inside_the_forward_is_rolled_back():
     o = step(eng, {"a": (X["a"][40:80], 40), "b": (X["b"][40:80], 40)})
     for l, y in o.outputs.items():           # the retried step is exact against the oracle
         for rid, rows in (("a", slice(0, 40)), ("b", slice(40, 80))):
-            want = ref.oracle_layer(spec.to_dump(), spec.compress_ratio(l), W[l], X[rid], kv_row_dtype="float32",
+            want = ref.oracle_layer(spec.to_dump(), spec.compress_ratio(l), W[l], X[rid], row_format="float32",
                                     topk=None if l not in o.topk else torch.cat(
                                         (torch.full((40, spec.index_topk), -1), o.topk[l][rows].long())))
             assert ref.rel_err(y[rows], want["out"][40:80]) <= 1e-5

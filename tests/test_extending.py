@@ -135,8 +135,8 @@ def test_a_layout_of_ones_own_runs_against_the_oracle(layout_dir):
     for l in layers:
         sel = torch.cat(topk[l]).long() if topk[l] else None
         got = torch.cat(outs[l])
-        want = oracle.oracle_layer(spec.to_dump(), spec.compress_ratio(l), weights[l], x, kv_row_dtype=label, topk=sel)
-        other = oracle.oracle_layer(spec.to_dump(), spec.compress_ratio(l), weights[l], x, kv_row_dtype="bfloat16",
+        want = oracle.oracle_layer(spec.to_dump(), spec.compress_ratio(l), weights[l], x, row_format=label, topk=sel)
+        other = oracle.oracle_layer(spec.to_dump(), spec.compress_ratio(l), weights[l], x, row_format="bfloat16",
                                     topk=sel)
         err = oracle.rel_err(got, want["out"])
         assert err < 1e-5, (spec.layer_type(l), err)
@@ -148,4 +148,4 @@ def test_run_py_runs_a_layout_of_ones_own(layout_dir, tmp_path):
                extra_env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
-    assert "cache_layout=fp16_rows" in out and "kv_row_dtype=float16" in out and "verdict: ok" in out, out[-3000:]
+    assert "cache_layout=fp16_rows" in out and "row_format=float16" in out and "verdict: ok" in out, out[-3000:]

@@ -71,7 +71,7 @@ def test_every_layer_type_matches_the_oracle(backend, graphs):
         for rid in LENGTHS:
             sel = topk.get(layer, {}).get(rid)
             o = ref.oracle_layer(spec.to_dump(), spec.compress_ratio(layer), W[layer], X[rid].cpu(),
-                                 kv_row_dtype="fp8_ds_mla", topk=None if sel is None else sel.cpu().long())
+                                 row_format="fp8_ds_mla", topk=None if sel is None else sel.cpu().long())
             err = ref.rel_err(outs[layer][rid].cpu(), o["out"])
             assert err <= BOUND[backend], (layer, rid, err)
             if sel is not None:

@@ -137,13 +137,13 @@ def test_fp4_sim_layer_selects_what_the_oracle_selects():
     spec, W, X, outs, topk = run_layer(Fp4SimIndexer())
     layer = next(l for l in outs if spec.compress_ratio(l) == 4)
     for rid in X:
-        o = ref.oracle_layer(spec.to_dump(), 4, W[layer], X[rid], kv_row_dtype="float32", indexer_numerics="fp4",
+        o = ref.oracle_layer(spec.to_dump(), 4, W[layer], X[rid], row_format="float32", indexer_numerics="fp4",
                              topk=topk[layer][rid].long())
         assert ref.rel_err(outs[layer][rid], o["out"]) <= 1e-5
         g = ref.grade_selection(topk[layer][rid], o["scores"], spec.index_topk)
         assert g["count_ok"] == 1.0 and g["exact"] == 1.0, g
     # the numerics matter: exact scores choose differently for some token of the long request
-    exact = ref.oracle_layer(spec.to_dump(), 4, W[layer], X["long"], kv_row_dtype="float32")
+    exact = ref.oracle_layer(spec.to_dump(), 4, W[layer], X["long"], row_format="float32")
     assert ref.grade_selection(topk[layer]["long"], exact["scores"], spec.index_topk)["exact"] < 1.0
 
 

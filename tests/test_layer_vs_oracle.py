@@ -20,10 +20,10 @@ def run_case(layout: str, tp_size: int, dtype: str = "float32", seed: int = 0):
     return spec, W, X, outs, topk
 
 
-def oracle(spec, W, X, layer, rid, topk, kv_row_dtype):
+def oracle(spec, W, X, layer, rid, topk, row_format):
     ratio = spec.compress_ratio(layer)
     sel = topk.get(layer, {}).get(rid)
-    return ref.oracle_layer(spec.to_dump(), ratio, W[layer], X[rid], kv_row_dtype=kv_row_dtype,
+    return ref.oracle_layer(spec.to_dump(), ratio, W[layer], X[rid], row_format=row_format,
                             topk=None if sel is None else sel.long())
 
 
@@ -71,7 +71,7 @@ def test_oracle_selection_drives_attention():
     sel = topk[layer]["long"].long()
     scores = oracle(spec, W, X, layer, "long", topk, "float32")["scores"]
     worst = ref._own_topk(torch.where(torch.isfinite(scores), -scores, scores), spec.index_topk)
-    a = ref.oracle_layer(spec.to_dump(), 4, W[layer], X["long"], kv_row_dtype="float32", topk=sel)["out"]
-    b = ref.oracle_layer(spec.to_dump(), 4, W[layer], X["long"], kv_row_dtype="float32", topk=worst)["out"]
+    a = ref.oracle_layer(spec.to_dump(), 4, W[layer], X["long"], row_format="float32", topk=sel)["out"]
+    b = ref.oracle_layer(spec.to_dump(), 4, W[layer], X["long"], row_format="float32", topk=worst)["out"]
     assert ref.rel_err(a, outs[layer]["long"]) <= 1e-5
     assert ref.rel_err(b, a) > 1e-3

@@ -111,7 +111,7 @@ def test_an_engine_of_its_own_fills_the_plan_and_matches_the_oracle(layer):
     for r in lengths:
         y = torch.cat(outs[r])
         sel = torch.cat(topk[r]).long() if topk[r] else None
-        o = ref.oracle_layer(spec.to_dump(), spec.compress_ratio(layer), own.W, X[r], kv_row_dtype="float32", topk=sel)
+        o = ref.oracle_layer(spec.to_dump(), spec.compress_ratio(layer), own.W, X[r], row_format="float32", topk=sel)
         assert ref.rel_err(y, o["out"]) <= 1e-5
         assert ref.rel_err(y, ours[layer][r]) <= 1e-6
         if sel is not None:

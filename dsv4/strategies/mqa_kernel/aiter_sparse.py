@@ -124,7 +124,7 @@ def head_rows(heads: int) -> tuple[int, int]:
     if heads in PADDED_HEADS:
         return heads // 16, 16
     raise ValueError(f"mqa_kernel=aiter_sparse runs 16 or 128 heads per kernel row (heads per rank a multiple "
-                     f"of 16 up to 128), got {heads}; fix: head_padding=buckets_mult16")
+                     f"of 16 up to 128), got {heads} (check() refuses this); fix: head_padding=buckets_mult16")
 
 
 def ragged(rows, counts, per_token: int) -> dict[str, Any]:
@@ -199,8 +199,8 @@ class AiterSparseMQA:
     def prepare(self, *, device) -> dict[str, Any]:
         fmt = FP8_FORMAT.get(device.arch)
         if fmt is None:
-            raise ValueError(f"mqa_kernel=aiter_sparse runs on rocm/gfx942 or rocm/gfx950, not {device.describe()}; "
-                             "fix: mqa_kernel=reference")
+            raise ValueError(f"mqa_kernel=aiter_sparse runs on rocm/gfx942 or rocm/gfx950, not {device.describe()} "
+                             "(check() refuses this); fix: mqa_kernel=reference")
         return {"fp8_format": fmt}
 
     def plan(self, *, tokens: int, layer_type: str, previous=None) -> None:

@@ -192,7 +192,7 @@ def call_args(q, kv: SparseKV, *, sink, scale: float, mode: str, workspace, out=
         raise ValueError(f"mqa_kernel=flashinfer_sparse: q must be [T, Hp, 512], got {tuple(q.shape)}")
     if q.shape[1] not in PADDED_HEADS:
         raise ValueError(f"mqa_kernel=flashinfer_sparse takes {sorted(PADDED_HEADS)} (padded) heads, got "
-                         f"{q.shape[1]}; fix: head_padding=buckets_pow2")
+                         f"{q.shape[1]} (check() refuses this); fix: head_padding=buckets_pow2")
     if mode not in ROWS:
         raise ValueError(f"mqa_kernel=flashinfer_sparse: unknown mode {mode!r} (one of {sorted(ROWS)})")
     layout = kv.swa.layout
@@ -243,7 +243,7 @@ class FlashInferSparse:
         mode = MODES.get(device.arch)
         if mode is None:
             raise ValueError(f"mqa_kernel=flashinfer_sparse runs on sm100/sm103 (TRTLLM-gen) or sm120/sm121, "
-                             f"not {device.describe()}; fix: mqa_kernel=reference")
+                             f"not {device.describe()} (check() refuses this); fix: mqa_kernel=reference")
         return {"mode": mode, "workspace_bytes": WORKSPACE_BYTES}
 
     def plan(self, *, tokens: int, layer_type: str, previous: "FlashInferPlan | None" = None) -> "FlashInferPlan":
