@@ -58,7 +58,8 @@ def recompute(path: str | Path) -> dict[int, dict[str, Any]]:
         w = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
         topk = t.get(f"layers.{l}.outputs.topk_indices")
         o = oracle_outputs(meta["model"], ratio, w, t["inputs.hidden_states"], t["inputs.positions"],
-                           t["inputs.request_index"], row_format=meta.get("row_format", meta.get("kv_row_dtype")), kv_scale=meta.get("kv_scale"),
+                           t["inputs.request_index"], kv_scale=meta.get("kv_scale"),
+                           row_format=meta.get("row_format", meta.get("kv_row_dtype")),    # older dumps' name
                            topk=None if topk is None else topk.long(),
                            indexer_numerics=meta.get("indexer_numerics", "exact"))
         res[l] = {"out": o["out"], "dumped": t[f"layers.{l}.outputs.attn_out"], "scores": o["scores"],

@@ -21,6 +21,7 @@ class Status(enum.StrEnum):
     ERROR = "error"
     MISSING = "missing"
 
+
 BASE_DISTRIBUTIONS = {"torch": "torch", "hydra": "hydra-core", "omegaconf": "omegaconf"}
 
 

@@ -11,7 +11,6 @@ from dsv4.formats.fp8 import FNUZ_NAN
 from dsv4.formats.scatter import kept_rows
 from dsv4.sizes import round_up
 
-
 DATA_BYTES, SCALE_BYTES, NOPE_BYTES, EXPONENTS = 576, 8, 448, 7     # the record (docs/numerics.md §3.2)
 
 ROPE_DIMS = 64            # bf16 RoPE dims after the NoPE bytes
@@ -28,6 +27,7 @@ def check_row_dim(name: str, head_dim: int, nope_dim: int = NOPE_BYTES, rope_dim
 def page_bytes(block_size: int, record_bytes: int = DATA_BYTES + SCALE_BYTES, align: int = ALIGN) -> int:
     """Bytes of a page of `block_size` records: its stride, rounded up to a multiple of `align`."""
     return round_up(block_size * record_bytes, align)
+
 
 def record_offsets(pages, slots, block_size: int, data_bytes: int = DATA_BYTES, scale_bytes: int = SCALE_BYTES):
     """Byte offsets into `pages.view(-1)` ([num_blocks, page_bytes] uint8) of each slot's data bytes

@@ -203,7 +203,8 @@ def _compile_layer(gpu) -> None:
     shapes = [(dtype, plan, 0, prec) for (dtype, _size), plan in il.LAUNCH.items()
               for prec in [il.INPUT_PRECISION[gpu.backend] if dtype == "float32" else "bf16"]]
     shapes += [(rows.label, plan, record, "bf16" if rows.label == "mxfp4" else fp8)
-               for (dtype, _size), plan in il.LAUNCH.items() if dtype == "bfloat16" for rows, record in il.RECORDS.items()]
+               for (dtype, _size), plan in il.LAUNCH.items() if dtype == "bfloat16"
+               for rows, record in il.RECORDS.items()]
     for dtype, plan, record, prec in shapes:
         e4m3 = dtype == "fp8"
         name = {"float32": "*fp32"}.get(dtype, "*u8" if e4m3 else "*bf16")

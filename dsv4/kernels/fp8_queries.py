@@ -1,4 +1,4 @@
-"""The e4m3 queries of indexer=deepgemm_fp8 and triton_fp8 in one launch (fp8_keys.fp8_queries is the torch
+"""The e4m3 queries of indexer=deepgemm_fp8 and triton_fp8 in one launch (key_layouts.fp8_queries is the torch
 specification): each head of q [T, Hi, Di] divided by its power-of-two scale 2^ceil(log2(max(amax, 1e-4) /
 448)) and rounded to e4m3 (as torch converts), and the head weights times w_scale and that scale."""
 from __future__ import annotations

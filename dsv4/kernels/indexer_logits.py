@@ -14,7 +14,7 @@ count load nothing and compute nothing; they only write −inf.
 Precision follows the keys' dtype (the indexer option's `key_layout`). bf16 keys, and FP4 records
 (decoded to their bf16 values as they are read): the queries are rounded to bf16 and scored by one bf16
 product accumulated in float32, as the published code scores its bf16 cache. fp8 records: e4m3 queries,
-each head over its power-of-two scale (`fp8_keys.fp8_queries`), times the records' e4m3 bytes as they
+each head over its power-of-two scale (`key_layouts.fp8_queries`), times the records' e4m3 bytes as they
 are stored -- one e4m3 tensor-core product, at twice bf16's rate, where Triton has e4m3 (NVIDIA sm89+),
 else both decoded to their bf16 values (exact) -- then each key's scale on its head sum. For
 FP4-simulated queries and keys both operands hold the values exactly and the products are exact; on the
@@ -47,6 +47,7 @@ from dsv4.sizes import cdiv, next_pow2
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
 RECORDS = {MXFP4_KEYS: 1, FP8_KEYS: 2}   # uint8 key pages: RECORD by the layout's row_format
 TOKENS_PER_PROGRAM = 2          # TG: a decode request's two tokens (MTP) share each key block
+
 
 @dataclass(frozen=True, slots=True)
 class Launch:
@@ -98,8 +99,8 @@ def _key_scores(q_hi, q_lo, wv, k_ptr, pages_ptr, req, P, n_slots, cols, limit, 
                 TG: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, PREC: tl.constexpr, RECORD: tl.constexpr):
     """Σ_h w·ReLU(q·k) -> [BN, TG] for the entries `cols` of request `req`, their keys 0 at or past `limit`,
     without a page (as the torch path reads them: zero rows) and for dims past DI. RECORD 0: plain rows in
-    the keys' dtype; 1: FP4 records (dsv4/strategies/indexer/key_layouts.py), decoded to bf16 (exactly, for FP4-simulated
-    keys); 2: fp8 records (dsv4/strategies/indexer/key_layouts.py), their e4m3 bytes the operand of an e4m3 product
+    the keys' dtype; 1: FP4 records, decoded to bf16 (exactly, for FP4-simulated keys); 2: fp8 records
+    (both: dsv4/strategies/indexer/key_layouts.py), their e4m3 bytes the operand of an e4m3 product
     (PREC "fp8") or decoded, their scale applied to the head sums (s·Σ_h w·ReLU(x) = Σ_h w·ReLU(s·x) for a
     power of two s > 0, exactly)."""
     BN: tl.constexpr = cols.shape[0]
@@ -265,7 +266,7 @@ def _indexer_kernel(q_ptr, w_ptr, w_stride, w_scale, k_ptr, pages_ptr, req_ptr, 
 def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float = 1.0, block_n: int = 0,
                    blocks_per_program: int = 0, num_warps: int = 0, stages: int = 0, target: Target | None = None):
     """[T, width] float32 indexer scores: q [T, Hi, Di] (float32, or already in the keys' dtype; or e4m3,
-    [T, Hi, Di] or [T, 1, Hi, Di], each head over its scale as `fp8_keys.fp8_queries` makes it, for fp8
+    [T, Hi, Di] or [T, 1, Hi, Di], each head over its scale as `key_layouts.fp8_queries` makes it, for fp8
     records), w [T, Hi] float32 head weights (rows may be strided) times `w_scale`, `keys` a PagedCache of
     float32 or bf16 rows ([num_blocks, bs, Di] data), of FP4 records (uint8 [num_blocks, bs·(Di/2 +
     Di/32)]) or of fp8 records (uint8 [num_blocks, bs·(Di + 4)]), pages [B, P] int32 (the entries table),

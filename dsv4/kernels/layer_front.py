@@ -122,7 +122,7 @@ def _rot_part(t, hb, x_ptr, x_stride, cos_ptr, sin_ptr, out_ptr, H, w_ptr, w_str
     """Heads hb·BH.. of token t of x [T, H, D] (float32 or bf16; rows x_stride apart): RoPE, then (FP4) the
     indexer's published numerics (dsv4/kernels/fp4.py), stored in out's dtype; with FP8 rounded to bf16 and
     stored as e4m3 bytes over each head's power-of-two scale, which goes into its head weight:
-    wq[t, h] = w[t, h] · w_scale · scale (the fp8 indexers' queries, dsv4.strategies.indexer.key_layouts.fp8_queries)."""
+    wq[t, h] = w[t, h] · w_scale · scale (the fp8 indexers' queries: indexer/key_layouts.fp8_queries)."""
     h = hb * BH + tl.arange(0, BH)
     dims = tl.arange(0, D)
     at = (t.to(tl.int64) * H + h)[:, None] * D + dims[None, :]
@@ -200,7 +200,7 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
     an absent part). Each part's rows are separate programs of one grid. The rows of q and iq may be strided
     (column blocks of one product: the layer's one product of qr gives both).
 
-    With `iq_dtype` float8_e4m3fn the queries come out as `fp8_keys.fp8_queries` makes them from the
+    With `iq_dtype` float8_e4m3fn the queries come out as `key_layouts.fp8_queries` makes them from the
     bf16-rounded rows and the head weights `iq_weights` [T, Hi] float32 (rows may be strided) with
     `iq_w_scale`: (e4m3 [T, 1, Hi, Di], the folded weights [T, Hi] float32)."""
     import torch

@@ -51,7 +51,7 @@ class SparseKV:
     """What one sparse-MQA call attends to: per query, rows of the SWA cache and of the extra
     (compressed) cache, named by global slot ids (-1 = padding) with per-query lengths. An id past its
     pool is padding too for the reference, our Triton kernels and the aiter and FlashInfer adapters
-    (`mqa_kernel.valid_entries`); FlashMLA's decode kernel reads the ids as given, so lists made outside
+    (`formats.index_lists.valid_entries`); FlashMLA's decode kernel reads the ids as given, so lists made outside
     this package keep them in their pools.
 
     This is the two-pool form of FlashMLA's decode API (docs/numerics.md §4.2, §5.5); kernels that want
@@ -108,7 +108,7 @@ class IndexerStrategy(Protocol):
     rotation and FP4 simulation, which the layer's kernels apply themselves on a GPU (dsv4/kernels/fp4.py;
     other transforms run as `queries` and `keys`). It owns its keys' record (`key_layout`) and, on a GPU,
     the kernel that scores them (`scores`), which with `fp8_queries` takes e4m3 queries, each head over its
-    power-of-two scale, and head weights that carry those scales (fp8_keys.fp8_queries; the layer's front
+    power-of-two scale, and head weights that carry those scales (key_layouts.fp8_queries; the layer's front
     kernel makes them)."""
     name: str
     error_budget: float

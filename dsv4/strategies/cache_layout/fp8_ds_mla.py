@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dsv4.formats.fp8 import E4M3_MAX, e4m3_dtype
-from dsv4.formats.fp8_ds_mla import NOPE_BYTES, check_row_dim, page_bytes, decode_records, encode_records, read_records, write_records
+from dsv4.formats.fp8_ds_mla import (NOPE_BYTES, check_row_dim, decode_records, encode_records, page_bytes,
+                                     read_records, write_records)
 from dsv4.formats.row_format import FP8_DS_MLA, RowFormat
 from dsv4.settings import at_least
 from dsv4.strategies.protocols import Needs

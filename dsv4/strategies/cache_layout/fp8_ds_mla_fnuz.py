@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.formats.fp8_ds_mla import (DATA_BYTES, FNUZ_QUANT_MAX, SCALE_BYTES, check_row_dim, decode_records, encode_records,
-                                     page_bytes, read_records, write_records)
+from dsv4.formats.fp8_ds_mla import (DATA_BYTES, FNUZ_QUANT_MAX, SCALE_BYTES, check_row_dim, decode_records,
+                                     encode_records, page_bytes, read_records, write_records)
 from dsv4.formats.row_format import FP8_DS_MLA_FNUZ, RowFormat
 from dsv4.strategies.protocols import Needs
 
