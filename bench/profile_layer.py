@@ -2,7 +2,7 @@
 total time (the table behind the layer-step optimisations in docs/benchmarks.md); with --eager, the
 host's time in the same forward run without the graph (cProfile, functions by their own time).
 
-  python bench/profile_layer.py                       # flashmla + deepgemm_fp8, every layer type, 64 x 2, 8k
+  python bench/profile_layer.py                       # flashmla_sparse + deepgemm_fp8, every layer type, 64 x 2, 8k
   python bench/profile_layer.py --backend triton_sparse + triton_fp8 --requests 64 --tokens 2 --context 65536
   python bench/profile_layer.py --eager --layer c4a   # the eager forward's host time by function
 """
@@ -105,7 +105,7 @@ def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", default="flashmla + deepgemm_fp8")
+    ap.add_argument("--backend", default="flashmla_sparse + deepgemm_fp8")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=2)
     ap.add_argument("--context", type=int, default=8192)

@@ -2,7 +2,8 @@
 
 An option is its class and its YAML file. `check()` computes its fixes from what ships here (a group's
 default in configs/config.yaml, which needs nothing; the head padding that yields what a kernel takes),
-and `mode=info` and `mode=bench` list and compose the options through `options`.
+and `mode=info` and `mode=bench` list and compose the options through `options` and the backend presets
+through `backend_presets`.
 """
 from __future__ import annotations
 
@@ -56,6 +57,24 @@ def model_presets() -> dict[str, Any]:
             out[p.stem] = ModelSpec.from_config(OmegaConf.to_container(OmegaConf.load(p), resolve=True))
         except (ConfigError, TypeError, ValueError):     # a preset that does not build is no model
             continue
+    return out
+
+
+@functools.cache
+def backend_presets() -> dict[str, dict[str, str]]:
+    """The shipped backend presets (configs/backend/*.yaml), by name: the option each chooses per group."""
+    from omegaconf import OmegaConf
+
+    out = {}
+    for p in sorted((CONFIG_DIR / "backend").glob("*.yaml")):
+        chosen = {}
+        for entry in OmegaConf.to_container(OmegaConf.load(p)).get("defaults", []):
+            if isinstance(entry, dict) and len(entry) == 1:
+                (key, name), = entry.items()
+                group = key.removeprefix("override").strip(" /")
+                if group in GROUPS:
+                    chosen[group] = name
+        out[p.stem] = chosen
     return out
 
 

@@ -472,3 +472,26 @@ def test_cli_check_and_info_never_import_kernel_libraries(stubs, tmp_path, compo
         cfg = compose_cfg([])
         assert sorted(k for k, (_, star) in rows.items() if star) == sorted(
             [f"{g}={cfg[g].name}" for g in GROUPS] + ["indexer.top_k=triton"])
+
+
+def test_backend_presets_are_read_from_their_yaml_and_compose_the_layer_bench():
+    """The catalogue reads the backend presets (configs/backend/); the whole-layer bench composes its rows from
+    them: every preset whose kernel is not the reference and that check() accepts on the device, with its
+    head padding and cache layout, plus the projections it swaps in."""
+    import dsv4
+    from dsv4.benches.layer import backends
+    from dsv4.catalogue import GROUPS, backend_presets, option
+
+    presets = backend_presets()
+    assert sorted(presets) == options("backend")
+    for name, chosen in presets.items():
+        assert set(chosen) == set(GROUPS), name
+        for group, opt in chosen.items():
+            assert option(group, opt).name, (name, group)
+    h200 = backends(dsv4.compose(["deployment=h200"], running=False))
+    assert [(b.label, b.combo.head_padding.name, b.combo.cache_layout.name) for b in h200] == [
+        ("flashmla_sparse + deepgemm_fp8", "buckets_64_128", "fp8_ds_mla"),
+        ("triton_sparse + reference", "none", "fp8_ds_mla"), ("triton_sparse + triton_fp8", "none", "fp8_ds_mla")]
+    b200 = backends(dsv4.compose(["deployment=b200"], running=False))
+    assert ("flashinfer_sparse + deepgemm_fp8", "buckets_pow2", "bf16") in \
+        [(b.label, b.combo.head_padding.name, b.combo.cache_layout.name) for b in b200]

@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 
-from dsv4.benches.cases import available_options
 from dsv4.benches.timing import CEILINGS, eager_us, graph_time_us, replay_us
-from dsv4.catalogue import option
+from dsv4.catalogue import backend_presets, defaults, option
 from dsv4.components.engine import CudaTimer, Segment
 from dsv4.report import table
 from dsv4.runner import tensor_bytes
@@ -158,20 +157,27 @@ class Backend:
     combo: Any
 
 
+# besides each backend preset as it ships, its kernel with these projections too: the fp8 projection in
+# Triton behind our Triton kernel, as configs/backend/triton.yaml suggests on sm89+
+O_PROJ_SWAPS = {"triton": ("triton_fp8",)}
+
+
 def backends(job) -> list[Backend]:
-    """The backend presets this machine runs, as (label, combination), fp8_ds_mla pages throughout."""
-    kernels = {k.name: k for k in available_options(job, "mqa_kernel")}
-    oprojs = {o.name: o for o in available_options(job, "o_proj")}
-    want = [("flashmla + deepgemm_fp8", "flashmla_sparse", "deepgemm_fp8", "buckets_64_128"),
-            ("triton_sparse + triton_fp8", "triton_sparse", "triton_fp8", "none"),
-            ("triton_sparse + reference", "triton_sparse", "reference", "none")]
+    """The shipped backend presets (catalogue.backend_presets) whose kernel is not the reference and that
+    check() accepts on this machine, each as (label 'mqa_kernel + o_proj', combination) with the preset's
+    head padding and cache layout, bf16 activations, one rank; and the O_PROJ_SWAPS of them."""
+    from dsv4.compat import check
+    from dsv4.device import local_platform
+
     out = []
-    for label, k, o, pad in want:
-        if k in kernels and o in oprojs:
-            c = replace(job.combo, mqa_kernel=kernels[k], o_proj=oprojs[o], head_padding=option("head_padding", pad),
-                        cache_layout=option("cache_layout", "fp8_ds_mla"), dtype="bfloat16", tp_size=1,
-                        world_size=None)
-            out.append(Backend(label=label, combo=c))
+    for preset, chosen in backend_presets().items():
+        if chosen["mqa_kernel"] == defaults()["mqa_kernel"]:        # the reference: what the others are checked by
+            continue
+        for o in (chosen["o_proj"], *O_PROJ_SWAPS.get(preset, ())):
+            groups = {g: option(g, n) for g, n in chosen.items() if g != "indexer"} | {"o_proj": option("o_proj", o)}
+            c = replace(job.combo, **groups, dtype="bfloat16", tp_size=1, world_size=None)
+            if not check(c, job.device, here=local_platform()):
+                out.append(Backend(label=f"{chosen['mqa_kernel']} + {o}", combo=c))
     return out
 
 
