@@ -1,7 +1,22 @@
 """The indexer's record layouts (CacheLayouts of its keys): mxfp4's packed FP4 records and the fp8
 options' fp8 records. A key is `data_bytes` of values and `scale_bytes` of scales, and a page of B keys
 holds its B value rows first, then its B scale rows (the fp8_ds_mla page geometry: `write_records`,
-`read_records`). Each layout's own are its format (`pack`, `unpack`) and its kernel store."""
+`read_records`). Each layout's own are its format (`pack`, `unpack`) and its kernel store.
+
+- fp8 records (`Fp8KeyLayout`; indexer=deepgemm_fp8 and triton_fp8): one key of Di dims is Di e4m3 bytes
+  and one float32 scale (132 B for the 128-dim keys of DSV4): the bf16-rounded key divided by its scale
+  2^ceil(log2(max(amax, 1e-4) / 448)) -- a power of two, as the fp8_ds_mla records' --, rounded to e4m3.
+  Its pages are DeepGEMM's paged fp8 indexer cache ([num_blocks, B, 1, Di + 4] as `fp8_paged_mqa_logits`
+  reads it, B = 64 on sm90). The keys being FP4-simulated (e2m1 values times a power of two per 32 dims),
+  the power-of-two scale keeps them exactly wherever a block's scale is within 2^-13 of the key's largest
+  -- every key the model makes in practice.
+- FP4 records (`Mxfp4KeyLayout`; indexer=mxfp4): one key of Di dims is Di/2 bytes of e2m1 codes -- two
+  per byte, the even dim in the low nibble -- and Di/32 UE8M0 scale bytes, one per block of 32 dims (68 B
+  for the 128-dim keys of DSV4, against 256 B of bf16 keys): key t of page p at p·B·68 + t·64, its scales
+  at p·B·68 + B·64 + t·4. The values are exactly the FP4-simulated keys `fp4_sim` stores as bf16 rows.
+
+On a GPU the layer's compress kernel writes both records (dsv4/kernels/fp4.py, cache_write.py) and our
+Triton scoring kernel (dsv4/kernels/indexer_logits.py) decodes them as it reads them."""
 from __future__ import annotations
 
 from dataclasses import dataclass

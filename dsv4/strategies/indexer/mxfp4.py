@@ -1,13 +1,8 @@
 """indexer=mxfp4: the published FP4 numerics (`fp4_sim`), the keys stored as packed FP4 records.
 
-One key of Di dims is Di/2 bytes of e2m1 codes -- two per byte, the even dim in the low nibble -- and
-Di/32 UE8M0 scale bytes, one per block of 32 dims (68 B for the 128-dim keys of DSV4, against 256 B of
-bf16 keys). A page of B keys holds its B code rows first, then its B scale rows (the page arrangement of
-DeepGEMM's paged fp8 and fp4 indexer keys and of our fp8_ds_mla pages): key t of page p at
-p·B·68 + t·64, its scales at p·B·68 + B·64 + t·4. The values are exactly the FP4-simulated keys
-`fp4_sim` stores as bf16 rows, so the two options score and select the same entries. On a GPU the layer's
-compress kernel writes the records (dsv4/kernels/fp4.py) and our Triton scoring kernel
-(dsv4/kernels/indexer_logits.py) decodes them as it reads them.
+The records (68 B for a 128-dim key, against 256 B of bf16 keys; `Mxfp4KeyLayout`,
+dsv4/strategies/indexer/key_layouts.py) hold exactly the FP4-simulated keys `fp4_sim` stores as bf16 rows,
+so the two options score and select the same entries; our Triton kernel scores them.
 """
 from __future__ import annotations
 
