@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dsv4.formats.row_format import BF16_ROWS, FLOAT32_ROWS, FP8_KEYS, MXFP4_KEYS, plain_rows
+from dsv4.formats.row_format import BF16_ROWS, FLOAT32_ROWS, FP8_KEYS, MXFP4_KEYS
 from dsv4.spec import LAYER_TYPES, ModelSpec
 
 GIB = 2 ** 30
@@ -83,8 +83,9 @@ def indexer_kind(dtype: str, indexer=None) -> str:
     if indexer is None:
         from dsv4.strategies.indexer.exact import ExactIndexer
         indexer = ExactIndexer()
-    keys = indexer.key_layout(dtype=dtype, head_dim=128)
-    row = keys.row_format if keys is not None else plain_rows(dtype)
+    from dsv4.strategies import indexer_keys_layout
+
+    row = indexer_keys_layout(indexer, dtype=dtype, head_dim=128).row_format
     return {FLOAT32_ROWS: "float32", BF16_ROWS: "bf16", MXFP4_KEYS: "mxfp4", FP8_KEYS: "fp8"}[row]
 
 

@@ -68,7 +68,7 @@ def option_rows(ix, spec, context: int, top_ks=("triton",)) -> list[list]:
     """[context, option, top-k, key B/entry, step plan µs (made once per step for the step's ratio-4
     layers; 0: none), scores µs, scores + top-k µs, rel err vs bf16 rows, same top-k set], one row per
     top-k of `top_ks` (top_k.TOP_K's names)."""
-    from dsv4.strategies import PlainRowLayout
+    from dsv4.strategies import indexer_keys_layout
     from dsv4.strategies.indexer.common import triton_scores
     from dsv4.strategies.indexer.top_k import TOP_K
 
@@ -76,7 +76,7 @@ def option_rows(ix, spec, context: int, top_ks=("triton",)) -> list[list]:
     q, w, pages, req, counts, rows = decode_case(context, Hi, Di)
     if ix.transforms:
         q, rows = ix.queries(q), ix.keys(rows.view(-1, Di)).view(rows.shape)
-    layout = ix.key_layout(dtype="bfloat16", head_dim=Di) or PlainRowLayout(name="bf16", dtype="bfloat16")
+    layout = indexer_keys_layout(ix, dtype="bfloat16", head_dim=Di)
     keys = stored_keys(layout, rows)
     del rows
     width = pages.shape[1] * BS

@@ -17,7 +17,7 @@ from dsv4.components.weights import shard
 from dsv4.device import DeviceInfo
 from dsv4.dtypes import torch_dtype
 from dsv4.spec import ModelSpec
-from dsv4.strategies import ExactIndexer, PlainRowLayout
+from dsv4.strategies import ExactIndexer, indexer_keys_layout
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, MQAKernelStrategy,
                                        OProjStrategy, OProjWeights)
 
@@ -91,8 +91,7 @@ def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig
             kw |= dict(compressed=cache("compressed", layout, groups[f"entries{r}"], spec.head_dim),
                        state=state(groups[f"state{r}"], coff * spec.head_dim))
         if r == 4:
-            keys = (indexer or ExactIndexer()).key_layout(dtype=dtype, head_dim=spec.index_head_dim) \
-                or PlainRowLayout(name=dtype, dtype=dtype)
+            keys = indexer_keys_layout(indexer or ExactIndexer(), dtype=dtype, head_dim=spec.index_head_dim)
             kw |= dict(indexer_keys=cache("indexer", keys, groups["entries4"], spec.index_head_dim),
                        indexer_state=state(groups["state4"], 2 * spec.index_head_dim))
         caches[l] = LayerCaches(ratio=r, swa=cache("swa", layout, groups["swa"], spec.head_dim), **kw)

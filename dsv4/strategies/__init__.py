@@ -30,4 +30,10 @@ __all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8Ind
            "Fp8DsMlaLayout", "Fp8KeyLayout", "Fp8PerTensorLayout", "HeadPaddingPolicy", "IndexerStrategy",
            "MQAKernelStrategy", "Mxfp4Indexer", "Mxfp4KeyLayout", "Needs", "NoHeadPadding", "OProjStrategy",
            "OProjWeights", "PlainRowLayout", "ReferenceMQA", "ReferenceOProj", "RocmBf16OProj", "SparseKV",
-           "TorchFp8OProj", "TritonFp8Indexer", "TritonFp8OProj", "TritonSparseMQA"]
+           "TorchFp8OProj", "TritonFp8Indexer", "TritonFp8OProj", "TritonSparseMQA", "indexer_keys_layout"]
+
+
+def indexer_keys_layout(indexer: IndexerStrategy, *, dtype: str, head_dim: int) -> CacheLayout:
+    """How `indexer` stores its keys for activations of `dtype`: its record layout, or plain rows in that
+    dtype where it keeps no record of its own (its `key_layout` gives None)."""
+    return indexer.key_layout(dtype=dtype, head_dim=head_dim) or PlainRowLayout(name=dtype, dtype=dtype)
