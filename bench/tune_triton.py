@@ -6,6 +6,8 @@
   python bench/tune_triton.py quick      # the launch sweep on three decode cases
   python bench/tune_triton.py planned    # triton_sparse as shipped (variant=auto) and both its kernels beside FlashMLA,
                                          # around the planners' switches and at prefill size
+  python bench/tune_triton.py split      # the Hopper kernel split over list blocks on small steps and few heads,
+                                         # FlashMLA (padded to 64 heads) and the two-pass kernel beside it
   python bench/tune_triton.py oproj      # o_proj=triton_fp8's grouped e4m3 product beside DeepGEMM, torch_fp8, bf16
 
 The shipped defaults (dsv4/configs/mqa_kernel/triton_sparse.yaml, dsv4/configs/o_proj/triton_fp8.yaml,
@@ -66,8 +68,8 @@ def decode(cases=CASES) -> None:
         T = b * sq
         q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
                                   extra_blocks=POOL_BLOCKS, full=True)
-        ref, _ = fm(q, kv, sink=sink, scale=scale, prepared=fprep)
-        t_fm = graph_time_us(lambda: fm(q, kv, sink=sink, scale=scale, prepared=fprep))
+        ref, call = flashmla_steady(fm, fprep, q, kv, sink, scale)
+        t_fm = graph_time_us(call)
         print(f"\n{label}, b={b}, s_q={sq}: FlashMLA {t_fm:.1f} µs\n| config | µs | / FlashMLA | scores pass µs | "
               "regs scores/P·V | spills scores/P·V | rel err |\n|---|---|---|---|---|---|---|")
         for c in CONFIGS + [dict()]:
@@ -104,12 +106,75 @@ def planned() -> None:
         T = b * sq
         q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
                                   extra_blocks=POOL_BLOCKS, full=True)
-        a, _ = fm(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)
+        a, call = flashmla_steady(fm, prep, q, kv, sink, 512 ** -0.5)
         o, _ = variants["auto"](q, kv, sink=sink, scale=512 ** -0.5)
-        t_f = graph_time_us(lambda: fm(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep))
+        t_f = graph_time_us(call)
         t = {v: graph_time_us(lambda: k(q, kv, sink=sink, scale=512 ** -0.5)) for v, k in variants.items()}
         print(f"| {label} b={b} s_q={sq} | {t_f:.1f} | {t['auto']:.1f} | {t['two_pass']:.1f} | {t['hopper']:.1f} | "
               f"{t['auto'] / t_f:.2f} | {rel_err(o, a):.1e} |", flush=True)
+
+
+# (label, heads, compressed page size, compressed list width, requests, tokens per request): small steps,
+# where the Hopper kernel's (token, 64 heads) programs leave SMs idle, and tensor-parallel ranks of
+# DSV4-Flash (8 heads per rank at TP8, 16 at TP4) and DSV4-Pro (32 at TP4)
+SPLIT_CASES = [("h64 128+512", 64, 64, 512, b, sq) for b, sq in ((1, 1), (4, 2), (8, 1), (16, 1), (32, 1), (48, 1),
+                                                                 (64, 1))] + [
+    ("h64 128 SWA only", 64, None, 0, 16, 1), ("h8 128+512", 8, 64, 512, 128, 2), ("h32 128+1024", 32, 64, 1024, 128, 2)]
+SPLITS = (0, 1, 2, 4, 8, 16)
+
+
+def flashmla_steady(fm, prep, q, kv, sink, scale):
+    """FlashMLA as the layers after the first of their type in a step call it: the step's plan (tile-scheduler
+    metadata, padded lists) made by a first call and reused, so a timed call is its kernel alone.
+    -> (that first call's output, the call to time)."""
+    plan = fm.plan(tokens=q.shape[0], layer_type=kv.layer_type)
+    out, _ = fm(q, kv, sink=sink, scale=scale, prepared=prep, plan=plan)
+    return out, lambda: fm(q, kv, sink=sink, scale=scale, prepared=prep, plan=plan)
+
+
+def padded(q, sink, heads: int):
+    """q and sink with zero heads appended up to `heads` (FlashMLA's 64 or 128)."""
+    T, H, D = q.shape
+    qp = torch.zeros(T, heads, D, dtype=q.dtype, device=q.device)
+    qp[:, :H] = q
+    sp = torch.zeros(heads, dtype=sink.dtype, device=sink.device)
+    sp[:H] = sink
+    return qp, sp
+
+
+def split(cases=SPLIT_CASES) -> None:
+    """The Hopper kernel at several splits per (token, 64 heads) (0: planned, sparse_plan.hopper_splits)
+    beside FlashMLA (its heads padded to 64, as the head_padding policy pads them; `flashmla_steady`), the
+    two-pass kernel and auto, on the same pages."""
+    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+
+    fm = FlashMLASparse()
+    prep = fm.prepare(device=detect())
+    scale = 512 ** -0.5
+    print("| case | FlashMLA µs | two_pass µs | auto µs | " + " | ".join(f"hopper splits={s or 'planned'}"
+                                                                   for s in SPLITS) + " | rel diff planned |")
+    print("|---" * (5 + len(SPLITS)) + "|")
+    for label, H, eb, ew, b, sq in cases:
+        T = b * sq
+        q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
+                                  extra_blocks=POOL_BLOCKS, full=True)
+        qp, sp = padded(q, sink, 64)
+        a, call = flashmla_steady(fm, prep, qp, kv, sp, scale)
+        t_f = graph_time_us(call)
+        t_v = {v: graph_time_us(lambda: TritonSparseMQA(variant=v)(q, kv, sink=sink, scale=scale))
+               for v in ("two_pass", "auto")}
+        ex = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens) if ew else {}
+        cells, err = [], ""
+        for s in SPLITS:
+            def run(s=s):
+                return sparse_mqa(q, sink, scale, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **ex,
+                                  variant="hopper", splits=s)
+            o, _ = run()
+            if not s:
+                err = f"{rel_err(o, a[:, :H]):.1e}"
+            cells.append(f"{graph_time_us(run):.1f}")
+        print(f"| {label} b={b} s_q={sq} | {t_f:.1f} | {t_v['two_pass']:.1f} | {t_v['auto']:.1f} | "
+              + " | ".join(cells) + f" | {err} |", flush=True)
 
 
 def prologue() -> None:
@@ -180,6 +245,8 @@ if __name__ == "__main__":
 
     if "planned" in sys.argv:
         planned()
+    elif "split" in sys.argv:
+        split()
     elif "oproj" in sys.argv:
         oproj()
     elif "quick" in sys.argv:

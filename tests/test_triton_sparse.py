@@ -9,6 +9,7 @@ sm90 GPU only: Gluon has no interpreter, so CI compiles it for sm90 instead (tes
 """
 from __future__ import annotations
 
+import math
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ VARIANTS = ["two_pass", "hopper"]
 LAYOUTS = {"fp8_ds_mla": Fp8DsMlaLayout(), "fp8_ds_mla_fnuz": Fp8DsMlaFnuzLayout(),
            "bf16": PlainRowLayout(name="bf16", dtype="bfloat16")}
 SCALE = 512 ** -0.5
+LOG2E = 1 / math.log(2)
 
 
 def case(T, H, extra, layout="fp8_ds_mla", seed=0, **kw):
@@ -84,6 +86,55 @@ def test_launch_shapes_agree(launch):
         check_against_reference(out, lse, q, kv, sink)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 64])
+def test_hopper_splits_agree(splits):
+    """The Hopper kernel cut into runs of list blocks per (token, 64 heads), merged by split_combine, gives
+    the reference's answer: splits left empty by short lists, or more splits than blocks, included."""
+    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+
+    kernel("hopper")                            # skips where it cannot run
+    for T, H, layer in ((4, 64, "c4a"), (3, 20, "c128a"), (2, 128, "swa"), (5, 64, "c4a")):
+        q, kv, sink = case(T, H, LAYER_TYPES[layer], seed=T + H)
+        if T == 5:
+            kv.swa_lens[0] = 0                  # a token with no SWA row, one with no row at all
+            kv.extra_lens[:2] = 0
+        extra = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens) \
+            if kv.extra is not None else {}
+        out, lse = sparse_mqa(q, sink, SCALE, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **extra,
+                              variant="hopper", splits=splits)
+        check_against_reference(out, lse, q, kv, sink)
+
+
+def test_split_combine_merges_as_one_softmax():
+    """split_combine's merge of per-split (output, max, sum) equals one softmax over all the scores with
+    the sink in the denominator; a head whose every split is empty gets 0 and lse +inf."""
+    from dsv4.kernels.split_combine import combine_splits
+
+    g = torch.Generator().manual_seed(21)
+    T, H, D, N = 3, 5, 512, 40
+    cuts = (0, 10, 25, 40, 40)                  # four splits, the last one empty
+    s2 = torch.randn(T, H, N, generator=g) * 4  # scores x scale x log2(e)
+    s2[:, 4] = float("-inf")                     # head 4 sees no row
+    v = torch.randn(T, N, D, generator=g)
+    sink = torch.randn(H, generator=g)
+    S = len(cuts) - 1
+    acc, ml = torch.zeros(S, T, H, D), torch.zeros(S, T, H, 2)
+    for i in range(S):
+        part = s2[..., cuts[i]:cuts[i + 1]]
+        m = part.amax(-1) if part.shape[-1] else torch.full((T, H), float("-inf"))
+        p = torch.exp2(part - torch.where(m == float("-inf"), 0.0, m)[..., None])
+        acc[i], ml[i, ..., 0], ml[i, ..., 1] = p @ v[:, cuts[i]:cuts[i + 1]], m, p.sum(-1)
+    out, lse = torch.empty(T, H, D), torch.empty(T, H)
+    combine_splits(acc.to(DEVICE).flatten(), ml.to(DEVICE).flatten(), sink.to(DEVICE), out := out.to(DEVICE),
+                   lse := lse.to(DEVICE), S)
+    M = s2[:, :4].amax(-1)
+    w = torch.exp2(s2[:, :4] - M[..., None])
+    denom = w.sum(-1) + torch.exp2(sink[:4] * LOG2E - M)
+    assert rel_err(out[:, :4].cpu(), (w @ v) / denom[..., None]) <= 1e-6
+    assert torch.allclose(lse[:, :4].cpu(), (M + torch.log2(w.sum(-1))) * math.log(2), rtol=1e-6, atol=1e-6)
+    assert bool((out[:, 4] == 0).all()) and bool((lse[:, 4] == float("inf")).all())
+
+
 def test_planned_launch_follows_the_step_size():
     from dsv4.kernels.sparse_plan import Launch, plan_launch
 
@@ -121,29 +172,33 @@ def test_launch_shapes_need_the_two_pass_variant(variant):
 
 
 def test_kernel_plan(monkeypatch):
-    """auto takes the Hopper kernel on sm90 for fp8_ds_mla pages once the step gives 3/8 as many
-    programs as SMs; an explicit hopper that cannot run is an error naming the reason and the fix."""
-    from dsv4.kernels.sparse_plan import plan_kernel
+    """auto takes the Hopper kernel on sm90 for fp8_ds_mla pages, whatever the step's size (small steps
+    split over list blocks); an explicit hopper that cannot run is an error naming the reason and the fix."""
+    from dsv4.kernels.sparse_plan import hopper_splits, plan_kernel
 
-    h200 = dict(arch="sm90", layouts=(1, 1), head_dim=512, native=True, dtype="bfloat16", processors=132)
-    assert plan_kernel("auto", **h200, programs=256) == "hopper"              # b=128, s_q=2, 64 heads
-    assert plan_kernel("auto", **h200, programs=50) == "hopper"
-    assert plan_kernel("auto", **h200, programs=49) == "two_pass"             # small steps: split over blocks
-    assert plan_kernel("two_pass", **h200, programs=256) == "two_pass"
-    assert plan_kernel("hopper", **h200, programs=1) == "hopper"
+    h200 = dict(arch="sm90", layouts=(1, 1), head_dim=512, native=True, dtype="bfloat16")
+    assert plan_kernel("auto", **h200) == "hopper"
+    assert plan_kernel("two_pass", **h200) == "two_pass"
+    assert plan_kernel("hopper", **h200) == "hopper"
+    # programs per (token, 64 heads): about one program per SM in all, each at least one block of 64 rows
+    assert hopper_splits(256, 64, 640, 132) == 1 and hopper_splits(132, 8, 640, 132) == 1
+    assert hopper_splits(1, 64, 640, 132) == 10                              # b=1: one block each
+    assert hopper_splits(16, 64, 640, 132) == 8 and hopper_splits(64, 64, 640, 132) == 2
+    assert hopper_splits(16, 64, 128, 132) == 2                              # SWA only: two blocks in all
+    assert hopper_splits(1, 128, 640, 132) == 10 and hopper_splits(100, 128, 640, 132) == 1
     for change, why in ((dict(arch="sm89"), "sm90"), (dict(arch="rocm"), "sm90"), (dict(layouts=(0, 0)), "fp8_ds_mla"),
                         (dict(layouts=(1, 2)), "fp8_ds_mla"), (dict(native=False), "native_fp8"),
                         (dict(head_dim=576), "512"), (dict(dtype="float16"), "bfloat16")):
         other = {**h200, **change}
-        assert plan_kernel("auto", **other, programs=256) == "two_pass"
+        assert plan_kernel("auto", **other) == "two_pass"
         with pytest.raises(ValueError, match=why):
-            plan_kernel("hopper", **other, programs=256)
+            plan_kernel("hopper", **other)
     from dsv4.kernels import sparse_plan as mod
 
     monkeypatch.setattr(mod, "gluon_error", lambda: "Triton 3.4 has no usable Gluon")   # an older Triton
-    assert plan_kernel("auto", **h200, programs=256) == "two_pass"
+    assert plan_kernel("auto", **h200) == "two_pass"
     with pytest.raises(ValueError, match="no usable Gluon"):
-        plan_kernel("hopper", **h200, programs=256)
+        plan_kernel("hopper", **h200)
 
 
 def test_gluon_needs_triton_3_6(monkeypatch):
@@ -189,15 +244,20 @@ def test_a_call_is_planned_by_the_target_its_strategy_prepared(monkeypatch):
     seen = []
 
     def plan(variant, **facts):
-        seen.append(facts)
+        seen.append(facts["arch"])
         return "two_pass"
 
+    def launch_plan(tokens, heads, columns, processors, _plan=mod.plan_launch):
+        seen.append(processors)
+        return _plan(tokens, heads, columns, processors)
+
     monkeypatch.setattr(mod, "plan_kernel", plan)
+    monkeypatch.setattr(mod, "plan_launch", launch_plan)
     q, kv, sink = case(3, 8, LAYER_TYPES["c4a"], seed=4)
     want, _ = strat(q, kv, sink=sink, scale=SCALE, prepared=here)
     given = Target(arch="sm90", native_e4m3=here.native_e4m3, processors=7, interpret=here.interpret)
     got, _ = strat(q, kv, sink=sink, scale=SCALE, prepared=given)
-    assert [(f["arch"], f["processors"]) for f in seen] == [(here.arch, here.processors), ("sm90", 7)]
+    assert seen == [here.arch, here.processors, "sm90", 7]
     assert rel_err(got.float(), want.float()) <= 1e-2      # 7 processors: other launch shapes, the same sums
 
 
@@ -297,6 +357,6 @@ def test_auto_runs_what_the_plan_says():
     q, kv, sink = case(40 if not BIG else 300, 64, LAYER_TYPES["c4a"], seed=8)
     out, lse = TritonSparseMQA()(q, kv, sink=sink, scale=SCALE)
     check_against_reference(out, lse, q, kv, sink)
-    planned = "hopper" if ARCH == "sm90" else "two_pass"                     # 300 programs >= 50 on an H200
+    planned = "hopper" if ARCH == "sm90" else "two_pass"
     same, same_lse = kernel(planned)(q, kv, sink=sink, scale=SCALE)
     assert torch.equal(out, same) and torch.equal(lse, same_lse)

@@ -75,7 +75,7 @@ def compile_for(target: str, what: str) -> float:
     """Compile `what` for `target`; seconds taken. Raises what Triton raises. A layout: both sparse-MQA
     kernels at the planner's two launches (large steps, decode), page sizes 64 and 3. `o_proj`: the fused
     prologue and the grouped product at both allowed token blocks, 4 stages. `hopper`: the one-pass
-    kernel with its register split."""
+    kernel with its register split, whole and split, and the splits' merge."""
     import triton.language as tl
 
     gpu = _gpu(target)
@@ -84,9 +84,18 @@ def compile_for(target: str, what: str) -> float:
         from dsv4.kernels import sparse_mqa_hopper as hop
 
         # SWA pages of 64 rows (divisible by 16, as launched), compressed pages of 2 (a ratio-128 layer)
-        _compile(hop._hopper_kernel, dict(D=512, WG1_REGS=hop.WG1_REGS, PRODUCER_REGS=hop.PRODUCER_REGS),
-                 lambda a: _arg_type(a, 1), {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"},
-                 gpu, 4, maxnreg=hop.MAXNREG)
+        from dsv4.kernels import split_combine
+
+        # SWA pages of 64 rows (divisible by 16, as launched), compressed pages of 2 (a ratio-128 layer);
+        # whole (token, 64 heads) programs and splits of them, then the splits' merge
+        for split in (False, True):
+            _compile(hop._hopper_kernel, dict(D=512, WG1_REGS=hop.WG1_REGS, PRODUCER_REGS=hop.PRODUCER_REGS,
+                                              SPLIT=split),
+                     lambda a: "*fp32" if a == "acc_ptr" else _arg_type(a, 1),
+                     {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"}, gpu, 4,
+                     maxnreg=hop.MAXNREG)
+        _compile(split_combine._combine_kernel, dict(BH=split_combine.BH, D=512),
+                 lambda a: "*fp32" if a == "acc_ptr" else _arg_type(a, 1), {"H"}, gpu, 4)
         return time.perf_counter() - t0
     if what == "layer":
         _compile_layer(gpu)

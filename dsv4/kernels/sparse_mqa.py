@@ -1,6 +1,6 @@
 """Sparse MQA with attention sink in Triton, reading the paged cache in place (mqa_kernel=triton_sparse):
-the portable two-pass kernel, and the call that runs it or, where `plan_kernel` (sparse_plan.py) sends large
-steps on sm90 with fp8_ds_mla pages, the one-pass Hopper kernel (sparse_mqa_hopper.py; 1.6x faster there,
+the portable two-pass kernel, and the call that runs it or, where `plan_kernel` (sparse_plan.py) sends steps
+on sm90 with fp8_ds_mla pages, the one-pass Hopper kernel (sparse_mqa_hopper.py; 1.2-1.9x faster there,
 docs/benchmarks.md).
 
 Two passes, so that no program holds more than a [heads, rows] or a [heads, dims] tile (in plain Triton a one-pass
@@ -46,7 +46,8 @@ import triton.language as tl
 from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, target_of
 from dsv4.sizes import cdiv
-from dsv4.kernels.sparse_plan import plan_kernel, plan_launch
+from dsv4.kernels.sparse_plan import hopper_splits, plan_kernel, plan_launch
+from dsv4.kernels.split_combine import finish
 from dsv4.kernels.target import Target
 
 LOG2E = 1.4426950408889634
@@ -251,20 +252,8 @@ def _pv_kernel(p_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr,
         acc = _pv_lists(*lists, S_LAYOUT, E_LAYOUT, S_BS, E_BS, HAS_EXTRA, BH, BN, D, DB, DOT, NATIVE, True)
     sink_l2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * LOG2E_C
     row = t.to(tl.int64) * H + heads
-    _finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + (d0 + tl.arange(0, DB))[None, :],
+    finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + (d0 + tl.arange(0, DB))[None, :],
             lse_ptr + row, hmask, hmask & (heads * 0 + d0 == 0))       # one dims block writes lse
-
-
-@triton.jit
-def _finish(acc, m, l, sink_l2, out_ptrs, lse_ptrs, hmask, lse_mask):
-    """Sink in the denominator; a head with no valid row gets 0 and lse = +inf."""
-    has = l > 0
-    m_use = tl.where(has, m, 0.0)
-    denom = tl.where(has, l + tl.exp2(sink_l2 - m_use), 1.0)
-    out = tl.where(has[:, None], acc / denom[:, None], 0.0)
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=hmask[:, None])
-    tl.store(lse_ptrs, tl.where(has, (m_use + tl.log2(tl.where(has, l, 1.0))) * 0.6931471805599453,
-                                float("inf")), mask=lse_mask)
 
 
 class Pool(NamedTuple):
@@ -302,12 +291,13 @@ def pool_args(cache) -> Pool:
 def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool | None = None, extra_idx=None,
                extra_len=None, *, block_n: int = 0, block_h: int = 0, block_d: int = 0, num_warps: int = 4,
                num_warps_pv: int = 0, native_fp8: bool | None = None, variant: str = "auto",
-               target: Target | None = None):
+               target: Target | None = None, splits: int = 0):
     """q [T, H, D] -> (out [T, H, D] in q's dtype, lse [T, H] float32, natural log, sink excluded).
 
     `swa`/`extra` are `pool_args(...)`; index lists [T, W] int32 with -1 padding and lengths [T].
     `variant` picks the kernel (plan_kernel): the one-pass Hopper kernel (sparse_mqa_hopper.py) or the
-    portable two-pass one, whose launch shapes left at 0 come from `plan_launch`. `native_fp8`: decode
+    portable two-pass one, whose launch shapes left at 0 come from `plan_launch`; `splits`, the Hopper
+    kernel's programs per (token, 64 heads), from `hopper_splits` at 0. `native_fp8`: decode
     OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA sm89+). `target`: the
     device's facts as the strategy prepared them (default: `target_of` q's device)."""
     import torch
@@ -318,8 +308,7 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
     native = tgt.native_e4m3 if native_fp8 is None else native_fp8
     interpret = tgt.interpret
     kernel = plan_kernel(variant, arch=tgt.arch, layouts=(swa.layout, (extra or swa).layout), head_dim=D,
-                         native=native, dtype=str(q.dtype).removeprefix("torch."), programs=T * cdiv(H, 64),
-                         processors=tgt.processors)
+                         native=native, dtype=str(q.dtype).removeprefix("torch."))
     if kernel == "hopper" and (block_n, block_h, block_d, num_warps, num_warps_pv) != (0, 0, 0, 4, 0):
         raise ValueError("sparse_mqa: block_n/block_h/block_d/num_warps/num_warps_pv set the two-pass kernel's "
                          f"launch, and variant={variant} runs the one-pass Hopper kernel here; pass "
@@ -327,16 +316,17 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
     sink = as_f32(sink)
     s_idx, s_len = as_i32(swa_idx), as_i32(swa_len)
     e_idx, e_len = (as_i32(extra_idx), as_i32(extra_len)) if extra is not None else (None, None)
+    sw = swa_idx.shape[1]
+    ew = extra_idx.shape[1] if extra is not None else 0
     if kernel == "hopper":
         from dsv4.kernels.sparse_mqa_hopper import sparse_mqa_hopper
 
-        return sparse_mqa_hopper(q, sink, scale * LOG2E, swa, s_idx, s_len, extra, e_idx, e_len)
+        return sparse_mqa_hopper(q, sink, scale * LOG2E, swa, s_idx, s_len, extra, e_idx, e_len,
+                                 splits=splits or hopper_splits(T, H, sw + ew, tgt.processors))
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    sw = swa_idx.shape[1]
-    ew = extra_idx.shape[1] if extra is not None else 0
     plan = plan_launch(T, H, sw + ew, tgt.processors)
     BN, BH, DB = block_n or plan.block_n, block_h or plan.block_h, block_d or plan.block_d
     nbs, nbe = cdiv(sw, BN), cdiv(ew, BN)

@@ -1,6 +1,6 @@
 """Sparse MQA with sink in one pass on Hopper (sm90), in Gluon: mqa_kernel=triton_sparse variant=hopper,
-which auto picks for large steps on fp8_ds_mla pages with bf16 queries (the portable two-pass kernel,
-sparse_mqa.py, reads every row twice and writes P to memory in between).
+which auto picks on fp8_ds_mla pages with bf16 queries (the portable two-pass kernel, sparse_mqa.py, reads
+every row twice and writes P to memory in between).
 
 One program per (token, 64 heads): 12 warps in three warp-specialized partitions that hand blocks of 64
 list rows to each other through shared memory and mbarriers (FlashMLA's sm90 sparse decode structure):
@@ -11,7 +11,10 @@ list rows to each other through shared memory and mbarriers (FlashMLA's sm90 spa
   softmax in the log2 domain, P rounded to bf16 (as FlashMLA rounds it) and α into shared memory for
   WG1, then O[:, :256] = O·α + P·V, V being the same K buffer; at the end the sink, lse and 1/denominator;
 - WG1 (4 warps): O[:, 256:] = O·α + P·V.
-Each row is read from memory once and decoded once. Shared memory: Q 64 KB + 2 x 64 KB of K + 2 x 8 KB of
+Each row is read from memory once and decoded once. A step with fewer such programs than SMs (decode of
+a few requests) cuts each (token, 64 heads) into S programs over equal runs of its list blocks
+(sparse_plan.hopper_splits): each writes its unnormalized output and (max, sum) per head in float32,
+and split_combine.py merges them, sink and lse included (H200: b=1 34 -> 15.5 µs, b=16 34.6 -> 20). Shared memory: Q 64 KB + 2 x 64 KB of K + 2 x 8 KB of
 P. Registers (the SM's 64K over 384 threads): WG0 192 (its half of O is 128 of them), WG1 160, producer
 152; the producer loads four chunks before waiting for a free buffer and the rest while decoding (all
 seven at once spill). What did not work on the way (a single 8-warp instruction stream: 255 registers and
@@ -73,13 +76,17 @@ def _put(kb, c: gl.constexpr, byte, words):
 
 
 @gluon.jit
-def _nblocks(t, s_len, e_len, s_w, e_w):
-    """The token's SWA list length, compressed list length, SWA blocks and all blocks (a length is
-    clamped to [0, list width], as the two-pass kernel and the reference read it)."""
+def _nblocks(t, sp, S, s_len, e_len, s_w, e_w):
+    """The token's SWA list length, compressed list length and SWA blocks (a length is clamped to [0, list
+    width], as the two-pass kernel and the reference read it), and the blocks [j0, j1) of split sp of S:
+    the token's SWA then compressed blocks cut into S runs of equal length (the last ones may be empty)."""
     n_s = gl.maximum(gl.minimum(gl.load(s_len + t), s_w), 0)
     n_e = gl.maximum(gl.minimum(gl.load(e_len + t), e_w), 0)
     nb_s = gl.cdiv(n_s, BN)
-    return n_s, n_e, nb_s, nb_s + gl.cdiv(n_e, BN)
+    nblk = nb_s + gl.cdiv(n_e, BN)
+    per = gl.cdiv(nblk, S)
+    j0 = gl.minimum(sp * per, nblk)
+    return n_s, n_e, nb_s, j0, gl.minimum(j0 + per, nblk)
 
 
 @gluon.jit
@@ -90,10 +97,11 @@ def _producer(a, D: gl.constexpr):
     seven in registers at once spill)."""
     (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
      out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
-     e_stride, e_slots, e_bs) = a
+     e_stride, e_slots, e_bs, sp, S, T, acc_ptr) = a
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    n_s, n_e, nb_s, nblk = _nblocks(t, s_len, e_len, s_w, e_w)
-    for j in range(nblk):
+    n_s, n_e, nb_s, j0, j1 = _nblocks(t, sp, S, s_len, e_len, s_w, e_w)
+    for i in range(j1 - j0):
+        j = j0 + i
         if j >= nb_s:                       # a block of the compressed list
             u8, bf = e_u8, e_bf
             ok, base, words = _rows(e_idx + t.to(gl.int64) * e_w, (j - nb_s) * BN, n_e, e_slots, e_w64, e_stride,
@@ -106,8 +114,8 @@ def _producer(a, D: gl.constexpr):
         c1 = _chunk(u8, base, ok, 1, blk)
         c2 = _chunk(u8, base, ok, 2, blk)
         c3 = _chunk(u8, base, ok, 3, blk)
-        b = j % 2
-        mbarrier.wait(empty.index(b), ((j // 2) & 1) ^ 1)     # both consumers are done with this buffer
+        b = i % 2
+        mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)     # both consumers are done with this buffer
         kb = k_smem.index(b)
         _put(kb, 0, c0, words)
         c4 = _chunk(u8, base, ok, 4, blk)
@@ -129,18 +137,18 @@ def _producer(a, D: gl.constexpr):
 
 
 @gluon.jit
-def _second_half(a, D: gl.constexpr):
+def _second_half(a, D: gl.constexpr, SPLIT: gl.constexpr):
     """Worker, 4 warps: output dims 256..511. Per block: wait for WG0's P (shared memory) and α, then
     O = O·α + P·V[:, 256:]; at the end, WG0's 1/denominator."""
     (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
      out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
-     e_stride, e_slots, e_bs) = a
+     e_stride, e_slots, e_bs, sp, S, T, acc_ptr) = a
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    n_s, n_e, nb_s, nblk = _nblocks(t, s_len, e_len, s_w, e_w)
+    n_s, n_e, nb_s, j0, j1 = _nblocks(t, sp, S, s_len, e_len, s_w, e_w)
     o = gl.zeros([BH, D // 2], gl.float32, o_l)
-    for j in range(nblk):
-        b = j % 2
-        mbarrier.wait(p_ready.index(b), (j // 2) & 1)
+    for i in range(j1 - j0):
+        b = i % 2
+        mbarrier.wait(p_ready.index(b), (i // 2) & 1)
         o = o * alpha_smem.index(b).load(gl.SliceLayout(1, o_l))[:, None]
         o = warpgroup_mma(p_smem.index(b), k_smem.index(b).slice(D // 2, D // 2, dim=1), o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
@@ -148,25 +156,31 @@ def _second_half(a, D: gl.constexpr):
         mbarrier.arrive(empty.index(b), count=1)
         mbarrier.arrive(p_free.index(b), count=1)
     mbarrier.wait(fin, 0)
-    _store_out(o, inv_smem.load(gl.SliceLayout(1, o_l)), out_ptr, t, h0, H, D // 2, D, o_l)
+    _store_out(o, inv_smem.load(gl.SliceLayout(1, o_l)), out_ptr, acc_ptr, t, h0, H, sp, T, D // 2, D, o_l, SPLIT)
 
 
 @gluon.jit
-def _store_out(o, inv, out_ptr, t, h0, H, d0, D: gl.constexpr, o_l: gl.constexpr):
-    """Rows h0.. of token t's output, dims d0..d0+255: o x inv (1/denominator, 0 for an empty head)."""
+def _store_out(o, inv, out_ptr, acc_ptr, t, h0, H, sp, T, d0, D: gl.constexpr, o_l: gl.constexpr,
+               SPLIT: gl.constexpr):
+    """Rows h0.. of token t's output, dims d0..d0+255: o x inv (1/denominator, 0 for an empty head); or,
+    SPLIT, o as it is (float32) into split sp's partial output."""
     ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
     do = d0 + gl.arange(0, D // 2, layout=gl.SliceLayout(0, o_l))
-    gl.store(out_ptr + ((t.to(gl.int64) * H + ho) * D)[:, None] + do[None, :], (o * inv[:, None]).to(gl.bfloat16),
-             mask=(ho < H)[:, None])
+    if SPLIT:
+        gl.store(acc_ptr + (((sp * T + t).to(gl.int64) * H + ho) * D)[:, None] + do[None, :], o,
+                 mask=(ho < H)[:, None])
+    else:
+        gl.store(out_ptr + ((t.to(gl.int64) * H + ho) * D)[:, None] + do[None, :], (o * inv[:, None]).to(gl.bfloat16),
+                 mask=(ho < H)[:, None])
 
 
 @gluon.jit
-def _first_half(q_ptr, sink_ptr, lse_ptr, qk_scale, a, D: gl.constexpr):
+def _first_half(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D: gl.constexpr, SPLIT: gl.constexpr):
     """Default partition, 4 warps (WG0): Q into shared memory; per block S = Q·Kᵀ, online softmax, P and α
     to WG1 through shared memory, O = O·α + P·V[:, :256]; then sink, lse, 1/denominator for both halves."""
     (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
      out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
-     e_stride, e_slots, e_bs) = a
+     e_stride, e_slots, e_bs, sp, S, T, acc_ptr) = a
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -179,13 +193,13 @@ def _first_half(q_ptr, sink_ptr, lse_ptr, qk_scale, a, D: gl.constexpr):
     fence_async_shared()
     _cta_barrier()
 
-    n_s, n_e, nb_s, nblk = _nblocks(t, s_len, e_len, s_w, e_w)
+    n_s, n_e, nb_s, j0, j1 = _nblocks(t, sp, S, s_len, e_len, s_w, e_w)
     m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
     l_i = gl.zeros([BH], gl.float32, gl.SliceLayout(1, s_l))
     o = gl.zeros([BH, D // 2], gl.float32, o_l)
-    for j in range(nblk):
-        b = j % 2
-        ph = (j // 2) & 1
+    for i in range(j1 - j0):
+        b = i % 2
+        ph = (i // 2) & 1
         mbarrier.wait(full.index(b), ph)
         kb = k_smem.index(b)
         s = warpgroup_mma(q_smem, kb.permute((1, 0)), gl.zeros([BH, BN], gl.float32, s_l), use_acc=False,
@@ -211,33 +225,42 @@ def _first_half(q_ptr, sink_ptr, lse_ptr, qk_scale, a, D: gl.constexpr):
         _cta_barrier()
         mbarrier.arrive(empty.index(b), count=1)
 
-    # sink in the denominator; a head with no valid row gets 0 and lse = +inf
-    has = l_i > 0
-    m_fin = gl.where(has, m_i, 0.0)
     hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
-    sink_l2 = gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * LOG2E_C
-    denom = gl.where(has, l_i + gl.exp2(sink_l2 - m_fin), 1.0)
-    gl.store(lse_ptr + t.to(gl.int64) * H + hs,
-             gl.where(has, (m_fin + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("inf")),
-             mask=hs < H)
-    inv = gl.where(has, 1.0 / denom, 0.0)
+    if SPLIT:
+        # the split's (max, sum) per head beside its unnormalized output: _combine_kernel merges them
+        part = ((sp * T + t).to(gl.int64) * H + hs) * 2
+        gl.store(ml_ptr + part, m_i, mask=hs < H)
+        gl.store(ml_ptr + part + 1, l_i, mask=hs < H)
+        inv = gl.full([BH], 1.0, gl.float32, gl.SliceLayout(1, s_l))
+    else:
+        # sink in the denominator; a head with no valid row gets 0 and lse = +inf
+        has = l_i > 0
+        m_fin = gl.where(has, m_i, 0.0)
+        sink_l2 = gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * LOG2E_C
+        denom = gl.where(has, l_i + gl.exp2(sink_l2 - m_fin), 1.0)
+        gl.store(lse_ptr + t.to(gl.int64) * H + hs,
+                 gl.where(has, (m_fin + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("inf")),
+                 mask=hs < H)
+        inv = gl.where(has, 1.0 / denom, 0.0)
     inv_smem.store(inv)
     _cta_barrier()
     mbarrier.arrive(fin, count=1)
-    _store_out(o, gl.convert_layout(inv, gl.SliceLayout(1, o_l)), out_ptr, t, h0, H, 0, D, o_l)
+    _store_out(o, gl.convert_layout(inv, gl.SliceLayout(1, o_l)), out_ptr, acc_ptr, t, h0, H, sp, T, 0, D, o_l,
+               SPLIT)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["T", "S"])     # step sizes and split counts: one variant for each SPLIT
 def _hopper_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
                    s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs,
                    e_u8, e_bf, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs,
-                   H, qk_scale, D: gl.constexpr, WG1_REGS: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr):
+                   acc_ptr, ml_ptr, T, S, H, qk_scale, D: gl.constexpr, WG1_REGS: gl.constexpr,
+                   PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr):
     gl.static_assert(D == 512)
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     t = gl.program_id(0)
     h0 = gl.program_id(1) * BH
+    sp = gl.program_id(2)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, D], sh)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BN, D], sh)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BH, BN], sh)
@@ -257,28 +280,37 @@ def _hopper_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
     mbarrier.init(fin, count=1)
     a = (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
          out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
-         e_stride, e_slots, e_bs)
-    gl.warp_specialize([(_first_half, (q_ptr, sink_ptr, lse_ptr, qk_scale, a, D)),
-                        (_second_half, (a, D)), (_producer, (a, D))],
+         e_stride, e_slots, e_bs, sp, S, T, acc_ptr)
+    gl.warp_specialize([(_first_half, (q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D, SPLIT)),
+                        (_second_half, (a, D, SPLIT)), (_producer, (a, D))],
                        [4, 4], [WG1_REGS, PRODUCER_REGS])
 
 
 def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=None,
-                      extra_idx=None, extra_len=None):
+                      extra_idx=None, extra_len=None, *, splits: int = 1):
     """(out [T, H, 512], lse [T, H]) like sparse_mqa's, for fp8_ds_mla (OCP) pools given as `pool_args`.
-    sink: the sinks, float32 [H], contiguous; scale_l2: softmax scale x log2(e). Lists int32, contiguous."""
+    sink: the sinks, float32 [H], contiguous; scale_l2: softmax scale x log2(e). Lists int32, contiguous.
+    splits > 1: each (token, 64 heads) is that many programs over equal runs of its blocks, merged by
+    split_combine (sparse_plan.hopper_splits says how many fill the GPU)."""
     import torch
+
+    from dsv4.kernels.split_combine import combine_splits
 
     T, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
+    split = splits > 1
+    acc = torch.empty(splits * T * H * D if split else 0, dtype=torch.float32, device=q.device)
+    ml = torch.empty(splits * T * H * 2 if split else 0, dtype=torch.float32, device=q.device)
     e, e_idx, e_len = (extra, extra_idx, extra_len) if extra is not None else (swa, swa_idx, swa_len)
     launch(
-        _hopper_kernel, (T, cdiv(H, 64)), q, sink, out, lse,
+        _hopper_kernel, (T, cdiv(H, 64), splits), q, sink, out, lse,
         *swa.args(), swa_idx, swa_len, swa_idx.shape[1], swa.page_stride, swa.num_slots, swa.block_size,
         *e.args(), e_idx, e_len, e_idx.shape[1] if extra is not None else 0, e.page_stride, e.num_slots, e.block_size,
-        H, scale_l2, D=D, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-        maxnreg=MAXNREG)
+        acc if split else lse, ml if split else lse, T, splits, H, scale_l2, D=D, WG1_REGS=WG1_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, num_warps=4, maxnreg=MAXNREG)
+    if split:
+        combine_splits(acc, ml, sink, out, lse, splits)
     return out, lse

@@ -36,10 +36,15 @@ def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launc
     return Launch(64, 16, 64, 8)
 
 
-# auto takes the one-pass Hopper kernel from this many (token, 64-head) programs per SM on: below it the
-# two-pass kernel's split over list blocks fills the GPU better. H200 (132 SMs), 64 heads, 128+512 rows,
-# two-pass / Hopper µs: 32 programs 31.4 / 34.2, 48 36.0 / 36.0, 64 45.2 / 41.5 (docs/benchmarks.md)
-HOPPER_MIN_PROGRAMS_PER_SM = 0.375
+def hopper_splits(tokens: int, heads: int, columns: int, processors: int) -> int:
+    """How many programs the Hopper kernel makes of each (token, 64 heads): 1 once the step has as many
+    of them as SMs; below, as many as bring it to about one per SM, each at least one block of 64 rows
+    (H200, 64 heads, 128+512 rows: b=1 34.0 -> 15.5 µs, b=16 34.6 -> 19.9, b=48 36.1 -> 31.2;
+    docs/benchmarks.md)."""
+    programs = tokens * cdiv(heads, 64)
+    if programs >= processors:
+        return 1
+    return max(1, min(cdiv(columns, 64), processors // max(programs, 1)))
 
 
 GLUON_MIN_TRITON = (3, 6)        # the Gluon API the Hopper kernel is written in (3.6 runs it, 3.9 compiles it)
@@ -75,10 +80,10 @@ def hopper_unfit(*, arch: str, layouts: tuple[int, int], head_dim: int, native: 
     return gluon_error()
 
 
-def plan_kernel(variant: str, *, arch: str, layouts: tuple[int, int], head_dim: int, native: bool, dtype: str,
-                programs: int, processors: int) -> str:
-    """'hopper' or 'two_pass' for a call. auto: Hopper where it can run and the step gives at least
-    HOPPER_MIN_PROGRAMS_PER_SM programs per SM; an explicit 'hopper' that cannot run is an error."""
+def plan_kernel(variant: str, *, arch: str, layouts: tuple[int, int], head_dim: int, native: bool,
+                dtype: str) -> str:
+    """'hopper' or 'two_pass' for a call. auto: Hopper wherever it can run (split over list blocks where
+    the step is small, `hopper_splits`); an explicit 'hopper' that cannot run is an error."""
     if variant not in VARIANTS:
         raise ValueError(f"mqa_kernel=triton_sparse: variant={variant!r} is not one of {VARIANTS}")
     if variant == "two_pass":
@@ -89,4 +94,4 @@ def plan_kernel(variant: str, *, arch: str, layouts: tuple[int, int], head_dim: 
             raise ValueError(f"mqa_kernel=triton_sparse variant=hopper: {why}; set mqa_kernel.variant=auto or "
                              f"two_pass")
         return variant
-    return "hopper" if not why and programs >= HOPPER_MIN_PROGRAMS_PER_SM * processors else "two_pass"
+    return "two_pass" if why else "hopper"

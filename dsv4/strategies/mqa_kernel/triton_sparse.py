@@ -7,8 +7,8 @@ lengths, and returns the log-sum-exp. Two kernels (`variant`):
 - two_pass (sparse_mqa.py, every GPU): scores, then P·V by blocks of output dims; launch shapes left at
   0 are planned from the step's size;
 - hopper (sparse_mqa_hopper.py, Gluon, NVIDIA sm90 and fp8_ds_mla pages): one pass, warp-specialized,
-  rows read and decoded once into shared memory;
-- auto: hopper where it can run and the step fills the GPU, two_pass otherwise.
+  rows read and decoded once into shared memory; a small step's programs split over list blocks;
+- auto: hopper where it can run, two_pass elsewhere.
 Prefill uses the same kernels.
 """
 from __future__ import annotations
