@@ -94,7 +94,7 @@ def compile_for(target: str, what: str) -> float:
                      lambda a: "*fp32" if a == "acc_ptr" else _arg_type(a, 1),
                      {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"}, gpu, 4,
                      maxnreg=hop.MAXNREG)
-        _compile(split_combine._combine_kernel, dict(BH=split_combine.BH, D=512),
+        _compile(split_combine._combine_kernel, dict(BH=split_combine.BH, DB=split_combine.DB, D=512),
                  lambda a: "*fp32" if a == "acc_ptr" else _arg_type(a, 1), {"H"}, gpu, 4)
         return time.perf_counter() - t0
     if what == "layer":

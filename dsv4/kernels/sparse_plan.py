@@ -39,7 +39,7 @@ def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launc
 def hopper_splits(tokens: int, heads: int, columns: int, processors: int) -> int:
     """How many programs the Hopper kernel makes of each (token, 64 heads): 1 once the step has as many
     of them as SMs; below, as many as bring it to about one per SM, each at least one block of 64 rows
-    (H200, 64 heads, 128+512 rows: b=1 34.0 -> 15.5 µs, b=16 34.6 -> 19.9, b=48 36.1 -> 31.2;
+    (H200, 64 heads, 128+512 rows: b=1 34.1 -> 13.5 µs, b=16 34.5 -> 18.4, b=48 35.4 -> 30.0;
     docs/benchmarks.md)."""
     programs = tokens * cdiv(heads, 64)
     if programs >= processors:

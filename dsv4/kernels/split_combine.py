@@ -11,7 +11,7 @@ import triton.language as tl
 from dsv4.kernels.launch import launch
 from dsv4.sizes import cdiv
 
-BH = 16     # heads per program: a [16, 512] float32 tile in 4 warps' registers
+BH, DB = 16, 128     # heads and output dims per merge program
 
 
 @triton.jit
@@ -27,17 +27,19 @@ def finish(acc, m, l, sink_l2, out_ptrs, lse_ptrs, hmask, lse_mask):
 
 
 @triton.jit(do_not_specialize=["T", "S"])
-def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr, T, H, S, BH: tl.constexpr, D: tl.constexpr):
+def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr, T, H, S, BH: tl.constexpr, DB: tl.constexpr,
+                    D: tl.constexpr):
     t = tl.program_id(0)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    d0 = tl.program_id(2) * DB
     hmask = heads < H
-    dims = tl.arange(0, D)
+    dims = d0 + tl.arange(0, DB)
     M = tl.full([BH], float("-inf"), tl.float32)
     for s in range(0, S):
         part = (s * T + t).to(tl.int64) * H + heads
         M = tl.maximum(M, tl.load(ml_ptr + part * 2, mask=hmask, other=float("-inf")))
     M_use = tl.where(M == float("-inf"), 0.0, M)
-    acc = tl.zeros([BH, D], tl.float32)
+    acc = tl.zeros([BH, DB], tl.float32)
     L = tl.zeros([BH], tl.float32)
     for s in range(0, S):
         part = (s * T + t).to(tl.int64) * H + heads
@@ -46,11 +48,14 @@ def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr, T, H, S, BH: tl
         acc += tl.load(acc_ptr + part[:, None] * D + dims[None, :], mask=hmask[:, None], other=0.0) * w[:, None]
     row = t.to(tl.int64) * H + heads
     sink_l2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634      # log2(e)
-    finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + dims[None, :], lse_ptr + row, hmask, hmask)
+    finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + dims[None, :], lse_ptr + row, hmask,
+           hmask & (heads * 0 + d0 == 0))                                             # one dims block writes lse
 
 
 def combine_splits(acc, ml, sink, out, lse, splits: int) -> None:
-    """out [T, H, D] (its dtype) and lse [T, H] from the splits' acc and ml (flat, as laid out above)."""
+    """out [T, H, D] (its dtype) and lse [T, H] from the splits' acc and ml (flat, as laid out above).
+    One program per (token, BH heads, DB dims): a decode step of one request still spreads over
+    D/DB·H/BH programs."""
     T, H, D = out.shape
-    launch(_combine_kernel, (T, cdiv(H, BH)), acc, ml, sink, out, lse, T, H, splits, BH=BH, D=D, num_warps=4,
-           num_stages=1)
+    launch(_combine_kernel, (T, cdiv(H, BH), cdiv(D, DB)), acc, ml, sink, out, lse, T, H, splits, BH=BH, DB=DB, D=D,
+           num_warps=4, num_stages=1)
