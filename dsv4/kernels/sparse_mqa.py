@@ -1,6 +1,6 @@
 """Sparse MQA with attention sink in Triton, reading the paged cache in place (mqa_kernel=triton_sparse):
 the portable two-pass kernel, and the call that runs it or, where `plan_kernel` (sparse_plan.py) sends steps
-on sm90 with fp8_ds_mla pages, the one-pass Hopper kernel (sparse_mqa_hopper.py; 1.2-1.9x faster there,
+on sm90 with fp8_ds_mla pages, the one-pass Hopper kernel (sparse_mqa_hopper.py; 1.4-1.9x faster there,
 docs/benchmarks.md).
 
 Two passes, so that no program holds more than a [heads, rows] or a [heads, dims] tile (in plain Triton a one-pass
