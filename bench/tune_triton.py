@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from dsv4.benches.cases import DECODE_CASES, POOL_BLOCKS, oproj_case, sparse_case
+from dsv4.benches.cases import DECODE_CASES, POOL_BLOCKS, oproj_case, pad_heads, sparse_case
 from dsv4.benches.timing import graph_time_us
 from dsv4.components.rope import Rope
 from dsv4.oracle import rel_err
@@ -132,16 +132,6 @@ def flashmla_steady(fm, prep, q, kv, sink, scale):
     return out, lambda: fm(q, kv, sink=sink, scale=scale, prepared=prep, plan=plan)
 
 
-def padded(q, sink, heads: int):
-    """q and sink with zero heads appended up to `heads` (FlashMLA's 64 or 128)."""
-    T, H, D = q.shape
-    qp = torch.zeros(T, heads, D, dtype=q.dtype, device=q.device)
-    qp[:, :H] = q
-    sp = torch.zeros(heads, dtype=sink.dtype, device=sink.device)
-    sp[:H] = sink
-    return qp, sp
-
-
 def split(cases=SPLIT_CASES) -> None:
     """The Hopper kernel at several splits per (token, 64 heads) (0: planned, sparse_plan.hopper_splits)
     beside FlashMLA (its heads padded to 64, as the head_padding policy pads them; `flashmla_steady`), the
@@ -158,7 +148,7 @@ def split(cases=SPLIT_CASES) -> None:
         T = b * sq
         q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
                                   extra_blocks=POOL_BLOCKS, full=True)
-        qp, sp = padded(q, sink, 64)
+        qp, sp = pad_heads(q, sink, 64)
         a, call = flashmla_steady(fm, prep, qp, kv, sp, scale)
         t_f = graph_time_us(call)
         t_v = {v: graph_time_us(lambda: TritonSparseMQA(variant=v)(q, kv, sink=sink, scale=scale))

@@ -14,6 +14,10 @@ from dsv4.strategies import Fp8DsMlaLayout, OProjWeights, SparseKV
 POOL_BLOCKS = 4096                                          # 262,144 rows x 584 B = 153 MB per cache
 DECODE_CASES = [("h64 128+512", 64, 64, 512, b, sq) for b, sq in ((1, 1), (64, 2), (128, 1), (128, 2))] + [
     ("h128 128+1024", 128, 64, 1024, 128, 2), ("h64 128 SWA only", 64, None, 0, 128, 1)]
+# a small step, and tensor-parallel ranks' head counts: DSV4-Flash's 64 heads at TP8 and TP4, DSV4-Pro's
+# 128 at TP4 (kernels that take only some head counts run padded, as the head_padding policy pads them)
+SMALL_CASES = [("h64 128+512", 64, 64, 512, 16, 1), ("h8 128+512", 8, 64, 512, 128, 2),
+               ("h16 128+512", 16, 64, 512, 128, 2), ("h32 128+1024", 32, 64, 1024, 128, 2)]
 
 def random_pages(name: str, blocks: int, block_size: int, g, layout=None) -> PagedCache:
     """A PagedCache on g's device (fp8_ds_mla unless `layout` says otherwise) with a random row in every
@@ -48,6 +52,16 @@ def sparse_case(T: int, H: int, *, extra_block, extra_w: int, seed: int, swa_w: 
         kw |= dict(extra=ext, extra_indices=ei, extra_lens=el)
     q = (torch.randn(T, H, 512, generator=g, device=device) * q_std).bfloat16()   # logits ~ N(0, q_std²)
     return q, SparseKV(**kw), torch.randn(H, generator=g, device=device)
+
+
+def pad_heads(q, sink, heads: int):
+    """q [T, H, D] and sink [H] with zero heads appended up to `heads`."""
+    T, H, D = q.shape
+    qp = q.new_zeros(T, heads, D)
+    qp[:, :H] = q
+    sp = sink.new_zeros(heads)
+    sp[:H] = sink
+    return qp, sp
 
 
 def oproj_case(T: int, G: int, seed: int = 0, hpg: int = 8, o_lora: int = 1024, hidden: int = 4096):

@@ -2,7 +2,8 @@
 side in one process, on the same inputs."""
 from __future__ import annotations
 
-from dsv4.benches.cases import DECODE_CASES, POOL_BLOCKS, available_options, oproj_case, sparse_case
+from dsv4.benches.cases import (DECODE_CASES, POOL_BLOCKS, SMALL_CASES, available_options, oproj_case, pad_heads,
+                                sparse_case)
 from dsv4.benches.timing import CEILINGS, graph_time_us
 from dsv4.oracle import rel_err
 from dsv4.report import table
@@ -17,7 +18,7 @@ def bench_mqa(job) -> str:
         kernels += [replace(k, variant="two_pass") for k in kernels if getattr(k, "variant", None) == "auto"]
     ceil = CEILINGS.get(job.device.arch, {})
     rows = []
-    for label, H, eb, ew, b, sq in DECODE_CASES:
+    for label, H, eb, ew, b, sq in DECODE_CASES + SMALL_CASES:
         T = b * sq
         q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
                                   extra_blocks=POOL_BLOCKS, full=True)
@@ -27,13 +28,18 @@ def bench_mqa(job) -> str:
         base = None
         for k in kernels:
             name = k.name if getattr(k, "variant", "auto") == "auto" else f"{k.name} ({k.variant})"
+            # a kernel that takes only some head counts runs at the smallest that holds H, zero heads added
+            widths = sorted(w for w in k.needs(job.device).padded_heads if w >= H)
+            qk, sk = pad_heads(q, sink, widths[0]) if widths and H not in widths else (q, sink)
+            if qk is not q:
+                name += f" (padded to {qk.shape[1]})"
             prep = k.prepare(device=job.device)
             # as the layers after the first of a type in a step call it: the step's plan made by the first
             # call and reused (FlashMLA's tile-scheduler metadata and padded lists), the kernel alone timed
             plan = k.plan(tokens=T, layer_type=kv.layer_type)
-            out, _ = k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep, plan=plan)
+            out = k(qk, kv, sink=sk, scale=512 ** -0.5, prepared=prep, plan=plan)[0][:, :H]
             ref_out = out if ref_out is None else ref_out
-            us = graph_time_us(lambda: k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep, plan=plan),
+            us = graph_time_us(lambda: k(qk, kv, sink=sk, scale=512 ** -0.5, prepared=prep, plan=plan),
                                calls=20 if k.name != "reference" else 3, repeats=7 if k.name != "reference" else 3)
             base = base or us
             tf, gb = flops / us / 1e6, nbytes / us / 1e3
