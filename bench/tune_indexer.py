@@ -32,7 +32,8 @@ from dsv4.strategies import Fp8KeyLayout, Mxfp4KeyLayout, PlainRowLayout
 
 NREQ, TOKENS, HEADS, DIM, K, BS = 64, 2, 64, 128, 512, 64
 SCORE_SHAPES = [dict(), dict(stages=1), dict(num_warps=8), dict(blocks_per_program=8), dict(stages=3)]
-TOPK_SHAPES = [dict(), dict(num_warps=4), dict(num_warps=8), dict(num_warps=16), dict(sample=1024), dict(sample=4096), dict(warp_cols=256)]
+TOPK_SHAPES = [dict(), dict(num_warps=4), dict(num_warps=8), dict(num_warps=16), dict(sample=1024), dict(sample=4096),
+               dict(warp_cols=256)]
 
 
 def case(context: int, dtype):

@@ -117,9 +117,10 @@ def planned() -> None:
 # (label, heads, compressed page size, compressed list width, requests, tokens per request): small steps,
 # where the Hopper kernel's (token, 64 heads) programs leave SMs idle, and tensor-parallel ranks of
 # DSV4-Flash (8 heads per rank at TP8, 16 at TP4) and DSV4-Pro (32 at TP4)
-SPLIT_CASES = [("h64 128+512", 64, 64, 512, b, sq) for b, sq in ((1, 1), (4, 2), (8, 1), (16, 1), (32, 1), (48, 1),
-                                                                 (64, 1))] + [
-    ("h64 128 SWA only", 64, None, 0, 16, 1), ("h8 128+512", 8, 64, 512, 128, 2), ("h32 128+1024", 32, 64, 1024, 128, 2)]
+SPLIT_CASES = [("h64 128+512", 64, 64, 512, b, sq)
+               for b, sq in ((1, 1), (4, 2), (8, 1), (16, 1), (32, 1), (48, 1), (64, 1))] + [
+    ("h64 128 SWA only", 64, None, 0, 16, 1), ("h8 128+512", 8, 64, 512, 128, 2),
+    ("h32 128+1024", 32, 64, 1024, 128, 2)]
 SPLITS = (0, 1, 2, 4, 8, 16)
 
 
@@ -141,8 +142,8 @@ def split(cases=SPLIT_CASES) -> None:
     fm = FlashMLASparse()
     prep = fm.prepare(device=detect())
     scale = 512 ** -0.5
-    print("| case | FlashMLA µs | two_pass µs | auto µs | " + " | ".join(f"hopper splits={s or 'planned'}"
-                                                                   for s in SPLITS) + " | rel diff planned |")
+    splits = " | ".join(f"hopper splits={s or 'planned'}" for s in SPLITS)
+    print(f"| case | FlashMLA µs | two_pass µs | auto µs | {splits} | rel diff planned |")
     print("|---" * (5 + len(SPLITS)) + "|")
     for label, H, eb, ew, b, sq in cases:
         T = b * sq

@@ -124,9 +124,8 @@ def test_split_combine_merges_as_one_softmax():
         m = part.amax(-1) if part.shape[-1] else torch.full((T, H), float("-inf"))
         p = torch.exp2(part - torch.where(m == float("-inf"), 0.0, m)[..., None])
         acc[i], ml[i, ..., 0], ml[i, ..., 1] = p @ v[:, cuts[i]:cuts[i + 1]], m, p.sum(-1)
-    out, lse = torch.empty(T, H, D), torch.empty(T, H)
-    combine_splits(acc.to(DEVICE).flatten(), ml.to(DEVICE).flatten(), sink.to(DEVICE), out := out.to(DEVICE),
-                   lse := lse.to(DEVICE), S)
+    out, lse = torch.empty(T, H, D, device=DEVICE), torch.empty(T, H, device=DEVICE)
+    combine_splits(acc.to(DEVICE).flatten(), ml.to(DEVICE).flatten(), sink.to(DEVICE), out, lse, S)
     M = s2[:, :4].amax(-1)
     w = torch.exp2(s2[:, :4] - M[..., None])
     denom = w.sum(-1) + torch.exp2(sink[:4] * LOG2E - M)

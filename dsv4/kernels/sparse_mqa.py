@@ -253,7 +253,7 @@ def _pv_kernel(p_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr,
     sink_l2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * LOG2E_C
     row = t.to(tl.int64) * H + heads
     finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + (d0 + tl.arange(0, DB))[None, :],
-            lse_ptr + row, hmask, hmask & (heads * 0 + d0 == 0))       # one dims block writes lse
+           lse_ptr + row, hmask, hmask & (heads * 0 + d0 == 0))       # one dims block writes lse
 
 
 class Pool(NamedTuple):

@@ -14,11 +14,12 @@ list rows to each other through shared memory and mbarriers (FlashMLA's sm90 spa
 Each row is read from memory once and decoded once. A step with fewer such programs than SMs (decode of
 a few requests) cuts each (token, 64 heads) into S programs over equal runs of its list blocks
 (sparse_plan.hopper_splits): each writes its unnormalized output and (max, sum) per head in float32,
-and split_combine.py merges them, sink and lse included (H200: b=1 34 -> 13.5 µs, b=16 34.5 -> 18.4). Shared memory: Q 64 KB + 2 x 64 KB of K + 2 x 8 KB of
-P. Registers (the SM's 64K over 384 threads): WG0 192 (its half of O is 128 of them), WG1 160, producer
-152; the producer loads four chunks before waiting for a free buffer and the rest while decoding (all
-seven at once spill). What did not work on the way (a single 8-warp instruction stream: 255 registers and
-spills, 3.4x slower; two consumer warp groups of one budget: ptxas ignored setmaxnreg): docs/benchmarks.md.
+and split_combine.py merges them, sink and lse included (H200: b=1 34 -> 13.5 µs, b=16 34.5 -> 18.4).
+Shared memory: Q 64 KB + 2 x 64 KB of K + 2 x 8 KB of P. Registers (the SM's 64K over 384 threads): WG0
+192 (its half of O is 128 of them), WG1 160, producer 152; the producer loads four chunks before waiting
+for a free buffer and the rest while decoding (all seven at once spill). What did not work on the way (a
+single 8-warp instruction stream: 255 registers and spills, 3.4x slower; two consumer warp groups of one
+budget: ptxas ignored setmaxnreg): docs/benchmarks.md.
 
 Gluon exposes what this needs and plain Triton does not: explicit shared-memory buffers, warp
 specialization with per-partition register budgets, mbarriers, and asynchronous warpgroup MMAs reading
