@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                             warpgroup_mma_wait)
 
 from dsv4.kernels.launch import launch
+from dsv4.kernels.split_combine import combine_splits
 from dsv4.sizes import cdiv
 
 # Triton 3.6 (the H200's) calls the CTA barrier thread_barrier, 3.9 (CI's, for the compile check) barrier
@@ -295,22 +296,22 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
     split_combine (sparse_plan.hopper_splits says how many fill the GPU)."""
     import torch
 
-    from dsv4.kernels.split_combine import combine_splits
-
     T, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
     split = splits > 1
-    acc = torch.empty(splits * T * H * D if split else 0, dtype=torch.float32, device=q.device)
-    ml = torch.empty(splits * T * H * 2 if split else 0, dtype=torch.float32, device=q.device)
+    acc = ml = lse                                  # unsplit: never written; split: one workspace for both
+    if split:
+        acc, ml = torch.empty(splits * T * H * (D + 2), dtype=torch.float32, device=q.device).split_with_sizes(
+            (splits * T * H * D, splits * T * H * 2))
     e, e_idx, e_len = (extra, extra_idx, extra_len) if extra is not None else (swa, swa_idx, swa_len)
     launch(
         _hopper_kernel, (T, cdiv(H, 64), splits), q, sink, out, lse,
         *swa.args(), swa_idx, swa_len, swa_idx.shape[1], swa.page_stride, swa.num_slots, swa.block_size,
         *e.args(), e_idx, e_len, e_idx.shape[1] if extra is not None else 0, e.page_stride, e.num_slots, e.block_size,
-        acc if split else lse, ml if split else lse, T, splits, H, scale_l2, D=D, WG1_REGS=WG1_REGS,
+        acc, ml, T, splits, H, scale_l2, D=D, WG1_REGS=WG1_REGS,
         PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, num_warps=4, maxnreg=MAXNREG)
     if split:
         combine_splits(acc, ml, sink, out, lse, splits)
