@@ -105,6 +105,29 @@ def test_hopper_splits_agree(splits):
         check_against_reference(out, lse, q, kv, sink)
 
 
+@pytest.mark.parametrize("buffers", [2, 3])
+@pytest.mark.parametrize("H", [1, 8, 12, 16, 24, 32])
+def test_few_heads_kernel_agrees(H, buffers):
+    """The few-heads Hopper kernel (8, 16 or 32 heads per program, transposed products) gives the reference's
+    answer with either number of K buffers, whole and split, on every layer type; lists that end inside a
+    block, a token with no SWA row and one with no row at all included."""
+    from dsv4.kernels.sparse_mqa import LOG2E, pool_args
+    from dsv4.kernels.sparse_mqa_hopper import sparse_mqa_hopper
+
+    kernel("hopper")                            # skips where it cannot run
+    if buffers == 3 and H > 16:
+        pytest.skip("three K buffers and 32 heads' Q do not fit in an SM's shared memory")
+    for T, layer, splits in ((5, "c4a", 1), (3, "c128a", 1), (2, "swa", 1), (5, "c4a", 3), (1, "c128a", 4)):
+        q, kv, sink = case(T, H, LAYER_TYPES[layer], seed=T + H + splits)
+        if T == 5:
+            kv.swa_lens[0] = 0
+            kv.extra_lens[:2] = 0
+        ex = (pool_args(kv.extra), kv.extra_indices.int(), kv.extra_lens.int()) if kv.extra is not None else ()
+        out, lse = sparse_mqa_hopper(q, sink.float(), SCALE * LOG2E, pool_args(kv.swa), kv.swa_indices.int(),
+                                     kv.swa_lens.int(), *ex, splits=splits, buffers=buffers)
+        check_against_reference(out, lse, q, kv, sink)
+
+
 def test_split_combine_merges_as_one_softmax():
     """split_combine's merge of per-split (output, max, sum) equals one softmax over all the scores with
     the sink in the denominator; a head whose every split is empty gets 0 and lse +inf."""
@@ -173,14 +196,18 @@ def test_launch_shapes_need_the_two_pass_variant(variant):
 def test_kernel_plan(monkeypatch):
     """auto takes the Hopper kernel on sm90 for fp8_ds_mla pages, whatever the step's size (small steps
     split over list blocks); an explicit hopper that cannot run is an error naming the reason and the fix."""
-    from dsv4.kernels.sparse_plan import hopper_splits, plan_kernel
+    from dsv4.kernels.sparse_plan import few_heads_buffers, hopper_heads, hopper_splits, plan_kernel
 
     h200 = dict(arch="sm90", layouts=(1, 1), head_dim=512, native=True, dtype="bfloat16")
     assert plan_kernel("auto", **h200) == "hopper"
     assert plan_kernel("two_pass", **h200) == "two_pass"
     assert plan_kernel("hopper", **h200) == "hopper"
-    # programs per (token, 64 heads): about one program per SM in all, each at least one block of 64 rows
+    # heads per program: a tensor-parallel rank's few heads are not padded to 64
+    assert [hopper_heads(h) for h in (1, 8, 9, 16, 20, 32, 33, 64, 128)] == [8, 8, 16, 16, 32, 32, 64, 64, 64]
+    assert [few_heads_buffers(h) for h in (8, 16, 32)] == [3, 3, 2]
+    # programs per (token, head block): about one program per SM in all, each at least one block of 64 rows
     assert hopper_splits(256, 64, 640, 132) == 1 and hopper_splits(132, 8, 640, 132) == 1
+    assert hopper_splits(64, 8, 640, 132) == 2 and hopper_splits(64, 48, 640, 132) == 2
     assert hopper_splits(1, 64, 640, 132) == 10                              # b=1: one block each
     assert hopper_splits(16, 64, 640, 132) == 8 and hopper_splits(64, 64, 640, 132) == 2
     assert hopper_splits(16, 64, 128, 132) == 2                              # SWA only: two blocks in all

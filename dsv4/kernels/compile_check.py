@@ -9,7 +9,7 @@
 Each argument is TARGET/WHAT; TARGET is cuda:<sm> or hip:<gfx arch>; WHAT names a row format of
 LAYOUT_CODES (mqa_kernel=triton_sparse's two-pass kernels reading such pages; OCP e4m3 bytes take the hardware
 conversion where sparse_mqa would use it, NVIDIA sm89+), `o_proj` (o_proj=triton_fp8's grouped e4m3
-product, NVIDIA sm89+ only), `hopper` (triton_sparse's one-pass Gluon kernel, sm90 only) or `layer` (the
+product, NVIDIA sm89+ only), `hopper` (triton_sparse's one-pass Gluon kernels, sm90 only) or `layer` (the
 layer's front, compressor, cache-writer and indexer kernels: layer_front, compress, cache_write,
 indexer_logits, topk_lists, fp8_queries). Exits non-zero if any kernel fails to compile.
 """
@@ -75,27 +75,32 @@ def compile_for(target: str, what: str) -> float:
     """Compile `what` for `target`; seconds taken. Raises what Triton raises. A layout: both sparse-MQA
     kernels at the planner's two launches (large steps, decode), page sizes 64 and 3. `o_proj`: the fused
     prologue and the grouped product at both allowed token blocks, 4 stages. `hopper`: the one-pass
-    kernel with its register split, whole and split, and the splits' merge."""
+    kernels (64 heads; 8, 16 and 32) with their register splits, whole and split, and the splits' merge."""
     import triton.language as tl
 
     gpu = _gpu(target)
     t0 = time.perf_counter()
     if what == "hopper":
         from dsv4.kernels import sparse_mqa_hopper as hop
-
-        # SWA pages of 64 rows (divisible by 16, as launched), compressed pages of 2 (a ratio-128 layer)
+        from dsv4.kernels import sparse_mqa_hopper_few as few
         from dsv4.kernels import split_combine
+        from dsv4.kernels.sparse_plan import few_heads_buffers
 
         # SWA pages of 64 rows (divisible by 16, as launched), compressed pages of 2 (a ratio-128 layer);
-        # whole (token, 64 heads) programs and splits of them, then the splits' merge
+        # whole programs and splits of them: 64 heads, and 8/16/32 with their planned K buffers; the merge
+        def types(a):
+            return "*fp32" if a == "acc_ptr" else "*i32" if a.endswith("_u32") else _arg_type(a, 1)
+
+        ints = {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"}
         for split in (False, True):
             _compile(hop._hopper_kernel, dict(D=512, WG1_REGS=hop.WG1_REGS, PRODUCER_REGS=hop.PRODUCER_REGS,
-                                              SPLIT=split),
-                     lambda a: "*fp32" if a == "acc_ptr" else _arg_type(a, 1),
-                     {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"}, gpu, 4,
-                     maxnreg=hop.MAXNREG)
-        _compile(split_combine._combine_kernel, dict(BH=split_combine.BH, DB=split_combine.DB, D=512),
-                 lambda a: "*fp32" if a == "acc_ptr" else _arg_type(a, 1), {"H"}, gpu, 4)
+                                              SPLIT=split), types, ints, gpu, 4, maxnreg=hop.MAXNREG)
+            for nh in (8, 16, 32):
+                _compile(few._few_heads_kernel, dict(NH=nh, D=512, NBUF=few_heads_buffers(nh),
+                                                     PRODUCER_REGS=few.PRODUCER_REGS, SPLIT=split),
+                         types, ints, gpu, 4, maxnreg=few.MAXNREG)
+        _compile(split_combine._combine_kernel, dict(BH=split_combine.BH, DB=split_combine.DB, D=512), types,
+                 {"H"}, gpu, 4)
         return time.perf_counter() - t0
     if what == "layer":
         _compile_layer(gpu)

@@ -30,19 +30,16 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                            warpgroup_mma_wait)
 
+from dsv4.kernels import sparse_mqa_hopper_few as few
+from dsv4.kernels.hopper_gluon import (BN, LOG2E_C, cta_barrier, fence_async_shared, mbarrier, nblocks,
+                                       warpgroup_mma, warpgroup_mma_wait)
 from dsv4.kernels.launch import launch
+from dsv4.kernels.sparse_plan import few_heads_buffers, hopper_heads
 from dsv4.kernels.split_combine import combine_splits
 from dsv4.sizes import cdiv
 
-# Triton 3.6 (the H200's) calls the CTA barrier thread_barrier, 3.9 (CI's, for the compile check) barrier
-_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
-LOG2E_C = gl.constexpr(1.4426950408889634)     # log2(e)
 BH = gl.constexpr(64)      # heads per program: one warpgroup MMA's M
-BN = gl.constexpr(64)      # list columns per block
 # 12 warps x 168 registers = the SM's 64K: WG1 160, the producer 152, WG0 the rest (192)
 MAXNREG, WG1_REGS, PRODUCER_REGS = 168, 160, 152
 
@@ -78,20 +75,6 @@ def _put(kb, c: gl.constexpr, byte, words):
 
 
 @gluon.jit
-def _nblocks(t, sp, S, s_len, e_len, s_w, e_w):
-    """The token's SWA list length, compressed list length and SWA blocks (a length is clamped to [0, list
-    width], as the two-pass kernel and the reference read it), and the blocks [j0, j1) of split sp of S:
-    the token's SWA then compressed blocks cut into S runs of equal length (the last ones may be empty)."""
-    n_s = gl.maximum(gl.minimum(gl.load(s_len + t), s_w), 0)
-    n_e = gl.maximum(gl.minimum(gl.load(e_len + t), e_w), 0)
-    nb_s = gl.cdiv(n_s, BN)
-    nblk = nb_s + gl.cdiv(n_e, BN)
-    per = gl.cdiv(nblk, S)
-    j0 = gl.minimum(sp * per, nblk)
-    return n_s, n_e, nb_s, j0, gl.minimum(j0 + per, nblk)
-
-
-@gluon.jit
 def _producer(a, D: gl.constexpr):
     """Worker, 4 warps: per block, gather the rows and decode them into K buffer j % 2 with the block's
     column bias (0, or -inf for an invalid row), then signal `full`. The first four 64-dim chunks are
@@ -101,7 +84,7 @@ def _producer(a, D: gl.constexpr):
      out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
      e_stride, e_slots, e_bs, sp, S, T, acc_ptr) = a
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    n_s, n_e, nb_s, j0, j1 = _nblocks(t, sp, S, s_len, e_len, s_w, e_w)
+    n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
     for i in range(j1 - j0):
         j = j0 + i
         if j >= nb_s:                       # a block of the compressed list
@@ -134,7 +117,7 @@ def _producer(a, D: gl.constexpr):
         kb.slice(D - 64, 64, dim=1).store(rope)               # the RoPE dims as stored (bf16)
         bias_smem.index(b).store(gl.where(ok, 0.0, float("-inf")))
         fence_async_shared()
-        _cta_barrier()
+        cta_barrier()
         mbarrier.arrive(full.index(b), count=1)
 
 
@@ -146,7 +129,7 @@ def _second_half(a, D: gl.constexpr, SPLIT: gl.constexpr):
      out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
      e_stride, e_slots, e_bs, sp, S, T, acc_ptr) = a
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    n_s, n_e, nb_s, j0, j1 = _nblocks(t, sp, S, s_len, e_len, s_w, e_w)
+    n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
     o = gl.zeros([BH, D // 2], gl.float32, o_l)
     for i in range(j1 - j0):
         b = i % 2
@@ -154,7 +137,7 @@ def _second_half(a, D: gl.constexpr, SPLIT: gl.constexpr):
         o = o * alpha_smem.index(b).load(gl.SliceLayout(1, o_l))[:, None]
         o = warpgroup_mma(p_smem.index(b), k_smem.index(b).slice(D // 2, D // 2, dim=1), o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        _cta_barrier()
+        cta_barrier()
         mbarrier.arrive(empty.index(b), count=1)
         mbarrier.arrive(p_free.index(b), count=1)
     mbarrier.wait(fin, 0)
@@ -193,9 +176,9 @@ def _first_half(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D: gl.constexpr, 
                      other=0.0)
         q_smem.slice(64 * c, 64, dim=1).store(qc)
     fence_async_shared()
-    _cta_barrier()
+    cta_barrier()
 
-    n_s, n_e, nb_s, j0, j1 = _nblocks(t, sp, S, s_len, e_len, s_w, e_w)
+    n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
     m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
     l_i = gl.zeros([BH], gl.float32, gl.SliceLayout(1, s_l))
     o = gl.zeros([BH, D // 2], gl.float32, o_l)
@@ -219,12 +202,12 @@ def _first_half(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D: gl.constexpr, 
         p_smem.index(b).store(p.to(gl.bfloat16))
         alpha_smem.index(b).store(alpha)
         fence_async_shared()
-        _cta_barrier()
+        cta_barrier()
         mbarrier.arrive(p_ready.index(b), count=1)
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         o = warpgroup_mma(p_smem.index(b), kb.slice(0, D // 2, dim=1), o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-        _cta_barrier()
+        cta_barrier()
         mbarrier.arrive(empty.index(b), count=1)
 
     hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
@@ -245,7 +228,7 @@ def _first_half(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D: gl.constexpr, 
                  mask=hs < H)
         inv = gl.where(has, 1.0 / denom, 0.0)
     inv_smem.store(inv)
-    _cta_barrier()
+    cta_barrier()
     mbarrier.arrive(fin, count=1)
     _store_out(o, gl.convert_layout(inv, gl.SliceLayout(1, o_l)), out_ptr, acc_ptr, t, h0, H, sp, T, 0, D, o_l,
                SPLIT)
@@ -289,12 +272,15 @@ def _hopper_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
 
 
 def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=None,
-                      extra_idx=None, extra_len=None, *, splits: int = 1):
+                      extra_idx=None, extra_len=None, *, splits: int = 1, buffers: int = 0):
     """(out [T, H, 512], lse [T, H]) like sparse_mqa's, for fp8_ds_mla (OCP) pools given as `pool_args`.
     sink: the sinks, float32 [H], contiguous; scale_l2: softmax scale x log2(e). Lists int32, contiguous.
-    splits > 1: each (token, 64 heads) is that many programs over equal runs of its blocks, merged by
-    split_combine (sparse_plan.hopper_splits says how many fill the GPU)."""
+    Programs of sparse_plan.hopper_heads(H) heads: 64 here, 8 to 32 in sparse_mqa_hopper_few.py (buffers:
+    its K buffers, 0 = sparse_plan.few_heads_buffers). splits > 1: each (token, head block) is that many
+    programs over equal runs of its blocks, merged by split_combine (sparse_plan.hopper_splits says how
+    many fill the GPU)."""
     import torch
+
 
     T, H, D = q.shape
     out = torch.empty_like(q)
@@ -307,12 +293,22 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
         acc, ml = torch.empty(splits * T * H * (D + 2), dtype=torch.float32, device=q.device).split_with_sizes(
             (splits * T * H * D, splits * T * H * 2))
     e, e_idx, e_len = (extra, extra_idx, extra_len) if extra is not None else (swa, swa_idx, swa_len)
-    launch(
-        _hopper_kernel, (T, cdiv(H, 64), splits), q, sink, out, lse,
-        *swa.args(), swa_idx, swa_len, swa_idx.shape[1], swa.page_stride, swa.num_slots, swa.block_size,
-        *e.args(), e_idx, e_len, e_idx.shape[1] if extra is not None else 0, e.page_stride, e.num_slots, e.block_size,
-        acc, ml, T, splits, H, scale_l2, D=D, WG1_REGS=WG1_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, num_warps=4, maxnreg=MAXNREG)
+    e_w = e_idx.shape[1] if extra is not None else 0
+    nh = hopper_heads(H)
+    if nh == BH:
+        launch(_hopper_kernel, (T, cdiv(H, BH), splits), q, sink, out, lse,
+               *swa.args(), swa_idx, swa_len, swa_idx.shape[1], swa.page_stride, swa.num_slots, swa.block_size,
+               *e.args(), e_idx, e_len, e_w, e.page_stride, e.num_slots, e.block_size,
+               acc, ml, T, splits, H, scale_l2, D=D, WG1_REGS=WG1_REGS,
+               PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, num_warps=4, maxnreg=MAXNREG)
+    else:
+        # the e4m3 bytes and RoPE dims read as 32-bit words (a record and its parts are 4-byte aligned)
+        launch(few._few_heads_kernel, (T, cdiv(H, nh), splits), q, sink, out, lse,
+               swa.data.view(torch.int32), swa.words, swa_idx, swa_len, swa_idx.shape[1], swa.page_stride,
+               swa.num_slots, swa.block_size, e.data.view(torch.int32), e.words, e_idx, e_len, e_w, e.page_stride,
+               e.num_slots, e.block_size, acc, ml, T, splits, H, scale_l2, NH=nh, D=D,
+               NBUF=buffers or few_heads_buffers(nh), PRODUCER_REGS=few.PRODUCER_REGS, SPLIT=split,
+               num_warps=4, maxnreg=few.MAXNREG)
     if split:
         combine_splits(acc, ml, sink, out, lse, splits)
     return out, lse

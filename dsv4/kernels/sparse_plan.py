@@ -36,12 +36,25 @@ def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launc
     return Launch(64, 16, 64, 8)
 
 
+def hopper_heads(heads: int) -> int:
+    """Heads per program of the one-pass Hopper kernels: 64 (sparse_mqa_hopper.py, the heads are its MMAs'
+    M) above 32, else 8, 16 or 32 (sparse_mqa_hopper_few.py, the heads are the N of transposed MMAs, so a
+    tensor-parallel rank's few heads are not padded to 64)."""
+    return 64 if heads > 32 else max(8, next_pow2(heads))
+
+
+def few_heads_buffers(block_heads: int) -> int:
+    """K buffers of the few-heads kernel: three where shared memory holds them (Q takes 512 x 2 bytes a
+    head), else two."""
+    return 3 if block_heads <= 16 else 2
+
+
 def hopper_splits(tokens: int, heads: int, columns: int, processors: int) -> int:
-    """How many programs the Hopper kernel makes of each (token, 64 heads): 1 once the step has as many
+    """How many programs the Hopper kernel makes of each (token, head block): 1 once the step has as many
     of them as SMs; below, as many as bring it to about one per SM, each at least one block of 64 rows
     (H200, 64 heads, 128+512 rows: b=1 34.1 -> 13.5 µs, b=16 34.5 -> 18.4, b=48 35.4 -> 30.0;
     docs/benchmarks.md)."""
-    programs = tokens * cdiv(heads, 64)
+    programs = tokens * cdiv(heads, hopper_heads(heads))
     if programs >= processors:
         return 1
     return max(1, min(cdiv(columns, 64), processors // max(programs, 1)))
@@ -59,7 +72,7 @@ def gluon_error() -> str:
     if version < GLUON_MIN_TRITON:
         return f"it needs Triton >= {'.'.join(map(str, GLUON_MIN_TRITON))}'s Gluon, this is {triton.__version__}"
     try:
-        import dsv4.kernels.sparse_mqa_hopper  # noqa: F401
+        import dsv4.kernels.hopper_gluon  # noqa: F401
     except Exception as e:  # noqa: BLE001 - any failure means: not available, with the reason
         return f"Triton {triton.__version__} has no usable Gluon ({type(e).__name__}: {e})"
     return ""

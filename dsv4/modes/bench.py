@@ -26,6 +26,7 @@ def run_bench(job, ranks=None) -> None:
     from dsv4.benches.indexer import CONTEXTS, NREQ, TOKENS, bench_indexer
     from dsv4.benches.kernels import bench_mqa, bench_o_proj
     from dsv4.benches.layer import bench_layer_step
+    from dsv4.benches.padding import CASE, bench_padding
     from dsv4.benches.tp_step import bench_tp_step
 
     if job.device.platform != "cuda" or not torch.cuda.is_available():
@@ -43,6 +44,8 @@ def run_bench(job, ranks=None) -> None:
     print("\nsparse MQA decode, fp8_ds_mla pages (153 MB per cache), full index lists:\n" + bench_mqa(job))
     print("\no_proj, G=8 groups of 8 heads, 4096 -> 1024 per group, then wo_b:\n" + bench_o_proj(job))
     print("\nwhole layer, one layer of each type:\n" + bench_layer_step(job))
+    print(f"\nhead padding: one tensor-parallel rank's decode step ({CASE[0]} requests x {CASE[1]} tokens, {CASE[2]} "
+          "context), CUDA-graph replay, per kernel and padding:\n" + bench_padding(job))
     indexers = available_options(job, "indexer")
     print(f"\nthe indexer: scores and top-{job.spec.index_topk} of {NREQ} requests x {TOKENS} tokens by each option, "
           "in CUDA graphs:\n" + bench_indexer(job, indexers))

@@ -1,0 +1,236 @@
+"""Sparse MQA with sink in one pass on Hopper (sm90) for a few heads per program (8, 16 or 32: a
+tensor-parallel rank's share of DSV4's 64 or 128 heads), in Gluon; sparse_mqa_hopper.py takes more.
+
+The 64-head kernel's products have the heads as the MMA's M, which is at least 64: at 8 heads it does the
+work of 64, and its 4 decoding warps, squeezed to 152 registers beside two 64-head accumulators, wait on
+one block's loads at a time (H200, 8 heads, 128+512 rows, 256 tokens: 84.7 µs, about its 64-head time,
+while the rows are 96 MB, 23 µs at the card's copy bandwidth). Here the products are transposed, so
+that the heads are the MMA's N (8 to 32) and nothing is padded to 64:
+    Sᵀ [64 rows, NH] = K [64, 512] · Qᵀ,    Oᵀ [512, NH] += Vᵀ [512, 64] · Pᵀ,
+both operands from shared memory (K read as Kᵀ for the second), one warp group doing both, Oᵀ being
+at most 128 of its registers. That leaves the registers to the 8 decoding warps, which software-pipeline
+the gather: while block j is decoded into shared memory, block j + 1's rows (7 x 64 e4m3 bytes, the
+bf16 RoPE dims, the scale word) are in flight, and block j + 2's list entries.
+The numerics are the 64-head kernel's: e4m3 x 2^(e-127) -> bf16 rows, float32 scores, the online softmax
+in the log2 domain, P rounded to bf16, the sink in the denominator; splits merge in split_combine.py.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from dsv4.kernels.hopper_gluon import (BN, LOG2E_C, cta_barrier, fence_async_shared, mbarrier, nblocks,
+                                       warpgroup_mma, warpgroup_mma_wait)
+
+# 12 warps x 168 registers = the SM's 64K: the 8 decoding warps 152, the MMA warp group the rest
+MAXNREG, PRODUCER_REGS = 168, 152
+PRODUCER_WARPS = gl.constexpr(8)
+
+
+@gluon.jit
+def _slots(j, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, rl: gl.constexpr):
+    """List entries of block j of token t (its SWA blocks, then its compressed ones); -1 past the list
+    and for j >= j1 (a prefetch past the split's last block loads nothing)."""
+    r = gl.arange(0, BN, layout=rl)
+    if j < nb_s:
+        c = j * BN + r
+        slots = gl.load(s_idx + t.to(gl.int64) * s_w + c, mask=(c < n_s) & (j < j1), other=-1)
+    else:
+        c = (j - nb_s) * BN + r
+        slots = gl.load(e_idx + t.to(gl.int64) * e_w + c, mask=(c < n_e) & (j < j1), other=-1)
+    return slots
+
+
+@gluon.jit
+def _gather(j, nb_s, slots, s_u32, s_w64, s_stride, s_slots, s_bs, e_u32, e_w64, e_stride, e_slots, e_bs,
+            D: gl.constexpr, wl: gl.constexpr, rl: gl.constexpr):
+    """Issue block j's loads: which rows are valid, their scale words, the 7 chunks of 64 e4m3 bytes and the
+    RoPE dims, all as 32-bit words (a tensor of bytes carried across iterations takes a register per
+    byte). Zeros where not valid; nothing here waits for them."""
+    if j < nb_s:
+        u32, w64, stride, num_slots, bs = s_u32, s_w64, s_stride, s_slots, s_bs
+    else:
+        u32, w64, stride, num_slots, bs = e_u32, e_w64, e_stride, e_slots, e_bs
+    ok = (slots >= 0) & (slots < num_slots)
+    slot = gl.where(ok, slots, 0)
+    page = (slot // bs).to(gl.int64)
+    r = slot % bs
+    scales = gl.load(w64 + (page * stride + bs * (D + 64) + r * 8) // 8, mask=ok, other=0)
+    w1 = (page * stride + r * (D + 64)) // 4           # the row's first word
+    w, m = w1[:, None], ok[:, None]
+    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, wl))
+    ropes = gl.arange(0, 32, layout=gl.SliceLayout(0, rl))
+    rope = gl.load(u32 + gl.convert_layout(w1, gl.SliceLayout(1, rl))[:, None] + (D - 64) // 4 + ropes[None, :],
+                   mask=gl.convert_layout(ok, gl.SliceLayout(1, rl))[:, None], other=0)
+    return (ok, scales, gl.load(u32 + w + cols[None, :], mask=m, other=0),
+            gl.load(u32 + w + (16 + cols)[None, :], mask=m, other=0),
+            gl.load(u32 + w + (32 + cols)[None, :], mask=m, other=0),
+            gl.load(u32 + w + (48 + cols)[None, :], mask=m, other=0),
+            gl.load(u32 + w + (64 + cols)[None, :], mask=m, other=0),
+            gl.load(u32 + w + (80 + cols)[None, :], mask=m, other=0),
+            gl.load(u32 + w + (96 + cols)[None, :], mask=m, other=0), rope)
+
+
+@gluon.jit
+def _put(kb, c: gl.constexpr, w, scales, blk: gl.constexpr):
+    """Chunk c (dims 64c..64c+63) of the block, 16 words of 4 e4m3 bytes per row, times its rows'
+    2^(e-127), as bf16 into K tile kb."""
+    b = gl.join(gl.join(w & 0xFF, (w >> 16) & 0xFF), gl.join((w >> 8) & 0xFF, (w >> 24) & 0xFF))
+    b = gl.convert_layout(gl.reshape(b, [BN, 64]), blk)          # byte 4i + k of a row at column 4i + k
+    e = ((scales >> (8 * c)) & 0xFF).to(gl.int32)
+    scale = gl.convert_layout((e << 23).to(gl.float32, bitcast=True), gl.SliceLayout(1, blk))
+    v = b.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+    kb.slice(64 * c, 64, dim=1).store(v.to(gl.bfloat16))
+
+
+@gluon.jit
+def _put_rope(kb, w, D: gl.constexpr, blk: gl.constexpr):
+    """The RoPE dims, 32 words of two bf16 per row, into K tile kb's last 64 columns as stored."""
+    lo = (w << 16).to(gl.float32, bitcast=True)
+    hi = (w & -65536).to(gl.float32, bitcast=True)
+    v = gl.convert_layout(gl.reshape(gl.join(lo, hi), [BN, 64]), blk)
+    kb.slice(D - 64, 64, dim=1).store(v.to(gl.bfloat16))
+
+
+@gluon.jit
+def _producer(a, D: gl.constexpr, NBUF: gl.constexpr):
+    """Worker, 8 warps: per block, decode the rows loaded one iteration earlier into K buffer i % NBUF,
+    with the block's column bias (0, or -inf for an invalid row), after issuing the next block's loads
+    and the list entries of the one after."""
+    (q_smem, k_smem, p_smem, bias_smem, full, empty, t, h0, H, out_ptr, s_u32, s_w64, s_idx, s_len,
+     s_w, s_stride, s_slots, s_bs, e_u32, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs, sp, S, T,
+     acc_ptr) = a
+    blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])     # [rows, 64 dims]
+    wl: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [8, 1], [1, 0])       # [rows, 16 words]
+    rl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])       # [rows, 32 words]
+    il: gl.constexpr = gl.SliceLayout(1, wl)
+    pools = (s_u32, s_w64, s_stride, s_slots, s_bs, e_u32, e_w64, e_stride, e_slots, e_bs)
+    n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
+    sl = _slots(j0, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
+    ok, sc, c0, c1, c2, c3, c4, c5, c6, rope = _gather(j0, nb_s, sl, *pools, D, wl, rl)
+    sl = _slots(j0 + 1, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
+    for i in range(j1 - j0):
+        j = j0 + i
+        ok_n, sc_n, n0, n1, n2, n3, n4, n5, n6, rope_n = _gather(j + 1, nb_s, sl, *pools, D, wl, rl)
+        sl = _slots(j + 2, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
+        b = i % NBUF
+        mbarrier.wait(empty.index(b), ((i // NBUF) & 1) ^ 1)      # the MMA warp group is done with it
+        kb = k_smem.index(b)
+        _put(kb, 0, c0, sc, blk)
+        _put(kb, 1, c1, sc, blk)
+        _put(kb, 2, c2, sc, blk)
+        _put(kb, 3, c3, sc, blk)
+        _put(kb, 4, c4, sc, blk)
+        _put(kb, 5, c5, sc, blk)
+        _put(kb, 6, c6, sc, blk)
+        _put_rope(kb, rope, D, blk)
+        bias_smem.index(b).store(gl.where(ok, 0.0, float("-inf")))
+        fence_async_shared()
+        cta_barrier()
+        mbarrier.arrive(full.index(b), count=1)
+        ok, sc, c0, c1, c2, c3, c4, c5, c6, rope = ok_n, sc_n, n0, n1, n2, n3, n4, n5, n6, rope_n
+
+
+@gluon.jit
+def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D: gl.constexpr,
+              NBUF: gl.constexpr, SPLIT: gl.constexpr):
+    """Default partition, 4 warps (one warp group): Q into shared memory; per block Sᵀ = K·Qᵀ, the online
+    softmax over the block's rows, Pᵀ to shared memory, Oᵀ = Oᵀ·α + Vᵀ·Pᵀ; then sink, lse, 1/denominator,
+    and the output (or, SPLIT, the unnormalized output and (max, sum) per head)."""
+    (q_smem, k_smem, p_smem, bias_smem, full, empty, t, h0, H, out_ptr, s_u32, s_w64, s_idx, s_len,
+     s_w, s_stride, s_slots, s_bs, e_u32, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs, sp, S, T,
+     acc_ptr) = a
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
+    hr = h0 + gl.arange(0, NH, layout=gl.SliceLayout(1, blk))
+    for c in gl.static_range(D // 64):
+        d = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
+        qc = gl.load(q_ptr + ((t.to(gl.int64) * H + hr) * D)[:, None] + d[None, :], mask=(hr < H)[:, None],
+                     other=0.0)
+        q_smem.slice(64 * c, 64, dim=1).store(qc)
+    fence_async_shared()
+    cta_barrier()
+
+    n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
+    m_i = gl.full([NH], float("-inf"), gl.float32, gl.SliceLayout(0, s_l))
+    l_i = gl.zeros([NH], gl.float32, gl.SliceLayout(0, s_l))
+    o = gl.zeros([D, NH], gl.float32, s_l)
+    for i in range(j1 - j0):
+        b = i % NBUF
+        mbarrier.wait(full.index(b), (i // NBUF) & 1)
+        kb = k_smem.index(b)
+        s = warpgroup_mma(kb, q_smem.permute((1, 0)), gl.zeros([BN, NH], gl.float32, s_l), use_acc=False,
+                          is_async=True)
+        bias = bias_smem.index(b).load(gl.SliceLayout(1, s_l))
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = s * qk_scale + bias[:, None]
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[None, :])
+        l_i = l_i * alpha + gl.sum(p, 0)
+        m_i = m_new
+        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()
+        cta_barrier()
+        o = warpgroup_mma(kb.permute((1, 0)), p_smem.permute((1, 0)), o * alpha[None, :], is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        cta_barrier()
+        mbarrier.arrive(empty.index(b), count=1)
+
+    hs = h0 + gl.arange(0, NH, layout=gl.SliceLayout(0, s_l))
+    if SPLIT:
+        # the split's (max, sum) per head beside its unnormalized output: split_combine merges them
+        part = ((sp * T + t).to(gl.int64) * H + hs) * 2
+        gl.store(ml_ptr + part, m_i, mask=hs < H)
+        gl.store(ml_ptr + part + 1, l_i, mask=hs < H)
+    else:
+        # sink in the denominator; a head with no valid row gets 0 and lse = +inf
+        has = l_i > 0
+        m_fin = gl.where(has, m_i, 0.0)
+        sink_l2 = gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * LOG2E_C
+        denom = gl.where(has, l_i + gl.exp2(sink_l2 - m_fin), 1.0)
+        gl.store(lse_ptr + t.to(gl.int64) * H + hs,
+                 gl.where(has, (m_fin + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("inf")),
+                 mask=hs < H)
+        o = o * gl.where(has, 1.0 / denom, 0.0)[None, :]
+    # Oᵀ [dims, heads] stored with each head's dims contiguous
+    st: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
+    o = gl.convert_layout(o, st)
+    ho = h0 + gl.arange(0, NH, layout=gl.SliceLayout(0, st))
+    do = gl.arange(0, D, layout=gl.SliceLayout(1, st))
+    if SPLIT:
+        gl.store(acc_ptr + (((sp * T + t).to(gl.int64) * H + ho) * D)[None, :] + do[:, None], o,
+                 mask=(ho < H)[None, :])
+    else:
+        gl.store(out_ptr + ((t.to(gl.int64) * H + ho) * D)[None, :] + do[:, None], o.to(gl.bfloat16),
+                 mask=(ho < H)[None, :])
+
+
+@gluon.jit(do_not_specialize=["T", "S"])     # step sizes and split counts: one variant for each SPLIT
+def _few_heads_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
+                      s_u32, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs,
+                      e_u32, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs,
+                      acc_ptr, ml_ptr, T, S, H, qk_scale, NH: gl.constexpr, D: gl.constexpr,
+                      NBUF: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr):
+    gl.static_assert(D == 512)
+    sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    t = gl.program_id(0)
+    h0 = gl.program_id(1) * NH
+    sp = gl.program_id(2)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [NH, D], sh)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, D], sh)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [NH, BN], sh)
+    bias_smem = gl.allocate_shared_memory(gl.float32, [NBUF, BN], vec)
+    full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBUF):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    a = (q_smem, k_smem, p_smem, bias_smem, full, empty, t, h0, H, out_ptr, s_u32, s_w64, s_idx, s_len,
+         s_w, s_stride, s_slots, s_bs, e_u32, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs, sp, S, T,
+         acc_ptr)
+    gl.warp_specialize([(_consumer, (q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH, D, NBUF, SPLIT)),
+                        (_producer, (a, D, NBUF))],
+                       [PRODUCER_WARPS], [PRODUCER_REGS])
