@@ -2,8 +2,10 @@
 which auto picks on fp8_ds_mla pages with bf16 queries (the portable two-pass kernel, sparse_mqa.py, reads
 every row twice and writes P to memory in between).
 
-One program per (token, 64 heads): 12 warps in three warp-specialized partitions that hand blocks of 64
-list rows to each other through shared memory and mbarriers (FlashMLA's sm90 sparse decode structure):
+One program per (token, 64 heads) (a call with at most 32 heads runs sparse_mqa_hopper_few.py's programs
+of 8, 16 or 32 instead; sparse_plan.hopper_heads): 12 warps in three warp-specialized partitions that
+hand blocks of 64 list rows to each other through shared memory and mbarriers (FlashMLA's sm90 sparse
+decode structure):
 - producer (4 warps): gathers a block's rows (7 x 64 e4m3 bytes, 64 bf16 RoPE dims, the 8 scale bytes as
   one int64) and decodes them, e4m3 x 2^(e-127) -> bf16, into one of two K buffers [64, 512], with the
   block's column bias (0, or -inf for an invalid row);

@@ -1,6 +1,7 @@
 """How a sparse MQA call is planned, in plain Python (no Triton imported until the Hopper kernel's Gluon is
-asked about): which kernel runs it (`variant`: the one-pass Hopper kernel, sparse_mqa_hopper.py, or the
-portable two-pass one, sparse_mqa.py) and the two-pass kernel's launch shapes."""
+asked about): which kernel runs it (`variant`: the one-pass Hopper kernels, sparse_mqa_hopper.py and
+sparse_mqa_hopper_few.py, or the portable two-pass one, sparse_mqa.py), the Hopper kernels' heads per
+program and splits, and the two-pass kernel's launch shapes."""
 from __future__ import annotations
 
 import functools

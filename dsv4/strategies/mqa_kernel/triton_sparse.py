@@ -7,7 +7,8 @@ lengths, and returns the log-sum-exp. Two kernels (`variant`):
 - two_pass (sparse_mqa.py, every GPU): scores, then P·V by blocks of output dims; launch shapes left at
   0 are planned from the step's size;
 - hopper (sparse_mqa_hopper.py, Gluon, NVIDIA sm90 and fp8_ds_mla pages): one pass, warp-specialized,
-  rows read and decoded once into shared memory; a small step's programs split over list blocks;
+  rows read and decoded once into shared memory; programs of 64 heads, or of 8 to 32 for a rank's few
+  heads (sparse_mqa_hopper_few.py, not padded to 64); a small step's programs split over list blocks;
 - auto: hopper where it can run, two_pass elsewhere.
 Prefill uses the same kernels.
 """
