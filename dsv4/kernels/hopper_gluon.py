@@ -1,6 +1,7 @@
 """What the one-pass Hopper kernels (sparse_mqa_hopper.py: 64 heads per program; sparse_mqa_hopper_few.py:
 8 to 32) share: the Gluon API they use, whose import is the test that this Triton can build them
-(sparse_plan.gluon_error), and the split of a token's list blocks over programs."""
+(sparse_plan.gluon_error), the split of a token's list blocks over programs, loading Q and finishing
+the heads."""
 from __future__ import annotations
 
 from triton.experimental import gluon
@@ -27,3 +28,38 @@ def nblocks(t, sp, S, s_len, e_len, s_w, e_w):
     per = gl.cdiv(nblk, S)
     j0 = gl.minimum(sp * per, nblk)
     return n_s, n_e, nb_s, j0, gl.minimum(j0 + per, nblk)
+
+
+@gluon.jit
+def load_q(q_ptr, q_smem, t, h0, H, NH: gl.constexpr, D: gl.constexpr, blk: gl.constexpr):
+    """Token t's heads h0..h0+NH-1 (zeros past H) into q_smem [NH, D], 64 dims at a time."""
+    hr = h0 + gl.arange(0, NH, layout=gl.SliceLayout(1, blk))
+    for c in gl.static_range(D // 64):
+        d = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
+        qc = gl.load(q_ptr + ((t.to(gl.int64) * H + hr) * D)[:, None] + d[None, :], mask=(hr < H)[:, None],
+                     other=0.0)
+        q_smem.slice(64 * c, 64, dim=1).store(qc)
+    fence_async_shared()
+    cta_barrier()
+
+
+@gluon.jit
+def finish_heads(m_i, l_i, hs, t, sp, T, H, sink_ptr, lse_ptr, ml_ptr, SPLIT: gl.constexpr):
+    """The program's heads hs after their last block, from the running max m_i and sum l_i (log2 domain):
+    SPLIT, the split's (max, sum) stored for split_combine, which finishes them, and 1 returned; else the
+    sink in the denominator, lse stored, and 1/denominator returned (a head with no valid row: 0, lse +inf)."""
+    if SPLIT:
+        part = ((sp * T + t).to(gl.int64) * H + hs) * 2
+        gl.store(ml_ptr + part, m_i, mask=hs < H)
+        gl.store(ml_ptr + part + 1, l_i, mask=hs < H)
+        inv = gl.full(m_i.shape, 1.0, gl.float32, m_i.type.layout)
+    else:
+        has = l_i > 0
+        m_fin = gl.where(has, m_i, 0.0)
+        sink_l2 = gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * LOG2E_C
+        denom = gl.where(has, l_i + gl.exp2(sink_l2 - m_fin), 1.0)
+        gl.store(lse_ptr + t.to(gl.int64) * H + hs,
+                 gl.where(has, (m_fin + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("inf")),
+                 mask=hs < H)
+        inv = gl.where(has, 1.0 / denom, 0.0)
+    return inv

@@ -34,8 +34,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dsv4.kernels import sparse_mqa_hopper_few as few
-from dsv4.kernels.hopper_gluon import (BN, LOG2E_C, cta_barrier, fence_async_shared, mbarrier, nblocks,
-                                       warpgroup_mma, warpgroup_mma_wait)
+from dsv4.kernels.hopper_gluon import (BN, cta_barrier, fence_async_shared, finish_heads, load_q, mbarrier,
+                                       nblocks, warpgroup_mma, warpgroup_mma_wait)
 from dsv4.kernels.launch import launch
 from dsv4.kernels.sparse_plan import few_heads_buffers, hopper_heads
 from dsv4.kernels.split_combine import combine_splits
@@ -171,14 +171,7 @@ def _first_half(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D: gl.constexpr, 
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    hr = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, blk))
-    for c in gl.static_range(D // 64):
-        d = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
-        qc = gl.load(q_ptr + ((t.to(gl.int64) * H + hr) * D)[:, None] + d[None, :], mask=(hr < H)[:, None],
-                     other=0.0)
-        q_smem.slice(64 * c, 64, dim=1).store(qc)
-    fence_async_shared()
-    cta_barrier()
+    load_q(q_ptr, q_smem, t, h0, H, BH, D, blk)
 
     n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
     m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
@@ -212,23 +205,8 @@ def _first_half(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D: gl.constexpr, 
         cta_barrier()
         mbarrier.arrive(empty.index(b), count=1)
 
-    hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
-    if SPLIT:
-        # the split's (max, sum) per head beside its unnormalized output: _combine_kernel merges them
-        part = ((sp * T + t).to(gl.int64) * H + hs) * 2
-        gl.store(ml_ptr + part, m_i, mask=hs < H)
-        gl.store(ml_ptr + part + 1, l_i, mask=hs < H)
-        inv = gl.full([BH], 1.0, gl.float32, gl.SliceLayout(1, s_l))
-    else:
-        # sink in the denominator; a head with no valid row gets 0 and lse = +inf
-        has = l_i > 0
-        m_fin = gl.where(has, m_i, 0.0)
-        sink_l2 = gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * LOG2E_C
-        denom = gl.where(has, l_i + gl.exp2(sink_l2 - m_fin), 1.0)
-        gl.store(lse_ptr + t.to(gl.int64) * H + hs,
-                 gl.where(has, (m_fin + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("inf")),
-                 mask=hs < H)
-        inv = gl.where(has, 1.0 / denom, 0.0)
+    inv = finish_heads(m_i, l_i, h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l)), t, sp, T, H, sink_ptr,
+                       lse_ptr, ml_ptr, SPLIT)
     inv_smem.store(inv)
     cta_barrier()
     mbarrier.arrive(fin, count=1)

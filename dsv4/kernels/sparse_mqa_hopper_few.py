@@ -19,8 +19,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from dsv4.kernels.hopper_gluon import (BN, LOG2E_C, cta_barrier, fence_async_shared, mbarrier, nblocks,
-                                       warpgroup_mma, warpgroup_mma_wait)
+from dsv4.kernels.hopper_gluon import (BN, cta_barrier, fence_async_shared, finish_heads, load_q, mbarrier,
+                                       nblocks, warpgroup_mma, warpgroup_mma_wait)
 
 # 12 warps x 168 registers = the SM's 64K: the 8 decoding warps 152, the MMA warp group the rest
 MAXNREG, PRODUCER_REGS = 168, 152
@@ -142,14 +142,7 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
      acc_ptr) = a
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
-    hr = h0 + gl.arange(0, NH, layout=gl.SliceLayout(1, blk))
-    for c in gl.static_range(D // 64):
-        d = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
-        qc = gl.load(q_ptr + ((t.to(gl.int64) * H + hr) * D)[:, None] + d[None, :], mask=(hr < H)[:, None],
-                     other=0.0)
-        q_smem.slice(64 * c, 64, dim=1).store(qc)
-    fence_async_shared()
-    cta_barrier()
+    load_q(q_ptr, q_smem, t, h0, H, NH, D, blk)
 
     n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
     m_i = gl.full([NH], float("-inf"), gl.float32, gl.SliceLayout(0, s_l))
@@ -178,22 +171,9 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
         cta_barrier()
         mbarrier.arrive(empty.index(b), count=1)
 
-    hs = h0 + gl.arange(0, NH, layout=gl.SliceLayout(0, s_l))
-    if SPLIT:
-        # the split's (max, sum) per head beside its unnormalized output: split_combine merges them
-        part = ((sp * T + t).to(gl.int64) * H + hs) * 2
-        gl.store(ml_ptr + part, m_i, mask=hs < H)
-        gl.store(ml_ptr + part + 1, l_i, mask=hs < H)
-    else:
-        # sink in the denominator; a head with no valid row gets 0 and lse = +inf
-        has = l_i > 0
-        m_fin = gl.where(has, m_i, 0.0)
-        sink_l2 = gl.load(sink_ptr + hs, mask=hs < H, other=0.0) * LOG2E_C
-        denom = gl.where(has, l_i + gl.exp2(sink_l2 - m_fin), 1.0)
-        gl.store(lse_ptr + t.to(gl.int64) * H + hs,
-                 gl.where(has, (m_fin + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("inf")),
-                 mask=hs < H)
-        o = o * gl.where(has, 1.0 / denom, 0.0)[None, :]
+    inv = finish_heads(m_i, l_i, h0 + gl.arange(0, NH, layout=gl.SliceLayout(0, s_l)), t, sp, T, H, sink_ptr,
+                       lse_ptr, ml_ptr, SPLIT)
+    o = o * inv[None, :]
     # Oᵀ [dims, heads] stored with each head's dims contiguous
     st: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
     o = gl.convert_layout(o, st)
