@@ -8,6 +8,8 @@
                                          # around the planners' switches and at prefill size
   python bench/tune_triton.py split      # the Hopper kernel split over list blocks on small steps and few heads,
                                          # FlashMLA (padded to 64 heads) and the two-pass kernel beside it
+  python bench/tune_triton.py few        # a rank's few heads (8, 16, 32): the few-heads Hopper kernel at two and
+                                         # three K buffers beside FlashMLA and the 64-head kernel, both padded to 64
   python bench/tune_triton.py oproj      # o_proj=triton_fp8's grouped e4m3 product beside DeepGEMM, torch_fp8, bf16
 
 The shipped defaults (dsv4/configs/mqa_kernel/triton_sparse.yaml, dsv4/configs/o_proj/triton_fp8.yaml,
@@ -168,6 +170,55 @@ def split(cases=SPLIT_CASES) -> None:
               + " | ".join(cells) + f" | {err} |", flush=True)
 
 
+# (label, heads, compressed page size, compressed list width, requests, tokens per request): the
+# tensor-parallel ranks' head counts of DSV4-Flash (8 at TP8, 16 at TP4) and DSV4-Pro (32 at TP4)
+FEW_CASES = [("h8 128+512", 8, 64, 512, 128, 2), ("h16 128+512", 16, 64, 512, 128, 2),
+             ("h32 128+1024", 32, 64, 1024, 128, 2), ("h8 128+512", 8, 64, 512, 1, 1),
+             ("h8 128+512", 8, 64, 512, 16, 1), ("h8 128+512", 8, 64, 512, 64, 1), ("h16 128+512", 16, 64, 512, 32, 2),
+             ("h8 128+256 c128", 8, 2, 256, 128, 2), ("h8 128 SWA only", 8, None, 0, 128, 2)]
+
+
+def few(cases=FEW_CASES) -> None:
+    """The few-heads Hopper kernel (sparse_mqa_hopper_few.py) at two and three K buffers beside FlashMLA
+    and the 64-head Hopper kernel, both given the queries padded to 64 heads (what head_padding=
+    buckets_64_128 does), on the same pages; the error against FlashMLA's output."""
+    from dsv4.kernels import sparse_mqa_hopper as hop
+    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.sparse_plan import few_heads_buffers, hopper_heads
+
+    fm = FlashMLASparse()
+    prep = fm.prepare(device=detect())
+    scale = 512 ** -0.5
+    print("| case | FlashMLA (padded) µs | 64-head kernel (padded) µs | few-heads, 2 buffers | 3 buffers | auto µs | "
+          "auto / FlashMLA | rel diff |")
+    print("|---" * 8 + "|")
+    for label, H, eb, ew, b, sq in cases:
+        T = b * sq
+        q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
+                                  extra_blocks=POOL_BLOCKS, full=True)
+        qp, sp = pad_heads(q, sink, 64)
+        a, call = flashmla_steady(fm, prep, qp, kv, sp, scale)
+        t_f = graph_time_us(call)
+        ex = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens) if ew else {}
+
+        def run(qq, ss):
+            return sparse_mqa(qq, ss, scale, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **ex, variant="hopper")
+        cells = [f"{graph_time_us(lambda: run(qp, sp)):.1f}"]
+        for n in (2, 3):
+            if n > few_heads_buffers(hopper_heads(H)):        # three do not fit beside 32 heads' Q
+                cells.append("-")
+                continue
+            hop.few_heads_buffers = lambda _, n=n: n
+            try:
+                cells.append(f"{graph_time_us(lambda: run(q, sink)):.1f}")
+            finally:
+                hop.few_heads_buffers = few_heads_buffers
+        o = TritonSparseMQA(variant="auto")(q, kv, sink=sink, scale=scale)[0]
+        t_a = graph_time_us(lambda: TritonSparseMQA(variant="auto")(q, kv, sink=sink, scale=scale))
+        print(f"| {label} b={b} s_q={sq} | {t_f:.1f} | " + " | ".join(cells) + f" | {t_a:.1f} | {t_a / t_f:.2f} | "
+              f"{rel_err(o, a[:, :H]):.1e} |", flush=True)
+
+
 def prologue() -> None:
     from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
 
@@ -238,6 +289,8 @@ if __name__ == "__main__":
         planned()
     elif "split" in sys.argv:
         split()
+    elif "few" in sys.argv:
+        few()
     elif "oproj" in sys.argv:
         oproj()
     elif "quick" in sys.argv:
