@@ -196,7 +196,7 @@ def test_launch_shapes_need_the_two_pass_variant(variant):
 def test_kernel_plan(monkeypatch):
     """auto takes the Hopper kernel on sm90 for fp8_ds_mla pages, whatever the step's size (small steps
     split over list blocks); an explicit hopper that cannot run is an error naming the reason and the fix."""
-    from dsv4.kernels.sparse_plan import few_heads_buffers, hopper_heads, hopper_splits, plan_kernel
+    from dsv4.kernels.sparse_plan import hopper_heads, hopper_splits, plan_kernel
 
     h200 = dict(arch="sm90", layouts=(1, 1), head_dim=512, native=True, dtype="bfloat16")
     assert plan_kernel("auto", **h200) == "hopper"
@@ -204,7 +204,6 @@ def test_kernel_plan(monkeypatch):
     assert plan_kernel("hopper", **h200) == "hopper"
     # heads per program: a tensor-parallel rank's few heads are not padded to 64
     assert [hopper_heads(h) for h in (1, 8, 9, 16, 20, 32, 33, 64, 128)] == [8, 8, 16, 16, 32, 32, 64, 64, 64]
-    assert [few_heads_buffers(h) for h in (8, 16, 32)] == [3, 3, 2]
     # programs per (token, head block): about one program per SM in all, each at least one block of 64 rows
     assert hopper_splits(256, 64, 640, 132) == 1 and hopper_splits(132, 8, 640, 132) == 1
     assert hopper_splits(64, 8, 640, 132) == 2 and hopper_splits(64, 48, 640, 132) == 2

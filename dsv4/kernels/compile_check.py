@@ -84,10 +84,9 @@ def compile_for(target: str, what: str) -> float:
         from dsv4.kernels import sparse_mqa_hopper as hop
         from dsv4.kernels import sparse_mqa_hopper_few as few
         from dsv4.kernels import split_combine
-        from dsv4.kernels.sparse_plan import few_heads_buffers
 
         # SWA pages of 64 rows (divisible by 16, as launched), compressed pages of 2 (a ratio-128 layer);
-        # whole programs and splits of them: 64 heads, and 8/16/32 with their planned K buffers; the merge
+        # whole programs and splits of them: 64 heads, and 8/16/32 with their K buffers; the merge
         def types(a):
             return "*fp32" if a == "acc_ptr" else "*i32" if a.endswith("_u32") else _arg_type(a, 1)
 
@@ -96,7 +95,7 @@ def compile_for(target: str, what: str) -> float:
             _compile(hop._hopper_kernel, dict(D=512, WG1_REGS=hop.WG1_REGS, PRODUCER_REGS=hop.PRODUCER_REGS,
                                               SPLIT=split), types, ints, gpu, 4, maxnreg=hop.MAXNREG)
             for nh in (8, 16, 32):
-                _compile(few._few_heads_kernel, dict(NH=nh, D=512, NBUF=few_heads_buffers(nh),
+                _compile(few._few_heads_kernel, dict(NH=nh, D=512, NBUF=few.BUFFERS,
                                                      PRODUCER_REGS=few.PRODUCER_REGS, SPLIT=split),
                          types, ints, gpu, 4, maxnreg=few.MAXNREG)
         _compile(split_combine._combine_kernel, dict(BH=split_combine.BH, DB=split_combine.DB, D=512), types,

@@ -37,7 +37,7 @@ from dsv4.kernels import sparse_mqa_hopper_few as few
 from dsv4.kernels.hopper_gluon import (BN, cta_barrier, fence_async_shared, finish_heads, load_q, mbarrier,
                                        nblocks, warpgroup_mma, warpgroup_mma_wait)
 from dsv4.kernels.launch import launch
-from dsv4.kernels.sparse_plan import few_heads_buffers, hopper_heads
+from dsv4.kernels.sparse_plan import hopper_heads
 from dsv4.kernels.split_combine import combine_splits
 from dsv4.sizes import cdiv
 
@@ -256,7 +256,7 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
     """(out [T, H, 512], lse [T, H]) like sparse_mqa's, for fp8_ds_mla (OCP) pools given as `pool_args`.
     sink: the sinks, float32 [H], contiguous; scale_l2: softmax scale x log2(e). Lists int32, contiguous.
     Programs of sparse_plan.hopper_heads(H) heads: 64 here, 8 to 32 in sparse_mqa_hopper_few.py (buffers:
-    its K buffers, 0 = sparse_plan.few_heads_buffers). splits > 1: each (token, head block) is that many
+    its K buffers, 0 = its BUFFERS). splits > 1: each (token, head block) is that many
     programs over equal runs of its blocks, merged by split_combine (sparse_plan.hopper_splits says how
     many fill the GPU)."""
     import torch
@@ -287,7 +287,7 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
                swa.data.view(torch.int32), swa.words, swa_idx, swa_len, swa_idx.shape[1], swa.page_stride,
                swa.num_slots, swa.block_size, e.data.view(torch.int32), e.words, e_idx, e_len, e_w, e.page_stride,
                e.num_slots, e.block_size, acc, ml, T, splits, H, scale_l2, NH=nh, D=D,
-               NBUF=buffers or few_heads_buffers(nh), PRODUCER_REGS=few.PRODUCER_REGS, SPLIT=split,
+               NBUF=buffers or few.BUFFERS, PRODUCER_REGS=few.PRODUCER_REGS, SPLIT=split,
                num_warps=4, maxnreg=few.MAXNREG)
     if split:
         combine_splits(acc, ml, sink, out, lse, splits)

@@ -25,6 +25,9 @@ from dsv4.kernels.hopper_gluon import (BN, cta_barrier, fence_async_shared, fini
 # 12 warps x 168 registers = the SM's 64K: the 8 decoding warps 152, the MMA warp group the rest
 MAXNREG, PRODUCER_REGS = 168, 152
 PRODUCER_WARPS = gl.constexpr(8)
+# K buffers: two (three, where shared memory holds them beside 8 or 16 heads' Q, measured no faster;
+# docs/benchmarks.md)
+BUFFERS = 2
 
 
 @gluon.jit

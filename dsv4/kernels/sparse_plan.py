@@ -44,12 +44,6 @@ def hopper_heads(heads: int) -> int:
     return 64 if heads > 32 else max(8, next_pow2(heads))
 
 
-def few_heads_buffers(block_heads: int) -> int:
-    """K buffers of the few-heads kernel: three where shared memory holds them (Q takes 512 x 2 bytes a
-    head), else two."""
-    return 3 if block_heads <= 16 else 2
-
-
 def hopper_splits(tokens: int, heads: int, columns: int, processors: int) -> int:
     """How many programs the Hopper kernel makes of each (token, head block): 1 once the step has as many
     of them as SMs; below, as many as bring it to about one per SM, each at least one block of 64 rows
