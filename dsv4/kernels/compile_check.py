@@ -88,7 +88,7 @@ def compile_for(target: str, what: str) -> float:
         # SWA pages of 64 rows (divisible by 16, as launched), compressed pages of 2 (a ratio-128 layer);
         # whole programs and splits of them: 64 heads, and 8/16/32 with their K buffers; the merge
         def types(a):
-            return "*fp32" if a == "acc_ptr" else "*i32" if a.endswith("_u32") else _arg_type(a, 1)
+            return "*fp32" if a == "acc_ptr" else _arg_type(a, 1)
 
         ints = {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"}
         for split in (False, True):

@@ -256,11 +256,10 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
     """(out [T, H, 512], lse [T, H]) like sparse_mqa's, for fp8_ds_mla (OCP) pools given as `pool_args`.
     sink: the sinks, float32 [H], contiguous; scale_l2: softmax scale x log2(e). Lists int32, contiguous.
     Programs of sparse_plan.hopper_heads(H) heads: 64 here, 8 to 32 in sparse_mqa_hopper_few.py (buffers:
-    its K buffers, 0 = its BUFFERS). splits > 1: each (token, head block) is that many
-    programs over equal runs of its blocks, merged by split_combine (sparse_plan.hopper_splits says how
-    many fill the GPU)."""
+    its K buffers, 0 = its BUFFERS). splits > 1: each (token, head block) is that many programs over
+    equal runs of its blocks, merged by split_combine (sparse_plan.hopper_splits says how many fill the
+    GPU)."""
     import torch
-
 
     T, H, D = q.shape
     out = torch.empty_like(q)
@@ -282,13 +281,11 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
                acc, ml, T, splits, H, scale_l2, D=D, WG1_REGS=WG1_REGS,
                PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, num_warps=4, maxnreg=MAXNREG)
     else:
-        # the e4m3 bytes and RoPE dims read as 32-bit words (a record and its parts are 4-byte aligned)
         launch(few._few_heads_kernel, (T, cdiv(H, nh), splits), q, sink, out, lse,
-               swa.data.view(torch.int32), swa.words, swa_idx, swa_len, swa_idx.shape[1], swa.page_stride,
-               swa.num_slots, swa.block_size, e.data.view(torch.int32), e.words, e_idx, e_len, e_w, e.page_stride,
-               e.num_slots, e.block_size, acc, ml, T, splits, H, scale_l2, NH=nh, D=D,
-               NBUF=buffers or few.BUFFERS, PRODUCER_REGS=few.PRODUCER_REGS, SPLIT=split,
-               num_warps=4, maxnreg=few.MAXNREG)
+               swa.words, swa_idx, swa_len, swa_idx.shape[1], swa.page_stride, swa.num_slots, swa.block_size,
+               e.words, e_idx, e_len, e_w, e.page_stride, e.num_slots, e.block_size,
+               acc, ml, T, splits, H, scale_l2, NH=nh, D=D, NBUF=buffers or few.BUFFERS,
+               PRODUCER_REGS=few.PRODUCER_REGS, SPLIT=split, num_warps=4, maxnreg=few.MAXNREG)
     if split:
         combine_splits(acc, ml, sink, out, lse, splits)
     return out, lse

@@ -13,6 +13,10 @@ the gather: while block j is decoded into shared memory, block j + 1's rows (7 x
 bf16 RoPE dims, the scale word) are in flight, and block j + 2's list entries.
 The numerics are the 64-head kernel's: e4m3 x 2^(e-127) -> bf16 rows, float32 scores, the online softmax
 in the log2 domain, P rounded to bf16, the sink in the denominator; splits merge in split_combine.py.
+H200, 8 heads, same step: 60 µs against FlashMLA's 87.7 with its heads padded to 64 (16 heads 63.5,
+32 heads 137.6 against 143.2). What bounds it: the gather alone takes 36 µs (2.6 TB/s of random
+576-byte rows), the decoding does not hide behind it, and at 32 heads the MMA warp group's serial
+chain (Sᵀ, softmax, Oᵀ) does not hide behind the gather (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -45,15 +49,16 @@ def _slots(j, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, rl: gl.constexpr):
 
 
 @gluon.jit
-def _gather(j, nb_s, slots, s_u32, s_w64, s_stride, s_slots, s_bs, e_u32, e_w64, e_stride, e_slots, e_bs,
-            D: gl.constexpr, wl: gl.constexpr, rl: gl.constexpr):
+def _gather(j, nb_s, slots, s_w64, s_stride, s_slots, s_bs, e_w64, e_stride, e_slots, e_bs, D: gl.constexpr,
+            wl: gl.constexpr, rl: gl.constexpr):
     """Issue block j's loads: which rows are valid, their scale words, the 7 chunks of 64 e4m3 bytes and the
     RoPE dims, all as 32-bit words (a tensor of bytes carried across iterations takes a register per
     byte). Zeros where not valid; nothing here waits for them."""
     if j < nb_s:
-        u32, w64, stride, num_slots, bs = s_u32, s_w64, s_stride, s_slots, s_bs
+        w64, stride, num_slots, bs = s_w64, s_stride, s_slots, s_bs
     else:
-        u32, w64, stride, num_slots, bs = e_u32, e_w64, e_stride, e_slots, e_bs
+        w64, stride, num_slots, bs = e_w64, e_stride, e_slots, e_bs
+    u32 = w64.to(gl.pointer_type(gl.int32), bitcast=True)            # the same pages, 4 bytes at a time
     ok = (slots >= 0) & (slots < num_slots)
     slot = gl.where(ok, slots, 0)
     page = (slot // bs).to(gl.int64)
@@ -100,14 +105,14 @@ def _producer(a, D: gl.constexpr, NBUF: gl.constexpr):
     """Worker, 8 warps: per block, decode the rows loaded one iteration earlier into K buffer i % NBUF,
     with the block's column bias (0, or -inf for an invalid row), after issuing the next block's loads
     and the list entries of the one after."""
-    (q_smem, k_smem, p_smem, bias_smem, full, empty, t, h0, H, out_ptr, s_u32, s_w64, s_idx, s_len,
-     s_w, s_stride, s_slots, s_bs, e_u32, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs, sp, S, T,
+    (q_smem, k_smem, p_smem, bias_smem, full, empty, t, h0, H, out_ptr, s_w64, s_idx, s_len,
+     s_w, s_stride, s_slots, s_bs, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs, sp, S, T,
      acc_ptr) = a
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])     # [rows, 64 dims]
     wl: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [8, 1], [1, 0])       # [rows, 16 words]
     rl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])       # [rows, 32 words]
     il: gl.constexpr = gl.SliceLayout(1, wl)
-    pools = (s_u32, s_w64, s_stride, s_slots, s_bs, e_u32, e_w64, e_stride, e_slots, e_bs)
+    pools = (s_w64, s_stride, s_slots, s_bs, e_w64, e_stride, e_slots, e_bs)
     n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
     sl = _slots(j0, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
     ok, sc, c0, c1, c2, c3, c4, c5, c6, rope = _gather(j0, nb_s, sl, *pools, D, wl, rl)
@@ -140,8 +145,8 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
     """Default partition, 4 warps (one warp group): Q into shared memory; per block Sᵀ = K·Qᵀ, the online
     softmax over the block's rows, Pᵀ to shared memory, Oᵀ = Oᵀ·α + Vᵀ·Pᵀ; then sink, lse, 1/denominator,
     and the output (or, SPLIT, the unnormalized output and (max, sum) per head)."""
-    (q_smem, k_smem, p_smem, bias_smem, full, empty, t, h0, H, out_ptr, s_u32, s_w64, s_idx, s_len,
-     s_w, s_stride, s_slots, s_bs, e_u32, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs, sp, S, T,
+    (q_smem, k_smem, p_smem, bias_smem, full, empty, t, h0, H, out_ptr, s_w64, s_idx, s_len,
+     s_w, s_stride, s_slots, s_bs, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs, sp, S, T,
      acc_ptr) = a
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
@@ -192,8 +197,8 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
 
 @gluon.jit(do_not_specialize=["T", "S"])     # step sizes and split counts: one variant for each SPLIT
 def _few_heads_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
-                      s_u32, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs,
-                      e_u32, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs,
+                      s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs,
+                      e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs,
                       acc_ptr, ml_ptr, T, S, H, qk_scale, NH: gl.constexpr, D: gl.constexpr,
                       NBUF: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr):
     gl.static_assert(D == 512)
@@ -211,8 +216,8 @@ def _few_heads_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
     for i in gl.static_range(NBUF):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    a = (q_smem, k_smem, p_smem, bias_smem, full, empty, t, h0, H, out_ptr, s_u32, s_w64, s_idx, s_len,
-         s_w, s_stride, s_slots, s_bs, e_u32, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs, sp, S, T,
+    a = (q_smem, k_smem, p_smem, bias_smem, full, empty, t, h0, H, out_ptr, s_w64, s_idx, s_len,
+         s_w, s_stride, s_slots, s_bs, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs, sp, S, T,
          acc_ptr)
     gl.warp_specialize([(_consumer, (q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH, D, NBUF, SPLIT)),
                         (_producer, (a, D, NBUF))],
