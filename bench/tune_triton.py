@@ -136,9 +136,9 @@ def flashmla_steady(fm, prep, q, kv, sink, scale):
 
 
 def padded_case(fm, prep, H, eb, ew, T, scale):
-    """A case's pages and queries, FlashMLA's output and time with the heads padded to 64 (as head_padding
-    pads them; `flashmla_steady`), and the compressed pool as sparse_mqa's keywords ({} without one).
-    -> (q, kv, sink, FlashMLA's output, its µs, extra keywords)."""
+    """A case's pages and queries, those padded to 64 heads (as head_padding pads them), FlashMLA's output and
+    time on the padded ones (`flashmla_steady`), and the compressed pool as sparse_mqa's keywords ({} without
+    one). -> (q, kv, sink, padded q, padded sink, FlashMLA's output, its µs, extra keywords)."""
     from dsv4.kernels.sparse_mqa import pool_args
 
     q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
@@ -146,7 +146,7 @@ def padded_case(fm, prep, H, eb, ew, T, scale):
     qp, sp = pad_heads(q, sink, 64)
     a, call = flashmla_steady(fm, prep, qp, kv, sp, scale)
     ex = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens) if ew else {}
-    return q, kv, sink, a, graph_time_us(call), ex
+    return q, kv, sink, qp, sp, a, graph_time_us(call), ex
 
 
 def split(cases=SPLIT_CASES) -> None:
@@ -162,7 +162,7 @@ def split(cases=SPLIT_CASES) -> None:
     print(f"| case | FlashMLA µs | two_pass µs | auto µs | {splits} | rel diff planned |")
     print("|---" * (5 + len(SPLITS)) + "|")
     for label, H, eb, ew, b, sq in cases:
-        q, kv, sink, a, t_f, ex = padded_case(fm, prep, H, eb, ew, b * sq, scale)
+        q, kv, sink, _, _, a, t_f, ex = padded_case(fm, prep, H, eb, ew, b * sq, scale)
         t_v = {v: graph_time_us(lambda: TritonSparseMQA(variant=v)(q, kv, sink=sink, scale=scale))
                for v in ("two_pass", "auto")}
         cells, err = [], ""
@@ -201,8 +201,7 @@ def few(cases=FEW_CASES) -> None:
           "auto / FlashMLA | rel diff |")
     print("|---" * 8 + "|")
     for label, H, eb, ew, b, sq in cases:
-        q, kv, sink, a, t_f, ex = padded_case(fm, prep, H, eb, ew, b * sq, scale)
-        qp, sp = pad_heads(q, sink, 64)
+        q, kv, sink, qp, sp, a, t_f, ex = padded_case(fm, prep, H, eb, ew, b * sq, scale)
 
         def run(qq, ss):
             return sparse_mqa(qq, ss, scale, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **ex, variant="hopper")

@@ -295,9 +295,9 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
     """q [T, H, D] -> (out [T, H, D] in q's dtype, lse [T, H] float32, natural log, sink excluded).
 
     `swa`/`extra` are `pool_args(...)`; index lists [T, W] int32 with -1 padding and lengths [T].
-    `variant` picks the kernel (plan_kernel): the one-pass Hopper kernel (sparse_mqa_hopper.py) or the
+    `variant` picks the kernel (plan_kernel): the one-pass Hopper kernels (sparse_mqa_hopper.py) or the
     portable two-pass one, whose launch shapes left at 0 come from `plan_launch`; `splits`, the Hopper
-    kernel's programs per (token, 64 heads), from `hopper_splits` at 0. `native_fp8`: decode
+    kernel's programs per (token, head block), from `hopper_splits` at 0. `native_fp8`: decode
     OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA sm89+). `target`: the
     device's facts as the strategy prepared them (default: `target_of` q's device)."""
     import torch
