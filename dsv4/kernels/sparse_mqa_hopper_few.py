@@ -16,9 +16,11 @@ in the log2 domain, P rounded to bf16, the sink in the denominator; splits merge
 H200, 8 heads, same step: 60 µs against FlashMLA's 87.7 with its heads padded to 64 (16 heads 63.5,
 32 heads 137.6 against 143.2). What bounds it: the gather alone takes 36 µs (2.6 TB/s of random
 576-byte rows), the decoding does not hide behind it, and at 32 heads the MMA warp group's serial
-chain (Sᵀ, softmax, Oᵀ) does not hide behind the gather (docs/benchmarks.md). Copying the rows by
-cp.async into shared-memory staging instead (no registers held while in flight) was 9% faster on the
-largest 8- and 16-head steps and 4-23% slower on smaller steps, shorter lists and 32 heads: not used.
+chain (Sᵀ, softmax, Oᵀ) does not hide behind the gather (docs/benchmarks.md). A profile says latency:
+DRAM a quarter busy, the schedulers issuing in 41% of cycles, the warps waiting mostly on the loads.
+Not used, as measured: copying the rows by cp.async into shared-memory staging (no registers held while
+in flight; 9% faster on the largest 8- and 16-head steps, 4-23% slower on smaller steps, shorter lists
+and 32 heads), and two blocks per iteration in fixed registers (4-7% slower at 8 and 16 heads).
 """
 from __future__ import annotations
 
