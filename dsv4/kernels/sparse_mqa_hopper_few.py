@@ -84,6 +84,33 @@ def _gather(j, nb_s, slots, s_w64, s_stride, s_slots, s_bs, e_w64, e_stride, e_s
 
 
 @gluon.jit
+def _e4m3_to_bf16(byte, scale):
+    """bf16(e4m3 byte x scale), scale float32 of the same shape: what Triton emits for
+    .to(float8e4nv).to(float32) * scale -> bf16 (e4m3x2 -> f16x2 -> f32, one rounding), bit for bit, as one
+    PTX block per 4 bytes, which take the 32-bit word they were loaded in: Triton's conversion extracts
+    the bytes and packs them again (the decoding warps' loop: 681 -> 569 instructions per block at 8
+    heads)."""
+    return gl.inline_asm_elementwise(
+        """{ .reg .b16 lo, hi; .reg .b32 h0, h1; .reg .f16 x0, x1, x2, x3; .reg .f32 a0, a1, a2, a3;
+        mov.b32 {lo, hi}, $2;
+        cvt.rn.f16x2.e4m3x2 h0, lo;
+        cvt.rn.f16x2.e4m3x2 h1, hi;
+        mov.b32 {x0, x1}, h0;
+        mov.b32 {x2, x3}, h1;
+        cvt.f32.f16 a0, x0;
+        cvt.f32.f16 a1, x1;
+        cvt.f32.f16 a2, x2;
+        cvt.f32.f16 a3, x3;
+        mul.f32 a0, a0, $3;
+        mul.f32 a1, a1, $4;
+        mul.f32 a2, a2, $5;
+        mul.f32 a3, a3, $6;
+        cvt.rn.bf16x2.f32 $0, a1, a0;
+        cvt.rn.bf16x2.f32 $1, a3, a2; }""",
+        "=r,=r,r,r,r,r,r", [byte, scale], dtype=gl.bfloat16, is_pure=True, pack=4)
+
+
+@gluon.jit
 def _put(kb, c: gl.constexpr, w, scales, blk: gl.constexpr):
     """Chunk c (dims 64c..64c+63) of the block, 16 words of 4 e4m3 bytes per row, times its rows'
     2^(e-127), as bf16 into K tile kb."""
@@ -91,8 +118,8 @@ def _put(kb, c: gl.constexpr, w, scales, blk: gl.constexpr):
     b = gl.convert_layout(gl.reshape(b, [BN, 64]), blk)          # byte 4i + k of a row at column 4i + k
     e = ((scales >> (8 * c)) & 0xFF).to(gl.int32)
     scale = gl.convert_layout((e << 23).to(gl.float32, bitcast=True), gl.SliceLayout(1, blk))
-    v = b.to(gl.uint8).to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
-    kb.slice(64 * c, 64, dim=1).store(v.to(gl.bfloat16))
+    kb.slice(64 * c, 64, dim=1).store(_e4m3_to_bf16(b.to(gl.uint8),
+                                                    gl.zeros([BN, 64], gl.float32, blk) + scale[:, None]))
 
 
 @gluon.jit
