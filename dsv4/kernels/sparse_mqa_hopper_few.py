@@ -15,12 +15,16 @@ The numerics are the 64-head kernel's: e4m3 x 2^(e-127) -> bf16 rows, float32 sc
 in the log2 domain, P rounded to bf16, the sink in the denominator; splits merge in split_combine.py.
 H200, 8 heads, same step: 60 µs against FlashMLA's 87.7 with its heads padded to 64 (16 heads 63.5,
 32 heads 137.6 against 143.2). What bounds it: the gather alone takes 36 µs (2.6 TB/s of random
-576-byte rows), the decoding does not hide behind it, and at 32 heads the MMA warp group's serial
-chain (Sᵀ, softmax, Oᵀ) does not hide behind the gather (docs/benchmarks.md). A profile says latency:
-DRAM a quarter busy, the schedulers issuing in 41% of cycles, the warps waiting mostly on the loads.
+576-byte rows), and what does not hide behind it is shared memory, not arithmetic: the loads in flight
+finish later while the decoding stores rows into the K buffers or the MMAs read them (8 heads: gather
+and decoding 52.5 µs, 38.9 when the decoded rows are not stored, gather and MMAs 56.8; 32 heads: the
+gather 86.4, with the MMAs 120.6; docs/benchmarks.md). A profile says latency: DRAM a quarter busy, the schedulers issuing in 41% of
+cycles, the warps waiting mostly on the loads.
 Not used, as measured: copying the rows by cp.async into shared-memory staging (no registers held while
 in flight; 9% faster on the largest 8- and 16-head steps, 4-23% slower on smaller steps, shorter lists
-and 32 heads), and two blocks per iteration in fixed registers (4-7% slower at 8 and 16 heads).
+and 32 heads), two blocks per iteration in fixed registers (4-7% slower at 8 and 16 heads), and
+loading the rows evict-first (5-8% faster on the three largest steps measured, 1-17% slower on the six
+others).
 """
 from __future__ import annotations
 
