@@ -18,8 +18,8 @@ H200, 8 heads, same step: 60 µs against FlashMLA's 87.7 with its heads padded t
 576-byte rows), and what does not hide behind it is shared memory, not arithmetic: the loads in flight
 finish later while the decoding stores rows into the K buffers or the MMAs read them (8 heads: gather
 and decoding 52.5 µs, 38.9 when the decoded rows are not stored, gather and MMAs 56.8; 32 heads: the
-gather 86.4, with the MMAs 120.6; docs/benchmarks.md). A profile says latency: DRAM a quarter busy, the schedulers issuing in 41% of
-cycles, the warps waiting mostly on the loads.
+gather 86.4, with the MMAs 120.6; docs/benchmarks.md). A profile says latency: DRAM a quarter busy,
+the schedulers issuing in 41% of cycles, the warps waiting mostly on the loads.
 Not used, as measured: copying the rows by cp.async into shared-memory staging (no registers held while
 in flight; 9% faster on the largest 8- and 16-head steps, 4-23% slower on smaller steps, shorter lists
 and 32 heads), two blocks per iteration in fixed registers (4-7% slower at 8 and 16 heads), and
