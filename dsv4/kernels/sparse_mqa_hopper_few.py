@@ -13,8 +13,8 @@ the gather: while block j is decoded into shared memory, block j + 1's rows (7 x
 bf16 RoPE dims, the scale word) are in flight, and block j + 2's list entries.
 The numerics are the 64-head kernel's: e4m3 x 2^(e-127) -> bf16 rows, float32 scores, the online softmax
 in the log2 domain, P rounded to bf16, the sink in the denominator; splits merge in split_combine.py.
-H200, 8 heads, same step: 60 µs against FlashMLA's 87.7 with its heads padded to 64 (16 heads 63.5,
-32 heads 137.6 against 143.2). What bounds it: the gather alone takes 36 µs (2.6 TB/s of random
+H200, 8 heads, same step: 60.1 µs against FlashMLA's 87.5 with its heads padded to 64 (16 heads 63.5
+against 88.3, 32 heads 134.1 against 142.9). What bounds it: the gather alone takes 36 µs (2.6 TB/s of random
 576-byte rows), and what does not hide behind it is shared memory, not arithmetic: the loads in flight
 finish later while the decoding stores rows into the K buffers or the MMAs read them (8 heads: gather
 and decoding 52.5 µs, 38.9 when the decoded rows are not stored, gather and MMAs 56.8; 32 heads: the
