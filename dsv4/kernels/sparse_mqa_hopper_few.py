@@ -22,9 +22,11 @@ gather 86.4, with the MMAs 120.6; docs/benchmarks.md). A profile says latency: D
 the schedulers issuing in 41% of cycles, the warps waiting mostly on the loads.
 Not used, as measured: copying the rows by cp.async into shared-memory staging (no registers held while
 in flight; 9% faster on the largest 8- and 16-head steps, 4-23% slower on smaller steps, shorter lists
-and 32 heads), two blocks per iteration in fixed registers (4-7% slower at 8 and 16 heads), and
+and 32 heads), two blocks per iteration in fixed registers (4-7% slower at 8 and 16 heads),
 loading the rows evict-first (5-8% faster on the three largest steps measured, 1-17% slower on the six
-others).
+others), Sᵀ multiplied from registers by two decoding warp groups, one per half of the dims (5% faster at
+8 heads, 3-9% slower at 32 heads, ratio 128 and SWA), and e4m3 rows left raw in shared memory for the MMA
+warp group to decode Vᵀ from (1.45-2 times slower: its serial chain becomes the bound).
 """
 from __future__ import annotations
 
