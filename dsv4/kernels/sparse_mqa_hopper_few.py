@@ -26,7 +26,7 @@ and 32 heads), two blocks per iteration in fixed registers (4-7% slower at 8 and
 loading the rows evict-first (5-8% faster on the three largest steps measured, 1-17% slower on the six
 others), Sᵀ multiplied from registers by two decoding warp groups, one per half of the dims (5% faster at
 8 heads, 3-9% slower at 32 heads, ratio 128 and SWA), and e4m3 rows left raw in shared memory for the MMA
-warp group to decode Vᵀ from (1.45-2 times slower: its serial chain becomes the bound).
+warp group to decode Vᵀ from (1.4-2.0 times slower: its serial chain becomes the bound).
 """
 from __future__ import annotations
 
