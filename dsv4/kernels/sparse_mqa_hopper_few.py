@@ -14,7 +14,7 @@ bf16 RoPE dims, the scale word) are in flight, and block j + 2's list entries.
 The numerics are the 64-head kernel's: e4m3 x 2^(e-127) -> bf16 rows, float32 scores, the online softmax
 in the log2 domain, P rounded to bf16, the sink in the denominator; splits merge in split_combine.py.
 H200, 8 heads, same step: 60.1 µs against FlashMLA's 87.5 with its heads padded to 64 (16 heads 63.5
-against 88.3, 32 heads 134.1 against 142.9). What bounds it: the gather alone takes 36 µs (2.6 TB/s of random
+against 88.3, 32 heads 127.3 against 141.5). What bounds it: the gather alone takes 36 µs (2.6 TB/s of random
 576-byte rows), and what does not hide behind it is shared memory, not arithmetic: the loads in flight
 finish later while the decoding stores rows into the K buffers or the MMAs read them (8 heads: gather
 and decoding 52.5 µs, 38.9 when the decoded rows are not stored, gather and MMAs 56.8; 32 heads: the
@@ -193,12 +193,23 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
     m_i = gl.full([NH], float("-inf"), gl.float32, gl.SliceLayout(0, s_l))
     l_i = gl.zeros([NH], gl.float32, gl.SliceLayout(0, s_l))
     o = gl.zeros([D, NH], gl.float32, s_l)
-    for i in range(j1 - j0):
+    # 32 heads, where this warp group's chain is about as long as the gather: block i + 1's Sᵀ is issued
+    # before block i's Oᵀ is waited for (past the last block, on a buffer that is not written any more;
+    # its result is dropped). Fewer heads: measured no faster (docs/benchmarks.md).
+    AHEAD: gl.constexpr = NH == 32
+    n = j1 - j0
+    if AHEAD:
+        mbarrier.wait(full.index(0), 0, pred=n > 0)
+        s = warpgroup_mma(k_smem.index(0), q_smem.permute((1, 0)), gl.zeros([BN, NH], gl.float32, s_l),
+                          use_acc=False, is_async=True)
+    for i in range(n):
         b = i % NBUF
-        mbarrier.wait(full.index(b), (i // NBUF) & 1)
+        if not AHEAD:
+            mbarrier.wait(full.index(b), (i // NBUF) & 1)
         kb = k_smem.index(b)
-        s = warpgroup_mma(kb, q_smem.permute((1, 0)), gl.zeros([BN, NH], gl.float32, s_l), use_acc=False,
-                          is_async=True)
+        if not AHEAD:
+            s = warpgroup_mma(kb, q_smem.permute((1, 0)), gl.zeros([BN, NH], gl.float32, s_l), use_acc=False,
+                              is_async=True)
         bias = bias_smem.index(b).load(gl.SliceLayout(1, s_l))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = s * qk_scale + bias[:, None]
@@ -212,9 +223,18 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
         fence_async_shared()
         cta_barrier()
         o = warpgroup_mma(kb.permute((1, 0)), p_smem.permute((1, 0)), o * alpha[None, :], is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        if AHEAD:
+            b1 = (i + 1) % NBUF
+            mbarrier.wait(full.index(b1), ((i + 1) // NBUF) & 1, pred=i + 1 < n)
+            s = warpgroup_mma(k_smem.index(b1), q_smem.permute((1, 0)), gl.zeros([BN, NH], gl.float32, s_l),
+                              use_acc=False, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=1, deps=(o,))
+        else:
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         cta_barrier()
         mbarrier.arrive(empty.index(b), count=1)
+    if AHEAD:
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
     inv = finish_heads(m_i, l_i, h0 + gl.arange(0, NH, layout=gl.SliceLayout(0, s_l)), t, sp, T, H, sink_ptr,
                        lse_ptr, ml_ptr, SPLIT)
