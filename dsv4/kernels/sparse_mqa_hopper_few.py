@@ -177,6 +177,13 @@ def _producer(a, D: gl.constexpr, NBUF: gl.constexpr):
 
 
 @gluon.jit
+def _scores(kb, q_smem, NH: gl.constexpr, s_l: gl.constexpr):
+    """Issue Sᵀ = K·Qᵀ of K buffer kb (asynchronous; the caller waits)."""
+    return warpgroup_mma(kb, q_smem.permute((1, 0)), gl.zeros([BN, NH], gl.float32, s_l), use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
 def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D: gl.constexpr,
               NBUF: gl.constexpr, SPLIT: gl.constexpr):
     """Default partition, 4 warps (one warp group): Q into shared memory; per block Sᵀ = K·Qᵀ, the online
@@ -200,16 +207,14 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
     n = j1 - j0
     if AHEAD:
         mbarrier.wait(full.index(0), 0, pred=n > 0)
-        s = warpgroup_mma(k_smem.index(0), q_smem.permute((1, 0)), gl.zeros([BN, NH], gl.float32, s_l),
-                          use_acc=False, is_async=True)
+        s = _scores(k_smem.index(0), q_smem, NH, s_l)
     for i in range(n):
         b = i % NBUF
         if not AHEAD:
             mbarrier.wait(full.index(b), (i // NBUF) & 1)
         kb = k_smem.index(b)
         if not AHEAD:
-            s = warpgroup_mma(kb, q_smem.permute((1, 0)), gl.zeros([BN, NH], gl.float32, s_l), use_acc=False,
-                              is_async=True)
+            s = _scores(kb, q_smem, NH, s_l)
         bias = bias_smem.index(b).load(gl.SliceLayout(1, s_l))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = s * qk_scale + bias[:, None]
@@ -226,8 +231,7 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
         if AHEAD:
             b1 = (i + 1) % NBUF
             mbarrier.wait(full.index(b1), ((i + 1) // NBUF) & 1, pred=i + 1 < n)
-            s = warpgroup_mma(k_smem.index(b1), q_smem.permute((1, 0)), gl.zeros([BN, NH], gl.float32, s_l),
-                              use_acc=False, is_async=True)
+            s = _scores(k_smem.index(b1), q_smem, NH, s_l)
             o = warpgroup_mma_wait(num_outstanding=1, deps=(o,))
         else:
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
