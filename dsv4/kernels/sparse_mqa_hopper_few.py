@@ -13,20 +13,24 @@ the gather: while block j is decoded into shared memory, block j + 1's rows (7 x
 bf16 RoPE dims, the scale word) are in flight, and block j + 2's list entries.
 The numerics are the 64-head kernel's: e4m3 x 2^(e-127) -> bf16 rows, float32 scores, the online softmax
 in the log2 domain, P rounded to bf16, the sink in the denominator; splits merge in split_combine.py.
-H200, 8 heads, same step: 60.1 µs against FlashMLA's 87.5 with its heads padded to 64 (16 heads 63.5
-against 88.3, 32 heads 127.3 against 141.5). What bounds it: the gather alone takes 36 µs (2.6 TB/s of random
-576-byte rows), and what does not hide behind it is shared memory, not arithmetic: the loads in flight
-finish later while the decoding stores rows into the K buffers or the MMAs read them (8 heads: gather
-and decoding 52.5 µs, 38.9 when the decoded rows are not stored, gather and MMAs 56.8; 32 heads: the
-gather 86.4, with the MMAs 120.6; docs/benchmarks.md). A profile says latency: DRAM a quarter busy,
-the schedulers issuing in 41% of cycles, the warps waiting mostly on the loads.
+H200, 8 heads, same step: 58.2 µs against FlashMLA's 86.7 with its heads padded to 64 (16 heads 62.0
+against 86.6, 32 heads 111.4 against 141.0). What bounds it: the gather alone takes 36 µs (2.6 TB/s of
+random 576-byte rows), and what does not hide behind it is shared memory, not arithmetic: the loads in
+flight finish later while the decoding stores rows into the K buffers or the MMAs read them (8 heads:
+gather and decoding 52.5 µs, 38.9 when the decoded rows are not stored, gather and MMAs 56.8; 32 heads:
+the gather 86.4, with the MMAs 120.6 before the sums over rows left the loop; docs/benchmarks.md). A
+profile says latency: DRAM a quarter busy, the schedulers issuing in 41% of cycles, the warps waiting
+mostly on the loads.
 Not used, as measured: copying the rows by cp.async into shared-memory staging (no registers held while
 in flight; 9% faster on the largest 8- and 16-head steps, 4-23% slower on smaller steps, shorter lists
 and 32 heads), two blocks per iteration in fixed registers (4-7% slower at 8 and 16 heads),
 loading the rows evict-first (5-8% faster on the three largest steps measured, 1-17% slower on the six
 others), Sᵀ multiplied from registers by two decoding warp groups, one per half of the dims (5% faster at
 8 heads, 3-9% slower at 32 heads, ratio 128 and SWA), and e4m3 rows left raw in shared memory for the MMA
-warp group to decode Vᵀ from (1.4-2.0 times slower: its serial chain becomes the bound).
+warp group to decode Vᵀ from (1.4-2.0 times slower: its serial chain becomes the bound). At 32 heads,
+two MMA warp groups beside the 8 decoding warps (16 warps: at most 128 registers each on average): one
+per half of the dims, exchanging Sᵀ's partial sums (1.2-2.2 times slower, their registers spill), or
+one per 16 heads (0.96 of the time before the sums left the loop, which alone gave 0.88).
 """
 from __future__ import annotations
 
