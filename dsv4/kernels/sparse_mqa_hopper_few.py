@@ -220,9 +220,8 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
         b = i % NBUF
         if not AHEAD:
             mbarrier.wait(full.index(b), (i // NBUF) & 1)
+            s = _scores(k_smem.index(b), q_smem, NH, s_l)
         kb = k_smem.index(b)
-        if not AHEAD:
-            s = _scores(kb, q_smem, NH, s_l)
         bias = bias_smem.index(b).load(gl.SliceLayout(1, s_l))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = s * qk_scale + bias[:, None]
