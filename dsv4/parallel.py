@@ -104,6 +104,12 @@ def init(*, platform: str, tp_size: int, config: ParallelConfig) -> Ranks:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = backend_for(platform, config.backend)
+    if backend == "nccl" and world > torch.cuda.device_count():
+        from dsv4.errors import ConfigError
+
+        raise ConfigError(f"{world} processes over NCCL need a GPU each, this machine has "
+                          f"{torch.cuda.device_count()}; fix: as many GPUs as processes, or parallel.backend=gloo "
+                          "(the ranks then share GPUs: outputs as on separate GPUs, timings not)")
     if platform != "cpu":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % max(torch.cuda.device_count(), 1))
     if not dist.is_initialized():

@@ -88,6 +88,16 @@ def test_torchrun_world_size_must_equal_tp_size(tmp_path):
     assert r.stderr.count("Incompatible attention combination") == 1       # said once, by rank 0
 
 
+def test_more_nccl_ranks_than_gpus_is_refused_before_joining(monkeypatch):
+    """NCCL cannot put two ranks on one GPU; the process says so, with the fix, instead of NCCL's error."""
+    from dsv4.errors import ConfigError
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(torch.cuda.device_count() + 1))
+    with pytest.raises(ConfigError, match="over NCCL need a GPU each.*fix: .*parallel.backend=gloo"):
+        parallel.init(platform="cuda", tp_size=2, config=parallel.ParallelConfig())
+
+
 FAILING = """
 import os, runpy
 if os.environ["RANK"] == "1":
@@ -125,3 +135,33 @@ def test_spawn_launcher_in_a_multirun_over_tp_size(tmp_path):
     rows = [json.loads((tmp_path / "sweep" / str(i) / "result.json").read_text()) for i in (0, 1)]
     assert [row["settings.processes"] for row in rows] == [1, 2]
     assert all(row["status"] == "ok" and row["metrics.max_rel_err"] <= row["metrics.error_budget"] for row in rows)
+
+
+# ---- mode=bench's tensor-parallel step table, on the CPU ---------------------------------------------
+def _bench_worker(tp: int, out_path: str) -> None:
+    from dsv4.api import compose
+    from dsv4.benches.tp_step import bench_tp_step
+
+    ranks = parallel.init(platform="cpu", tp_size=tp, config=parallel.ParallelConfig(timeout_s=60))
+    job = compose(["model=dsv4_tiny", f"tp_size={tp}"])
+    text = bench_tp_step(job, ranks, step=(3, 2, 300))
+    if ranks.is_main:
+        with open(out_path, "w") as f:
+            f.write(text)
+    parallel.shutdown()
+
+
+def test_tp_step_bench_times_each_layer_and_its_all_reduce(tmp_path):
+    """The table `torchrun ... mode=bench tp_size=N` prints (timed on GPUs; here its rows on gloo): a row per
+    layer type with both tp sizes' step times and a non-zero all-reduce, and each rank's memory, the
+    weights per rank smaller at tp_size=2 than at 1."""
+    out = tmp_path / "table.txt"
+    parallel.spawn(_bench_worker, 2, 2, str(out))
+    lines = out.read_text().splitlines()
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:]}
+    for kind in ("swa", "c4a", "c128a"):
+        one, two, reduce = (float(v) for v in rows[kind][1:4])
+        assert one > 0 and two > 0 and 0 < reduce < two, rows[kind]
+    weights = next(ln.split() for ln in lines if ln.strip().startswith("weights"))
+    assert float(weights[2]) < float(weights[1]), weights
+    assert any(ln.strip().startswith("peak (process max RSS)") for ln in lines)

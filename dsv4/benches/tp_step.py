@@ -1,69 +1,95 @@
-"""`mode=bench` under torchrun: the layer step as tp_size processes beside the same step in one process."""
+"""`mode=bench` under torchrun: the layer step as tp_size processes beside the same step in one process.
+
+One layer of each type, its requests filled to the context directly (as the whole-layer table fills
+them), decode steps of STEP requests x tokens replayed from CUDA graphs where the device has them. A
+layer's time is its graph replay plus wo_b's all-reduce over the group, which runs between the layers'
+graphs (eagerly: the partial sums of every rank meet there); both are read from CUDA events. Beside the
+times, each rank's memory: its weights, its KV pools, the allocator's peak.
+"""
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 import torch
 
 from dsv4.report import table
+from dsv4.sizes import cdiv
 
-STEP_REQUESTS, STEP_TOKENS = 64, 2                          # the layer-step benches' decode batch
-
-
-def _decode_step_times(eng, spec, layers) -> dict[int, tuple[float, float]]:
-    """Per layer, the median µs of a decode step (STEP_REQUESTS requests x STEP_TOKENS tokens, after a
-    600-token prefill; CUDA graphs where the engine has them) and of the all-reduce within it."""
-    from dsv4.components.engine import CudaTimer
-
-    g = torch.Generator().manual_seed(1)
-    nreq, n, prompt = STEP_REQUESTS, STEP_TOKENS, 600
-    for r in range(nreq):
-        eng.add_request(r)
-    for start in range(0, prompt, 300):
-        x = torch.randn(nreq * 300, spec.hidden_size, generator=g)
-        pos = torch.arange(start, start + 300).repeat(nreq)
-        eng.step(x, pos, [r for r in range(nreq) for _ in range(300)])
-    times: dict[int, list] = {l: [] for l in layers}
-    for step in range(8):
-        x = torch.randn(nreq * n, spec.hidden_size, generator=g)
-        p0 = prompt + n * step
-        out = eng.step(x, torch.arange(p0, p0 + n).repeat(nreq), [r for r in range(nreq) for _ in range(n)],
-                       timer=CudaTimer())
-        for l in layers:
-            times[l].append((out.seconds[l] * 1e6, out.reduce_seconds.get(l, 0.0) * 1e6))
-    for r in range(nreq):
-        eng.release(r)
-    return {l: (statistics.median(t for t, _ in v[2:]), statistics.median(a for _, a in v[2:])) for l, v in times.items()}
+STEP = (64, 2, 8192)            # requests, tokens per request (MTP), context: a serving decode step per rank
+STEPS, KEPT = 8, 6              # decode steps timed, of which the last KEPT count
 
 
-def _step_setup(job):
-    """(one layer of each type, their random weights, the pools) for the TP layer-step bench."""
+def _engine(job, ranks, nreq: int, tokens: int, context: int):
+    """An engine of this process's ranks holding one layer of each type, its requests filled to `context`
+    and its decode graphs captured."""
+    from dsv4.benches.layer import fill
     from dsv4.components.kv_pool import PoolConfig
     from dsv4.components.weights import random_layer_weights
-
-    layers = job.spec.one_layer_per_type()
-    return layers, {l: random_layer_weights(job.spec, l, 0) for l in layers}, \
-        PoolConfig(swa_blocks=1024, compressed_blocks=512, max_requests=STEP_REQUESTS)
-
-
-def bench_tp_step(job, ranks) -> str | None:
-    """Under torchrun: the job's combination as tp_size processes (all-reduce over the group) beside the
-    same combination in one process at tp_size=1 (rank 0 alone, after the others have finished). Rank 0
-    returns the table."""
-    from dataclasses import replace
-
+    from dsv4.graph import GraphConfig
     from dsv4.runner import build_engine
 
-    layers, weights, pool = _step_setup(job)
-    tp = _decode_step_times(build_engine(job, weights, pool, ranks=ranks), job.spec, layers)
-    torch.cuda.empty_cache()
-    one = None
-    if ranks.is_main:
-        single = replace(job, combo=replace(job.combo, tp_size=1, world_size=None))
-        one = _decode_step_times(build_engine(single, weights, pool), job.spec, layers)
+    last = context + tokens * STEPS
+    pool = PoolConfig(swa_block_size=64, compressed_block_tokens=256,
+                      swa_blocks=nreq * (cdiv(job.spec.sliding_window + tokens * STEPS, 64) + 2) + cdiv(last, 64) + 8,
+                      compressed_blocks=nreq * cdiv(last, 256) + 8, max_requests=nreq + 1)
+    graphs = GraphConfig(enabled=job.device.platform != "cpu", capture_sizes=(nreq * tokens,), max_context=last)
+    weights = {layer: random_layer_weights(job.spec, layer, 0) for layer in job.spec.one_layer_per_type()}
+    eng = build_engine(job, weights, pool, ranks=ranks, graphs=graphs)
+    fill(eng, list(range(nreq)), context, seed=1)
+    eng.warm_up()
+    return eng
+
+
+def step_times(job, ranks, step=STEP) -> tuple[dict[int, tuple[float, float]], list[dict]]:
+    """Per layer, the median µs of a decode step and of the all-reduce within it; and this process's
+    ranks' memory (runner.rank_memory), the peak being this engine's alone."""
+    from dsv4.components.engine import timer_for
+    from dsv4.runner import rank_memory
+
+    nreq, tokens, context = step
+    cuda = job.device.platform != "cpu"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    eng = _engine(job, ranks, nreq, tokens, context)
+    g = torch.Generator().manual_seed(2)
+    rids = [r for r in range(nreq) for _ in range(tokens)]
+    times: dict[int, list] = {layer: [] for layer in eng.layers}
+    for i in range(STEPS):
+        x = torch.randn(nreq * tokens, job.spec.hidden_size, generator=g)
+        p0 = context + tokens * i
+        out = eng.step(x, torch.arange(p0, p0 + tokens).repeat(nreq), rids, timer=timer_for(job.device.platform))
+        for layer in times:
+            times[layer].append((out.seconds[layer] * 1e6, out.reduce_seconds.get(layer, 0.0) * 1e6))
+    memory = rank_memory(eng, ranks, job.device)
+    del eng
+    med = {layer: (statistics.median(t for t, _ in v[-KEPT:]), statistics.median(a for _, a in v[-KEPT:]))
+           for layer, v in times.items()}
+    return med, memory
+
+
+def bench_tp_step(job, ranks, step=STEP) -> str | None:
+    """Under torchrun: the job's combination as tp_size processes (all-reduce over the group), then the
+    same combination in one process at tp_size=1 (rank 0 alone, after the others have finished). Rank 0
+    returns the table; every rank's memory is in it (the largest of the ranks)."""
+    from dsv4.parallel import Ranks
+
+    tp, mem = step_times(job, ranks, step)
+    mem = [m for part in ranks.gather(mem) for m in part]
     if not ranks.is_main:
         return None
-    rows = [[job.spec.layer_type(l), f"{one[l][0]:.0f}", f"{tp[l][0]:.0f}", f"{tp[l][1]:.0f}",
-             f"{tp[l][1] / tp[l][0]:.1%}", f"{one[l][0] / tp[l][0]:.2f}"] for l in layers]
-    return table(["layer", "tp_size=1 µs/step", f"tp_size={ranks.world_size} µs/step", "of which all-reduce µs",
-                  "all-reduce share", "speed-up"], rows)
+    one, mem1 = step_times(replace(job, combo=replace(job.combo, tp_size=1, world_size=None)), Ranks(), step)
+
+    def mib(ms, key):
+        return max(m[key] for m in ms) / 2**20
+
+    n = ranks.world_size
+    rows = [[job.spec.layer_type(layer), f"{one[layer][0]:.1f}", f"{t:.1f}", f"{a:.1f}", f"{a / t:.1%}",
+             f"{one[layer][0] / t:.2f}"] for layer, (t, a) in tp.items()]
+    rows.append(["memory per rank (MiB)", "", "", "", "", ""])
+    peak = f"peak ({mem[0]['peak_of']})"
+    for key, name in (("weight_bytes", "weights"), ("kv_pool_bytes", "KV pools"), ("peak_bytes", peak)):
+        rows.append([f"  {name}", f"{mib(mem1, key):.0f}", f"{mib(mem, key):.0f}", "", "", ""])
+    return table(["layer", "tp_size=1 µs/step", f"tp_size={n} µs/step", "of which all-reduce µs",
+                  "all-reduce share", "speed-up"], rows, left=(0,))

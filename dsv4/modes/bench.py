@@ -27,7 +27,7 @@ def run_bench(job, ranks=None) -> None:
     from dsv4.benches.kernels import bench_mqa, bench_o_proj
     from dsv4.benches.layer import bench_layer_step
     from dsv4.benches.padding import CASE, bench_padding
-    from dsv4.benches.tp_step import bench_tp_step
+    from dsv4.benches.tp_step import STEP, bench_tp_step
 
     if job.device.platform != "cuda" or not torch.cuda.is_available():
         raise ConfigError(f"mode=bench times GPU kernels: deployment gives {job.device.describe()} and this "
@@ -36,9 +36,13 @@ def run_bench(job, ranks=None) -> None:
         t = bench_tp_step(job, ranks)
         if t is not None:
             print(f"dsv4 bench on {ranks.world_size} x {job.device.describe()}, torch {torch.__version__}; "
-                  f"model={job.spec.name}; " + " ".join(f"{k}={v}" for k, v in job.choices.items()))
-            print(f"\nwhole layer, decode steps after a 600-token prefill, tp_size={ranks.world_size} "
-                  f"(one process per GPU, NCCL all-reduce) beside tp_size=1 (eager, median):\n{t}")
+                  " ".join(f"{k}={v}" for k, v in job.choices.items()))
+            n, tokens, context = STEP
+            heads = job.spec.num_attention_heads // ranks.world_size
+            print(f"\nwhole layer, decode steps of {n} requests x {tokens} tokens at {context} context, CUDA-graph "
+                  f"replay, tp_size={ranks.world_size} (one process per GPU, {heads} heads per rank padded to "
+                  f"{job.combo.head_padding.padded_heads(heads)}, all-reduce between the layers' graphs) beside "
+                  f"tp_size=1, medians:\n{t}")
         return
     print(f"dsv4 bench on {job.device.describe()}, torch {torch.__version__}; model={job.spec.name}")
     print("\nsparse MQA decode, fp8_ds_mla pages (153 MB per cache), full index lists:\n" + bench_mqa(job))
