@@ -12,6 +12,7 @@ from dsv4.components.kv_pool import PagedCache
 from dsv4.strategies import Fp8DsMlaLayout, OProjWeights, SparseKV
 
 POOL_BLOCKS = 4096                                          # 262,144 rows x 584 B = 153 MB per cache
+SERVING_STEP = (64, 2, 8192)     # requests, tokens per request (MTP), context: a serving decode step per rank
 DECODE_CASES = [("h64 128+512", 64, 64, 512, b, sq) for b, sq in ((1, 1), (64, 2), (128, 1), (128, 2))] + [
     ("h128 128+1024", 128, 64, 1024, 128, 2), ("h64 128 SWA only", 64, None, 0, 128, 1)]
 # a small step, and tensor-parallel ranks' head counts: DSV4-Flash's 64 heads at TP8 and TP4, DSV4-Pro's

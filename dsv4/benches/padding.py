@@ -14,12 +14,12 @@ from dataclasses import replace
 
 import torch
 
+from dsv4.benches.cases import SERVING_STEP
 from dsv4.benches.layer import Backend, decode_row
 from dsv4.catalogue import option
 from dsv4.report import table
 
 TP_SIZES = (1, 2, 4, 8)
-CASE = (64, 2, 8192)            # requests, tokens per request (MTP), context: a serving decode step per rank
 PAIRS = (("flashmla_sparse", "buckets_64_128"), ("triton_sparse", "buckets_64_128"), ("triton_sparse", "none"))
 
 
@@ -51,7 +51,7 @@ def padding_rows(job, tp_sizes=TP_SIZES, pairs=PAIRS, layer_types=None, echo=Non
                 else:
                     try:
                         row, parts = decode_row(job, Backend(label=f"{kernel} + {padding}", combo=combo), layer,
-                                                *CASE)
+                                                *SERVING_STEP)
                         ref = ref or row[5]
                         rows.append(head + [row[5], parts.get(combo.mqa_kernel.name), row[5] / ref])
                     except Exception as e:          # one failing row is a row, not the end of the table

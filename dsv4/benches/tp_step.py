@@ -1,10 +1,10 @@
 """`mode=bench` under torchrun: the layer step as tp_size processes beside the same step in one process.
 
 One layer of each type, its requests filled to the context directly (as the whole-layer table fills
-them), decode steps of STEP requests x tokens replayed from CUDA graphs where the device has them. A
-layer's time is its graph replay plus wo_b's all-reduce over the group, which runs between the layers'
-graphs (eagerly: the partial sums of every rank meet there); both are read from CUDA events. Beside the
-times, each rank's memory: its weights, its KV pools, the allocator's peak.
+them), decode steps of SERVING_STEP's requests x tokens replayed from CUDA graphs where the device has
+them. A layer's time is its graph replay plus wo_b's all-reduce over the group, which runs between the
+layers' graphs (eagerly: the partial sums of every rank meet there); both are read from CUDA events.
+Beside the times, each rank's memory: its weights, its KV pools, the allocator's peak.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from dataclasses import replace
 
 import torch
 
+from dsv4.benches.cases import SERVING_STEP
 from dsv4.report import table
 from dsv4.sizes import cdiv
 
-STEP = (64, 2, 8192)            # requests, tokens per request (MTP), context: a serving decode step per rank
 STEPS, KEPT = 8, 6              # decode steps timed, of which the last KEPT count
 
 
@@ -41,7 +41,7 @@ def _engine(job, ranks, nreq: int, tokens: int, context: int):
     return eng
 
 
-def step_times(job, ranks, step=STEP) -> tuple[dict[int, tuple[float, float]], list[dict]]:
+def step_times(job, ranks, step=SERVING_STEP) -> tuple[dict[int, tuple[float, float]], list[dict]]:
     """Per layer, the median µs of a decode step and of the all-reduce within it; and this process's
     ranks' memory (runner.rank_memory), the peak being this engine's alone."""
     from dsv4.components.engine import timer_for
@@ -69,7 +69,7 @@ def step_times(job, ranks, step=STEP) -> tuple[dict[int, tuple[float, float]], l
     return med, memory
 
 
-def bench_tp_step(job, ranks, step=STEP) -> str | None:
+def bench_tp_step(job, ranks, step=SERVING_STEP) -> str | None:
     """Under torchrun: the job's combination as tp_size processes (all-reduce over the group), then the
     same combination in one process at tp_size=1 (rank 0 alone, after the others have finished). Rank 0
     returns the table; every rank's memory is in it (the largest of the ranks)."""

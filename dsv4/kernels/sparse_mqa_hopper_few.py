@@ -30,7 +30,9 @@ others), Sᵀ multiplied from registers by two decoding warp groups, one per hal
 warp group to decode Vᵀ from (1.4-2.0 times slower: its serial chain becomes the bound). At 32 heads,
 two MMA warp groups beside the 8 decoding warps (16 warps: at most 128 registers each on average): one
 per half of the dims, exchanging Sᵀ's partial sums (1.2-2.2 times slower, their registers spill), or
-one per 16 heads (0.96 of the time before the sums left the loop, which alone gave 0.88).
+one per 16 heads (0.96 of the time before the sums left the loop, which alone gave 0.88). Asking L2 for
+the rows three blocks ahead: by prefetch.global.L2 per 128-byte line, 1.02-3.1 times slower; by one bulk
+prefetch per row, 1.03-1.4 times slower (the 64-head kernel gains from the first, docs/benchmarks.md).
 """
 from __future__ import annotations
 

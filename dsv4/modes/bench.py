@@ -26,8 +26,9 @@ def run_bench(job, ranks=None) -> None:
     from dsv4.benches.indexer import CONTEXTS, NREQ, TOKENS, bench_indexer
     from dsv4.benches.kernels import bench_mqa, bench_o_proj
     from dsv4.benches.layer import bench_layer_step
-    from dsv4.benches.padding import CASE, bench_padding
-    from dsv4.benches.tp_step import STEP, bench_tp_step
+    from dsv4.benches.cases import SERVING_STEP
+    from dsv4.benches.padding import bench_padding
+    from dsv4.benches.tp_step import bench_tp_step
 
     if job.device.platform != "cuda" or not torch.cuda.is_available():
         raise ConfigError(f"mode=bench times GPU kernels: deployment gives {job.device.describe()} and this "
@@ -37,7 +38,7 @@ def run_bench(job, ranks=None) -> None:
         if t is not None:
             print(f"dsv4 bench on {ranks.world_size} x {job.device.describe()}, torch {torch.__version__}; "
                   " ".join(f"{k}={v}" for k, v in job.choices.items()))
-            n, tokens, context = STEP
+            n, tokens, context = SERVING_STEP
             heads = job.spec.num_attention_heads // ranks.world_size
             print(f"\nwhole layer, decode steps of {n} requests x {tokens} tokens at {context} context, CUDA-graph "
                   f"replay, tp_size={ranks.world_size} (one process per GPU, {heads} heads per rank padded to "
@@ -48,7 +49,8 @@ def run_bench(job, ranks=None) -> None:
     print("\nsparse MQA decode, fp8_ds_mla pages (153 MB per cache), full index lists:\n" + bench_mqa(job))
     print("\no_proj, G=8 groups of 8 heads, 4096 -> 1024 per group, then wo_b:\n" + bench_o_proj(job))
     print("\nwhole layer, one layer of each type:\n" + bench_layer_step(job))
-    print(f"\nhead padding: one tensor-parallel rank's decode step ({CASE[0]} requests x {CASE[1]} tokens, {CASE[2]} "
+    n, tokens, context = SERVING_STEP
+    print(f"\nhead padding: one tensor-parallel rank's decode step ({n} requests x {tokens} tokens, {context} "
           "context), CUDA-graph replay, per kernel and padding:\n" + bench_padding(job))
     indexers = available_options(job, "indexer")
     print(f"\nthe indexer: scores and top-{job.spec.index_topk} of {NREQ} requests x {TOKENS} tokens by each option, "
