@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from dsv4.catalogue import CONFIG_DIR
 from dsv4.job import make_job
 from dsv4.benches.timing import replay_us
-from dsv4.benches.layer import _engine, backends, decode_step, fill
+from dsv4.benches.layer import backends, decode_step, engine_for, fill
 
 
 def traced(fn, calls: int = 10, *, host: bool = False):
@@ -80,7 +80,7 @@ def host_profile(eng, layer: int, T: int, top: int) -> None:
 
 
 def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top: int, eager: bool = False) -> None:
-    eng = _engine(job, backend, (layer,), nreq=nreq, tokens=tokens, context=context, graphs=True)
+    eng = engine_for(job, backend, (layer,), nreq=nreq, tokens=tokens, context=context, graphs=True)
     rids = list(range(nreq))
     fill(eng, rids, context, seed=1)
     T = nreq * tokens

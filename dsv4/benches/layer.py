@@ -188,23 +188,28 @@ def two_of_type(spec, layer: int) -> list[int]:
     return same[same.index(layer):same.index(layer) + 2]
 
 
-def _engine(job, backend: Backend, layers, *, nreq: int, tokens: int, context: int, graphs: bool):
+def engine_for(job, backend: Backend, layers, *, nreq: int, tokens: int, context: int, graphs: bool,
+               steps: int = 1, ranks=None):
+    """An engine of `layers` (random weights) with room for nreq requests of `context` tokens and `steps`
+    steps of `tokens` each after it, its graphs (if any) captured at nreq x tokens; this process's `ranks`
+    (default: all of the combination's, simulated)."""
     from dsv4.components.kv_pool import PoolConfig
     from dsv4.components.weights import random_layer_weights
     from dsv4.graph import GraphConfig
     from dsv4.runner import build_engine
 
+    new = tokens * steps
     pool = PoolConfig(swa_block_size=64, compressed_block_tokens=256,
-                      swa_blocks=nreq * (cdiv(job.spec.sliding_window + tokens, 64) + 2) + cdiv(context, 64) + 8,
-                      compressed_blocks=nreq * cdiv(context + tokens, 256) + 8, max_requests=nreq + 1)
-    gc = GraphConfig(enabled=graphs, capture_sizes=(nreq * tokens,), max_context=context + tokens)
+                      swa_blocks=nreq * (cdiv(job.spec.sliding_window + new, 64) + 2) + cdiv(context, 64) + 8,
+                      compressed_blocks=nreq * cdiv(context + new, 256) + 8, max_requests=nreq + 1)
+    gc = GraphConfig(enabled=graphs, capture_sizes=(nreq * tokens,), max_context=context + new)
     weights = {l: random_layer_weights(job.spec, l, 0) for l in layers}
-    return build_engine(replace(job, combo=backend.combo), weights, pool, graphs=gc)
+    return build_engine(replace(job, combo=backend.combo), weights, pool, ranks=ranks, graphs=gc)
 
 
 def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int) -> list:
     first, second = two_of_type(job.spec, layer)
-    eng = _engine(job, backend, (first, second), nreq=nreq, tokens=tokens, context=context, graphs=True)
+    eng = engine_for(job, backend, (first, second), nreq=nreq, tokens=tokens, context=context, graphs=True)
     rids = list(range(nreq))
     fill(eng, rids, context, seed=layer + nreq)
     T = nreq * tokens
@@ -240,7 +245,7 @@ def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, contex
 
 def prefill_row(job, backend: Backend, layer: int) -> list:
     """One PREFILL_TOKENS-token request through the layer, eagerly (after one warm-up request)."""
-    eng = _engine(job, backend, (layer,), nreq=1, tokens=PREFILL_TOKENS, context=0, graphs=False)
+    eng = engine_for(job, backend, (layer,), nreq=1, tokens=PREFILL_TOKENS, context=0, graphs=False)
     hidden = torch.randn(PREFILL_TOKENS, job.spec.hidden_size, generator=torch.Generator().manual_seed(5))
     pos = torch.arange(PREFILL_TOKENS)
     times = []

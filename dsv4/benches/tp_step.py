@@ -15,7 +15,6 @@ import torch
 
 from dsv4.benches.cases import SERVING_STEP
 from dsv4.report import table
-from dsv4.sizes import cdiv
 
 STEPS, KEPT = 8, 6              # decode steps timed, of which the last KEPT count
 
@@ -23,19 +22,10 @@ STEPS, KEPT = 8, 6              # decode steps timed, of which the last KEPT cou
 def _engine(job, ranks, nreq: int, tokens: int, context: int):
     """An engine of this process's ranks holding one layer of each type, its requests filled to `context`
     and its decode graphs captured."""
-    from dsv4.benches.layer import fill
-    from dsv4.components.kv_pool import PoolConfig
-    from dsv4.components.weights import random_layer_weights
-    from dsv4.graph import GraphConfig
-    from dsv4.runner import build_engine
+    from dsv4.benches.layer import Backend, engine_for, fill
 
-    last = context + tokens * STEPS
-    pool = PoolConfig(swa_block_size=64, compressed_block_tokens=256,
-                      swa_blocks=nreq * (cdiv(job.spec.sliding_window + tokens * STEPS, 64) + 2) + cdiv(last, 64) + 8,
-                      compressed_blocks=nreq * cdiv(last, 256) + 8, max_requests=nreq + 1)
-    graphs = GraphConfig(enabled=job.device.platform != "cpu", capture_sizes=(nreq * tokens,), max_context=last)
-    weights = {layer: random_layer_weights(job.spec, layer, 0) for layer in job.spec.one_layer_per_type()}
-    eng = build_engine(job, weights, pool, ranks=ranks, graphs=graphs)
+    eng = engine_for(job, Backend(label="tp", combo=job.combo), job.spec.one_layer_per_type(), nreq=nreq,
+                     tokens=tokens, context=context, graphs=job.device.platform != "cpu", steps=STEPS, ranks=ranks)
     fill(eng, list(range(nreq)), context, seed=1)
     eng.warm_up()
     return eng
