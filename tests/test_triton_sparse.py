@@ -128,6 +128,40 @@ def test_few_heads_kernel_agrees(H, buffers):
         check_against_reference(out, lse, q, kv, sink)
 
 
+def test_l2_prefetch_changes_no_output():
+    """The 64-head kernel's L2 prefetch of the next block's rows (programs of PREFETCH_MIN_BLOCKS blocks or
+    more, asked of either pool or both) leaves every output bit as it is, and the answer is the
+    reference's; lists that end inside a block and a token with no compressed row included."""
+    from dsv4.kernels.sparse_mqa import LOG2E, pool_args
+    from dsv4.kernels.sparse_mqa_hopper import PREFETCH_MIN_BLOCKS, sparse_mqa_hopper
+
+    kernel("hopper")                            # skips where it cannot run
+    q, kv, sink = case(6, 64, LAYER_TYPES["c4a"], seed=23)
+    kv.extra_lens[1] = 0
+    kv.extra_lens[2] = 300
+    assert (kv.swa_indices.shape[1] + kv.extra_indices.shape[1]) // 64 >= PREFETCH_MIN_BLOCKS.value
+    args = (q, sink.float(), SCALE * LOG2E, pool_args(kv.swa), kv.swa_indices.int(), kv.swa_lens.int(),
+            pool_args(kv.extra), kv.extra_indices.int(), kv.extra_lens.int())
+    outs = [sparse_mqa_hopper(*args, prefetch=pf) for pf in ((False, False), (True, True), (False, True))]
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+    check_against_reference(*outs[1], q, kv, sink)
+
+
+def test_prefetch_asks_only_pools_larger_than_l2():
+    """prefetched_pools: a pool's rows are prefetched where the pool is larger than L2, so that rows L2
+    already holds are not asked for twice."""
+    from dsv4.kernels.sparse_mqa import pool_args
+    from dsv4.kernels.sparse_mqa_hopper import prefetched_pools
+
+    _, kv, _ = sparse_case(1, 8, extra_block=2, extra_w=8, seed=3, swa_blocks=4, extra_blocks=4, device="cpu")
+    swa, ext = pool_args(kv.swa), pool_args(kv.extra)
+    assert ext.data.nbytes < swa.data.nbytes
+    assert prefetched_pools(swa, ext, ext.data.nbytes) == (True, False)
+    assert prefetched_pools(swa, ext, swa.data.nbytes) == (False, False)
+    assert prefetched_pools(swa, None, 0) == (True, True)
+
+
 def test_split_combine_merges_as_one_softmax():
     """split_combine's merge of per-split (output, max, sum) equals one softmax over all the scores with
     the sink in the denominator; a head whose every split is empty gets 0 and lse +inf."""

@@ -80,13 +80,14 @@ def interpreted() -> bool:
 
 def target(*, platform: str, arch: str, torch_device: str) -> Target:
     """A device (a DeviceInfo's platform, arch and torch device) as our kernels' calls are planned: its
-    processors asked once; under Triton's interpreter the 'interpreter', with a few processors, so that
+    processors and L2 asked once; under Triton's interpreter the 'interpreter', with a few processors, so that
     splitting is exercised. What a strategy's `prepare` resolves."""
     if interpreted():
         return Target(arch="interpreter", native_e4m3=False, processors=4, interpret=True)
     nvidia = platform == "cuda" and arch.startswith("sm")
+    props = torch.cuda.get_device_properties(torch_device)
     return Target(arch=arch if nvidia else platform, native_e4m3=nvidia and arch_at_least(arch, E4M3_SM),
-                  processors=torch.cuda.get_device_properties(torch_device).multi_processor_count)
+                  processors=props.multi_processor_count, l2_bytes=props.L2_cache_size)
 
 
 @functools.lru_cache(maxsize=None)

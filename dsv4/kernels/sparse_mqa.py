@@ -319,10 +319,11 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
     sw = swa_idx.shape[1]
     ew = extra_idx.shape[1] if extra is not None else 0
     if kernel == "hopper":
-        from dsv4.kernels.sparse_mqa_hopper import sparse_mqa_hopper
+        from dsv4.kernels.sparse_mqa_hopper import prefetched_pools, sparse_mqa_hopper
 
         return sparse_mqa_hopper(q, sink, scale * LOG2E, swa, s_idx, s_len, extra, e_idx, e_len,
-                                 splits=splits or hopper_splits(T, H, sw + ew, tgt.processors))
+                                 splits=splits or hopper_splits(T, H, sw + ew, tgt.processors),
+                                 prefetch=prefetched_pools(swa, extra, tgt.l2_bytes))
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:

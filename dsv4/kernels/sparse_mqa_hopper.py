@@ -8,7 +8,9 @@ hand blocks of 64 list rows to each other through shared memory and mbarriers (F
 decode structure):
 - producer (4 warps): gathers a block's rows (7 x 64 e4m3 bytes, 64 bf16 RoPE dims, the 8 scale bytes as
   one int64) and decodes them, e4m3 x 2^(e-127) -> bf16, into one of two K buffers [64, 512], with the
-  block's column bias (0, or -inf for an invalid row);
+  block's column bias (0, or -inf for an invalid row); in programs of 6 blocks or more, from pools larger
+  than L2, it first asks L2 for the next block's rows (prefetch.global.L2, which holds no register), so
+  that their loads, issued only once this block is decoded, find them there;
 - WG0 (4 warps, the default partition): S = Q·Kᵀ (warpgroup MMA, Q and K in shared memory), the online
   softmax in the log2 domain, P rounded to bf16 (as FlashMLA rounds it) and α into shared memory for
   WG1, then O[:, :256] = O·α + P·V, V being the same K buffer; at the end the sink, lse and 1/denominator;
@@ -36,7 +38,7 @@ from triton.experimental.gluon import language as gl
 from dsv4.kernels import sparse_mqa_hopper_few as few
 from dsv4.kernels.hopper_gluon import (BN, cta_barrier, fence_async_shared, finish_heads, load_q, mbarrier,
                                        nblocks, warpgroup_mma, warpgroup_mma_wait)
-from dsv4.kernels.launch import launch
+from dsv4.kernels.launch import launch, target_of
 from dsv4.kernels.sparse_plan import hopper_heads
 from dsv4.kernels.split_combine import combine_splits
 from dsv4.sizes import cdiv
@@ -44,6 +46,10 @@ from dsv4.sizes import cdiv
 BH = gl.constexpr(64)      # heads per program: one warpgroup MMA's M
 # 12 warps x 168 registers = the SM's 64K: WG1 160, the producer 152, WG0 the rest (192)
 MAXNREG, WG1_REGS, PRODUCER_REGS = 168, 160, 152
+# the producer's L2 prefetch of the next block's rows, from pools larger than L2: 0.90-0.96x the time with
+# 6 to 18 blocks per program when the programs fill the GPU twice, 0.94-0.99x with 7 to 10 blocks when
+# they fill it once, 1.02-1.07x with 4 to 6; from a pool that L2 holds 1.06-1.12x (docs/benchmarks.md)
+PREFETCH_MIN_BLOCKS = gl.constexpr(6)
 
 
 @gluon.jit
@@ -58,6 +64,37 @@ def _rows(idx_row, c0, n, num_slots, w64, page_stride, bs, D: gl.constexpr, blk:
     t = slot % bs
     words = gl.load(w64 + (page * page_stride + bs * (D + 64) + t * 8) // 8, mask=ok, other=0)
     return ok, page * page_stride + t * (D + 64), words
+
+
+@gluon.jit
+def _list_block(j, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, rl: gl.constexpr):
+    """List entries of block j of token t (its SWA blocks, then its compressed ones); -1 past the list and
+    for j >= j1."""
+    r = gl.arange(0, BN, layout=rl)
+    if j < nb_s:
+        c = j * BN + r
+        slots = gl.load(s_idx + t.to(gl.int64) * s_w + c, mask=(c < n_s) & (j < j1), other=-1)
+    else:
+        c = (j - nb_s) * BN + r
+        slots = gl.load(e_idx + t.to(gl.int64) * e_w + c, mask=(c < n_e) & (j < j1), other=-1)
+    return slots
+
+
+@gluon.jit
+def _prefetch_rows(slots, w64, page_stride, num_slots, bs, D: gl.constexpr, pl: gl.constexpr):
+    """Ask L2 for the rows at `slots` and their scale words (prefetch.global.L2: nothing waits, no register
+    holds them): the five 128-byte lines a 576-byte row touches (it starts at 0 or 64 mod 128), then the
+    line of its scale word. Invalid entries ask for slot 0's."""
+    ok = (slots >= 0) & (slots < num_slots)
+    slot = gl.where(ok, slots, 0)
+    page = (slot // bs).to(gl.int64)
+    r = slot % bs
+    u8 = w64.to(gl.pointer_type(gl.int8), bitcast=True)
+    c = gl.arange(0, 8, layout=gl.SliceLayout(0, pl))
+    off = gl.where((c < 5)[None, :], (page * page_stride + r * (D + 64))[:, None] + (gl.minimum(c, 4) * 128)[None, :],
+                   (page * page_stride + bs * (D + 64) + r * 8)[:, None] + (c * 0)[None, :])
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [u8 + off], dtype=gl.int32, is_pure=False,
+                              pack=1)
 
 
 @gluon.jit
@@ -77,7 +114,7 @@ def _put(kb, c: gl.constexpr, byte, words):
 
 
 @gluon.jit
-def _producer(a, D: gl.constexpr):
+def _producer(a, s_pf, e_pf, D: gl.constexpr):
     """Worker, 4 warps: per block, gather the rows and decode them into K buffer j % 2 with the block's
     column bias (0, or -inf for an invalid row), then signal `full`. The first four 64-dim chunks are
     loaded before waiting for a free buffer; the rest are loaded while earlier ones are decoded (all
@@ -87,6 +124,11 @@ def _producer(a, D: gl.constexpr):
      e_stride, e_slots, e_bs, sp, S, T, acc_ptr) = a
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
+    pl: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])       # [rows, 8 lines]
+    # programs of PREFETCH_MIN_BLOCKS blocks or more ask L2 for block j + 1's rows while block j is decoded
+    pf = (j1 - j0 >= PREFETCH_MIN_BLOCKS) & ((s_pf != 0) | (e_pf != 0))
+    sl_next = _list_block(j0 + 1, gl.where(pf, j1, j0), t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w,
+                          gl.SliceLayout(1, pl))
     for i in range(j1 - j0):
         j = j0 + i
         if j >= nb_s:                       # a block of the compressed list
@@ -101,6 +143,13 @@ def _producer(a, D: gl.constexpr):
         c1 = _chunk(u8, base, ok, 1, blk)
         c2 = _chunk(u8, base, ok, 2, blk)
         c3 = _chunk(u8, base, ok, 3, blk)
+        if pf:
+            if j + 1 < nb_s:
+                if s_pf != 0:
+                    _prefetch_rows(sl_next, s_w64, s_stride, s_slots, s_bs, D, pl)
+            elif e_pf != 0:
+                _prefetch_rows(sl_next, e_w64, e_stride, e_slots, e_bs, D, pl)
+            sl_next = _list_block(j + 2, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, gl.SliceLayout(1, pl))
         b = i % 2
         mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)     # both consumers are done with this buffer
         kb = k_smem.index(b)
@@ -214,11 +263,11 @@ def _first_half(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D: gl.constexpr, 
                SPLIT)
 
 
-@gluon.jit(do_not_specialize=["T", "S"])     # step sizes and split counts: one variant for each SPLIT
+@gluon.jit(do_not_specialize=["T", "S", "s_pf", "e_pf"])  # one variant for each SPLIT
 def _hopper_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
                    s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs,
                    e_u8, e_bf, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs,
-                   acc_ptr, ml_ptr, T, S, H, qk_scale, D: gl.constexpr, WG1_REGS: gl.constexpr,
+                   acc_ptr, ml_ptr, T, S, H, qk_scale, s_pf, e_pf, D: gl.constexpr, WG1_REGS: gl.constexpr,
                    PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr):
     gl.static_assert(D == 512)
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -247,18 +296,26 @@ def _hopper_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
          out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
          e_stride, e_slots, e_bs, sp, S, T, acc_ptr)
     gl.warp_specialize([(_first_half, (q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D, SPLIT)),
-                        (_second_half, (a, D, SPLIT)), (_producer, (a, D))],
+                        (_second_half, (a, D, SPLIT)), (_producer, (a, s_pf, e_pf, D))],
                        [4, 4], [WG1_REGS, PRODUCER_REGS])
 
 
+def prefetched_pools(swa, extra, l2_bytes: int) -> tuple[bool, bool]:
+    """Which pools' rows (SWA's, the compressed list's: `pool_args`) the 64-head programs ask L2 for ahead of
+    their loads: those larger than L2, whose rows come from DRAM; from a pool that L2 holds a prefetch only
+    adds requests."""
+    return swa.data.nbytes > l2_bytes, (extra or swa).data.nbytes > l2_bytes
+
+
 def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=None,
-                      extra_idx=None, extra_len=None, *, splits: int = 1, buffers: int = 0):
+                      extra_idx=None, extra_len=None, *, splits: int = 1, buffers: int = 0, prefetch=None):
     """(out [T, H, 512], lse [T, H]) like sparse_mqa's, for fp8_ds_mla (OCP) pools given as `pool_args`.
     sink: the sinks, float32 [H], contiguous; scale_l2: softmax scale x log2(e). Lists int32, contiguous.
     Programs of sparse_plan.hopper_heads(H) heads: 64 here, 8 to 32 in sparse_mqa_hopper_few.py (buffers:
     its K buffers, 0 = its BUFFERS). splits > 1: each (token, head block) is that many programs over
     equal runs of its blocks, merged by split_combine (sparse_plan.hopper_splits says how many fill the
-    GPU)."""
+    GPU). prefetch: (SWA, compressed) whether the 64-head programs of PREFETCH_MIN_BLOCKS blocks or more
+    ask L2 for the next block's rows of that pool; None: `prefetched_pools` on q's device."""
     import torch
 
     T, H, D = q.shape
@@ -275,10 +332,12 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
     e_w = e_idx.shape[1] if extra is not None else 0
     nh = hopper_heads(H)
     if nh == BH:
+        if prefetch is None:
+            prefetch = prefetched_pools(swa, e, target_of(q.device).l2_bytes)
         launch(_hopper_kernel, (T, cdiv(H, BH), splits), q, sink, out, lse,
                *swa.args(), swa_idx, swa_len, swa_idx.shape[1], swa.page_stride, swa.num_slots, swa.block_size,
                *e.args(), e_idx, e_len, e_w, e.page_stride, e.num_slots, e.block_size,
-               acc, ml, T, splits, H, scale_l2, D=D, WG1_REGS=WG1_REGS,
+               acc, ml, T, splits, H, scale_l2, int(prefetch[0]), int(prefetch[1]), D=D, WG1_REGS=WG1_REGS,
                PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, num_warps=4, maxnreg=MAXNREG)
     else:
         launch(few._few_heads_kernel, (T, cdiv(H, nh), splits), q, sink, out, lse,

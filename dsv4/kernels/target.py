@@ -14,3 +14,4 @@ class Target:
     native_e4m3: bool     # OCP e4m3 converted in hardware (NVIDIA sm89 and newer)
     processors: int       # streaming multiprocessors (compute units): what a launch has to fill
     interpret: bool = False
+    l2_bytes: int = 0     # its last-level cache: rows of a pool larger than this come from DRAM
