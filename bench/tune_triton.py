@@ -11,6 +11,8 @@
   python bench/tune_triton.py few        # a rank's few heads (8, 16, 32): the few-heads Hopper kernel at two and
                                          # three K buffers beside FlashMLA and the 64-head kernel, both padded to 64
   python bench/tune_triton.py oproj      # o_proj=triton_fp8's grouped e4m3 product beside DeepGEMM, torch_fp8, bf16
+  python bench/tune_triton.py prefetch   # the 64-head kernel's L2 prefetch off, on and as picked, by program
+                                         # length and pool size (pools that L2 holds and larger ones), FlashMLA beside
 
 The shipped defaults (dsv4/configs/mqa_kernel/triton_sparse.yaml, dsv4/configs/o_proj/triton_fp8.yaml,
 inv_rope_fp8_quant's) come from these sweeps.
@@ -222,6 +224,54 @@ def few(cases=FEW_CASES) -> None:
               f"{rel_err(o, a[:, :H]):.1e} |", flush=True)
 
 
+# (label, pages of the compressed pool, its list width, b, s_q, SWA pool pages of 64 rows, compressed pool pages)
+PREFETCH_CASES = [("128+512", 64, 512, 128, 2, POOL_BLOCKS, POOL_BLOCKS),
+                  ("128+512, compressed pool in L2", 64, 512, 128, 2, POOL_BLOCKS, 64),
+                  ("128+512, both pools in L2", 64, 512, 128, 2, 16, 64),
+                  ("128+512, both pools in L2", 64, 512, 64, 2, 16, 64),
+                  ("128+256", 64, 256, 64, 2, POOL_BLOCKS, POOL_BLOCKS),
+                  ("128+256", 64, 256, 128, 2, POOL_BLOCKS, POOL_BLOCKS),
+                  ("128+512 ratio 128", 2, 512, 128, 2, POOL_BLOCKS, POOL_BLOCKS * 32),
+                  ("128+512 ratio 128, compressed pool in L2", 2, 512, 128, 2, POOL_BLOCKS, POOL_BLOCKS),
+                  ("128+512 ratio 128", 2, 512, 64, 2, POOL_BLOCKS, POOL_BLOCKS * 32),
+                  ("128+1024", 64, 1024, 128, 2, POOL_BLOCKS, POOL_BLOCKS)]
+
+
+def prefetch(cases=PREFETCH_CASES) -> None:
+    """The 64-head Hopper kernel with its L2 prefetch of the next block's rows off, on (both pools) and as
+    sparse_mqa picks it (`prefetched_pools`: pools larger than L2), FlashMLA beside; outputs compared."""
+    from dsv4.kernels.launch import target_of
+    from dsv4.kernels.sparse_mqa import LOG2E, pool_args
+    from dsv4.kernels.sparse_mqa_hopper import prefetched_pools, sparse_mqa_hopper
+    from dsv4.kernels.sparse_plan import hopper_splits
+
+    fm = FlashMLASparse()
+    prep = fm.prepare(device=detect())
+    scale = 512 ** -0.5
+    print("| 64 heads | pools MB (SWA + compressed) | FlashMLA µs | off | on | picked (SWA, compressed) | on / off | "
+          "picked / off | outputs equal |")
+    print("|---" * 9 + "|")
+    for label, eb, ew, b, sq, swa_blocks, extra_blocks in cases:
+        T = b * sq
+        q, kv, sink = sparse_case(T, 64, extra_block=eb, extra_w=ew, seed=T + ew + extra_blocks,
+                                  swa_blocks=swa_blocks, extra_blocks=extra_blocks, full=True)
+        _, call = flashmla_steady(fm, prep, q, kv, sink, scale)
+        t_f = graph_time_us(call)
+        swa, ext = pool_args(kv.swa), pool_args(kv.extra)
+        args = (q, sink.float(), scale * LOG2E, swa, kv.swa_indices.int(), kv.swa_lens.int(), ext,
+                kv.extra_indices.int(), kv.extra_lens.int())
+        tgt = target_of(q.device)
+        splits = hopper_splits(T, 64, kv.swa_indices.shape[1] + ew, tgt.processors)
+        pick = prefetched_pools(swa, ext, tgt.l2_bytes)
+        runs = [functools.partial(sparse_mqa_hopper, *args, splits=splits, prefetch=pf)
+                for pf in ((False, False), (True, True), pick)]
+        outs = [f()[0] for f in runs]
+        t_off, t_on, t_pick = (graph_time_us(f) for f in runs)
+        print(f"| {label}, b={b}, s_q={sq} | {swa.data.nbytes / 1e6:.0f} + {ext.data.nbytes / 1e6:.0f} | {t_f:.1f} | "
+              f"{t_off:.1f} | {t_on:.1f} | {t_pick:.1f} {pick} | {t_on / t_off:.2f} | {t_pick / t_off:.2f} | "
+              f"{all(torch.equal(o, outs[0]) for o in outs)} |", flush=True)
+
+
 def prologue() -> None:
     from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
 
@@ -296,6 +346,8 @@ if __name__ == "__main__":
         few()
     elif "oproj" in sys.argv:
         oproj()
+    elif "prefetch" in sys.argv:
+        prefetch()
     elif "quick" in sys.argv:
         decode([CASES[0], CASES[3], CASES[4]])
     else:
