@@ -1,7 +1,7 @@
 """What the one-pass Hopper kernels (sparse_mqa_hopper.py: 64 heads per program; sparse_mqa_hopper_few.py:
 8 to 32) share: the Gluon API they use, whose import is the test that this Triton can build them
-(sparse_plan.gluon_error), the split of a token's list blocks over programs, loading Q and finishing
-the heads."""
+(sparse_plan.gluon_error), the split of a token's list blocks over programs, a block's list entries,
+loading Q and finishing the heads."""
 from __future__ import annotations
 
 from triton.experimental import gluon
@@ -28,6 +28,20 @@ def nblocks(t, sp, S, s_len, e_len, s_w, e_w):
     per = gl.cdiv(nblk, S)
     j0 = gl.minimum(sp * per, nblk)
     return n_s, n_e, nb_s, j0, gl.minimum(j0 + per, nblk)
+
+
+@gluon.jit
+def block_slots(j, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, rl: gl.constexpr):
+    """List entries of block j of token t (its SWA blocks, then its compressed ones); -1 past the list
+    and for j >= j1 (a look-ahead past the program's last block loads nothing)."""
+    r = gl.arange(0, BN, layout=rl)
+    if j < nb_s:
+        c = j * BN + r
+        slots = gl.load(s_idx + t.to(gl.int64) * s_w + c, mask=(c < n_s) & (j < j1), other=-1)
+    else:
+        c = (j - nb_s) * BN + r
+        slots = gl.load(e_idx + t.to(gl.int64) * e_w + c, mask=(c < n_e) & (j < j1), other=-1)
+    return slots
 
 
 @gluon.jit

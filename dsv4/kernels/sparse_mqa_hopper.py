@@ -36,8 +36,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dsv4.kernels import sparse_mqa_hopper_few as few
-from dsv4.kernels.hopper_gluon import (BN, cta_barrier, fence_async_shared, finish_heads, load_q, mbarrier,
-                                       nblocks, warpgroup_mma, warpgroup_mma_wait)
+from dsv4.kernels.hopper_gluon import (BN, block_slots, cta_barrier, fence_async_shared, finish_heads, load_q,
+                                       mbarrier, nblocks, warpgroup_mma, warpgroup_mma_wait)
 from dsv4.kernels.launch import launch, target_of
 from dsv4.kernels.sparse_plan import hopper_heads
 from dsv4.kernels.split_combine import combine_splits
@@ -64,20 +64,6 @@ def _rows(idx_row, c0, n, num_slots, w64, page_stride, bs, D: gl.constexpr, blk:
     t = slot % bs
     words = gl.load(w64 + (page * page_stride + bs * (D + 64) + t * 8) // 8, mask=ok, other=0)
     return ok, page * page_stride + t * (D + 64), words
-
-
-@gluon.jit
-def _list_block(j, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, rl: gl.constexpr):
-    """List entries of block j of token t (its SWA blocks, then its compressed ones); -1 past the list and
-    for j >= j1."""
-    r = gl.arange(0, BN, layout=rl)
-    if j < nb_s:
-        c = j * BN + r
-        slots = gl.load(s_idx + t.to(gl.int64) * s_w + c, mask=(c < n_s) & (j < j1), other=-1)
-    else:
-        c = (j - nb_s) * BN + r
-        slots = gl.load(e_idx + t.to(gl.int64) * e_w + c, mask=(c < n_e) & (j < j1), other=-1)
-    return slots
 
 
 @gluon.jit
@@ -127,7 +113,7 @@ def _producer(a, s_pf, e_pf, D: gl.constexpr):
     pl: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])       # [rows, 8 lines]
     # programs of PREFETCH_MIN_BLOCKS blocks or more ask L2 for block j + 1's rows while block j is decoded
     pf = (j1 - j0 >= PREFETCH_MIN_BLOCKS) & ((s_pf != 0) | (e_pf != 0))
-    sl_next = _list_block(j0 + 1, gl.where(pf, j1, j0), t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w,
+    sl_next = block_slots(j0 + 1, gl.where(pf, j1, j0), t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w,
                           gl.SliceLayout(1, pl))
     for i in range(j1 - j0):
         j = j0 + i
@@ -149,7 +135,7 @@ def _producer(a, s_pf, e_pf, D: gl.constexpr):
                     _prefetch_rows(sl_next, s_w64, s_stride, s_slots, s_bs, D, pl)
             elif e_pf != 0:
                 _prefetch_rows(sl_next, e_w64, e_stride, e_slots, e_bs, D, pl)
-            sl_next = _list_block(j + 2, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, gl.SliceLayout(1, pl))
+            sl_next = block_slots(j + 2, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, gl.SliceLayout(1, pl))
         b = i % 2
         mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)     # both consumers are done with this buffer
         kb = k_smem.index(b)

@@ -39,8 +39,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from dsv4.kernels.hopper_gluon import (BN, cta_barrier, fence_async_shared, finish_heads, load_q, mbarrier,
-                                       nblocks, warpgroup_mma, warpgroup_mma_wait)
+from dsv4.kernels.hopper_gluon import (BN, block_slots, cta_barrier, fence_async_shared, finish_heads, load_q,
+                                       mbarrier, nblocks, warpgroup_mma, warpgroup_mma_wait)
 
 # 12 warps x 168 registers = the SM's 64K: the 8 decoding warps 152, the MMA warp group the rest
 MAXNREG, PRODUCER_REGS = 168, 152
@@ -48,20 +48,6 @@ PRODUCER_WARPS = gl.constexpr(8)
 # K buffers: two (three, where shared memory holds them beside 8 or 16 heads' Q, measured no faster;
 # docs/benchmarks.md)
 BUFFERS = 2
-
-
-@gluon.jit
-def _slots(j, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, rl: gl.constexpr):
-    """List entries of block j of token t (its SWA blocks, then its compressed ones); -1 past the list
-    and for j >= j1 (a prefetch past the split's last block loads nothing)."""
-    r = gl.arange(0, BN, layout=rl)
-    if j < nb_s:
-        c = j * BN + r
-        slots = gl.load(s_idx + t.to(gl.int64) * s_w + c, mask=(c < n_s) & (j < j1), other=-1)
-    else:
-        c = (j - nb_s) * BN + r
-        slots = gl.load(e_idx + t.to(gl.int64) * e_w + c, mask=(c < n_e) & (j < j1), other=-1)
-    return slots
 
 
 @gluon.jit
@@ -157,13 +143,13 @@ def _producer(a, D: gl.constexpr, NBUF: gl.constexpr):
     il: gl.constexpr = gl.SliceLayout(1, wl)
     pools = (s_w64, s_stride, s_slots, s_bs, e_w64, e_stride, e_slots, e_bs)
     n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
-    sl = _slots(j0, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
+    sl = block_slots(j0, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
     ok, sc, c0, c1, c2, c3, c4, c5, c6, rope = _gather(j0, nb_s, sl, *pools, D, wl, rl)
-    sl = _slots(j0 + 1, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
+    sl = block_slots(j0 + 1, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
     for i in range(j1 - j0):
         j = j0 + i
         ok_n, sc_n, n0, n1, n2, n3, n4, n5, n6, rope_n = _gather(j + 1, nb_s, sl, *pools, D, wl, rl)
-        sl = _slots(j + 2, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
+        sl = block_slots(j + 2, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
         b = i % NBUF
         mbarrier.wait(empty.index(b), ((i // NBUF) & 1) ^ 1)      # the MMA warp group is done with it
         kb = k_smem.index(b)
