@@ -60,13 +60,20 @@ class _Skip:
         return lambda *a, **kw: None
 
 
+SCALE = 512 ** -0.5                 # the softmax scale of a 512-dim latent
+
+
+def flashmla():
+    """FlashMLA's sparse decode strategy and its preparation on this GPU: the peer in every table."""
+    fm = FlashMLASparse()
+    return fm, fm.prepare(device=detect())
+
+
 def decode(cases=CASES) -> None:
     from dsv4.kernels import sparse_mqa as mod
 
-    dev = detect()
-    scale = 512 ** -0.5
-    fm = FlashMLASparse()
-    fprep = fm.prepare(device=dev)
+    scale = SCALE
+    fm, fprep = flashmla()
     seen = _compiled_stats()
     for label, H, eb, ew, b, sq in cases:
         T = b * sq
@@ -99,9 +106,8 @@ def decode(cases=CASES) -> None:
 def planned() -> None:
     """mqa_kernel=triton_sparse as shipped (variant=auto) and its two kernels beside FlashMLA on the same pages:
     mode=bench's decode cases, the steps around both planners' switches, and prefill-sized steps."""
-    fm = FlashMLASparse()
+    fm, prep = flashmla()
     variants = {v: TritonSparseMQA(variant=v) for v in ("auto", "two_pass", "hopper")}
-    prep = fm.prepare(device=detect())
     print("| case | FlashMLA µs | auto µs | two_pass µs | hopper µs | auto / FlashMLA | rel diff auto |\n"
           "|---|---|---|---|---|---|---|")
     cases = DECODE_CASES + [("h64 128+512", 64, 64, 512, b, 1) for b in (8, 16, 32, 48, 64, 96)] + [
@@ -110,10 +116,10 @@ def planned() -> None:
         T = b * sq
         q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
                                   extra_blocks=POOL_BLOCKS, full=True)
-        a, call = flashmla_steady(fm, prep, q, kv, sink, 512 ** -0.5)
-        o, _ = variants["auto"](q, kv, sink=sink, scale=512 ** -0.5)
+        a, call = flashmla_steady(fm, prep, q, kv, sink, SCALE)
+        o, _ = variants["auto"](q, kv, sink=sink, scale=SCALE)
         t_f = graph_time_us(call)
-        t = {v: graph_time_us(lambda: k(q, kv, sink=sink, scale=512 ** -0.5)) for v, k in variants.items()}
+        t = {v: graph_time_us(lambda: k(q, kv, sink=sink, scale=SCALE)) for v, k in variants.items()}
         print(f"| {label} b={b} s_q={sq} | {t_f:.1f} | {t['auto']:.1f} | {t['two_pass']:.1f} | {t['hopper']:.1f} | "
               f"{t['auto'] / t_f:.2f} | {rel_err(o, a):.1e} |", flush=True)
 
@@ -157,9 +163,8 @@ def split(cases=SPLIT_CASES) -> None:
     two-pass kernel and auto, on the same pages."""
     from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
 
-    fm = FlashMLASparse()
-    prep = fm.prepare(device=detect())
-    scale = 512 ** -0.5
+    fm, prep = flashmla()
+    scale = SCALE
     splits = " | ".join(f"hopper splits={s or 'planned'}" for s in SPLITS)
     print(f"| case | FlashMLA µs | two_pass µs | auto µs | {splits} | rel diff planned |")
     print("|---" * (5 + len(SPLITS)) + "|")
@@ -196,9 +201,8 @@ def few(cases=FEW_CASES) -> None:
     from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
     from dsv4.kernels.sparse_plan import hopper_heads
 
-    fm = FlashMLASparse()
-    prep = fm.prepare(device=detect())
-    scale = 512 ** -0.5
+    fm, prep = flashmla()
+    scale = SCALE
     print("| case | FlashMLA (padded) µs | 64-head kernel (padded) µs | few-heads, 2 buffers | 3 buffers | auto µs | "
           "auto / FlashMLA | rel diff |")
     print("|---" * 8 + "|")
@@ -245,9 +249,8 @@ def prefetch(cases=PREFETCH_CASES) -> None:
     from dsv4.kernels.sparse_mqa_hopper import prefetched_pools, sparse_mqa_hopper
     from dsv4.kernels.sparse_plan import hopper_splits
 
-    fm = FlashMLASparse()
-    prep = fm.prepare(device=detect())
-    scale = 512 ** -0.5
+    fm, prep = flashmla()
+    scale = SCALE
     print("| 64 heads | pools MB (SWA + compressed) | FlashMLA µs | off | on | picked (SWA, compressed) | on / off | "
           "picked / off | outputs equal |")
     print("|---" * 9 + "|")

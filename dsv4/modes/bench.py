@@ -22,11 +22,10 @@ def run_bench(job, ranks=None) -> None:
     """Every table, printed as it is measured (on rank 0 alone under torchrun: the tensor-parallel step)."""
     import torch
 
-    from dsv4.benches.cases import available_options
+    from dsv4.benches.cases import SERVING_STEP, available_options
     from dsv4.benches.indexer import CONTEXTS, NREQ, TOKENS, bench_indexer
     from dsv4.benches.kernels import bench_mqa, bench_o_proj
     from dsv4.benches.layer import bench_layer_step
-    from dsv4.benches.cases import SERVING_STEP
     from dsv4.benches.padding import bench_padding
     from dsv4.benches.tp_step import bench_tp_step
 
