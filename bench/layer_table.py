@@ -3,6 +3,7 @@
   python bench/layer_table.py --cases 64x2@8192 64x2@65536 --backends "flashmla_sparse + deepgemm_fp8"
   python bench/layer_table.py --no-prefill deployment=h200 model=dsv4_pro
   python bench/layer_table.py --cases 64x2@131072 --layer-types c4a --indexers deepgemm_fp8 mxfp4 --no-prefill
+  python bench/layer_table.py --padding --tp-sizes 8 --cases 256x2@8192     # the head-padding table at that step
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hydra import compose, initialize_config_dir
 from dsv4.catalogue import CONFIG_DIR
 from dsv4.job import make_job
 from dsv4.benches.layer import DECODE_CASES, bench_layer_step
+from dsv4.benches.padding import bench_padding
 
 
 def case(text: str) -> tuple[int, int, int]:
@@ -29,10 +31,18 @@ def main() -> None:
     ap.add_argument("--indexers", nargs="*", default=None, help="indexer options for the ratio-4 layer, e.g. mxfp4")
     ap.add_argument("--layer-types", nargs="*", default=None, help="e.g. c4a (default: swa c4a c128a)")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--padding", action="store_true", help="mode=bench's head-padding table at each case instead")
+    ap.add_argument("--tp-sizes", nargs="*", type=int, default=None, help="the padding table's (default: 1 2 4 8)")
     ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
     a = ap.parse_args()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         job = make_job(compose(config_name="config", overrides=a.overrides or ["deployment=h200"]))
+    if a.padding:
+        for step in a.cases:
+            print(f"{step[0]} requests x {step[1]} tokens at {step[2]} context:\n"
+                  + bench_padding(job, step=step, layer_types=a.layer_types, **({"tp_sizes": a.tp_sizes}
+                                                                               if a.tp_sizes else {})))
+        return
     print(bench_layer_step(job, a.cases, labels=a.backends, indexers=a.indexers, layer_types=a.layer_types,
                            prefill=not a.no_prefill,
                            echo=lambda line: print("  row:", line, flush=True)))

@@ -13,6 +13,9 @@
   python bench/tune_triton.py oproj      # o_proj=triton_fp8's grouped e4m3 product beside DeepGEMM, torch_fp8, bf16
   python bench/tune_triton.py prefetch   # the 64-head kernel's L2 prefetch off, on and as picked, by program
                                          # length and pool size (pools that L2 holds and larger ones), FlashMLA beside
+  python bench/tune_triton.py runs       # 8 and 16 heads on lists as a step plan makes them (MTP tokens sharing
+                                         # their windows): each token alone, two tokens of a run per program and
+                                         # as planned, FlashMLA beside
 
 The shipped defaults (dsv4/configs/mqa_kernel/triton_sparse.yaml, dsv4/configs/o_proj/triton_fp8.yaml,
 inv_rope_fp8_quant's) come from these sweeps.
@@ -23,7 +26,7 @@ import functools
 
 import torch
 
-from dsv4.benches.cases import DECODE_CASES, POOL_BLOCKS, oproj_case, pad_heads, sparse_case
+from dsv4.benches.cases import DECODE_CASES, POOL_BLOCKS, oproj_case, pad_heads, runs_case, sparse_case
 from dsv4.benches.timing import graph_time_us
 from dsv4.components.rope import Rope
 from dsv4.oracle import rel_err
@@ -275,6 +278,51 @@ def prefetch(cases=PREFETCH_CASES) -> None:
               f"{all(torch.equal(o, outs[0]) for o in outs)} |", flush=True)
 
 
+# (label, heads, compressed lists: None, "topk" or "nested", their width (top-k), compressed page size,
+# requests, tokens per request, context after the step)
+RUNS_CASES = [("h8 128+512 top-k", 8, "topk", 512, 64, 128, 2, 8192),
+              ("h8 128+512 top-k", 8, "topk", 512, 64, 256, 2, 8192),
+              ("h16 128+512 top-k", 16, "topk", 512, 64, 128, 2, 8192),
+              ("h8 128+512 top-k", 8, "topk", 512, 64, 64, 2, 8192),
+              ("h8 128+512 top-k", 8, "topk", 512, 64, 16, 2, 8192),
+              ("h8 128+512 top-k", 8, "topk", 512, 64, 128, 1, 8192),
+              ("h8 128+512 top-k", 8, "topk", 512, 64, 256, 1, 8192),
+              ("h8 128 SWA only", 8, None, 0, 64, 128, 2, 8192),
+              ("h8 128 SWA only", 8, None, 0, 64, 64, 2, 8192),
+              ("h16 128 SWA only", 16, None, 0, 64, 128, 2, 8192),
+              ("h8 128+256 ratio 128", 8, "nested", 0, 2, 128, 2, 32768),
+              ("h16 128+256 ratio 128", 16, "nested", 0, 2, 128, 2, 32768)]
+
+
+def runs(cases=RUNS_CASES) -> None:
+    """The few-heads Hopper kernel on a step plan's lists (SWA windows from random page tables, so that a
+    request's tokens share their windows' rows): each token alone, a run's tokens two per program reading
+    the union of their lists once, and as planned (sparse_plan.hopper_group), FlashMLA beside (padded to
+    64 heads); the differences to the lone kernel's output and to FlashMLA's."""
+    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+
+    fm, prep = flashmla()
+    print("| case | FlashMLA (padded) µs | each token alone µs | 2 tokens per program µs | planned µs | "
+          "2 / alone | planned / FlashMLA | rel diff 2 vs alone | 2 vs FlashMLA |")
+    print("|---" * 9 + "|")
+    for label, H, extra, ew, eb, b, sq, ctx in cases:
+        q, kv, sink = runs_case([sq] * b, [ctx] * b, H, extra=extra, extra_w=ew, extra_block=eb, seed=b + H)
+        qp, sp = pad_heads(q, sink, 64)
+        a, call = flashmla_steady(fm, prep, qp, kv, sp, SCALE)
+        t_f = graph_time_us(call)
+        ex = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens) if extra else {}
+
+        def run(group):
+            grouped = dict(runs=kv.runs, extra_nested=kv.extra_nested, group=group) if group is not None else {}
+            return sparse_mqa(q, sink, SCALE, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **ex,
+                              variant="hopper", **grouped)
+        alone, two = run(None)[0], run(2)[0]
+        t = {g: graph_time_us(lambda g=g: run(g)) for g in (None, 2, 0)}
+        print(f"| {label} b={b} s_q={sq} | {t_f:.1f} | {t[None]:.1f} | {t[2]:.1f} | {t[0]:.1f} | "
+              f"{t[2] / t[None]:.2f} | {t[0] / t_f:.2f} | {rel_err(two, alone):.1e} | {rel_err(two, a[:, :H]):.1e} |",
+              flush=True)
+
+
 def prologue() -> None:
     from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
 
@@ -351,6 +399,8 @@ if __name__ == "__main__":
         oproj()
     elif "prefetch" in sys.argv:
         prefetch()
+    elif "runs" in sys.argv:
+        runs()
     elif "quick" in sys.argv:
         decode([CASES[0], CASES[3], CASES[4]])
     else:

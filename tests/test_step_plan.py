@@ -146,3 +146,25 @@ def test_an_eager_steps_plan_inputs_keep_their_alignment_and_table_widths():
                     row = pool.groups[name].tables[seg.rid]
                     assert a[i, :len(row)].tolist() == list(row) and (a[i, len(row):] == -1).all(), name
         pool.rollback(reserved)
+
+
+def test_runs_say_which_tokens_are_one_requests_consecutive_positions():
+    """StepPlan.runs: per token, its index among its request's tokens of the step and how many are left (a
+    request with no tokens adds nothing, padding rows are runs of one), the runs cut into groups of 2 and
+    of 3 in order; and the SWA windows of a run's tokens are what the Hopper kernel's union assumes: each
+    the one before it shifted by one position."""
+    qs = torch.tensor([0, 2, 2, 5, 6], dtype=torch.int32)
+    lens = torch.tensor([300, 7, 130, 4], dtype=torch.int32)
+    pages = torch.arange(4 * 5, dtype=torch.int32).view(4, 5)
+    plan = StepPlan.build(query_start=qs, seq_lens=lens, swa=PageTable(block_size=64, pages=pages), window=128,
+                          num_tokens=8)
+    runs = plan.runs
+    assert runs.tokens.dtype == torch.int32
+    assert runs.tokens.tolist() == [[0, 2], [1, 1], [0, 3], [1, 2], [2, 1], [0, 1], [0, 1], [0, 1]]
+    assert runs.groups(2).tolist() == [[0, 2], [2, 2], [4, 1], [5, 1], [6, 1], [7, 1], [0, 0], [0, 0]]
+    assert runs.groups(3).tolist() == [[0, 2], [2, 3], [5, 1], [6, 1], [7, 1], [0, 0], [0, 0], [0, 0]]
+    assert runs.groups(2) is runs.groups(2)             # once per step
+    idx, n = plan.swa.indices, plan.swa.lens
+    for t in (0, 2, 3):                     # the next token of the run: the same window, moved by one
+        a, b = idx[t, :n[t]].tolist(), idx[t + 1, :n[t + 1]].tolist()
+        assert b[:len(b) - 1] == a[len(a) - (len(b) - 1):] and len(b) - len(a) in (0, 1)

@@ -128,6 +128,30 @@ def test_few_heads_kernel_agrees(H, buffers):
         check_against_reference(out, lse, q, kv, sink)
 
 
+@pytest.mark.parametrize("H", [8, 16])
+@pytest.mark.parametrize("extra", [None, "topk", "nested"])
+def test_a_runs_tokens_read_their_rows_once_and_agree(H, extra):
+    """Programs that take a run's tokens together (StepPlan.runs: a request's MTP tokens) and read the union
+    of their lists once give each token the reference's answer, and the per-token kernel's to P's bf16
+    rounding: SWA windows full and not, ratio-4 top-k lists (each token's own), ratio-128 lists (nested),
+    runs of one to three tokens, a request with none, padding rows; planned, split, and groups of 4."""
+    from dsv4.benches.cases import runs_case
+    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+
+    kernel("hopper")                            # skips where it cannot run
+    q, kv, sink = runs_case([2, 1, 3, 0, 2, 2], [300, 5, 256, 9, 129, 8192], H, extra=extra, extra_w=512,
+                            extra_block=2 if extra == "nested" else 64, pool_blocks=64, padding=3, seed=H,
+                            device=DEVICE)
+    ex = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens) if extra else {}
+    args = (q, sink, SCALE, pool_args(kv.swa), kv.swa_indices, kv.swa_lens)
+    alone, _ = sparse_mqa(*args, **ex, variant="hopper")
+    for group, splits in ((0, 0), (2, 3), (32 // H, 1)):
+        out, lse = sparse_mqa(*args, **ex, variant="hopper", runs=kv.runs, extra_nested=kv.extra_nested,
+                              group=group, splits=splits)
+        check_against_reference(out, lse, q, kv, sink)
+        assert rel_err(out, alone) <= 4e-3
+
+
 def test_l2_prefetch_changes_no_output():
     """The 64-head kernel's L2 prefetch of the next block's rows (programs of PREFETCH_MIN_BLOCKS blocks or
     more, asked of either pool or both) leaves every output bit as it is, and the answer is the
@@ -229,8 +253,9 @@ def test_launch_shapes_need_the_two_pass_variant(variant):
 
 def test_kernel_plan(monkeypatch):
     """auto takes the Hopper kernel on sm90 for fp8_ds_mla pages, whatever the step's size (small steps
-    split over list blocks); an explicit hopper that cannot run is an error naming the reason and the fix."""
-    from dsv4.kernels.sparse_plan import hopper_heads, hopper_splits, plan_kernel
+    split over list blocks, a large step's MTP tokens at 8 heads two per program); an explicit hopper that
+    cannot run is an error naming the reason and the fix."""
+    from dsv4.kernels.sparse_plan import hopper_group, hopper_heads, hopper_splits, plan_kernel
 
     h200 = dict(arch="sm90", layouts=(1, 1), head_dim=512, native=True, dtype="bfloat16")
     assert plan_kernel("auto", **h200) == "hopper"
@@ -245,6 +270,11 @@ def test_kernel_plan(monkeypatch):
     assert hopper_splits(16, 64, 640, 132) == 8 and hopper_splits(64, 64, 640, 132) == 2
     assert hopper_splits(16, 64, 128, 132) == 2                              # SWA only: two blocks in all
     assert hopper_splits(1, 128, 640, 132) == 10 and hopper_splits(100, 128, 640, 132) == 1
+    # a run's tokens per program: two at 8 heads where the groups fill the GPU unsplit, else one
+    assert hopper_group(256, 8, 640, 132) == 2 and hopper_group(512, 5, 128, 132) == 2
+    assert hopper_group(128, 8, 640, 132) == 1                               # 64 groups would split
+    assert hopper_group(512, 16, 640, 132) == 1 and hopper_group(512, 64, 640, 132) == 1
+    assert hopper_splits(256, 8, 640, 132, group=2) == 1 and hopper_splits(128, 8, 640, 132, group=2) == 2
     for change, why in ((dict(arch="sm89"), "sm90"), (dict(arch="rocm"), "sm90"), (dict(layouts=(0, 0)), "fp8_ds_mla"),
                         (dict(layouts=(1, 2)), "fp8_ds_mla"), (dict(native=False), "native_fp8"),
                         (dict(head_dim=576), "512"), (dict(dtype="float16"), "bfloat16")):
@@ -419,3 +449,18 @@ def test_auto_runs_what_the_plan_says():
     planned = "hopper" if ARCH == "sm90" else "two_pass"
     same, same_lse = kernel(planned)(q, kv, sink=sink, scale=SCALE)
     assert torch.equal(out, same) and torch.equal(lse, same_lse)
+
+
+def test_groups_of_a_runs_tokens_are_refused_without_the_runs_or_past_32_columns():
+    """A group size the few-heads kernel cannot take is refused before anything is launched: no groups of
+    the runs given, or more heads x tokens than its 32 columns."""
+    from dsv4.kernels.sparse_mqa import LOG2E, pool_args
+    from dsv4.kernels.sparse_mqa_hopper import sparse_mqa_hopper
+
+    q, kv, sink = case(4, 8, LAYER_TYPES["swa"], seed=3)
+    args = (q, sink.float(), SCALE * LOG2E, pool_args(kv.swa), kv.swa_indices.int(), kv.swa_lens.int())
+    groups = torch.zeros(4, 2, dtype=torch.int32, device=q.device)
+    with pytest.raises(ValueError, match="groups of the step's runs"):
+        sparse_mqa_hopper(*args, group=2)
+    with pytest.raises(ValueError, match="8 x 8"):
+        sparse_mqa_hopper(*args, groups=groups, group=8)

@@ -55,6 +55,44 @@ def sparse_case(T: int, H: int, *, extra_block, extra_w: int, seed: int, swa_w: 
     return q, SparseKV(**kw), torch.randn(H, generator=g, device=device)
 
 
+def runs_case(tokens: list[int], context: list[int], H: int, *, extra: str | None, extra_w: int = 512,
+              extra_block: int = 64, pool_blocks: int = POOL_BLOCKS, seed: int = 0, padding: int = 0,
+              device: str = "cuda"):
+    """A step of requests with `tokens[i]` new tokens each (MTP) at length `context[i]` after the step (and
+    `padding` rows), its lists as StepPlan builds them from random page tables: SWA windows, which a
+    request's tokens share but for one row each, and `extra`: None, "topk" (random full lists per token,
+    as a ratio-4 layer's indexer gives) or "nested" (a ratio-128 layer's every visible entry, each token's
+    a prefix of the next one's). -> (q [T, H, 512] bf16, SparseKV with the step's runs, sinks)."""
+    from dsv4.components.plan import PageTable, StepPlan
+    from dsv4.sizes import cdiv
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    b, T = len(tokens), sum(tokens) + padding
+    qs = torch.tensor([0] + tokens, device=device).cumsum(0).int()
+
+    def table(block: int, rows: int) -> PageTable:
+        return PageTable(block_size=block, pages=torch.randint(0, pool_blocks, (b, cdiv(rows, block)), generator=g,
+                                                               device=device, dtype=torch.int32))
+
+    entries = {128: table(extra_block, max(context) // 128 + 1)} if extra == "nested" else {}
+    plan = StepPlan.build(query_start=qs, seq_lens=torch.tensor(context, device=device).int(),
+                          swa=table(64, max(context)), window=128, entries=entries, num_tokens=T)
+    kw: dict[str, Any] = dict(swa=random_pages("swa", pool_blocks, 64, g), swa_indices=plan.swa.indices,
+                              swa_lens=plan.swa.lens, runs=plan.runs)
+    if extra is not None:
+        ext = random_pages("compressed", pool_blocks, extra_block, g)
+        if extra == "nested":
+            ents = plan.entries[128]
+            kw |= dict(extra_indices=ents.visible, extra_lens=ents.counts, extra_nested=True)
+        else:
+            kw |= dict(extra_indices=torch.randint(0, ext.num_slots, (T, extra_w), generator=g, device=device,
+                                                   dtype=torch.int32),
+                       extra_lens=torch.where(plan.real, extra_w, 0).int())
+        kw["extra"] = ext
+    q = torch.randn(T, H, 512, generator=g, device=device).bfloat16()
+    return q, SparseKV(**kw), torch.randn(H, generator=g, device=device)
+
+
 def pad_heads(q, sink, heads: int):
     """q [T, H, D] and sink [H] with zero heads appended up to `heads`."""
     T, H, D = q.shape

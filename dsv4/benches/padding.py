@@ -23,10 +23,11 @@ TP_SIZES = (1, 2, 4, 8)
 PAIRS = (("flashmla_sparse", "buckets_64_128"), ("triton_sparse", "buckets_64_128"), ("triton_sparse", "none"))
 
 
-def padding_rows(job, tp_sizes=TP_SIZES, pairs=PAIRS, layer_types=None, echo=None) -> list[list]:
+def padding_rows(job, tp_sizes=TP_SIZES, pairs=PAIRS, layer_types=None, echo=None, step=SERVING_STEP) -> list[list]:
     """One row per (tp_size, layer type, pair): refused combinations are rows saying why (check()), a
     failing one says what failed; the first pair that runs at a (tp_size, layer type) is the others'
-    reference. `echo(row)` is called with each row as it is measured."""
+    reference. `echo(row)` is called with each row as it is measured. `step`: (requests, tokens each,
+    context)."""
     import traceback
 
     from dsv4.compat import check
@@ -51,7 +52,7 @@ def padding_rows(job, tp_sizes=TP_SIZES, pairs=PAIRS, layer_types=None, echo=Non
                 else:
                     try:
                         row, parts = decode_row(job, Backend(label=f"{kernel} + {padding}", combo=combo), layer,
-                                                *SERVING_STEP)
+                                                *step)
                         ref = ref or row[5]
                         rows.append(head + [row[5], parts.get(combo.mqa_kernel.name), row[5] / ref])
                     except Exception as e:          # one failing row is a row, not the end of the table

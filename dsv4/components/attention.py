@@ -127,9 +127,9 @@ class DSV4Attention(torch.nn.Module):
             else:
                 ents = plan.entries[self.ratio]
                 lists, lens = ents.visible, ents.counts
-            extra = dict(extra=caches.compressed, extra_indices=lists, extra_lens=lens)
+            extra = dict(extra=caches.compressed, extra_indices=lists, extra_lens=lens, extra_nested=idx is None)
         kv = SparseKV(swa=caches.swa, swa_indices=plan.swa.indices, swa_lens=plan.swa.lens,
-                      layer_type=self.layer_type, **extra)
+                      layer_type=self.layer_type, runs=plan.runs, **extra)
         out, _lse = self.mqa_kernel(q, kv, sink=self.attn_sink, scale=self.spec.softmax_scale,
                                     prepared=self.mqa_prepared, plan=plan.kernel_plans.get(self.layer_type))
         y = self.o_proj(out if self.padded_heads == H else out[:, :H], rot, prepared=self.o_proj_prepared)

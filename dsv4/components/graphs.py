@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from dsv4.components.engine import TABLE_PAGES, pack_inputs
-from dsv4.components.plan import StepPlan
+from dsv4.components.plan import RUN_GROUPS, StepPlan
 from dsv4.graph import GraphConfig
 from dsv4.sizes import cdiv, round_up
 
@@ -84,6 +84,8 @@ class StepGraphs:
             plan.rope_rows(m.rope)
             if m.ratio > 1:
                 plan.rope_rows(m.rope, shift=m.ratio)
+        for size in RUN_GROUPS:                        # and the runs' groups, which kernels may read
+            plan.runs.groups(size)
         return plan
 
     def _capture(self, engine, size: int) -> _Captured:

@@ -23,8 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsv4.kernels.sparse_plan import RUN_GROUP
+
 COMPRESSOR_REACH = {4: 8, 128: 128}      # positions a ratio's compressor reads back (coff·R: overlap at 4)
 DENSE_RATIOS = (128,)                   # ratios whose layers attend to every visible entry (HCA)
+RUN_GROUPS = (RUN_GROUP,)               # QueryRuns.groups sizes a captured step makes in its plan's graph
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,6 +78,35 @@ class EntryRows:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class QueryRuns:
+    """Which of the step's tokens are consecutive positions of one request (a decode step's MTP tokens, a
+    prefill chunk): a kernel may read the rows such tokens share once for several of them (SparseKV.runs).
+    By the plan's construction their SWA lists are windows, each the one before shifted by a position,
+    and a dense ratio's lists prefixes of the run's last one."""
+    tokens: Any             # [T, 2] int32: the token's index in its run, and the run's tokens from it on
+    _groups: dict = field(default_factory=dict)
+
+    def groups(self, size: int):
+        """[T, 2] int32: row p < the number of groups: the first token of group p and how many tokens it
+        has, the runs cut into groups of up to `size` tokens in order; (0, 0) past them. Made once per
+        step and size: a captured step makes RUN_GROUPS' in its plan's graph (graphs.py), so that every
+        layer's graph reads what the plan's replay wrote."""
+        import torch
+
+        if size not in self._groups:
+            off, left = self.tokens[:, 0], self.tokens[:, 1]
+            first = off % size == 0
+            T = off.shape[0]
+            rows = torch.where(first, torch.cumsum(first, 0, dtype=torch.int32) - 1, T).long()
+            out = torch.zeros(T + 1, 2, dtype=torch.int32, device=off.device)
+            out.scatter_(0, rows[:, None].expand(T, 2),
+                         torch.stack((torch.arange(T, dtype=torch.int32, device=off.device),
+                                      torch.minimum(left, torch.full_like(left, size))), 1))
+            self._groups[size] = out[:T]
+        return self._groups[size]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlan:
     num_tokens: int                   # T: rows of the step's tensors (padding included)
     query_start: Any                  # [B+1] int32
@@ -83,6 +115,7 @@ class StepPlan:
     token_request: Any                # [T] int64: the token's request (index into seq_lens)
     step_start: Any                   # [T] int32: the first position of the token's request in this step
     real: Any                         # [T] bool: not padding
+    runs: QueryRuns         # a request's tokens in the step; padding rows are runs of one
     swa: SwaRows
     state: dict[int, StateRows]
     entries: dict[int, EntryRows]
@@ -142,7 +175,9 @@ class StepPlan:
             ents[ratio] = EntryRows(ratio=ratio, table=table, counts=counts, close_slots=close, width=width,
                                     visible=visible)
         return cls(num_tokens=T, query_start=qs, seq_lens=lens, positions=pos, token_request=req, step_start=start,
-                   real=real, swa=swa_rows, state=states, entries=ents)
+                   real=real, runs=QueryRuns(tokens=torch.stack((torch.where(real, t - first_row, 0),
+                                                                 torch.where(real, count - (t - first_row), 1)), 1)),
+                   swa=swa_rows, state=states, entries=ents)
 
     # ---- per-step values derived once and shared by the layers that use them ------------------
     def rope_rows(self, rope, shift: int = 0):

@@ -88,15 +88,19 @@ def compile_for(target: str, what: str) -> float:
         # SWA pages of 64 rows (divisible by 16, as launched), compressed pages of 2 (a ratio-128 layer);
         # whole programs and splits of them: 64 heads, and 8/16/32 with their K buffers; the merge
         def types(a):
-            return "*fp32" if a == "acc_ptr" else _arg_type(a, 1)
+            return {"acc_ptr": "*fp32", "groups_ptr": "*i32"}.get(a) or _arg_type(a, 1)
 
         ints = {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"}
         for split in (False, True):
             _compile(hop._hopper_kernel, dict(D=512, WG1_REGS=hop.WG1_REGS, PRODUCER_REGS=hop.PRODUCER_REGS,
                                               SPLIT=split), types, ints, gpu, 4, maxnreg=hop.MAXNREG)
-            for nh in (8, 16, 32):
+            # per heads: one token per program, or a run's tokens up to 32 columns, compressed lists of
+            # each token in turn or nested
+            for nh, g, nested in ((8, 1, False), (16, 1, False), (32, 1, False), (8, 2, False), (8, 2, True),
+                                  (16, 2, False), (8, 4, True)):
                 _compile(few._few_heads_kernel, dict(NH=nh, D=512, NBUF=few.BUFFERS,
-                                                     PRODUCER_REGS=few.PRODUCER_REGS, SPLIT=split),
+                                                     PRODUCER_REGS=few.PRODUCER_REGS, SPLIT=split, G=g,
+                                                     NESTED=nested),
                          types, ints, gpu, 4, maxnreg=few.MAXNREG)
         _compile(split_combine._combine_kernel, dict(BH=split_combine.BH, DB=split_combine.DB, D=512), types,
                  {"H"}, gpu, 4)

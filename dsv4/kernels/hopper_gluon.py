@@ -45,27 +45,31 @@ def block_slots(j, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, rl: gl.constex
 
 
 @gluon.jit
-def load_q(q_ptr, q_smem, t, h0, H, NH: gl.constexpr, D: gl.constexpr, blk: gl.constexpr):
-    """Token t's heads h0..h0+NH-1 (zeros past H) into q_smem [NH, D], 64 dims at a time."""
-    hr = h0 + gl.arange(0, NH, layout=gl.SliceLayout(1, blk))
+def load_q(q_ptr, q_smem, t, n, h0, H, NH: gl.constexpr, NQ: gl.constexpr, D: gl.constexpr, blk: gl.constexpr):
+    """Into q_smem [NQ, D], 64 dims at a time: row i is head h0 + i % NH of token t + i // NH (NQ = NH: one
+    token), zeros past H and past the program's n tokens."""
+    i = gl.arange(0, NQ, layout=gl.SliceLayout(1, blk))
+    hr = h0 + i % NH
+    row = ((t + i // NH).to(gl.int64) * H + hr) * D
+    ok = (i // NH < n) & (hr < H)
     for c in gl.static_range(D // 64):
         d = c * 64 + gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
-        qc = gl.load(q_ptr + ((t.to(gl.int64) * H + hr) * D)[:, None] + d[None, :], mask=(hr < H)[:, None],
-                     other=0.0)
+        qc = gl.load(q_ptr + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
         q_smem.slice(64 * c, 64, dim=1).store(qc)
     fence_async_shared()
     cta_barrier()
 
 
 @gluon.jit
-def finish_heads(m_i, l_i, hs, t, sp, T, H, sink_ptr, lse_ptr, ml_ptr, SPLIT: gl.constexpr):
-    """The program's heads hs after their last block, from the running max m_i and sum l_i (log2 domain):
+def finish_heads(m_i, l_i, hs, t, ok, sp, T, H, sink_ptr, lse_ptr, ml_ptr, SPLIT: gl.constexpr):
+    """The program's heads hs of tokens t (one, or one per head) after their last block, where ok, from the
+    running max m_i and sum l_i (log2 domain):
     SPLIT, the split's (max, sum) stored for split_combine, which finishes them, and 1 returned; else the
     sink in the denominator, lse stored, and 1/denominator returned (a head with no valid row: 0, lse +inf)."""
     if SPLIT:
         part = ((sp * T + t).to(gl.int64) * H + hs) * 2
-        gl.store(ml_ptr + part, m_i, mask=hs < H)
-        gl.store(ml_ptr + part + 1, l_i, mask=hs < H)
+        gl.store(ml_ptr + part, m_i, mask=ok)
+        gl.store(ml_ptr + part + 1, l_i, mask=ok)
         inv = gl.full(m_i.shape, 1.0, gl.float32, m_i.type.layout)
     else:
         has = l_i > 0
@@ -74,6 +78,6 @@ def finish_heads(m_i, l_i, hs, t, sp, T, H, sink_ptr, lse_ptr, ml_ptr, SPLIT: gl
         denom = gl.where(has, l_i + gl.exp2(sink_l2 - m_fin), 1.0)
         gl.store(lse_ptr + t.to(gl.int64) * H + hs,
                  gl.where(has, (m_fin + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453, float("inf")),
-                 mask=hs < H)
+                 mask=ok)
         inv = gl.where(has, 1.0 / denom, 0.0)
     return inv

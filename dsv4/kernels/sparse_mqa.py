@@ -46,7 +46,7 @@ import triton.language as tl
 from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, target_of
 from dsv4.sizes import cdiv
-from dsv4.kernels.sparse_plan import hopper_splits, plan_kernel, plan_launch
+from dsv4.kernels.sparse_plan import hopper_group, hopper_splits, plan_kernel, plan_launch
 from dsv4.kernels.split_combine import finish
 from dsv4.kernels.target import Target
 
@@ -291,7 +291,8 @@ def pool_args(cache) -> Pool:
 def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool | None = None, extra_idx=None,
                extra_len=None, *, block_n: int = 0, block_h: int = 0, block_d: int = 0, num_warps: int = 4,
                num_warps_pv: int = 0, native_fp8: bool | None = None, variant: str = "auto",
-               target: Target | None = None, splits: int = 0):
+               target: Target | None = None, splits: int = 0, runs=None, extra_nested: bool = False,
+               group: int = 0):
     """q [T, H, D] -> (out [T, H, D] in q's dtype, lse [T, H] float32, natural log, sink excluded).
 
     `swa`/`extra` are `pool_args(...)`; index lists [T, W] int32 with -1 padding and lengths [T].
@@ -299,7 +300,10 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
     portable two-pass one, whose launch shapes left at 0 come from `plan_launch`; `splits`, the Hopper
     kernel's programs per (token, head block), from `hopper_splits` at 0. `native_fp8`: decode
     OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA sm89+). `target`: the
-    device's facts as the strategy prepared them (default: `target_of` q's device)."""
+    device's facts as the strategy prepared them (default: `target_of` q's device). `runs` (StepPlan's
+    QueryRuns; the SWA lists then windows, the extra lists `extra_nested` prefixes or not): the Hopper
+    kernel's programs of 8 heads take `group` tokens of a run each (0: `hopper_group`) and read the rows
+    they share once; the two-pass kernel reads each token's lists alone."""
     import torch
 
     T, H, D = q.shape
@@ -321,9 +325,12 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
     if kernel == "hopper":
         from dsv4.kernels.sparse_mqa_hopper import prefetched_pools, sparse_mqa_hopper
 
+        group = 1 if runs is None else (group or hopper_group(T, H, sw + ew, tgt.processors))
         return sparse_mqa_hopper(q, sink, scale * LOG2E, swa, s_idx, s_len, extra, e_idx, e_len,
-                                 splits=splits or hopper_splits(T, H, sw + ew, tgt.processors),
-                                 prefetch=prefetched_pools(swa, extra, tgt.l2_bytes))
+                                 splits=splits or hopper_splits(T, H, sw + ew, tgt.processors, group=group),
+                                 prefetch=prefetched_pools(swa, extra, tgt.l2_bytes),
+                                 groups=runs.groups(group) if group > 1 else None, nested=extra_nested,
+                                 group=group)
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:

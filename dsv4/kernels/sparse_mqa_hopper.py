@@ -206,7 +206,7 @@ def _first_half(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D: gl.constexpr, 
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    load_q(q_ptr, q_smem, t, h0, H, BH, D, blk)
+    load_q(q_ptr, q_smem, t, 1, h0, H, BH, BH, D, blk)
 
     n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
     m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
@@ -240,8 +240,8 @@ def _first_half(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D: gl.constexpr, 
         cta_barrier()
         mbarrier.arrive(empty.index(b), count=1)
 
-    inv = finish_heads(m_i, l_i, h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l)), t, sp, T, H, sink_ptr,
-                       lse_ptr, ml_ptr, SPLIT)
+    hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
+    inv = finish_heads(m_i, l_i, hs, t, hs < H, sp, T, H, sink_ptr, lse_ptr, ml_ptr, SPLIT)
     inv_smem.store(inv)
     cta_barrier()
     mbarrier.arrive(fin, count=1)
@@ -294,14 +294,19 @@ def prefetched_pools(swa, extra, l2_bytes: int) -> tuple[bool, bool]:
 
 
 def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=None,
-                      extra_idx=None, extra_len=None, *, splits: int = 1, buffers: int = 0, prefetch=None):
+                      extra_idx=None, extra_len=None, *, splits: int = 1, buffers: int = 0, prefetch=None,
+                      groups=None, nested: bool = False, group: int = 1):
     """(out [T, H, 512], lse [T, H]) like sparse_mqa's, for fp8_ds_mla (OCP) pools given as `pool_args`.
     sink: the sinks, float32 [H], contiguous; scale_l2: softmax scale x log2(e). Lists int32, contiguous.
     Programs of sparse_plan.hopper_heads(H) heads: 64 here, 8 to 32 in sparse_mqa_hopper_few.py (buffers:
     its K buffers, 0 = its BUFFERS). splits > 1: each (token, head block) is that many programs over
     equal runs of its blocks, merged by split_combine (sparse_plan.hopper_splits says how many fill the
     GPU). prefetch: (SWA, compressed) whether the 64-head programs of PREFETCH_MIN_BLOCKS blocks or more
-    ask L2 for the next block's rows of that pool; None: `prefetched_pools` on q's device."""
+    ask L2 for the next block's rows of that pool; None: `prefetched_pools` on q's device.
+    group > 1 (programs of at most 32 heads): program p takes the tokens of group p (`groups` [T, 2] int32,
+    QueryRuns.groups(group): its first token and how many) and reads the union of their lists once: their
+    SWA lists must be windows of consecutive positions, their compressed lists prefixes of the last one's
+    (`nested`, a dense ratio's) or anything (each token's list in turn)."""
     import torch
 
     T, H, D = q.shape
@@ -317,6 +322,9 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
     e, e_idx, e_len = (extra, extra_idx, extra_len) if extra is not None else (swa, swa_idx, swa_len)
     e_w = e_idx.shape[1] if extra is not None else 0
     nh = hopper_heads(H)
+    if group > 1 and (groups is None or nh * group > few.MAX_COLUMNS):
+        raise ValueError(f"sparse_mqa_hopper: group={group} takes the groups of the step's runs and at most "
+                         f"{few.MAX_COLUMNS} heads x tokens per program, here {nh} x {group}")
     if nh == BH:
         if prefetch is None:
             prefetch = prefetched_pools(swa, e, target_of(q.device).l2_bytes)
@@ -329,8 +337,9 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
         launch(few._few_heads_kernel, (T, cdiv(H, nh), splits), q, sink, out, lse,
                swa.words, swa_idx, swa_len, swa_idx.shape[1], swa.page_stride, swa.num_slots, swa.block_size,
                e.words, e_idx, e_len, e_w, e.page_stride, e.num_slots, e.block_size,
-               acc, ml, T, splits, H, scale_l2, NH=nh, D=D, NBUF=buffers or few.BUFFERS,
-               PRODUCER_REGS=few.PRODUCER_REGS, SPLIT=split, num_warps=4, maxnreg=few.MAXNREG)
+               acc, ml, swa_len if group == 1 else groups, T, splits, H, scale_l2, NH=nh, D=D,
+               NBUF=buffers or few.BUFFERS, PRODUCER_REGS=few.PRODUCER_REGS, SPLIT=split, G=group,
+               NESTED=bool(nested), num_warps=4, maxnreg=few.MAXNREG)
     if split:
         combine_splits(acc, ml, sink, out, lse, splits)
     return out, lse

@@ -33,6 +33,15 @@ per half of the dims, exchanging Sᵀ's partial sums (1.2-2.2 times slower, thei
 one per 16 heads (0.96 of the time before the sums left the loop, which alone gave 0.88). Asking L2 for
 the rows three blocks ahead: by prefetch.global.L2 per 128-byte line, 1.02-3.1 times slower; by one bulk
 prefetch per row, 1.03-1.4 times slower (the 64-head kernel gains from the first, docs/benchmarks.md).
+
+G > 1: program p takes group p of the step's runs (QueryRuns.groups: up to G consecutive tokens of one
+request, a decode step's MTP tokens), its columns the G x NH heads of its tokens, and reads the union of
+their lists once: their SWA windows share all but a row per token, a ratio-128 layer's lists are nested
+prefixes, a ratio-4 layer's top-k lists are read in turn. Each column's scores are masked to its own
+token's part of the union. Groups come first in the grid, so no SM waits behind programs with nothing
+to do (with a program per token, the run's other tokens' programs idle among them: 1.09x the lone
+kernel's time instead of 0.94x). H200, 8 heads, 256 MTP tokens: 0.94x the lone kernel's time with
+128+512 rows, 0.88x SWA only, 0.68x ratio 128 (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -48,6 +57,87 @@ PRODUCER_WARPS = gl.constexpr(8)
 # K buffers: two (three, where shared memory holds them beside 8 or 16 heads' Q, measured no faster;
 # docs/benchmarks.md)
 BUFFERS = 2
+MAX_COLUMNS = 32     # heads x tokens of a program: Oᵀ [512, 32] float32 is 128 registers of its warp group
+
+
+@gluon.jit
+def _lists(t, n, sp, S, s_len, e_len, s_w, e_w, G: gl.constexpr, NESTED: gl.constexpr):
+    """The lists the program reads: G == 1, token t's (hopper_gluon.nblocks); else the union of its group's
+    (tokens t..t+n-1 of one run, QueryRuns.groups), each row once. The group's SWA lists are windows of
+    consecutive positions: their union is the first token's first d entries, then the last token's list.
+    Its compressed lists are NESTED prefixes of the last token's list, or else each token's list in turn.
+    Returns the SWA union's d and length, the compressed union's length, the SWA blocks and the blocks
+    [j0, j1) of split sp of S."""
+    if G == 1:
+        n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
+        return 0, n_s, n_e, nb_s, j0, j1
+    last = t + gl.maximum(n - 1, 0)
+    la = gl.maximum(gl.minimum(gl.load(s_len + t), s_w), 0)
+    lb = gl.maximum(gl.minimum(gl.load(s_len + last), s_w), 0)
+    le = gl.maximum(gl.minimum(gl.load(e_len + last), e_w), 0)
+    n_s = gl.where(n > 0, n - 1 + la, 0)
+    if NESTED:
+        n_e = gl.where(n > 0, le, 0)
+    else:
+        n_e = gl.where(n > 0, (n - 1) * e_w + le, 0)
+    nb_s = gl.cdiv(n_s, BN)
+    nblk = nb_s + gl.cdiv(n_e, BN)
+    per = gl.cdiv(nblk, S)
+    j0 = gl.minimum(sp * per, nblk)
+    return n - 1 - (lb - la), n_s, n_e, nb_s, j0, gl.minimum(j0 + per, nblk)
+
+
+@gluon.jit
+def _slots(j, j1, t, n, s_d, n_s, n_e, nb_s, s_idx, s_w, e_idx, e_w, G: gl.constexpr, NESTED: gl.constexpr,
+           rl: gl.constexpr):
+    """List entries of block j of the program's lists (`_lists`); -1 past them and for j >= j1."""
+    if G == 1:
+        return block_slots(j, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, rl)
+    r = gl.arange(0, BN, layout=rl)
+    if j < nb_s:
+        c = j * BN + r
+        first = c < s_d
+        row = gl.where(first, t, t + n - 1)
+        col = gl.where(first, c, c - s_d)
+        slots = gl.load(s_idx + row.to(gl.int64) * s_w + col, mask=(c < n_s) & (j < j1), other=-1)
+    else:
+        c = (j - nb_s) * BN + r
+        if NESTED:
+            row = t + n - 1 + 0 * c
+            col = c
+        else:
+            row = t + c // gl.maximum(e_w, 1)
+            col = c % gl.maximum(e_w, 1)
+        slots = gl.load(e_idx + row.to(gl.int64) * e_w + col, mask=(c < n_e) & (j < j1), other=-1)
+    return slots
+
+
+@gluon.jit
+def _lens(t, n, s_len, e_len, s_w, e_w, NH: gl.constexpr, G: gl.constexpr, cl: gl.constexpr):
+    """Per column (head h of token k of the group, at k·NH + h): its token's SWA and compressed list
+    lengths, 0 past the group's n tokens (`_visible` makes its columns of the unions from them)."""
+    k = gl.arange(0, G * NH, layout=cl) // NH
+    ok = k < n
+    return (gl.maximum(gl.minimum(gl.load(s_len + t + k, mask=ok, other=0), s_w), 0),
+            gl.maximum(gl.minimum(gl.load(e_len + t + k, mask=ok, other=0), e_w), 0))
+
+
+@gluon.jit
+def _visible(s, j, nb_s, la, lk, ek, e_w, NH: gl.constexpr, NESTED: gl.constexpr, s_l: gl.constexpr):
+    """Block j's scores s [rows, columns] where the row is in the column's token's list, -inf elsewhere:
+    of the SWA union (`_lists`, la the first token's length), token k's columns k + la - l_k .. k + la;
+    of the compressed one, 0 .. l_k (NESTED) or k·e_w .. k·e_w + l_k."""
+    k = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_l)) // NH
+    r = gl.arange(0, BN, layout=gl.SliceLayout(1, s_l))
+    if j < nb_s:
+        hi = k + la
+        lo = hi - lk
+        c = j * BN + r
+    else:
+        lo = 0 * k if NESTED else k * e_w
+        hi = lo + ek
+        c = (j - nb_s) * BN + r
+    return gl.where((c[:, None] >= lo[None, :]) & (c[:, None] < hi[None, :]), s, float("-inf"))
 
 
 @gluon.jit
@@ -130,26 +220,27 @@ def _put_rope(kb, w, D: gl.constexpr, blk: gl.constexpr):
 
 
 @gluon.jit
-def _producer(a, D: gl.constexpr, NBUF: gl.constexpr):
+def _producer(a, D: gl.constexpr, NBUF: gl.constexpr, G: gl.constexpr, NESTED: gl.constexpr):
     """Worker, 8 warps: per block, decode the rows loaded one iteration earlier into K buffer i % NBUF,
     with the block's column bias (0, or -inf for an invalid row), after issuing the next block's loads
     and the list entries of the one after."""
     (q_smem, k_smem, p_smem, bias_smem, full, empty, t, h0, H, out_ptr, s_w64, s_idx, s_len,
      s_w, s_stride, s_slots, s_bs, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs, sp, S, T,
-     acc_ptr) = a
+     acc_ptr, n) = a
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])     # [rows, 64 dims]
     wl: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [8, 1], [1, 0])       # [rows, 16 words]
     rl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [8, 1], [1, 0])       # [rows, 32 words]
     il: gl.constexpr = gl.SliceLayout(1, wl)
     pools = (s_w64, s_stride, s_slots, s_bs, e_w64, e_stride, e_slots, e_bs)
-    n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
-    sl = block_slots(j0, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
+    s_d, n_s, n_e, nb_s, j0, j1 = _lists(t, n, sp, S, s_len, e_len, s_w, e_w, G, NESTED)
+    lists = (t, n, s_d, n_s, n_e, nb_s, s_idx, s_w, e_idx, e_w)
+    sl = _slots(j0, j1, *lists, G, NESTED, il)
     ok, sc, c0, c1, c2, c3, c4, c5, c6, rope = _gather(j0, nb_s, sl, *pools, D, wl, rl)
-    sl = block_slots(j0 + 1, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
+    sl = _slots(j0 + 1, j1, *lists, G, NESTED, il)
     for i in range(j1 - j0):
         j = j0 + i
         ok_n, sc_n, n0, n1, n2, n3, n4, n5, n6, rope_n = _gather(j + 1, nb_s, sl, *pools, D, wl, rl)
-        sl = block_slots(j + 2, j1, t, nb_s, n_s, n_e, s_idx, s_w, e_idx, e_w, il)
+        sl = _slots(j + 2, j1, *lists, G, NESTED, il)
         b = i % NBUF
         mbarrier.wait(empty.index(b), ((i // NBUF) & 1) ^ 1)      # the MMA warp group is done with it
         kb = k_smem.index(b)
@@ -169,50 +260,57 @@ def _producer(a, D: gl.constexpr, NBUF: gl.constexpr):
 
 
 @gluon.jit
-def _scores(kb, q_smem, NH: gl.constexpr, s_l: gl.constexpr):
+def _scores(kb, q_smem, NQ: gl.constexpr, s_l: gl.constexpr):
     """Issue Sᵀ = K·Qᵀ of K buffer kb (asynchronous; the caller waits)."""
-    return warpgroup_mma(kb, q_smem.permute((1, 0)), gl.zeros([BN, NH], gl.float32, s_l), use_acc=False,
+    return warpgroup_mma(kb, q_smem.permute((1, 0)), gl.zeros([BN, NQ], gl.float32, s_l), use_acc=False,
                          is_async=True)
 
 
 @gluon.jit
 def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D: gl.constexpr,
-              NBUF: gl.constexpr, SPLIT: gl.constexpr):
+              NBUF: gl.constexpr, SPLIT: gl.constexpr, G: gl.constexpr, NESTED: gl.constexpr):
     """Default partition, 4 warps (one warp group): Q into shared memory; per block Sᵀ = K·Qᵀ, the online
     softmax over the block's rows, Pᵀ to shared memory, Oᵀ = Oᵀ·α + Vᵀ·Pᵀ; then sink, lse, 1/denominator,
     and the output (or, SPLIT, the unnormalized output and (max, sum) per head). Only the max is reduced
-    over each block's rows."""
+    over each block's rows. G > 1: the columns are the heads of the group's tokens, each masked to its
+    token's part of the union (`_visible`)."""
     (q_smem, k_smem, p_smem, bias_smem, full, empty, t, h0, H, out_ptr, s_w64, s_idx, s_len,
      s_w, s_stride, s_slots, s_bs, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs, sp, S, T,
-     acc_ptr) = a
+     acc_ptr, n) = a
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NH, 16])
-    load_q(q_ptr, q_smem, t, h0, H, NH, D, blk)
-
-    n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
-    m_i = gl.full([NH], float("-inf"), gl.float32, gl.SliceLayout(0, s_l))
+    NQ: gl.constexpr = G * NH
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NQ, 16])
+    s_d, n_s, n_e, nb_s, j0, j1 = _lists(t, n, sp, S, s_len, e_len, s_w, e_w, G, NESTED)
+    load_q(q_ptr, q_smem, t, n, h0, H, NH, NQ, D, blk)
+    if G > 1:
+        lk, ek = _lens(t, n, s_len, e_len, s_w, e_w, NH, G, gl.SliceLayout(0, s_l))
+        la = gl.maximum(gl.minimum(gl.load(s_len + t), s_w), 0)
+    m_i = gl.full([NQ], float("-inf"), gl.float32, gl.SliceLayout(0, s_l))
     # the running sums per row position of a block, summed over the rows once at the end: a sum over a
     # block's rows is a reduction across the warp group's 4 warps (shared memory and two barriers) on
     # this warp group's chain every block (32 heads: 125 -> 111 µs; docs/benchmarks.md)
-    l_rows = gl.zeros([BN, NH], gl.float32, s_l)
-    o = gl.zeros([D, NH], gl.float32, s_l)
+    l_rows = gl.zeros([BN, NQ], gl.float32, s_l)
+    o = gl.zeros([D, NQ], gl.float32, s_l)
     # 32 heads, where this warp group's chain is about as long as the gather: block i + 1's Sᵀ is issued
     # before block i's Oᵀ is waited for (past the last block, on a buffer that is not written any more;
-    # its result is dropped). Fewer heads: measured no faster (docs/benchmarks.md).
+    # its result is dropped). Fewer heads: measured no faster (docs/benchmarks.md); 16 heads of two tokens:
+    # the early Sᵀ beside the group's lengths spills.
     AHEAD: gl.constexpr = NH == 32
-    n = j1 - j0
+    nb = j1 - j0
     if AHEAD:
-        mbarrier.wait(full.index(0), 0, pred=n > 0)
-        s = _scores(k_smem.index(0), q_smem, NH, s_l)
-    for i in range(n):
+        mbarrier.wait(full.index(0), 0, pred=nb > 0)
+        s = _scores(k_smem.index(0), q_smem, NQ, s_l)
+    for i in range(nb):
         b = i % NBUF
         if not AHEAD:
             mbarrier.wait(full.index(b), (i // NBUF) & 1)
-            s = _scores(k_smem.index(b), q_smem, NH, s_l)
+            s = _scores(k_smem.index(b), q_smem, NQ, s_l)
         kb = k_smem.index(b)
         bias = bias_smem.index(b).load(gl.SliceLayout(1, s_l))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = s * qk_scale + bias[:, None]
+        if G > 1:
+            s = _visible(s, j0 + i, nb_s, la, lk, ek, e_w, NH, NESTED, s_l)
         m_new = gl.maximum(m_i, gl.max(s, 0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
@@ -225,8 +323,8 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
         o = warpgroup_mma(kb.permute((1, 0)), p_smem.permute((1, 0)), o * alpha[None, :], is_async=True)
         if AHEAD:
             b1 = (i + 1) % NBUF
-            mbarrier.wait(full.index(b1), ((i + 1) // NBUF) & 1, pred=i + 1 < n)
-            s = _scores(k_smem.index(b1), q_smem, NH, s_l)
+            mbarrier.wait(full.index(b1), ((i + 1) // NBUF) & 1, pred=i + 1 < nb)
+            s = _scores(k_smem.index(b1), q_smem, NQ, s_l)
             o = warpgroup_mma_wait(num_outstanding=1, deps=(o,))
         else:
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
@@ -235,37 +333,45 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
     if AHEAD:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
-    inv = finish_heads(m_i, gl.sum(l_rows, 0), h0 + gl.arange(0, NH, layout=gl.SliceLayout(0, s_l)), t, sp, T, H,
+    cols = gl.arange(0, NQ, layout=gl.SliceLayout(0, s_l))
+    hs = h0 + cols % NH
+    inv = finish_heads(m_i, gl.sum(l_rows, 0), hs, t + cols // NH, (cols // NH < n) & (hs < H), sp, T, H,
                        sink_ptr, lse_ptr, ml_ptr, SPLIT)
     o = o * inv[None, :]
-    # Oᵀ [dims, heads] stored with each head's dims contiguous
+    # Oᵀ [dims, columns] stored with each head's dims contiguous
     st: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])
     o = gl.convert_layout(o, st)
-    ho = h0 + gl.arange(0, NH, layout=gl.SliceLayout(0, st))
+    cols = gl.arange(0, NQ, layout=gl.SliceLayout(0, st))
+    ho = h0 + cols % NH
+    to = t + cols // NH
+    ok = ((cols // NH < n) & (ho < H))[None, :]
     do = gl.arange(0, D, layout=gl.SliceLayout(1, st))
     if SPLIT:
-        gl.store(acc_ptr + (((sp * T + t).to(gl.int64) * H + ho) * D)[None, :] + do[:, None], o,
-                 mask=(ho < H)[None, :])
+        gl.store(acc_ptr + (((sp * T + to).to(gl.int64) * H + ho) * D)[None, :] + do[:, None], o, mask=ok)
     else:
-        gl.store(out_ptr + ((t.to(gl.int64) * H + ho) * D)[None, :] + do[:, None], o.to(gl.bfloat16),
-                 mask=(ho < H)[None, :])
+        gl.store(out_ptr + ((to.to(gl.int64) * H + ho) * D)[None, :] + do[:, None], o.to(gl.bfloat16), mask=ok)
 
 
 @gluon.jit(do_not_specialize=["T", "S"])     # step sizes and split counts: one variant for each SPLIT
 def _few_heads_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
                       s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs,
                       e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs,
-                      acc_ptr, ml_ptr, T, S, H, qk_scale, NH: gl.constexpr, D: gl.constexpr,
-                      NBUF: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr):
+                      acc_ptr, ml_ptr, groups_ptr, T, S, H, qk_scale, NH: gl.constexpr, D: gl.constexpr,
+                      NBUF: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr,
+                      G: gl.constexpr, NESTED: gl.constexpr):
     gl.static_assert(D == 512)
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     t = gl.program_id(0)
+    n = 1
+    if G > 1:             # program t takes group t: its first token and how many (none past the groups)
+        n = gl.load(groups_ptr + 2 * t + 1)
+        t = gl.load(groups_ptr + 2 * t)
     h0 = gl.program_id(1) * NH
     sp = gl.program_id(2)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [NH, D], sh)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [G * NH, D], sh)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, D], sh)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [NH, BN], sh)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [G * NH, BN], sh)
     bias_smem = gl.allocate_shared_memory(gl.float32, [NBUF, BN], vec)
     full = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
@@ -274,7 +380,7 @@ def _few_heads_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
         mbarrier.init(empty.index(i), count=1)
     a = (q_smem, k_smem, p_smem, bias_smem, full, empty, t, h0, H, out_ptr, s_w64, s_idx, s_len,
          s_w, s_stride, s_slots, s_bs, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs, sp, S, T,
-         acc_ptr)
-    gl.warp_specialize([(_consumer, (q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH, D, NBUF, SPLIT)),
-                        (_producer, (a, D, NBUF))],
+         acc_ptr, n)
+    gl.warp_specialize([(_consumer, (q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH, D, NBUF, SPLIT, G, NESTED)),
+                        (_producer, (a, D, NBUF, G, NESTED))],
                        [PRODUCER_WARPS], [PRODUCER_REGS])

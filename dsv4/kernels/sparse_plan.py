@@ -44,12 +44,26 @@ def hopper_heads(heads: int) -> int:
     return 64 if heads > 32 else max(8, next_pow2(heads))
 
 
-def hopper_splits(tokens: int, heads: int, columns: int, processors: int) -> int:
+RUN_GROUP = 2       # tokens of a run per program where hopper_group groups them
+
+
+def hopper_group(tokens: int, heads: int, columns: int, processors: int) -> int:
+    """Tokens of a run (StepPlan.runs) per program of the one-pass Hopper kernel, given the runs: 2 at 8
+    heads where the step's groups of two still fill the GPU unsplit, so that a request's two MTP tokens
+    read their shared window rows once (H200, 256 tokens: 0.94x the time with 128+512 rows, 0.88x SWA
+    only, 0.68x ratio 128); else 1: 16 heads x 2 tokens are 32 columns, whose state spills (1.23-1.30x),
+    and groups split over list blocks pay the merge (1.27-1.64x; docs/benchmarks.md)."""
+    if hopper_heads(heads) != 8 or hopper_splits(tokens, heads, columns, processors, group=RUN_GROUP) != 1:
+        return 1
+    return RUN_GROUP
+
+
+def hopper_splits(tokens: int, heads: int, columns: int, processors: int, group: int = 1) -> int:
     """How many programs the Hopper kernel makes of each (token, head block): 1 once the step has as many
     of them as SMs; below, as many as bring it to about one per SM, each at least one block of 64 rows
     (H200, 64 heads, 128+512 rows: b=1 34.1 -> 13.5 µs, b=16 34.5 -> 18.4, b=48 35.4 -> 30.0;
-    docs/benchmarks.md)."""
-    programs = tokens * cdiv(heads, hopper_heads(heads))
+    docs/benchmarks.md). `group` tokens per program (hopper_group) count as one."""
+    programs = cdiv(tokens, group) * cdiv(heads, hopper_heads(heads))
     if programs >= processors:
         return 1
     return max(1, min(cdiv(columns, 64), processors // max(programs, 1)))

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from dsv4.components.kv_pool import PagedCache
+    from dsv4.components.plan import QueryRuns
     from dsv4.components.rope import RopeRows
     from dsv4.device import DeviceInfo
 
@@ -56,6 +57,12 @@ class SparseKV:
 
     This is the two-pool form of FlashMLA's decode API (docs/numerics.md §4.2, §5.5); kernels that want
     another shape (one combined table, CSR) build it from these.
+
+    `runs` (StepPlan.runs) says which queries are consecutive positions of one request (a decode step's
+    MTP tokens): their SWA lists are then windows that overlap, and a kernel may read the rows they
+    share once (mqa_kernel=triton_sparse does, at 8 heads). `extra_nested`: the extra lists of a
+    run are prefixes of its last query's list (a dense ratio's every visible entry), not top-k lists.
+    Kernels that take each query alone ignore both.
     """
     swa: PagedCache
     swa_indices: Tensor            # [T, W] int32 global slots into `swa`
@@ -64,6 +71,8 @@ class SparseKV:
     extra_indices: Tensor | None = None   # [T, K] int32 global slots into `extra`
     extra_lens: Tensor | None = None      # [T] int32
     layer_type: str = "swa"               # swa | c4a | c128a: calls of one type in one step share shapes
+    runs: QueryRuns | None = None         # StepPlan.runs
+    extra_nested: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -82,4 +82,4 @@ class TritonSparseMQA:
         return sparse_mqa(q, sink, scale, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **extra,
                           block_n=self.block_n, block_h=self.block_h, block_d=self.block_d,
                           num_warps=self.num_warps, num_warps_pv=self.num_warps_pv, variant=self.variant,
-                          target=prepared)
+                          target=prepared, runs=kv.runs, extra_nested=kv.extra_nested)
