@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from dsv4.catalogue import CONFIG_DIR
 from dsv4.job import make_job
 from dsv4.benches.layer import DECODE_CASES, bench_layer_step
-from dsv4.benches.padding import bench_padding
+from dsv4.benches.padding import TP_SIZES, bench_padding
 
 
 def case(text: str) -> tuple[int, int, int]:
@@ -40,8 +40,7 @@ def main() -> None:
     if a.padding:
         for step in a.cases:
             print(f"{step[0]} requests x {step[1]} tokens at {step[2]} context:\n"
-                  + bench_padding(job, step=step, layer_types=a.layer_types, **({"tp_sizes": a.tp_sizes}
-                                                                               if a.tp_sizes else {})))
+                  + bench_padding(job, step=step, layer_types=a.layer_types, tp_sizes=a.tp_sizes or TP_SIZES))
         return
     print(bench_layer_step(job, a.cases, labels=a.backends, indexers=a.indexers, layer_types=a.layer_types,
                            prefill=not a.no_prefill,

@@ -100,8 +100,7 @@ class QueryRuns:
             rows = torch.where(first, torch.cumsum(first, 0, dtype=torch.int32) - 1, T).long()
             out = torch.zeros(T + 1, 2, dtype=torch.int32, device=off.device)
             out.scatter_(0, rows[:, None].expand(T, 2),
-                         torch.stack((torch.arange(T, dtype=torch.int32, device=off.device),
-                                      torch.minimum(left, torch.full_like(left, size))), 1))
+                         torch.stack((torch.arange(T, dtype=torch.int32, device=off.device), left.clamp(max=size)), 1))
             self._groups[size] = out[:T]
         return self._groups[size]
 
@@ -174,10 +173,11 @@ class StepPlan:
                 visible = table.slots(req, torch.where(cols < counts[:, None], cols, torch.full_like(cols, -1)))
             ents[ratio] = EntryRows(ratio=ratio, table=table, counts=counts, close_slots=close, width=width,
                                     visible=visible)
+        # runs: the token's index among its request's tokens and how many are left; padding, runs of one
+        runs = QueryRuns(tokens=torch.stack((torch.where(real, t - first_row, 0),
+                                             torch.where(real, count - (t - first_row), 1)), 1))
         return cls(num_tokens=T, query_start=qs, seq_lens=lens, positions=pos, token_request=req, step_start=start,
-                   real=real, runs=QueryRuns(tokens=torch.stack((torch.where(real, t - first_row, 0),
-                                                                 torch.where(real, count - (t - first_row), 1)), 1)),
-                   swa=swa_rows, state=states, entries=ents)
+                   real=real, runs=runs, swa=swa_rows, state=states, entries=ents)
 
     # ---- per-step values derived once and shared by the layers that use them ------------------
     def rope_rows(self, rope, shift: int = 0):

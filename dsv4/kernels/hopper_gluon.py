@@ -17,12 +17,23 @@ BN = gl.constexpr(64)                          # list rows per block
 
 
 @gluon.jit
+def list_len(len_ptr, w, mask=None):
+    """A list's length as the kernels read it: clamped to [0, list width w], as the two-pass kernel and
+    the reference do (0 where masked off)."""
+    if mask is None:
+        n = gl.load(len_ptr)
+    else:
+        n = gl.load(len_ptr, mask=mask, other=0)
+    return gl.maximum(gl.minimum(n, w), 0)
+
+
+@gluon.jit
 def nblocks(t, sp, S, s_len, e_len, s_w, e_w):
     """The token's SWA list length, compressed list length and SWA blocks (a length is clamped to [0, list
     width], as the two-pass kernel and the reference read it), and the blocks [j0, j1) of split sp of S:
     the token's SWA then compressed blocks cut into S runs of equal length (the last ones may be empty)."""
-    n_s = gl.maximum(gl.minimum(gl.load(s_len + t), s_w), 0)
-    n_e = gl.maximum(gl.minimum(gl.load(e_len + t), e_w), 0)
+    n_s = list_len(s_len + t, s_w)
+    n_e = list_len(e_len + t, e_w)
     nb_s = gl.cdiv(n_s, BN)
     nblk = nb_s + gl.cdiv(n_e, BN)
     per = gl.cdiv(nblk, S)

@@ -48,8 +48,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from dsv4.kernels.hopper_gluon import (BN, block_slots, cta_barrier, fence_async_shared, finish_heads, load_q,
-                                       mbarrier, nblocks, warpgroup_mma, warpgroup_mma_wait)
+from dsv4.kernels.hopper_gluon import (BN, block_slots, cta_barrier, fence_async_shared, finish_heads, list_len,
+                                       load_q, mbarrier, nblocks, warpgroup_mma, warpgroup_mma_wait)
 
 # 12 warps x 168 registers = the SM's 64K: the 8 decoding warps 152, the MMA warp group the rest
 MAXNREG, PRODUCER_REGS = 168, 152
@@ -72,9 +72,9 @@ def _lists(t, n, sp, S, s_len, e_len, s_w, e_w, G: gl.constexpr, NESTED: gl.cons
         n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
         return 0, n_s, n_e, nb_s, j0, j1
     last = t + gl.maximum(n - 1, 0)
-    la = gl.maximum(gl.minimum(gl.load(s_len + t), s_w), 0)
-    lb = gl.maximum(gl.minimum(gl.load(s_len + last), s_w), 0)
-    le = gl.maximum(gl.minimum(gl.load(e_len + last), e_w), 0)
+    la = list_len(s_len + t, s_w)
+    lb = list_len(s_len + last, s_w)
+    le = list_len(e_len + last, e_w)
     n_s = gl.where(n > 0, n - 1 + la, 0)
     if NESTED:
         n_e = gl.where(n > 0, le, 0)
@@ -118,8 +118,7 @@ def _lens(t, n, s_len, e_len, s_w, e_w, NH: gl.constexpr, G: gl.constexpr, cl: g
     lengths, 0 past the group's n tokens (`_visible` makes its columns of the unions from them)."""
     k = gl.arange(0, G * NH, layout=cl) // NH
     ok = k < n
-    return (gl.maximum(gl.minimum(gl.load(s_len + t + k, mask=ok, other=0), s_w), 0),
-            gl.maximum(gl.minimum(gl.load(e_len + t + k, mask=ok, other=0), e_w), 0))
+    return list_len(s_len + t + k, s_w, ok), list_len(e_len + t + k, e_w, ok)
 
 
 @gluon.jit
@@ -284,7 +283,7 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
     load_q(q_ptr, q_smem, t, n, h0, H, NH, NQ, D, blk)
     if G > 1:
         lk, ek = _lens(t, n, s_len, e_len, s_w, e_w, NH, G, gl.SliceLayout(0, s_l))
-        la = gl.maximum(gl.minimum(gl.load(s_len + t), s_w), 0)
+        la = list_len(s_len + t, s_w)
     m_i = gl.full([NQ], float("-inf"), gl.float32, gl.SliceLayout(0, s_l))
     # the running sums per row position of a block, summed over the rows once at the end: a sum over a
     # block's rows is a reduction across the warp group's 4 warps (shared memory and two barriers) on
