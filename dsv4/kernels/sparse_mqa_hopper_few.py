@@ -33,6 +33,10 @@ per half of the dims, exchanging Sᵀ's partial sums (1.2-2.2 times slower, thei
 one per 16 heads (0.96 of the time before the sums left the loop, which alone gave 0.88). Asking L2 for
 the rows three blocks ahead: by prefetch.global.L2 per 128-byte line, 1.02-3.1 times slower; by one bulk
 prefetch per row, 1.03-1.4 times slower (the 64-head kernel gains from the first, docs/benchmarks.md).
+No K in shared memory at all (each warp's share of the rows decoded into mma.sync fragments in its
+registers, Sᵀ's partial sums over 8 warps through shared memory, Vᵀ and Pᵀ transposed by movmatrix): about
+3 times slower, each thread's 16 bytes of a row too few to pay for the row's address work. Persistent
+programs, the K buffers one ring across items: 0.93-1.03x at 8 and 16 heads, 1.12x at 32.
 
 G > 1: program p takes group p of the step's runs (QueryRuns.groups: up to G consecutive tokens of one
 request, a decode step's MTP tokens), its columns the G x NH heads of its tokens, and reads the union of
