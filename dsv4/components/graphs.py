@@ -84,8 +84,8 @@ class StepGraphs:
             plan.rope_rows(m.rope)
             if m.ratio > 1:
                 plan.rope_rows(m.rope, shift=m.ratio)
-        for size in RUN_GROUPS:                        # and the runs' groups, which kernels may read
-            plan.runs.groups(size)
+        for group in RUN_GROUPS:                       # and the runs' groups, which kernels may read
+            plan.runs.groups(group)
         return plan
 
     def _capture(self, engine, size: int) -> _Captured:
