@@ -58,7 +58,7 @@ def main() -> None:
             torch.cuda.synchronize()
             ev.append(a.elapsed_time(b) * 1e3)
         print(f"| {T} | {t_dec:.1f} | {statistics.median(ev):.1f} |")
-    print("\n## o_proj (inverse RoPE + wo_a grouped + wo_b), Flash shapes G=8, 4096 -> 1024 per group; µs")
+    print("\n## o_proj (inverse RoPE + wo_a grouped), Flash shapes G=8, 4096 -> 1024 per group; µs")
     print("| T | deepgemm_fp8 | torch_fp8 | reference bf16 | rel err deepgemm vs f32 reference |")
     print("|---|---|---|---|---|")
     rope = Rope.for_layer(tiny_spec(), 4)
@@ -84,17 +84,17 @@ def main() -> None:
 
 def oproj_breakdown(dev) -> None:
     """Where o_proj's time goes: the (unfused, torch-op) inverse-RoPE + fp8 quantization prologue, the
-    grouped wo_a product alone in each precision, and wo_b."""
+    grouped wo_a product alone in each precision."""
     import deep_gemm
 
     from dsv4.strategies.o_proj.fp8_common import fused_inverse_rope_fp8_quant, inverse_rope_fp8_quant
-    from dsv4.strategies.o_proj.torch_fp8 import blockwise_scaled_mm
+    from dsv4.strategies.linear.common import blockwise_scaled_mm
 
     rope = Rope.for_layer(tiny_spec(), 4)
     print("\n## o_proj breakdown, G=8 (µs): prologue = inverse RoPE + per-128 fp8 quant")
     print("| T | prologue, torch ops | prologue, Triton fused (GB/s) | wo_a DeepGEMM fp8_einsum | "
-          "wo_a torch_fp8 (8 scaled_mm) | wo_a bf16 torch.einsum | wo_b bf16 |")
-    print("|---|---|---|---|---|---|---|")
+          "wo_a torch_fp8 (8 scaled_mm) | wo_a bf16 torch.einsum |")
+    print("|---|---|---|---|---|---|")
     for T in (1, 128, 4096):
         w, o, pos = oproj_case(T, 8)
         rot = rope.at(pos)
@@ -104,7 +104,6 @@ def oproj_breakdown(dev) -> None:
         z = torch.empty(T, 8, 1024, dtype=torch.bfloat16, device="cuda")
         og = o.view(T, 8, -1)
         wa = w.wo_a.cuda().bfloat16().view(8, 1024, -1)
-        zf = z.flatten(1)
         fused = graph_time_us(lambda: fused_inverse_rope_fp8_quant(o, rot, 8))
         moved = o.numel() * 2 + o.numel() + o.numel() // 128 * 4          # bf16 in, e4m3 out, scales out
         cells = [graph_time_us(lambda: inverse_rope_fp8_quant(o, rot, 8)),
@@ -113,8 +112,7 @@ def oproj_breakdown(dev) -> None:
                                                             recipe=dg["recipe"])),
                  graph_time_us(lambda: [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], wq[g], ws[g])
                                         for g in range(8)]),
-                 graph_time_us(lambda: torch.einsum("tgd,grd->tgr", og, wa)),
-                 graph_time_us(lambda: zf @ dg["wo_b"].T)]
+                 graph_time_us(lambda: torch.einsum("tgd,grd->tgr", og, wa))]
         print(f"| {T} | " + " | ".join(c if isinstance(c, str) else f"{c:.1f}" for c in cells) + " |")
 
 

@@ -1,6 +1,6 @@
 """Chosen rows of `mode=bench`'s whole-layer table (dsv4/benches/layer.py), for a run with little time.
 
-  python bench/layer_table.py --cases 64x2@8192 64x2@65536 --backends "flashmla_sparse + deepgemm_fp8"
+  python bench/layer_table.py --cases 64x2@8192 64x2@65536 --backends "flashmla_sparse + deepgemm_fp8 + deepgemm_fp8"
   python bench/layer_table.py --no-prefill deployment=h200 model=dsv4_pro
   python bench/layer_table.py --cases 64x2@131072 --layer-types c4a --indexers deepgemm_fp8 mxfp4 --no-prefill
   python bench/layer_table.py --padding --tp-sizes 8 --cases 256x2@8192     # the head-padding table at that step
@@ -27,7 +27,7 @@ def case(text: str) -> tuple[int, int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", type=case, default=DECODE_CASES)
-    ap.add_argument("--backends", nargs="*", default=None, help="labels, e.g. 'flashmla_sparse + deepgemm_fp8'")
+    ap.add_argument("--backends", nargs="*", default=None, help="labels, e.g. 'flashmla_sparse + deepgemm_fp8 + deepgemm_fp8'")
     ap.add_argument("--indexers", nargs="*", default=None, help="indexer options for the ratio-4 layer, e.g. mxfp4")
     ap.add_argument("--layer-types", nargs="*", default=None, help="e.g. c4a (default: swa c4a c128a)")
     ap.add_argument("--no-prefill", action="store_true")

@@ -3,7 +3,7 @@ import torch
 
 from dsv4.oracle import rel_err
 from dsv4.strategies.o_proj.fp8_common import pow2_scale, quantize_weight_blocks
-from dsv4.strategies.o_proj.torch_fp8 import blockwise_scaled_mm
+from dsv4.strategies.linear.common import blockwise_scaled_mm
 
 torch.manual_seed(0)
 N, K = 1024, 4096

@@ -349,7 +349,7 @@ def oproj() -> None:
     from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
     from dsv4.strategies import DeepGemmFp8OProj, ReferenceOProj, TorchFp8OProj, TritonFp8OProj
     from dsv4.strategies.o_proj.fp8_common import fused_inverse_rope_fp8_quant, quantize_weight_blocks
-    from dsv4.strategies.o_proj.torch_fp8 import blockwise_scaled_mm
+    from dsv4.strategies.linear.common import blockwise_scaled_mm
 
     dev, rope, G = detect(), Rope.for_layer(tiny_spec(), 4), 8
     print("\nwo_a alone, G=8, 4096 -> 1024 per group (µs; rel err vs DeepGEMM)\n| T | launch | triton_fp8 | rel err | "
@@ -374,7 +374,7 @@ def oproj() -> None:
                       f"{t_bf:.1f} |", flush=True)
             except Exception as e:  # noqa: BLE001 - a launch that does not compile is a row, not a stop
                 print(f"| {T} | m{bm} w{nw} s{st} | {type(e).__name__}: {str(e)[:80]} |", flush=True)
-    print("\nwhole o_proj (prologue + wo_a + wo_b), µs\n| T | reference | deepgemm_fp8 | torch_fp8 | triton_fp8 |"
+    print("\nwhole o_proj (prologue + wo_a), µs\n| T | reference | deepgemm_fp8 | torch_fp8 | triton_fp8 |"
           "\n|---|---|---|---|---|")
     for T in (1, 128, 4096):
         w, o, pos = oproj_case(T, G)

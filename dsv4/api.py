@@ -26,10 +26,10 @@ if TYPE_CHECKING:
 
 def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, device: DeviceInfo | None = None,
             mqa_kernel: Any = None, o_proj: Any = None, head_padding: Any = None, cache_layout: Any = None,
-            indexer: Any = None, running: bool = True) -> Job:
+            indexer: Any = None, linear: Any = None, running: bool = True) -> Job:
     """The validated job of `dsv4 *overrides` (e.g. `["model=dsv4_tiny", "backend=triton", "tp_size=2"]`).
 
-    `spec`, `device` and the five strategies, when given, replace what the overrides chose (objects of the
+    `spec`, `device` and the six strategies, when given, replace what the overrides chose (objects of the
     caller's own: a model that has no preset, a strategy that has no YAML). `running`: check that the job can
     run on this machine (False: only that the combination fits its deployment's device, as `mode=check`).
     Raises ConfigError for an unknown option or a bad value, IncompatibleCombination for a combination that
@@ -56,7 +56,8 @@ def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, dev
     with open_dict(cfg):
         del cfg["hydra"]
     job = make_job(cfg, choices=choices)
-    given = {g: s for g, s in zip(GROUPS, (mqa_kernel, o_proj, head_padding, cache_layout, indexer)) if s is not None}
+    given = {g: s for g, s in zip(GROUPS, (mqa_kernel, o_proj, head_padding, cache_layout, indexer, linear))
+             if s is not None}
     if spec is not None:
         spec.validate()
         job = replace(job, spec=spec, combo=replace(job.combo, spec=spec), choices=job.choices | {"model": spec.name})
@@ -87,7 +88,7 @@ def build_layer(job: Job, layer: int, *, weights: Mapping[str, Any] | None = Non
         raise ConfigError(f"rank={rank}: expected 0..{job.combo.tp_size - 1} (tp_size={job.combo.tp_size})")
     full, fp8 = _weights(job, [layer], None if weights is None else {layer: weights})
     return build(spec=job.spec, layer=layer, weights=full[layer], rank=rank, tp_size=job.combo.tp_size,
-                 strategies=_strategies(job), device=job.device, dtype=job.combo.dtype, wo_a_fp8=fp8.get(layer))
+                 strategies=_strategies(job), device=job.device, dtype=job.combo.dtype, fp8=fp8.get(layer))
 
 
 def build_pool(job: Job, layers: Sequence[int] | None = None, *, pool: PoolConfig | None = None) -> KVPool:
@@ -132,7 +133,8 @@ def _layers(job: Job, layers: Sequence[int] | None) -> tuple[int, ...]:
 
 
 def _weights(job: Job, layers: Sequence[int], given: Mapping[int, Mapping[str, Any]] | None):
-    """(weights per layer, stored fp8 wo_a per layer): the caller's, or the job's source."""
+    """(float weights per layer, the linears stored as fp8 blocks per layer): the caller's (float values:
+    fp8 options quantize them at build), or the job's source."""
     from dsv4.components.checkpoint import load_or_random
 
     if given is None:

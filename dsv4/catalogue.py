@@ -15,7 +15,7 @@ from dsv4.errors import ConfigError
 from dsv4.settings import option as parse_option
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer")
+GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer", "linear")
 
 
 def instantiate_group(node: Any, group: str = "strategy"):

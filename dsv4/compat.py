@@ -14,6 +14,7 @@ from typing import Callable
 from dsv4.device import DeviceInfo
 from dsv4.dtypes import ACTIVATION_DTYPES
 from dsv4.errors import Problem
+from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.spec import ModelSpec
 from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K, TOP_K
 
@@ -23,8 +24,13 @@ def _default_indexer():
     return ExactIndexer()
 
 
+def _default_linear():
+    from dsv4.strategies.linear.reference import ReferenceLinear
+    return ReferenceLinear()
+
+
 # the groups whose strategies state their needs (head_padding's are read through the MQA kernel's)
-NEEDS_GROUPS = ("mqa_kernel", "o_proj", "cache_layout", "indexer")
+NEEDS_GROUPS = ("mqa_kernel", "o_proj", "cache_layout", "indexer", "linear")
 
 
 def _needing(c) -> list[tuple[str, object]]:
@@ -41,18 +47,31 @@ DTYPE_ERROR_BUDGET = {"float32": 1e-5, "bfloat16": 3e-2}
 # across an FP4 rounding edge, a whole step (1/8 to 1/3 of it): up to 0.1 measured on dsv4_tiny
 SELECTION_GAP = {("float32", "exact"): 1e-5, ("bfloat16", "exact"): 2e-2,
                  ("float32", "fp4"): 1e-5, ("bfloat16", "fp4"): 0.15}
+# with fp8 projections the indexer's queries come from e4m3-quantized q_lora rows: bf16's rounding moves
+# some of them across an e4m3 edge (a step of 6-12%) where the float32 oracle's do not. Measured on dsv4_tiny
+# (seeds 0-2, linear=fp8_sim): up to 0.07 (exact) and 0.22 (fp4); float32 selections are the oracle's
+FP8_LINEAR_SELECTION_GAP = {("bfloat16", "exact"): 0.15, ("bfloat16", "fp4"): 0.4}
+
+
+def selection_gap(c: "Combination") -> float:
+    """How far below the oracle's k-th score a selected entry may score, for this combination."""
+    gap = SELECTION_GAP[c.dtype, c.indexer.oracle_numerics]
+    if c.linear.numerics is LinearNumerics.FP8:
+        gap = max(gap, FP8_LINEAR_SELECTION_GAP.get((c.dtype, c.indexer.oracle_numerics), 0.0))
+    return gap
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Combination:
-    """Everything `check()` judges: the model, the five strategies and the run-level settings (the
-    indexer's numerics default to `exact`, the layer's own)."""
+    """Everything `check()` judges: the model, the six strategies and the run-level settings (the
+    indexer's numerics default to `exact`, the layer's own; the projections to `linear=reference`)."""
     spec: ModelSpec
     mqa_kernel: object
     o_proj: object
     head_padding: object
     cache_layout: object
     indexer: object = field(default_factory=_default_indexer)
+    linear: object = field(default_factory=_default_linear)
     tp_size: int = 1
     dtype: str = "float32"
     world_size: int | None = None      # processes of a torchrun launch (one per rank); None: not launched so
@@ -64,7 +83,8 @@ class Combination:
         """The relative error against the oracle a run of this combination may show: the activations'
         rounding plus what each strategy declares it adds (tests measure each; `run` judges by it)."""
         return DTYPE_ERROR_BUDGET[self.dtype] + sum(
-            getattr(s, "error_budget", 0.0) for s in (self.mqa_kernel, self.o_proj, self.cache_layout, self.indexer))
+            getattr(s, "error_budget", 0.0)
+            for s in (self.mqa_kernel, self.o_proj, self.cache_layout, self.indexer, self.linear))
 
     @property
     def local_heads(self) -> int | None:
@@ -241,6 +261,17 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
         if value not in allowed:
             out.append(Problem(group=group, value=name, reason=f"needs model.{field_name} in {list(allowed)}; "
                                f"model={c.spec.name} has {value}", supported=tuple(map(str, allowed)), fix=fix_self))
+    if n.projection_multiple and c.local_heads is not None and c.spec.o_groups % c.tp_size == 0:
+        m = n.projection_multiple
+        cut = [f"{p} N={N} K={K}" for p, (N, K) in c.spec.projections(c.tp_size).items() if N % m or K % m]
+        if cut:
+            fits = [d for d in _divisors(c.spec.num_attention_heads) if c.spec.o_groups % d == 0
+                    and all(N % m == 0 and K % m == 0 for N, K in c.spec.projections(d).values())]
+            smaller = [d for d in fits if d < c.tp_size]
+            fix = f"tp_size={max(smaller)} (or {fix_self})" if smaller else fix_self
+            out.append(Problem(group=group, value=name, reason=f"stores each projection's weight in {m}x{m} blocks; "
+                               f"on each of tp_size={c.tp_size} ranks of model={c.spec.name} "
+                               f"{', '.join(cut)} (rows x columns) would cut a block", fix=fix))
     keys = c.index_page_keys
     if n.index_page_keys and keys is not None and keys not in n.index_page_keys:
         want = min(n.index_page_keys)

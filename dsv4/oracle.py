@@ -8,6 +8,11 @@ spec.json and weights under checkpoint names), so a dump can be recomputed anywh
 Cached KV rows (SWA and compressed) are rounded as the run's cache stored them (`row_format`); the
 indexer's queries and keys follow the run's indexer numerics (`indexer_numerics`: "exact", or "fp4" --
 the published code's Hadamard rotation and FP4 simulation, written here from their definitions).
+The dense projections follow the run's `linear_numerics`: "float" (the weights' values, float32), or
+"fp8" -- the published fp8 linear, written here from its definition: each activation row quantized per
+128 values to e4m3 over a power-of-two scale before `wq_a`, `wkv`, `wq_b`, the indexer's `wq_b` and
+`wo_b`. Weights given as e4m3 (`NAME.weight`) with block scales (`NAME.scale`, one per 128x128 block), as
+the checkpoint and an fp8 run's dump store them, are multiplied at their exact values.
 With random weights the indexer's top-k has near ties, so outputs can be recomputed over a given
 selection (`topk`) and the selection graded separately (`grade_selection`).
 """
@@ -23,6 +28,7 @@ from dsv4.formats.row_format import RowFormat, RowKind
 
 ROW_ROUNDINGS = (RowKind.PLAIN, RowKind.FP8_DS_MLA, RowKind.FP8_PER_TENSOR)    # the cache rows it rounds as
 INDEXER_NUMERICS = ("exact", "fp4")
+LINEAR_NUMERICS = ("float", "fp8")
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)         # the FP4 magnitudes, by code 0..7
 
 
@@ -92,6 +98,27 @@ def _e4m3(x):
     return x.to(torch.float8_e4m3fn).float()
 
 
+def _fp8_rows(x):
+    """x [..., K] as the published fp8 linear reads it: per 128 values the power-of-two scale
+    s = 2^ceil(log2(max(amax, 1e-4) / 448)), each value e4m3(x / s) · s."""
+    b = x.unflatten(-1, (-1, 128))
+    s = torch.exp2(torch.ceil(torch.log2(b.abs().amax(-1, keepdim=True).clamp_min(1e-4).double() / 448))).float()
+    return (_e4m3((b / s).clamp(-448, 448)) * s).flatten(-2)
+
+
+def _weight_values(w: Mapping[str, Any]) -> dict[str, Any]:
+    """Every tensor as float32; an e4m3 `NAME.weight` times its `NAME.scale` per 128x128 block."""
+    out = {}
+    for k, v in w.items():
+        if k.endswith(".scale"):
+            continue
+        if v.dtype == torch.float8_e4m3fn:
+            s = w[k.removesuffix(".weight") + ".scale"].float()
+            v = v.float() * s.repeat_interleave(128, 0)[:v.shape[0]].repeat_interleave(128, 1)[:, :v.shape[1]]
+        out[k] = v.float()
+    return out
+
+
 def round_rows(rows, row_format: str, kv_scale: float | None = None):
     """What a cached row reads back as (docs/numerics.md §3.2, §3.3), for the rows a dump names
     (`row_format`, a RowFormat's label): fp8 formats quantize the bf16 row."""
@@ -134,7 +161,8 @@ def _compress(x, wkv, wgate, ape, norm, R, D, f, eps):
 
 
 def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, *, row_format: str,
-                 kv_scale: float | None = None, topk=None, indexer_numerics: str = "exact") -> dict[str, Any]:
+                 kv_scale: float | None = None, topk=None, indexer_numerics: str = "exact",
+                 linear_numerics: str = "float") -> dict[str, Any]:
     """One request's whole history x [L, hidden] at positions 0..L-1.
 
     Returns `out` [L, hidden]; for ratio 4 also `scores` [L, n] (the indexer's, -inf where not
@@ -143,16 +171,19 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
     """
     if indexer_numerics not in INDEXER_NUMERICS:
         raise ValueError(f"indexer_numerics={indexer_numerics!r} is not one of {INDEXER_NUMERICS}")
-    w = {k: v.float() for k, v in w.items()}
+    if linear_numerics not in LINEAR_NUMERICS:
+        raise ValueError(f"linear_numerics={linear_numerics!r} is not one of {LINEAR_NUMERICS}")
+    w = _weight_values(w)
+    lin = _fp8_rows if linear_numerics == "fp8" else (lambda a: a)    # what the dense projections read
     x = x.float()
     L, D, W, eps = x.shape[0], model["head_dim"], model["sliding_window"], model["rms_norm_eps"]
     H = w["attn_sink"].shape[0]
     G = model["o_groups"]
     f = _freqs(model, ratio)
     pos = torch.arange(L)
-    qr = _rms(x @ w["wq_a.weight"].T, w["q_norm.weight"], eps)
-    q = _rope(_rms((qr @ w["wq_b.weight"].T).view(L, H, D), None, eps), pos[:, None], f)
-    raw = round_rows(_rope(_rms(x @ w["wkv.weight"].T, w["kv_norm.weight"], eps), pos, f), row_format, kv_scale)
+    qr = _rms(lin(x) @ w["wq_a.weight"].T, w["q_norm.weight"], eps)
+    q = _rope(_rms((lin(qr) @ w["wq_b.weight"].T).view(L, H, D), None, eps), pos[:, None], f)
+    raw = round_rows(_rope(_rms(lin(x) @ w["wkv.weight"].T, w["kv_norm.weight"], eps), pos, f), row_format, kv_scale)
 
     keys, res = raw, {}
     p_, i_ = pos[:, None], pos[None, :]
@@ -169,7 +200,7 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
             Hi, Di, K = model["index_n_heads"], model["index_head_dim"], model["index_topk"]
             kidx = _compress(x, w[c + "wkv.weight"], w[c + "wgate.weight"], w[c + "ape"],
                              w[c + "norm.weight"], 4, Di, f, eps)
-            iq = _rope((qr @ w["indexer.wq_b.weight"].T).view(L, Hi, Di), pos[:, None], f)
+            iq = _rope((lin(qr) @ w["indexer.wq_b.weight"].T).view(L, Hi, Di), pos[:, None], f)
             hw = (x @ w["indexer.weights_proj.weight"].T) * Di ** -0.5 * Hi ** -0.5
             by = {}                     # the scores under each numerics the oracle offers (for grading)
             for numerics in INDEXER_NUMERICS:
@@ -191,13 +222,13 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
     o = _rope(torch.einsum("lhn,nd->lhd", prob, keys), pos[:, None], f, inverse=True)
     wa = w["wo_a.weight"].view(G, -1, (H // G) * D)
     z = torch.einsum("lgd,grd->lgr", o.reshape(L, G, -1), wa)
-    res["out"] = z.flatten(1) @ w["wo_b.weight"].T
+    res["out"] = lin(z.flatten(1)) @ w["wo_b.weight"].T
     return res
 
 
 def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], hidden, positions,
                    request_index, *, row_format: str, kv_scale: float | None = None, topk=None,
-                   indexer_numerics: str = "exact") -> dict[str, Any]:
+                   indexer_numerics: str = "exact", linear_numerics: str = "float") -> dict[str, Any]:
     """Recompute every token of a run (tokens in any order, grouped by `request_index`).
 
     Each request's tokens must be its whole history 0..L-1. Returns `out` [T, hidden] aligned with
@@ -215,7 +246,7 @@ def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], h
             raise ValueError(f"request {r}: tokens are not its whole history 0..L-1")
         given = None if topk is None else topk[rows]
         res = oracle_layer(model, ratio, w, hidden[rows], row_format=row_format, kv_scale=kv_scale, topk=given,
-                           indexer_numerics=indexer_numerics)
+                           indexer_numerics=indexer_numerics, linear_numerics=linear_numerics)
         out[rows] = res["out"]
         if ratio == 4:
             scores[r] = (rows, res["scores"])

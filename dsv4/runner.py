@@ -8,11 +8,13 @@ from typing import Any
 import torch
 
 from dsv4 import oracle as ref
-from dsv4.compat import DTYPE_ERROR_BUDGET, SELECTION_GAP
+from dsv4.compat import DTYPE_ERROR_BUDGET, selection_gap
 from dsv4.formats.row_format import RowKind
 from dsv4.components.builders import Strategies, build_layer, build_pool
 from dsv4.components.kv_pool import PoolConfig
 from dsv4.components.checkpoint import load_or_random
+from dsv4.components.weights import random_layer_weights
+from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.components.engine import Engine
 from dsv4.components.graphs import StepGraphs
 from dsv4.graph import GraphConfig
@@ -24,16 +26,17 @@ from dsv4.report import result_row, table, tty_progress, write_row
 from dsv4.workload import run_workload
 
 
-def build_engine(job, weights: dict[int, dict], pool: PoolConfig, wo_a_fp8: dict | None = None,
+def build_engine(job, weights: dict[int, dict], pool: PoolConfig, fp8: dict | None = None,
                  ranks: Ranks | None = None, graphs: GraphConfig | None = None) -> Engine:
     """The engine of this process's ranks: all tp_size of them (simulated), or its one rank (distributed).
-    `graphs`: CUDA-graph decode (default: the job's `graph` config when it is enabled)."""
+    `fp8`: per layer the linears stored as fp8 blocks (`load_or_random`); `graphs`: CUDA-graph decode
+    (default: the job's `graph` config when it is enabled)."""
     c, spec, dev = job.combo, job.spec, job.device
     ranks = ranks or Ranks(tp_size=c.tp_size)
     strategies = Strategies(mqa_kernel=c.mqa_kernel, o_proj=c.o_proj, head_padding=c.head_padding,
-                            cache_layout=c.cache_layout, indexer=c.indexer)
+                            cache_layout=c.cache_layout, indexer=c.indexer, linear=c.linear)
     layers = {l: [build_layer(spec=spec, layer=l, weights=w, rank=r, tp_size=c.tp_size, strategies=strategies,
-                              device=dev, dtype=c.dtype, wo_a_fp8=(wo_a_fp8 or {}).get(l))
+                              device=dev, dtype=c.dtype, fp8=(fp8 or {}).get(l))
                   for r in ranks.local] for l, w in weights.items()}
     pools = [build_pool(spec=spec, layers=list(weights), layout=c.cache_layout, pool=pool, device=dev,
                          dtype=c.dtype, indexer=c.indexer)
@@ -118,8 +121,8 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     layers = wl.layer_indices(spec)
     seed = job.run.seed
     torch.manual_seed(seed)
-    weights, wo_a_fp8 = load_or_random(job, layers, seed)
-    engine = build_engine(job, weights, pool, wo_a_fp8, ranks)
+    weights, fp8 = load_or_random(job, layers, seed)
+    engine = build_engine(job, weights, pool, fp8, ranks)
     t0 = time.perf_counter()
     engine.warm_up(job.graphs.capture_sizes)
     warm_up_s = time.perf_counter() - t0
@@ -134,6 +137,12 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     row_label = row_format.label
     kv_scale = row_format.kv_scale if row_format.kind is RowKind.FP8_PER_TENSOR else None
     names = layer_names(spec, layers)
+    linear = c.linear.numerics.value
+    # the float weights the fp8 ones were made from (random weights), or their values (a checkpoint's)
+    float_weights = None
+    if c.linear.numerics is LinearNumerics.FP8:
+        float_weights = ({l: random_layer_weights(spec, l, seed) for l in layers} if job.run.weights == "random"
+                         else weights)
     metrics: dict[str, Any] = {}
     rows = []
     model = spec.to_dump()
@@ -143,13 +152,18 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         given = None if topk is None else topk.long()
         args = (model, R, weights[l], rec["hidden"], rec["positions"], rec["request_index"])
         o = ref.oracle_outputs(*args, row_format=row_label, kv_scale=kv_scale, topk=given,
-                               indexer_numerics=c.indexer.oracle_numerics)
+                               indexer_numerics=c.indexer.oracle_numerics, linear_numerics=linear)
         out = rec["outputs"][l]
         m: dict[str, Any] = {"layer": l, "compress_ratio": R, "rel_err": ref.rel_err(out, o["out"]),
                              "cosine": ref.cosine(out, o["out"])}
         if not row_format.exact:        # what the cache's rounding costs against exact float32 rows
             m["rel_err_vs_f32_kv"] = ref.rel_err(out, ref.oracle_outputs(
-                *args, row_format="float32", topk=given, indexer_numerics=c.indexer.oracle_numerics)["out"])
+                *args, row_format="float32", topk=given, indexer_numerics=c.indexer.oracle_numerics,
+                linear_numerics=linear)["out"])
+        if float_weights is not None:   # what the fp8 projections cost against float weights and products
+            m["rel_err_vs_float_linear"] = ref.rel_err(out, ref.oracle_outputs(
+                model, R, float_weights[l], *args[3:], row_format=row_label, kv_scale=kv_scale, topk=given,
+                indexer_numerics=c.indexer.oracle_numerics)["out"])
         if topk is not None:
             g = [ref.grade_selection(topk[rows_], sc, spec.index_topk) for rows_, sc in o["scores"].values()]
             m["topk_exact"] = sum(x["exact"] for x in g) / len(g)
@@ -171,18 +185,21 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         m |= layer_memory(spec, R, c.cache_layout, indexer=indexer_kind(c.dtype, c.indexer)).as_dict()
         m["pool_bytes_at_end"] = rec_raw.pool_bytes[l]
         metrics[names[l]] = m
-        rows.append([names[l], l, m["rel_err"], f"{m['cosine']:.7f}", m.get("rel_err_vs_f32_kv"), m.get("topk_exact"),
+        rows.append([names[l], l, m["rel_err"], f"{m['cosine']:.7f}", m.get("rel_err_vs_f32_kv")]
+                    + ([m["rel_err_vs_float_linear"]] if float_weights is not None else []) + [m.get("topk_exact"),
                      m["prefill_tok_s"], m["decode_ms_step"]]
                     + ([m["decode_allreduce_ms_step"]] if ranks.distributed else [])
                     + [m["kv_bytes_per_token"] + m["indexer_bytes_per_token"], m["swa_bytes_per_request"] / 1024])
     per_layer = list(metrics.values())
     budget = c.error_budget
-    wrong = verdict(metrics, budget=budget, gap=SELECTION_GAP[c.dtype, c.indexer.oracle_numerics])
+    wrong = verdict(metrics, budget=budget, gap=selection_gap(c))
     errs = [m["rel_err"] for m in per_layer]
     metrics["max_rel_err"] = float("nan") if any(e != e for e in errs) else max(errs)
     metrics["error_budget"] = budget
     # against exact float32 rows: what the cache's rounding costs (a float32 cache's oracle is that already)
     metrics["max_rel_err_vs_f32_kv"] = max(m.get("rel_err_vs_f32_kv", m["rel_err"]) for m in per_layer)
+    metrics["max_rel_err_vs_float_linear"] = max(m.get("rel_err_vs_float_linear", m["rel_err"]) for m in per_layer)
+    metrics["weight_bytes_per_rank"] = per_rank[0]["weight_bytes"]
     for numerics in ref.INDEXER_NUMERICS:      # the lowest of the ratio-4 layers' (None without one)
         recalls = [m[f"topk_recall_vs_{numerics}"] for m in per_layer if f"topk_recall_vs_{numerics}" in m]
         metrics[f"topk_recall_vs_{numerics}"] = min(recalls) if recalls else None
@@ -200,17 +217,21 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     how = f"{ranks.world_size} processes ({job.device.platform} ranks, torch.distributed)" if ranks.distributed \
         else "ranks simulated in one process" if c.tp_size > 1 else "one process"
     print(f"dsv4 run  model={spec.name} on {job.device.describe()}  dtype={c.dtype} tp_size={c.tp_size} "
-          f"({how}) row_format={row_label}")
+          f"({how}) row_format={row_label} linear={linear}")
     print("  " + " ".join(f"{k}={v}" for k, v in job.choices.items()))
     print(f"  workload: {len(wl.prompt_lens)} requests, prompts {list(wl.prompt_lens)}, prefill chunk "
           f"{wl.prefill_chunk}, {wl.decode_steps} decode steps x {wl.decode_tokens} tokens/request; "
           f"{wdict['tokens']} tokens; errors vs the whole-sequence float32 oracle")
-    print(table(["layer", "idx", "rel_err", "cosine", "rel_err f32 KV", "topk exact", "prefill tok/s",
+    print(table(["layer", "idx", "rel_err", "cosine", "rel_err f32 KV"]
+                + (["rel_err float linear"] if float_weights is not None else []) + ["topk exact", "prefill tok/s",
                  "decode ms/step"] + (["of which all-reduce"] if ranks.distributed else [])
                 + ["KV B/token", "SWA KiB/req"], rows))
     print("  swa: sliding window only; c4a: + ratio-4 entries the indexer chose; c128a: + every ratio-128 entry\n"
           "  rel_err: against the oracle rounding rows as this cache stores them; rel_err f32 KV: against exact "
-          "float32 rows\n  topk exact: share of tokens whose top-k set is the oracle's; KV B/token: compressed rows "
+          "float32 rows\n"
+          + ("  rel_err float linear: against the oracle with the float weights the fp8 ones were made from, "
+             "multiplied in float32\n" if float_weights is not None else "")
+          + "  topk exact: share of tokens whose top-k set is the oracle's; KV B/token: compressed rows "
           "and indexer keys per context token (the SWA window is bounded: SWA KiB/req)")
     print("\n".join(summary_lines(spec, c.cache_layout, c.dtype, c.indexer)))
     if steps_ms:
@@ -221,7 +242,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         f"rank {m['rank']}: KV pools {m['kv_pool_bytes'] / 2**20:.1f} MiB, weights {m['weight_bytes'] / 2**20:.1f} MiB, "
         f"peak {m['peak_bytes'] / 2**20:.0f} MiB" for m in per_rank))
     parts = ", ".join(f"{g}={getattr(c, g).name} {getattr(c, g).error_budget:.0e}"
-                      for g in ("cache_layout", "mqa_kernel", "o_proj"))
+                      for g in ("cache_layout", "mqa_kernel", "o_proj", "linear"))
     how_judged = f"error budget {budget:.3g} (dtype={c.dtype} {DTYPE_ERROR_BUDGET[c.dtype]:.0e}, {parts})"
     print(f"  verdict: MISMATCH: {'; '.join(wrong)}; {how_judged}" if wrong
           else f"  verdict: ok, every layer within the {how_judged}")
@@ -231,7 +252,8 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     print(f"  result: {path}")
     if job.run.dump_dir:
         dump = write_dump(job.run.dump_dir, spec=spec, layers=weights, record=rec, row_format=row_label,
-                          choices=job.choices, kv_scale=kv_scale, indexer_numerics=c.indexer.oracle_numerics)
+                          choices=job.choices, kv_scale=kv_scale, indexer_numerics=c.indexer.oracle_numerics,
+                          fp8=fp8, linear_numerics=linear)
         print(f"  dump written to {dump} (spec.json, tensors.safetensors)")
     if wrong:
         raise ResultMismatch(f"outputs outside the combination's error budget: {'; '.join(wrong)} (row: {path})")

@@ -129,7 +129,8 @@ MODES = ("run", "check", "info", "bench", "summarize")
 WEIGHTS = ("random", "checkpoint")
 # top-level keys that other sections own: the strategy groups, the model and device (their own parsers),
 # graph, parallel and workload (theirs), summary (dsv4.summary_metrics, read when a sweep is summarized)
-SECTIONS = ("model", "device", "mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer", "graph", "parallel",
+SECTIONS = ("model", "device", "mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer", "linear", "graph",
+            "parallel",
             "workload", "summary")
 
 

@@ -95,6 +95,18 @@ class ModelSpec:
             first.setdefault(self.compress_ratio(layer), layer)
         return tuple(first[r] for r in sorted(first))
 
+    def projections(self, tp_size: int = 1) -> dict[str, tuple[int, int]]:
+        """The dense projections a `linear` option multiplies, as (N, K) of one tensor-parallel rank's
+        weight: `wq_a`, `wkv` (replicated), `wq_b` (its heads), the indexer's `wq_b` (replicated; ratio-4
+        layers only) and `wo_b` (its groups' input columns)."""
+        D, H, G = self.head_dim, self.num_attention_heads // tp_size, self.o_groups // tp_size
+        out = {"wq_a": (self.q_lora_rank, self.hidden_size), "wkv": (D, self.hidden_size),
+               "wq_b": (H * D, self.q_lora_rank)}
+        if 4 in self.compress_ratios[:self.num_hidden_layers]:
+            out["indexer.wq_b"] = (self.index_n_heads * self.index_head_dim, self.q_lora_rank)
+        out["wo_b"] = (self.hidden_size, G * self.o_lora_rank)
+        return out
+
     def to_dump(self) -> dict[str, Any]:
         """The `model` object of the dump contract's spec.json (docs/design.md §3)."""
         keys = ("hidden_size", "num_attention_heads", "head_dim", "qk_rope_head_dim", "q_lora_rank",

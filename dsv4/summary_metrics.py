@@ -78,6 +78,11 @@ METRICS: dict[str, Metric] = {m.name: m for m in (
     Metric(name="max_rel_err_vs_f32_kv", scale=Scale.LOG, value=_worst_layer("rel_err_vs_f32_kv"),
            title="max_rel_err_vs_f32_kv: vs the float32 oracle on exact float32 rows, what the cache's rounding "
                  "costs (worst layer)"),
+    Metric(name="max_rel_err_vs_float_linear", scale=Scale.LOG, value=_worst_layer("rel_err_vs_float_linear"),
+           title="max_rel_err_vs_float_linear: vs the float32 oracle with the float weights and products, what "
+                 "fp8 projections cost (worst layer; for float ones the same as max_rel_err)"),
+    Metric(name="weight_mib_per_rank", cost=True, value=lambda r: _kib(_kib(r.get("metrics.weight_bytes_per_rank"))),
+           title="weight MiB per rank (the workload's layers: projections, norms, sinks, as the options hold them)"),
     Metric(name="decode_ms_step", cost=True, value=_layers("decode_ms_step", sum),
            title="decode ms/step (sum over the workload's layers, wall time)"),
     Metric(name="prefill_tok_s", value=_layers("prefill_tok_s", min),

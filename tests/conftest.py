@@ -154,27 +154,29 @@ def tiny_spec(**changes):
 def make_engine(spec, *, layers=(0, 1, 2), layout="float32", tp_size=1, dtype="float32", seed=0,
                 swa_block_size=8, compressed_block_tokens=32, swa_blocks=64, compressed_blocks=64, max_requests=8,
                 head_padding=None, weights=None, ranks=None, all_reduce=None, mqa_kernel=None, o_proj=None,
-                device=None, graphs=None, indexer=None):
+                device=None, graphs=None, indexer=None, linear=None, fp8=None):
     """An Engine (the reference strategies unless given); returns (engine, {layer: full weights}). layout: a
     CacheLayout or a PlainRowLayout dtype name; ranks: the tensor-parallel ranks it holds (default all tp_size
-    of them); all_reduce: the engine's (one rank per process); graphs: a GraphConfig (GPU)."""
+    of them); all_reduce: the engine's (one rank per process); graphs: a GraphConfig (GPU); linear: the dense
+    projections' option; fp8: {layer: the linears as fp8 blocks} (weights.in_fp8_blocks)."""
     from dsv4.components.builders import Strategies, build_layer, build_pool
     from dsv4.components.kv_pool import PoolConfig
     from dsv4.components.engine import Engine
     from dsv4.components.weights import random_layer_weights
     from dsv4.device import DeviceInfo
-    from dsv4.strategies import ExactIndexer, NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
+    from dsv4.strategies import ExactIndexer, NoHeadPadding, PlainRowLayout, ReferenceLinear, ReferenceMQA, ReferenceOProj
 
     dev = device or DeviceInfo(platform="cpu")
     lay = layout if not isinstance(layout, str) else PlainRowLayout(name=layout, dtype=layout)
     st = Strategies(mqa_kernel=mqa_kernel or ReferenceMQA(), o_proj=o_proj or ReferenceOProj(),
-                    head_padding=head_padding or NoHeadPadding(), cache_layout=lay, indexer=indexer or ExactIndexer())
+                    head_padding=head_padding or NoHeadPadding(), cache_layout=lay, indexer=indexer or ExactIndexer(),
+                    linear=linear or ReferenceLinear())
     pool = PoolConfig(swa_block_size=swa_block_size, compressed_block_tokens=compressed_block_tokens,
                       swa_blocks=swa_blocks, compressed_blocks=compressed_blocks, max_requests=max_requests)
     W = weights or {l: random_layer_weights(spec, l, seed) for l in layers}
     ranks = range(tp_size) if ranks is None else ranks
     mods = {l: [build_layer(spec=spec, layer=l, weights=W[l], rank=r, tp_size=tp_size, strategies=st, device=dev,
-                            dtype=dtype) for r in ranks] for l in layers}
+                            dtype=dtype, fp8=(fp8 or {}).get(l)) for r in ranks] for l in layers}
     pools = [build_pool(spec=spec, layers=layers, layout=st.cache_layout, pool=pool, device=dev, dtype=dtype,
                         indexer=st.indexer)
              for _ in ranks]

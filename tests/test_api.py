@@ -72,7 +72,7 @@ def test_compose_is_the_command_lines_job():
     assert job.spec.name == "dsv4_tiny" and job.combo.tp_size == 2 and job.combo.dtype == "bfloat16"
     assert job.choices == {"deployment": "cpu", "backend": "reference", "workload": "default", "cache_layout": "bf16",
                            "head_padding": "none", "o_proj": "reference", "mqa_kernel": "reference",
-                           "indexer": "fp4_sim", "model": "dsv4_tiny"}
+                           "indexer": "fp4_sim", "linear": "reference", "model": "dsv4_tiny"}
     assert not hasattr(job, "cfg") and pickle.loads(pickle.dumps(job)) == job    # a plain value, no Hydra config
 
 

@@ -38,7 +38,8 @@ def test_run_writes_result_and_a_dump_that_recomputes(compose_cfg, tmp_path, lay
 
     spec = json.loads((dump / "spec.json").read_text())
     extra = {"kv_scale"} if layout == "fp8_per_tensor" else set()
-    assert set(spec) == {"model", "layers", "row_format", "indexer_numerics", "softmax_scale", "choices"} | extra
+    assert set(spec) == {"model", "layers", "row_format", "indexer_numerics", "linear_numerics", "softmax_scale",
+                         "choices"} | extra
     assert spec["indexer_numerics"] == "fp4"          # backend=reference's indexer: fp4_sim
     assert spec["row_format"] == ROW_DTYPE[layout]
     assert spec.get("kv_scale", 1.0) == 1.0

@@ -28,6 +28,8 @@ from dsv4.device import DeviceInfo
 from dsv4.dump import recompute
 from dsv4.errors import ConfigError
 from dsv4.oracle import rel_err
+from dsv4.components.weights import FP8_LINEARS
+from dsv4.formats.fp8_blocks import dequantize_blocks
 from dsv4.strategies import DeepGemmFp8OProj, OProjWeights, ReferenceOProj, TorchFp8OProj, TritonFp8OProj
 from tests.conftest import CONFIGS, ROOT, fp8_block_product, run_py, tiny_spec
 
@@ -35,7 +37,6 @@ from tests.conftest import CONFIGS, ROOT, fp8_block_product, run_py, tiny_spec
 MODEL = ["model=dsv4_tiny", "model.o_lora_rank=128"]
 TINY = MODEL + ["dtype=float32", "cache_layout=float32", "workload.kv_pool.swa_block_size=8",
                 "workload.kv_pool.compressed_block_tokens=32", "workload.prompt_lens=[140,33]", "workload.decode_steps=2"]
-FP8_LINEARS = ("wq_a.weight", "wkv.weight", "wq_b.weight", "wo_a.weight", "wo_b.weight", "indexer.wq_b.weight")
 FP32 = ("attn_sink", "compressor.ape", "indexer.compressor.ape")
 # layer 1's attention is split: these (and wo_a's scale, away from its weight) in shard 2, the rest in 3
 LAYER1_SHARD2 = ("wq_a", "wkv", "q_norm", "wq_b", "kv_norm")
@@ -182,13 +183,19 @@ def test_run_on_a_checkpoint_equals_the_oracle_on_its_dequantized_weights(compos
     assert worst <= 1e-5
     out = capsys.readouterr().out
     assert f"weights: checkpoint {root}" in out and "from 3 of 4 shard(s)" in out
-    # the run's weights are the checkpoint's, dequantized (compared with an independent dequantization)
+    # the run's weights are the checkpoint's: the fp8 linears dumped as stored (e4m3 and block scales), whose
+    # dequantization is the values it ran with (compared with an independent dequantization), the rest float32
     t = load_file(str(dump / "tensors.safetensors"))
     for l in (0, 1, 2):
         names = weight_shapes(spec(), spec().compress_ratio(l))
-        assert {k[len(f"layers.{l}.attn."):] for k in t if k.startswith(f"layers.{l}.attn.")} == set(names)
+        scales = {n.removesuffix(".weight") + ".scale" for n in names if n in FP8_LINEARS}
+        assert {k[len(f"layers.{l}.attn."):] for k in t if k.startswith(f"layers.{l}.attn.")} == set(names) | scales
         for n in names:
-            assert torch.equal(t[f"layers.{l}.attn.{n}"], want[l][n]), (l, n)
+            got = t[f"layers.{l}.attn.{n}"]
+            if n in FP8_LINEARS:
+                assert got.dtype == torch.float8_e4m3fn
+                got = dequantize_blocks(got, t[f"layers.{l}.attn.{n.removesuffix('.weight')}.scale"])
+            assert torch.equal(got, want[l][n]), (l, n)
     # and its outputs equal the oracle's on those weights, recomputed from the dump alone
     for l, res in recompute(dump).items():
         assert rel_err(res["dumped"], res["out"]) <= 1e-5, l
@@ -262,7 +269,7 @@ def test_fp8_oproj_prepare_returns_the_stored_bytes_and_scales(monkeypatch, chec
     root, _, shards, _ = checkpoint
     sp = spec()
     got = ckpt.load_layers(root, sp, [1])
-    stored = got.wo_a_fp8[1]
+    stored = got.fp8[1]["wo_a.weight"]
     q_file = next(s["layers.1.attn.wo_a.weight"] for s in shards.values() if "layers.1.attn.wo_a.weight" in s)
     s_file = next(s["layers.1.attn.wo_a.scale"] for s in shards.values() if "layers.1.attn.wo_a.scale" in s)
     assert torch.equal(stored.weight.view(torch.uint8), q_file.view(torch.uint8))
@@ -279,7 +286,7 @@ def test_fp8_oproj_prepare_returns_the_stored_bytes_and_scales(monkeypatch, chec
             st = Strategies(mqa_kernel=ReferenceMQA(), o_proj=s, head_padding=NoHeadPadding(),
                             cache_layout=PlainRowLayout(name="float32", dtype="float32"))
             layer = build_layer(spec=sp, layer=1, weights=got.weights[1], rank=rank, tp_size=tp_size, strategies=st,
-                                device=dev, dtype="bfloat16", wo_a_fp8=stored)
+                                device=dev, dtype="bfloat16", fp8=got.fp8[1])
             prep = layer.o_proj_prepared
             wq, ws = prep["w"] if s.name == "deepgemm_fp8" else (prep["w"], prep["ws"])
             assert wq.dtype == torch.float8_e4m3fn and wq.shape == (G, r, K)
@@ -289,8 +296,8 @@ def test_fp8_oproj_prepare_returns_the_stored_bytes_and_scales(monkeypatch, chec
         # DeepGEMM's call runs on exactly those bytes and scales, and computes the projection
         calls.clear()
         s = DeepGemmFp8OProj()
-        w = OProjWeights(wo_a=got.weights[1]["wo_a.weight"][rows], wo_b=got.weights[1]["wo_b.weight"][:, rows],
-                         groups=G, wo_a_fp8=stored.weight[rows], wo_a_scale=stored.scale[srows])
+        w = OProjWeights(wo_a=got.weights[1]["wo_a.weight"][rows], groups=G, wo_a_fp8=stored.weight[rows],
+                         wo_a_scale=stored.scale[srows])
         prep = s.prepare(w, device=dev, dtype="bfloat16")
         o = torch.randn(5, G * sp.heads_per_group, 512, generator=torch.Generator().manual_seed(rank)).bfloat16()
         rope = Rope.for_layer(sp, 4)
@@ -303,10 +310,43 @@ def test_fp8_oproj_prepare_returns_the_stored_bytes_and_scales(monkeypatch, chec
         assert rel_err(y, y_ref) <= 6e-2          # fp8 activations; the weights are the same values
 
 
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_fp8_linears_load_without_dequantization(checkpoint, tp_size):
+    """Every fp8 linear comes back as its stored e4m3 bytes and UE8M0 scales; an fp8 `linear` option's layer
+    multiplies those bytes (its buffers are the file's, shard by shard) and the memory it holds shows it."""
+    from dsv4.components.builders import Strategies, build_layer
+    from dsv4.strategies import Fp8SimLinear, NoHeadPadding, PlainRowLayout, ReferenceLinear, ReferenceMQA
+
+    root, _, shards, _ = checkpoint
+    sp = spec()
+    got = ckpt.load_layers(root, sp, [1])
+    assert set(got.fp8[1]) == set(FP8_LINEARS)
+    file = {n: t for s in shards.values() for n, t in s.items()}
+    for name, blocks in got.fp8[1].items():
+        base = "layers.1.attn." + name.removesuffix(".weight")
+        assert torch.equal(blocks.weight.view(torch.uint8), file[base + ".weight"].view(torch.uint8))
+        assert torch.equal(blocks.scale.view(torch.uint8), file[base + ".scale"].view(torch.uint8))
+    held = {}
+    for lin in (ReferenceLinear(), Fp8SimLinear()):
+        st = Strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=NoHeadPadding(),
+                        cache_layout=PlainRowLayout(name="bfloat16", dtype="bfloat16"), linear=lin)
+        for rank in range(tp_size):
+            layer = build_layer(spec=sp, layer=1, weights=got.weights[1], rank=rank, tp_size=tp_size, strategies=st,
+                                device=DeviceInfo(platform="cpu"), dtype="bfloat16", fp8=got.fp8[1])
+            held[lin.name, rank] = sum(b.numel() * b.element_size() for b in layer.buffers())
+            if lin.name == "fp8_sim":
+                rows = sp.num_attention_heads // tp_size * sp.head_dim
+                wq_b = file["layers.1.attn.wq_b.weight"][rank * rows:(rank + 1) * rows].view(torch.uint8)
+                assert torch.equal(layer.wq_b[:rows].view(torch.uint8), wq_b)
+                assert layer.w_in.dtype == layer.wo_b.dtype == torch.float8_e4m3fn
+    for rank in range(tp_size):
+        assert held["fp8_sim", rank] < held["reference", rank]
+
+
 def test_random_weights_keep_quantizing_at_build_time():
     """Without stored bytes the fp8 strategies quantize wo_a themselves, as before."""
     g = torch.Generator().manual_seed(0)
-    w = OProjWeights(wo_a=torch.randn(256, 1024, generator=g) / 32, wo_b=torch.randn(64, 256, generator=g), groups=2)
+    w = OProjWeights(wo_a=torch.randn(256, 1024, generator=g) / 32, groups=2)
     prep = DeepGemmFp8OProj().prepare(w, device=DeviceInfo(platform="cpu", arch="sm90"), dtype="bfloat16")
     assert prep["w"][0].shape == (2, 128, 1024) and prep["w"][1].shape == (2, 1, 8)
 
@@ -498,7 +538,7 @@ def test_a_bf16_wo_a_is_used_as_stored(tmp_path):
         del s[2]["layers.1.attn.wo_a.scale"]
     write_checkpoint(root, edit=edit)
     got = ckpt.load_layers(root, spec(), [1])
-    assert 1 not in got.wo_a_fp8 and "stored as torch.bfloat16" in " ".join(got.notes)
+    assert "wo_a.weight" not in got.fp8[1] and "stored as torch.bfloat16" in " ".join(got.notes)
     assert got.weights[1]["wo_a.weight"].dtype == torch.float32
 
 

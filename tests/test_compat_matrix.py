@@ -118,9 +118,15 @@ def test_matrix_covers_every_preset_swap_and_device():
     assert golden["verdicts"]["backend=flashmla"]["sm90"] == "ok"
     assert golden["verdicts"]["backend=flashmla"]["sm100"] == "ok"
     assert golden["verdicts"]["backend=flashinfer"]["sm100"] == "ok"
-    # on sm120 FlashInfer's kernel reads fp8_ds_mla pages; the fp8 projection is sm90/sm100 only
-    # (hence deployment=rtx_pro_6000 takes o_proj=reference)
-    assert golden["verdicts"]["backend=flashinfer cache_layout=fp8_ds_mla"]["sm120"] == ["o_proj=deepgemm_fp8"]
+    # on sm120 FlashInfer's kernel reads fp8_ds_mla pages; DeepGEMM's fp8 products are sm90/sm100 only
+    # (hence deployment=rtx_pro_6000 takes o_proj=reference and linear=triton_fp8)
+    assert golden["verdicts"]["backend=flashinfer cache_layout=fp8_ds_mla"]["sm120"] == ["linear=deepgemm_fp8",
+                                                                                        "o_proj=deepgemm_fp8"]
+    # fp8 projections: our Triton product on NVIDIA sm89+, refused elsewhere; the float ones run anywhere
+    assert golden["verdicts"]["backend=triton"]["sm90"] == "ok"
+    assert golden["verdicts"]["backend=triton"]["sm80"] == ["linear=triton_fp8"]
+    assert golden["verdicts"]["backend=triton linear=reference"]["sm80"] == "ok"
+    assert golden["verdicts"]["backend=reference linear=fp8_sim"] == {k: "ok" for k in DEVICES}
     assert golden["verdicts"]["backend=flashmla"]["gfx942"] != "ok"
     # FlashInfer's top-k: CUDA only, refused as its own choice; with the FlashMLA preset it runs on sm90
     assert golden["verdicts"]["backend=flashmla indexer.top_k=flashinfer"]["sm90"] == "ok"

@@ -32,13 +32,13 @@ from dsv4.settings import MODES
 from dsv4.compat import check
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.spec import ModelSpec
-from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, MQAKernelStrategy,
-                                       OProjStrategy)
+from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, LinearStrategy,
+                                       MQAKernelStrategy, OProjStrategy)
 
-ALL_GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer", "backend", "model", "workload",
-              "deployment")
+ALL_GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer", "linear", "backend", "model",
+              "workload", "deployment")
 PROTOCOLS = {"mqa_kernel": MQAKernelStrategy, "o_proj": OProjStrategy, "head_padding": HeadPaddingPolicy,
-             "cache_layout": CacheLayout, "indexer": IndexerStrategy}
+             "cache_layout": CacheLayout, "indexer": IndexerStrategy, "linear": LinearStrategy}
 HYDRA_KEYS = {"_target_", "_convert_", "_recursive_", "_partial_", "_args_"}
 KERNEL_LIBS = ("flash_mla", "flashinfer", "deep_gemm", "aiter")
 
@@ -112,7 +112,7 @@ def test_glob_discovery_matches_hydra_group_options():
 # ---- every option, every backend x deployment pair -------------------------------------------------
 def platform_ok(job) -> bool:
     """Whether every strategy of the combination runs on the job's device (platform and arch, by its needs)."""
-    needs = [getattr(job.combo, g).needs(job.device) for g in ("mqa_kernel", "o_proj", "cache_layout", "indexer")]
+    needs = [getattr(job.combo, g).needs(job.device) for g in ("mqa_kernel", "o_proj", "cache_layout", "indexer", "linear")]
     return all((not n.platforms or job.device.platform in n.platforms) and (not n.archs or job.device.arch in n.archs)
                for n in needs)
 
@@ -490,8 +490,11 @@ def test_backend_presets_are_read_from_their_yaml_and_compose_the_layer_bench():
             assert option(group, opt).name, (name, group)
     h200 = backends(dsv4.compose(["deployment=h200"], running=False))
     assert [(b.label, b.combo.head_padding.name, b.combo.cache_layout.name) for b in h200] == [
-        ("flashmla_sparse + deepgemm_fp8", "buckets_64_128", "fp8_ds_mla"),
-        ("triton_sparse + reference", "none", "fp8_ds_mla"), ("triton_sparse + triton_fp8", "none", "fp8_ds_mla")]
+        ("flashmla_sparse + deepgemm_fp8 + deepgemm_fp8", "buckets_64_128", "fp8_ds_mla"),
+        ("flashmla_sparse + deepgemm_fp8 + reference", "buckets_64_128", "fp8_ds_mla"),
+        ("triton_sparse + reference + triton_fp8", "none", "fp8_ds_mla"),
+        ("triton_sparse + reference + reference", "none", "fp8_ds_mla"),
+        ("triton_sparse + triton_fp8 + triton_fp8", "none", "fp8_ds_mla")]
     b200 = backends(dsv4.compose(["deployment=b200"], running=False))
-    assert ("flashinfer_sparse + deepgemm_fp8", "buckets_pow2", "bf16") in \
+    assert ("flashinfer_sparse + deepgemm_fp8 + deepgemm_fp8", "buckets_pow2", "bf16") in \
         [(b.label, b.combo.head_padding.name, b.combo.cache_layout.name) for b in b200]

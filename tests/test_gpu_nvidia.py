@@ -124,7 +124,7 @@ def test_fused_inverse_rope_fp8_kernel_matches_torch(T, H, G, mn_major):
 
 def test_deepgemm_oproj_reads_the_activation_scales_in_place():
     """On sm90 the prologue writes the scales in DeepGEMM's layout: the call launches the prologue, the
-    grouped product and wo_b's GEMM, and no copy or transpose of the scales."""
+    grouped product, and no copy or transpose of the scales."""
     if DEV.arch != "sm90":
         pytest.skip("the sm90 recipe's layout")
     rope = Rope.for_layer(tiny_spec(), 4)

@@ -868,7 +868,7 @@ def test_triton_fp8_prepares_the_target_its_product_plans_by():
     from dsv4.strategies.protocols import OProjWeights
 
     g = gen(5)
-    w = OProjWeights(wo_a=torch.randn(256, 256, generator=g), wo_b=torch.randn(64, 256, generator=g), groups=2)
+    w = OProjWeights(wo_a=torch.randn(256, 256, generator=g), groups=2)
     assert "target" not in TritonFp8OProj().prepare(w, device=DeviceInfo(platform="cpu"), dtype="bfloat16")
 
 

@@ -197,8 +197,7 @@ def test_deepgemm_adapter_through_the_contract(monkeypatch, arch, recipe):
     monkeypatch.setitem(sys.modules, "deep_gemm", fake_deep_gemm(calls))
     g = torch.Generator().manual_seed(3)
     T, G, hpg, r = 7, 2, 2, 256
-    w = OProjWeights(wo_a=torch.randn(G * r, hpg * 512, generator=g) / 32, wo_b=torch.randn(64, G * r, generator=g) / 16,
-                     groups=G)
+    w = OProjWeights(wo_a=torch.randn(G * r, hpg * 512, generator=g) / 32, groups=G)
     o = torch.randn(T, G * hpg, 512, generator=g).bfloat16()
     pos = torch.arange(100, 100 + T)
     rope = Rope.for_layer(tiny_spec(), 4)

@@ -103,10 +103,9 @@ def pad_heads(q, sink, heads: int):
     return qp, sp
 
 
-def oproj_case(T: int, G: int, seed: int = 0, hpg: int = 8, o_lora: int = 1024, hidden: int = 4096):
+def oproj_case(T: int, G: int, seed: int = 0, hpg: int = 8, o_lora: int = 1024):
     g = torch.Generator().manual_seed(seed)
-    w = OProjWeights(wo_a=torch.randn(G * o_lora, hpg * 512, generator=g) * (hpg * 512) ** -0.5,
-                     wo_b=torch.randn(hidden, G * o_lora, generator=g) * (G * o_lora) ** -0.5, groups=G)
+    w = OProjWeights(wo_a=torch.randn(G * o_lora, hpg * 512, generator=g) * (hpg * 512) ** -0.5, groups=G)
     o = torch.randn(T, G * hpg, 512, generator=g).cuda().bfloat16()
     pos = torch.randint(0, 100_000, (T,), generator=g).cuda()
     return w, o, pos

@@ -68,3 +68,47 @@ def bench_o_proj(job) -> str:
             base = base or us
             rows.append([T, s.name, f"{us:.1f}", f"{us / base:.2f}", f"{rel_err(y, ref):.1e}"])
     return table(["T", "o_proj", "µs", "time / first", "rel err vs first"], rows)
+
+
+def layer_products(spec, tp_size: int = 1) -> dict[str, tuple[int, int]]:
+    """The dense products a ratio-4 layer runs through `linear`, as (N, K) on one rank: x by [wq_a|wkv],
+    the q_lora row by [wq_b|indexer wq_b], z by wo_b."""
+    p = spec.projections(tp_size)
+    return {"x @ [wq_a|wkv]": (p["wq_a"][0] + p["wkv"][0], spec.hidden_size),
+            "qr @ [wq_b|indexer wq_b]": (p["wq_b"][0] + p.get("indexer.wq_b", (0, 0))[0], spec.q_lora_rank),
+            "z @ wo_b": p["wo_b"]}
+
+
+def bench_linear(job, rows=(1, 64, 128, 8192)) -> str:
+    """Every `linear` option this machine runs on the layer's products, random bf16 activations and weights
+    made in the checkpoint's fp8 format, each timed in a CUDA graph (back-to-back calls: weights that fit
+    in L2 stay there, as in a replayed layer) beside the bf16 product (linear=reference); the error of each
+    against fp8_sim, the published numerics in torch (not timed)."""
+    import torch
+
+    from dsv4.formats.fp8_blocks import LinearNumerics, quantize_blocks
+    from dsv4.strategies import Fp8SimLinear, LinearWeight
+
+    opts = [o for o in available_options(job, "linear") if o.name != "fp8_sim"]
+    sim = Fp8SimLinear()
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for product, (N, K) in layer_products(job.spec, job.combo.tp_size).items():
+        w = torch.randn(N, K, generator=g) * K ** -0.5
+        weight = LinearWeight(values=w, fp8=quantize_blocks(w))
+        fp8_bytes = N * K + N * K // 128 // 128 * 4
+        for M in rows:
+            x = torch.randn(M, K, generator=g).to(device="cuda", dtype=torch.bfloat16)
+            want = sim(x, sim.prepare(weight, device=job.device, dtype="bfloat16"))
+            base = None
+            for opt in opts:
+                prep = opt.prepare(weight, device=job.device, dtype="bfloat16")
+                y = opt(x, prep)
+                us = graph_time_us(lambda: opt(x, prep))
+                base = base or us
+                fp8 = opt.numerics is LinearNumerics.FP8
+                nbytes = (fp8_bytes if fp8 else 2 * N * K) + 2 * M * (K + N)
+                out.append([product, M, N, K, opt.name, f"{us:.1f}", f"{nbytes / us / 1e3:.0f}",
+                            f"{2 * M * N * K / us / 1e6:.0f}", f"{us / base:.2f}", f"{rel_err(y, want):.1e}"])
+    return table(["product", "M", "N", "K", "linear", "µs", "GB/s", "TFLOP/s", "time / first",
+                  "rel err vs fp8_sim"], out)

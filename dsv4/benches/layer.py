@@ -99,7 +99,7 @@ class _Record:
 def component_us(layer, x, plan, caches) -> dict[str, float]:
     """The step's GEMMs, MQA kernel, o_proj and (ratio 4) indexer scores and top-k, each timed alone in a
     CUDA graph on the inputs the layer gives them."""
-    from dsv4.components.front import mm_f32
+    from dsv4.strategies.linear.common import mm_f32
 
     mqa, oproj = _Record(layer.mqa_kernel), _Record(layer.o_proj)
     idx = layer.indexer
@@ -116,11 +116,18 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
             del idx.scores
     T = x.shape[0]
     qr = torch.randn(T, layer.spec.q_lora_rank, device=x.device).to(layer.dtype)
+    lin = layer.linear
+    name = lin.name
     if layer.compressor is None:
-        out = {"x @ [wq_a|wkv]": graph_time_us(lambda: x @ layer.w_in.T)}
+        out = {f"x @ [wq_a|wkv] ({name})": graph_time_us(lambda: lin(x, layer.x_proj))}
+    elif layer.fused_tail:
+        out = {f"x @ [wq_a|wkv|compressors|head weights] (f32 out, {name})":
+               graph_time_us(lambda: lin(x, layer.x_proj, out_dtype=torch.float32))}
     else:
-        out = {"x @ [wq_a|wkv|compressors|head weights] (f32 out)": graph_time_us(lambda: mm_f32(x, layer.w_in))}
-    out["qr @ wq_b" if idx is None else "qr @ [wq_b|indexer wq_b]"] = graph_time_us(lambda: qr @ layer.wq_b.T)
+        out = {f"x @ [wq_a|wkv] ({name})": graph_time_us(lambda: lin(x, layer.x_proj)),
+               "x @ [compressors|head weights] (f32 out)": graph_time_us(lambda: mm_f32(x, layer.w_tail))}
+    out[f"qr @ wq_b ({name})" if idx is None else f"qr @ [wq_b|indexer wq_b] ({name})"] = \
+        graph_time_us(lambda: lin(qr, layer.q_proj))
     if idx is not None:
         a, k = scores.args, scores.kwargs
         out["indexer scores"] = graph_time_us(lambda: idx.scores(*a, **k))
@@ -134,6 +141,8 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
     out[f"{layer.mqa_kernel.name}"] = graph_time_us(lambda: layer.mqa_kernel(q, kv, **kw))
     o, rot = oproj.args
     out[f"o_proj={layer.o_proj.name}"] = graph_time_us(lambda: layer.o_proj(o, rot, **oproj.kwargs))
+    z = layer.o_proj(o, rot, **oproj.kwargs).to(layer.dtype)
+    out[f"z @ wo_b ({name})"] = graph_time_us(lambda: lin(z, layer.out_proj))
     return out
 
 
@@ -158,14 +167,18 @@ class Backend:
 
 
 # besides each backend preset as it ships, its kernel with these projections too: the fp8 projection in
-# Triton behind our Triton kernel, as configs/backend/triton.yaml suggests on sm89+
+# Triton behind our Triton kernel, as configs/backend/triton.yaml suggests on sm89+; and every preset whose
+# dense projections are fp8 (`linear`) with them in bf16 too (linear=reference, the preset's own o_proj),
+# timed in the same run
 O_PROJ_SWAPS = {"triton": ("triton_fp8",)}
+LINEAR_SWAPS = ("reference",)
 
 
 def backends(job) -> list[Backend]:
     """The shipped backend presets (catalogue.backend_presets) whose kernel is not the reference and that
-    check() accepts on this machine, each as (label 'mqa_kernel + o_proj', combination) with the preset's
-    head padding and cache layout, bf16 activations, one rank; and the O_PROJ_SWAPS of them."""
+    check() accepts on this machine, each as (label 'mqa_kernel + o_proj + linear', combination) with the
+    preset's head padding and cache layout, bf16 activations, one rank; and the O_PROJ_SWAPS and
+    LINEAR_SWAPS of them."""
     from dsv4.compat import check
     from dsv4.device import local_platform
 
@@ -174,10 +187,13 @@ def backends(job) -> list[Backend]:
         if chosen["mqa_kernel"] == defaults()["mqa_kernel"]:        # the reference: what the others are checked by
             continue
         for o in (chosen["o_proj"], *O_PROJ_SWAPS.get(preset, ())):
-            groups = {g: option(g, n) for g, n in chosen.items() if g != "indexer"} | {"o_proj": option("o_proj", o)}
-            c = replace(job.combo, **groups, dtype="bfloat16", tp_size=1, world_size=None)
-            if not check(c, job.device, here=local_platform()):
-                out.append(Backend(label=f"{chosen['mqa_kernel']} + {o}", combo=c))
+            swaps = LINEAR_SWAPS if o == chosen["o_proj"] else ()
+            for lin in dict.fromkeys((chosen["linear"], *swaps)):
+                groups = {g: option(g, n) for g, n in chosen.items() if g != "indexer"} | {
+                    "o_proj": option("o_proj", o), "linear": option("linear", lin)}
+                c = replace(job.combo, **groups, dtype="bfloat16", tp_size=1, world_size=None)
+                if not check(c, job.device, here=local_platform()):
+                    out.append(Backend(label=f"{chosen['mqa_kernel']} + {o} + {lin}", combo=c))
     return out
 
 

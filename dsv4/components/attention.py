@@ -1,8 +1,8 @@
 """DSV4Attention: the one concrete attention module, for one tensor-parallel rank.
 
 It is assembled from injected pieces (keyword-only) and contains no platform branches: the sparse MQA
-kernel, the output projection, the head padding and the cache layout are strategies; the compressor
-and indexer are components. It holds the math only: where rows go and which rows a token reads come
+kernel, the output projection, the head padding, the cache layout and how the dense projections multiply
+(`linear`) are strategies; the compressor and indexer are components. It holds the math only: where rows go and which rows a token reads come
 from the step plan (dsv4/components/plan.py), and what it stores lives in its LayerCaches. Forward
 follows docs/numerics.md §2.2 and, on a GPU, runs without a host sync, so a decode step can be captured in a
 CUDA graph.
@@ -15,14 +15,16 @@ from typing import Any
 import torch
 
 from dsv4.components.compressor import CompressPart, Compressor, compress_all
-from dsv4.components.front import front_rows, mm_f32, norm_rows
+from dsv4.components.front import front_rows, norm_rows
 from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
 from dsv4.components.plan import StepPlan
 from dsv4.components.rope import Rope
+from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.spec import LAYER_TYPES, ModelSpec
-from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, MQAKernelStrategy, OProjStrategy,
-                                       OProjWeights, SparseKV)
+from dsv4.strategies.linear.common import mm_f32
+from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, LinearStrategy, LinearWeight, MQAKernelStrategy,
+                                       OProjStrategy, OProjWeights, SparseKV)
 
 # rows of LayerStepResult.faults: which stored row of a token was not finite
 FAULT_SWA, FAULT_COMPRESSED, FAULT_INDEXER = 0, 1, 2
@@ -39,8 +41,10 @@ class LayerStepResult:
 class DSV4Attention(torch.nn.Module):
     def __init__(self, *, spec: ModelSpec, layer: int, heads: int, weights: dict, o_weights: OProjWeights,
                  mqa_kernel: MQAKernelStrategy, o_proj: OProjStrategy, head_padding: HeadPaddingPolicy,
-                 cache_layout: CacheLayout, compressor: Compressor | None = None, indexer: Indexer | None = None,
-                 dtype: str, device) -> None:
+                 cache_layout: CacheLayout, linear: LinearStrategy, compressor: Compressor | None = None,
+                 indexer: Indexer | None = None, fp8: dict | None = None, dtype: str, device) -> None:
+        """`weights`: this rank's float values under our names; `fp8`: those the checkpoint stores as e4m3
+        blocks (formats.fp8_blocks.Fp8Blocks), as stored, which fp8 `linear` and `o_proj` options use."""
         super().__init__()
         from dsv4.dtypes import torch_dtype
 
@@ -54,32 +58,57 @@ class DSV4Attention(torch.nn.Module):
         self.layer_type = LAYER_TYPES[ratio]
         self.rope = Rope.for_layer(spec, ratio)
         self.mqa_kernel, self.o_proj, self.head_padding, self.cache_layout = mqa_kernel, o_proj, head_padding, cache_layout
+        self.linear = linear
         self.compressor, self.indexer = compressor, indexer
         self.dtype, self.eps = torch_dtype(dtype), spec.rms_norm_eps
         dev = device.torch_device
         self.mqa_prepared = mqa_kernel.prepare(device=device)
         self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype)
-        # One product of x for the layer: x -> [qr | kv] and, in compressed layers, [compressor a | s | indexer
-        # compressor a | s | indexer head weights]. SWA-only layers take it in the activation dtype;
-        # compressed layers accumulate it in float32 (the compressors pool in float32), and the front
-        # kernels round qr and kv to the activation dtype as a product in that dtype would.
-        parts = [weights["wq_a.weight"], weights["wkv.weight"]]
-        if compressor is not None:
-            parts.append(compressor.weights())
-        if indexer is not None:
-            parts += [indexer.compressor.weights(), indexer.weights_proj]
-        self.register_buffer("w_in", torch.cat([p.to(dev, self.dtype) for p in parts]))
-        self.in_sizes = tuple(p.shape[0] for p in parts)       # the row blocks of w_in, in that order
+        fp8 = fp8 or {}
+
+        def weight(name: str, values) -> LinearWeight:
+            return LinearWeight(values=values, fp8=fp8.get(name))
+
+        # x -> [qr | kv] through `linear`, and in compressed layers [compressor a | s | indexer compressor
+        # a | s | indexer head weights], which the checkpoint stores in bf16: accumulated in float32 (the
+        # compressors pool in float32; the front kernels round qr and kv to the activation dtype as a
+        # product in that dtype would). With float linears all of it is one product (`x_proj`, its weight the
+        # buffer `w_in`); with fp8 ones the float rows are a product of their own (`w_tail`).
+        parts = [weight("wq_a.weight", weights["wq_a.weight"]), weight("wkv.weight", weights["wkv.weight"])]
+        tail = ([compressor.weights()] if compressor is not None else []) \
+            + ([indexer.compressor.weights(), indexer.weights_proj] if indexer is not None else [])
+        self.fused_tail = linear.numerics is LinearNumerics.FLOAT
+        if self.fused_tail:
+            parts += [LinearWeight(values=t) for t in tail]
+        elif tail:
+            self.register_buffer("w_tail", torch.cat([t.to(dev, self.dtype) for t in tail]))
+        self.in_sizes = tuple(p.values.shape[0] for p in parts) + (() if self.fused_tail else
+                                                                   tuple(t.shape[0] for t in tail))
+        self.x_proj = self._prepare("w_in", LinearWeight.cat(parts), device, dtype)
         # One product of qr: the query heads and, in ratio-4 layers, the indexer's query heads (both the
-        # published code's linears of the same normalised qr, in the activation dtype)
-        q_parts = [weights["wq_b.weight"]] + ([indexer.wq_b] if indexer is not None else [])
-        self.register_buffer("wq_b", torch.cat([p.to(dev, self.dtype) for p in q_parts]))
-        self.q_sizes = tuple(p.shape[0] for p in q_parts)      # the row blocks of wq_b, in that order
+        # published code's linears of the same normalised qr)
+        q_parts = [weight("wq_b.weight", weights["wq_b.weight"])] + (
+            [weight("indexer.wq_b.weight", indexer.wq_b)] if indexer is not None else [])
+        self.q_proj = self._prepare("wq_b", LinearWeight.cat(q_parts), device, dtype)
+        self.q_sizes = tuple(p.values.shape[0] for p in q_parts)      # the row blocks of wq_b, in that order
+        self.out_proj = self._prepare("wo_b", weight("wo_b.weight", weights["wo_b.weight"]), device, dtype)
         for name in ("q_norm.weight", "kv_norm.weight"):
             self.register_buffer(name.split(".")[0], weights[name].to(device=dev, dtype=torch.float32))
         sink = torch.full((padded,), float("-inf"), device=dev)    # padded heads: no effect
         sink[:heads] = weights["attn_sink"].to(dev)
         self.register_buffer("attn_sink", sink)
+
+    def _prepare(self, name: str, weight: LinearWeight, device, dtype: str):
+        """`linear`'s prepared product, its tensors held as this module's buffers (`name`, `name_scale`...),
+        so that they count as the layer's weights and move with it."""
+        import dataclasses
+
+        prepared = self.linear.prepare(weight, device=device, dtype=dtype)
+        for f in dataclasses.fields(prepared):
+            value = getattr(prepared, f.name)
+            if isinstance(value, torch.Tensor):
+                self.register_buffer(name if f.name == "weight" else f"{name}_{f.name}", value, persistent=False)
+        return prepared
 
     def forward(self, x, plan: StepPlan, caches: LayerCaches) -> LayerStepResult:
         T, H = x.shape[0], self.heads
@@ -88,14 +117,18 @@ class DSV4Attention(torch.nn.Module):
                              f"{caches.swa.layout.name}, built for ratio {self.ratio} and {self.cache_layout.name}")
         xa = x if x.dtype == self.dtype else x.to(self.dtype)
         rot = plan.rope_rows(self.rope)
+        lin = self.linear
         if self.compressor is None:
-            qr_raw, kv_raw = (xa @ self.w_in.T).split_with_sizes(self.in_sizes, 1)
+            qr_raw, kv_raw = lin(xa, self.x_proj).split_with_sizes(self.in_sizes, 1)
+        elif self.fused_tail:
+            qr_raw, kv_raw, *scores = lin(xa, self.x_proj, out_dtype=torch.float32).split_with_sizes(self.in_sizes, 1)
         else:
-            qr_raw, kv_raw, *scores = mm_f32(xa, self.w_in).split_with_sizes(self.in_sizes, 1)
+            qr_raw, kv_raw = lin(xa, self.x_proj).split_with_sizes(self.in_sizes[:2], 1)
+            scores = mm_f32(xa, self.w_tail).split_with_sizes(self.in_sizes[2:], 1)
         qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype)
         faults = torch.empty(FAULT_ROWS, T, dtype=torch.bool, device=x.device)
         idx, iq_raw = self.indexer, None
-        q_raw = qr @ self.wq_b.T
+        q_raw = lin(qr, self.q_proj)
         if idx is not None:
             # in the activation dtype, as the published code's projection returns it (then RoPE, FP4)
             q_raw, iq_raw = q_raw.split_with_sizes(self.q_sizes, 1)
@@ -132,5 +165,6 @@ class DSV4Attention(torch.nn.Module):
                       layer_type=self.layer_type, runs=plan.runs, **extra)
         out, _lse = self.mqa_kernel(q, kv, sink=self.attn_sink, scale=self.spec.softmax_scale,
                                     prepared=self.mqa_prepared, plan=plan.kernel_plans.get(self.layer_type))
-        y = self.o_proj(out if self.padded_heads == H else out[:, :H], rot, prepared=self.o_proj_prepared)
+        z = self.o_proj(out if self.padded_heads == H else out[:, :H], rot, prepared=self.o_proj_prepared)
+        y = lin(z if z.dtype == self.dtype else z.to(self.dtype), self.out_proj)
         return LayerStepResult(out=y, topk=topk, faults=faults)

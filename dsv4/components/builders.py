@@ -13,13 +13,14 @@ from dsv4.components.compressor import Compressor
 from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import (CompressorState, KVPool, LayerCaches, PagedCache, PageGroup, PoolConfig,
                                      page_groups)
-from dsv4.components.weights import shard
+from dsv4.components.weights import shard, shard_fp8
 from dsv4.device import DeviceInfo
 from dsv4.dtypes import torch_dtype
+from dsv4.formats.fp8_blocks import BLOCK as FP8_BLOCK
 from dsv4.spec import ModelSpec
-from dsv4.strategies import ExactIndexer, indexer_keys_layout
-from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, MQAKernelStrategy,
-                                       OProjStrategy, OProjWeights)
+from dsv4.strategies import ExactIndexer, ReferenceLinear, indexer_keys_layout
+from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, LinearStrategy,
+                                       MQAKernelStrategy, OProjStrategy, OProjWeights)
 
 
 
@@ -30,13 +31,17 @@ class Strategies:
     head_padding: HeadPaddingPolicy
     cache_layout: CacheLayout
     indexer: IndexerStrategy = field(default_factory=ExactIndexer)
+    linear: LinearStrategy = field(default_factory=ReferenceLinear)
 
 
 def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_size: int,
-                strategies: Strategies, device: DeviceInfo, dtype: str, wo_a_fp8: Any = None) -> DSV4Attention:
-    """`wo_a_fp8`: a checkpoint's stored fp8 wo_a (`checkpoint.StoredFp8`), for fp8 o_proj strategies."""
+                strategies: Strategies, device: DeviceInfo, dtype: str, fp8: dict | None = None) -> DSV4Attention:
+    """`weights`: the whole layer's float values; `fp8`: those stored as e4m3 blocks (a checkpoint's, or
+    random weights made in that format: `weights.in_fp8_blocks`), which fp8 `linear` and `o_proj` options
+    take as they are. Each is cut to rank `rank`'s shard."""
     ratio = spec.compress_ratio(layer)
     w = shard(weights, spec, rank, tp_size)
+    blocks = shard_fp8(fp8 or {}, spec, rank, tp_size)
     dev = device.torch_device
 
     def compressor(prefix: str, dim: int, r: int) -> Compressor:
@@ -51,16 +56,17 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
                       compressor=compressor("indexer.compressor.", spec.index_head_dim, 4),
                       n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk,
                       numerics=strategies.indexer, device=device)
-    fp8_a = fp8_s = None
-    if wo_a_fp8 is not None:
-        from dsv4.components.checkpoint import shard_wo_a_fp8
-        fp8_a, fp8_s = shard_wo_a_fp8(wo_a_fp8, spec, rank, tp_size)
-    o_weights = OProjWeights(wo_a=w["wo_a.weight"], wo_b=w["wo_b.weight"], groups=spec.o_groups // tp_size,
-                             wo_a_fp8=fp8_a, wo_a_scale=fp8_s)
+    wo_a = blocks.get("wo_a.weight")
+    if spec.o_lora_rank % FP8_BLOCK:            # a group's rows cut its blocks: fp8 o_proj options quantize the values
+        wo_a = None
+    o_weights = OProjWeights(wo_a=w["wo_a.weight"], groups=spec.o_groups // tp_size,
+                             wo_a_fp8=None if wo_a is None else wo_a.weight,
+                             wo_a_scale=None if wo_a is None else wo_a.scale)
     return DSV4Attention(spec=spec, layer=layer, heads=spec.num_attention_heads // tp_size, weights=w,
                          o_weights=o_weights, mqa_kernel=strategies.mqa_kernel, o_proj=strategies.o_proj,
                          head_padding=strategies.head_padding, cache_layout=strategies.cache_layout,
-                         compressor=comp, indexer=idx, dtype=dtype, device=device)
+                         linear=strategies.linear, compressor=comp, indexer=idx, fp8=blocks, dtype=dtype,
+                         device=device)
 
 
 def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig, device: DeviceInfo,

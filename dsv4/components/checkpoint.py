@@ -8,9 +8,10 @@ checked against `weight_shapes()` from the file header before its bytes are read
 
 What comes back. Per layer, the float32 tensors under our names (relative to `layers.{l}.attn.`, exactly
 the names `weight_shapes()` lists for the layer's compress ratio): fp8 linears dequantized with their
-block scales, bf16/fp32 tensors converted. For `wo_a` also the stored e4m3 bytes and block scales
-unchanged (`StoredFp8`), which the fp8 o_proj strategies consume as they are (no dequantize-requantize
-round trip); the float copy then serves the float strategies and the oracle.
+block scales, bf16/fp32 tensors converted. For every fp8 linear stored in 128x128 blocks also its e4m3
+bytes and block scales unchanged (`Fp8Blocks`), which the fp8 `linear` and `o_proj` options consume as
+they are (no dequantize-requantize round trip); the float copy then serves the float options and the
+oracle.
 
 Checkpoint conventions, and where they come from (read 2026; no real checkpoint is reachable here):
 
@@ -66,27 +67,21 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from dsv4.components.weights import random_layer_weights, weight_shapes
+from dsv4.components.weights import FP8_LINEARS, in_fp8_blocks, random_layer_weights, weight_shapes
 from dsv4.errors import ConfigError
+from dsv4.formats.fp8_blocks import BLOCK as FP8_BLOCK
+from dsv4.formats.fp8_blocks import Fp8Blocks, LinearNumerics
 from dsv4.spec import ModelSpec
-from dsv4.strategies.o_proj.fp8_common import BLOCK as FP8_BLOCK
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PREFIXES = ("layers.{l}.attn.", "model.layers.{l}.self_attn.", "model.layers.{l}.attn.")   # published first
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")         # on the linear: `wq_a.scale` | `wq_a.weight_scale_inv`
 DEFAULT_BLOCK = (128, 128)
+FP8_STORED = frozenset(FP8_LINEARS)            # what DeepSeek's checkpoints store as e4m3 blocks
 
 _FLOAT = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _SCALE_DTYPES = (torch.float8_e8m0fnu, torch.float32)       # uint8 is viewed as float8_e8m0fnu
-
-
-@dataclass(frozen=True, slots=True)
-class StoredFp8:
-    """A linear's e4m3 bytes and block scales exactly as stored (uint8 scales viewed as UE8M0)."""
-    weight: torch.Tensor          # float8_e4m3fn [rows, cols]
-    scale: torch.Tensor           # [ceil(rows/b0), ceil(cols/b1)] float8_e8m0fnu or float32
-    block: tuple[int, int]
 
 
 @dataclass(slots=True)
@@ -100,7 +95,7 @@ class LoadStats:
 @dataclass(slots=True)
 class LoadedLayers:
     weights: dict[int, dict[str, torch.Tensor]]      # our names -> float32 (dequantized)
-    wo_a_fp8: dict[int, StoredFp8]                    # the stored wo_a, where it is e4m3 in 128x128 blocks
+    fp8: dict[int, dict[str, Fp8Blocks]]             # our names -> the stored e4m3 128x128 blocks
     ratios: dict[int, int]
     prefixes: dict[int, str]
     stats: LoadStats
@@ -109,12 +104,13 @@ class LoadedLayers:
     def summary(self, path: Path) -> str:
         s = self.stats
         layers = ", ".join(f"{l} (ratio {self.ratios[l]}, {self.prefixes[l]}*)" for l in self.weights)
-        fp8 = ("  wo_a kept as stored (e4m3 + 128x128 block scales) for fp8 o_proj strategies; dequantized to "
-               "float32 for the others and the oracle")
+        kept = sorted({n.removesuffix(".weight") for names in self.fp8.values() for n in names})
+        fp8 = (f"  {', '.join(kept)} kept as stored (e4m3 + 128x128 block scales) for the fp8 linear and o_proj "
+               f"options; dequantized to float32 for the others and the oracle")
         head = (f"  weights: checkpoint {path}: layers {layers}; read {len(s.tensors_read)} tensors, "
                 f"{s.bytes_read / 2 ** 20:.1f} MiB, from {len(s.files_opened)} of {s.shards_total} shard(s)")
         lines = [head]
-        if self.wo_a_fp8:
+        if kept:
             lines.append(fp8)
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
@@ -315,7 +311,7 @@ def _check_scale(name: str, file: str, s: torch.Tensor) -> torch.Tensor:
 
 
 def _read_layer(ck: Checkpoint, layer: int, ratio: int, wants: list[_Want], block: tuple[int, int],
-                spec: ModelSpec, stats: LoadStats) -> tuple[dict[str, torch.Tensor], StoredFp8 | None, list[str]]:
+                spec: ModelSpec, stats: LoadStats) -> tuple[dict[str, torch.Tensor], dict[str, Fp8Blocks], list[str]]:
     by_file: dict[str, list[str]] = {}
     for w in wants:
         for n in (w.name, w.scale):
@@ -344,7 +340,7 @@ def _read_layer(ck: Checkpoint, layer: int, ratio: int, wants: list[_Want], bloc
                 stats.tensors_read.append(n)
                 stats.bytes_read += t.numel() * t.element_size()
     out: dict[str, torch.Tensor] = {}
-    stored = None
+    stored: dict[str, Fp8Blocks] = {}
     notes = []
     for w in wants:
         t, file = raw[w.name], where[w.name]
@@ -359,19 +355,22 @@ def _read_layer(ck: Checkpoint, layer: int, ratio: int, wants: list[_Want], bloc
                 raise ConfigError(f"{w.scale} in {where[w.scale]}: shape {list(s.shape)}, expected {list(want_s)} "
                                   f"(one scale per {block[0]}x{block[1]} block of {w.name} {list(w.shape)})")
             f32 = dequantize(t, s, block)
-            if w.ours == "wo_a.weight":
-                per_group = w.shape[0] // spec.o_groups
-                if block == (FP8_BLOCK, FP8_BLOCK) and per_group % FP8_BLOCK == 0 and w.shape[1] % FP8_BLOCK == 0:
-                    stored = StoredFp8(weight=t, scale=s, block=block)
-                else:
-                    notes.append(f"layer {layer}: {w.name} is stored in {block[0]}x{block[1]} blocks with "
-                                 f"{per_group} rows per output group; fp8 o_proj strategies need each group's rows "
-                                 f"in whole 128x128 blocks, so they would quantize the dequantized weight again")
+            whole = block == (FP8_BLOCK, FP8_BLOCK) and w.shape[0] % FP8_BLOCK == 0 and w.shape[1] % FP8_BLOCK == 0
+            if whole:
+                stored[w.ours] = Fp8Blocks(weight=t, scale=s)
+            else:
+                notes.append(f"layer {layer}: {w.name} is stored in {block[0]}x{block[1]} blocks of a "
+                             f"{list(w.shape)} weight; the fp8 options take whole 128x128 blocks, so they would "
+                             f"quantize the dequantized weight again")
+            if w.ours == "wo_a.weight" and whole and (w.shape[0] // spec.o_groups) % FP8_BLOCK:
+                notes.append(f"layer {layer}: {w.name} has {w.shape[0] // spec.o_groups} rows per output group; "
+                             f"fp8 o_proj strategies need each group's rows in whole 128x128 blocks, so they would "
+                             f"quantize the dequantized weight again")
         elif t.dtype in _FLOAT:
             f32 = t.float()
-            if w.ours == "wo_a.weight":
-                notes.append(f"layer {layer}: {w.name} is stored as {t.dtype} (not e4m3): fp8 o_proj strategies "
-                             f"quantize it at build time, as they do random weights")
+            if w.ours in FP8_STORED:
+                notes.append(f"layer {layer}: {w.name} is stored as {t.dtype} (not e4m3): the fp8 linear and o_proj "
+                             f"options quantize it at build time")
         else:
             raise ConfigError(f"{w.name} in {file}: dtype {t.dtype} is not read here (fp8 e4m3 with block scales, "
                               f"bf16, fp16 or fp32)")
@@ -388,39 +387,33 @@ def load_layers(path: str | Path, spec: ModelSpec, layers, *, model_choice: str 
     check_config(ck, spec, model_choice or spec.name)
     block = block_size(ck.config)
     stats = LoadStats(shards_total=len(ck.shards))
-    res = LoadedLayers(weights={}, wo_a_fp8={}, ratios={}, prefixes={}, stats=stats)
+    res = LoadedLayers(weights={}, fp8={}, ratios={}, prefixes={}, stats=stats)
     for l in layers:
         ratio = layer_ratio(ck.config, spec, int(l))
         pre, wants = _plan(ck, spec, int(l), ratio)
         w, stored, notes = _read_layer(ck, int(l), ratio, wants, block, spec, stats)
         res.weights[int(l)], res.ratios[int(l)], res.prefixes[int(l)] = w, ratio, pre
-        if stored is not None:
-            res.wo_a_fp8[int(l)] = stored
+        if stored:
+            res.fp8[int(l)] = stored
         res.notes += notes
     return res
 
 
-def shard_wo_a_fp8(stored: StoredFp8, spec: ModelSpec, rank: int, tp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s rows of a stored wo_a (its output groups, column-parallel like `shard()`) and the
-    matching rows of block scales; the groups' rows are whole 128-row blocks, so the blocks split cleanly."""
-    rows = spec.o_groups // tp_size * spec.o_lora_rank
-    b0 = stored.block[0]
-    if rows % b0:
-        raise ValueError(f"wo_a: {rows} rows per rank are not whole {b0}-row scale blocks")
-    return (stored.weight[rank * rows:(rank + 1) * rows],
-            stored.scale[rank * rows // b0:(rank + 1) * rows // b0])
-
-
 # ---- the runner's entry point ----------------------------------------------------------------------
 
-def load_or_random(job, layers, seed: int) -> tuple[dict[int, dict], dict[int, StoredFp8]]:
+def load_or_random(job, layers, seed: int) -> tuple[dict[int, dict], dict[int, dict[str, Fp8Blocks]]]:
     """`weights=random` (seeded) or `weights=checkpoint` (`checkpoint.path=DIR`; both settings validated
-    with the job, dsv4.settings.RunSettings): float32 weights per layer under our names, and the stored fp8
-    `wo_a` per layer (empty for random weights)."""
+    with the job, dsv4.settings.RunSettings): float32 weights per layer under our names, and per layer the
+    linears stored as fp8 blocks -- a checkpoint's as stored; random ones made in that format when the
+    job's `linear` multiplies in fp8 (the float values then their dequantization), else none."""
     if job.run.weights == "random":
-        return {l: random_layer_weights(job.spec, l, seed) for l in layers}, {}
+        weights = {l: random_layer_weights(job.spec, l, seed) for l in layers}
+        if job.combo.linear.numerics is not LinearNumerics.FP8:
+            return weights, {}
+        made = {l: in_fp8_blocks(w) for l, w in weights.items()}
+        return {l: m[0] for l, m in made.items()}, {l: m[1] for l, m in made.items()}
     path = job.run.checkpoint.path
     model = job.choices.get("model", job.spec.name) if getattr(job, "choices", None) else job.spec.name
     loaded = load_layers(path, job.spec, layers, model_choice=model)
     print(loaded.summary(Path(str(path))))
-    return loaded.weights, loaded.wo_a_fp8
+    return loaded.weights, loaded.fp8

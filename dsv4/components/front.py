@@ -99,20 +99,3 @@ def rotate_rows(x, rot: RopeRows, dtype=None):
         return rotate_rows_kernel(x, rot.cos, rot.sin, dtype=dtype)
     y = rot.rotate(x)
     return y if dtype is None else y.to(dtype)
-
-
-def mm_f32(x, w):
-    """x @ w.T with a float32 result: a float32 product for float32 inputs; for bf16 inputs the bf16
-    product accumulated and returned in float32 (what the published code gets from x.float() @ w.float()
-    with bf16-valued x and w)."""
-    import torch
-
-    if x.dtype == torch.float32:
-        return x @ (w if w.dtype == torch.float32 else w.float()).T
-    w = w if w.dtype == x.dtype else w.to(x.dtype)       # `.to` costs host time even when it returns w
-    if x.is_cuda:
-        try:
-            return torch.mm(x, w.T, out_dtype=torch.float32)
-        except (TypeError, RuntimeError):      # a torch without mm's out_dtype: the same product in float32
-            pass
-    return x.float() @ w.float().T

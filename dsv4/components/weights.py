@@ -2,10 +2,16 @@
 
 Names are relative to `layers.{l}.attn.`; values are float32 on the CPU. Each layer draws from its
 own generator seeded by (seed, layer), so a layer's weights do not depend on which others are built.
+The linears the checkpoint stores in fp8 (`FP8_LINEARS`) can be made in that format too
+(`in_fp8_blocks`), for the fp8 `linear` options; their blocks are sharded like their float values.
 """
 from __future__ import annotations
 
+from dsv4.formats.fp8_blocks import BLOCK, Fp8Blocks, quantize_blocks
 from dsv4.spec import ModelSpec
+
+# e4m3 with one power-of-two scale per 128x128 block in DeepSeek-V4's checkpoints (components/checkpoint.py)
+FP8_LINEARS = ("wq_a.weight", "wkv.weight", "wq_b.weight", "wo_a.weight", "wo_b.weight", "indexer.wq_b.weight")
 
 
 def weight_shapes(spec: ModelSpec, ratio: int) -> dict[str, tuple[int, ...]]:
@@ -51,6 +57,38 @@ def random_layer_weights(spec: ModelSpec, layer: int, seed: int) -> dict:
         elif name != "attn_sink":
             w = w * shape[1] ** -0.5
         out[name] = w
+    return out
+
+
+def in_fp8_blocks(weights: dict) -> tuple[dict, dict[str, Fp8Blocks]]:
+    """Weights in the checkpoint's format: each of FP8_LINEARS whose shape is whole 128x128 blocks
+    quantized to e4m3 blocks (`quantize_blocks`), and the float copies replaced by their exact
+    dequantization, so that every option and the oracle multiply the same values."""
+    out, stored = dict(weights), {}
+    for name in FP8_LINEARS:
+        w = weights.get(name)
+        if w is not None and w.shape[0] % BLOCK == 0 and w.shape[1] % BLOCK == 0:
+            stored[name] = quantize_blocks(w)
+            out[name] = stored[name].dequantize()
+    return out, stored
+
+
+def shard_fp8(stored: dict[str, Fp8Blocks], spec: ModelSpec, rank: int, tp_size: int) -> dict[str, Fp8Blocks]:
+    """Rank `rank`'s view of the fp8 blocks, as `shard` cuts the float values. A weight whose rank slice
+    would cut through its blocks is left out (its float values remain; check() refuses an fp8 `linear`
+    whose own projections would be cut, `Needs.projection_multiple`)."""
+    if tp_size == 1:
+        return dict(stored)
+    HD = spec.num_attention_heads // tp_size * spec.head_dim
+    r = spec.o_groups // tp_size * spec.o_lora_rank
+    cuts = {"wq_b.weight": ("rows", HD), "wo_a.weight": ("rows", r), "wo_b.weight": ("cols", r)}
+    out = {}
+    for name, b in stored.items():
+        how, n = cuts.get(name, (None, 0))
+        if how is None:
+            out[name] = b
+        elif n % BLOCK == 0:
+            out[name] = getattr(b, how)(rank * n, (rank + 1) * n)
     return out
 
 

@@ -4,3 +4,5 @@ under TRITON_INTERPRET=1."""
 # the GPUs our Triton kernels are built for: bf16 tensor-core dots, NVIDIA Ampere and newer, AMD CDNA2 and newer
 TRITON_ARCHS = frozenset({"sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm110", "sm120", "sm121",
                           "gfx90a", "gfx942", "gfx950"})
+# those NVIDIA ones with e4m3 tensor cores (sm89 and newer): our fp8 products
+FP8_TRITON_ARCHS = frozenset(a for a in TRITON_ARCHS if a.startswith("sm") and int(a[2:]) >= 89)

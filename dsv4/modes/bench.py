@@ -1,5 +1,5 @@
-"""`mode=bench`: GPU timings of the sparse MQA kernels, the output projections, the whole layer step and the
-indexer, every option available on this machine side by side in one process (the tables: dsv4/benches/)."""
+"""`mode=bench`: GPU timings of the sparse MQA kernels, the output projections, the dense projections, the
+whole layer step and the indexer, every option available on this machine side by side in one process (the tables: dsv4/benches/)."""
 from __future__ import annotations
 
 from dsv4.errors import ConfigError
@@ -24,7 +24,7 @@ def run_bench(job, ranks=None) -> None:
 
     from dsv4.benches.cases import SERVING_STEP, available_options
     from dsv4.benches.indexer import CONTEXTS, NREQ, TOKENS, bench_indexer
-    from dsv4.benches.kernels import bench_mqa, bench_o_proj
+    from dsv4.benches.kernels import bench_linear, bench_mqa, bench_o_proj
     from dsv4.benches.layer import bench_layer_step
     from dsv4.benches.padding import bench_padding
     from dsv4.benches.tp_step import bench_tp_step
@@ -46,7 +46,8 @@ def run_bench(job, ranks=None) -> None:
         return
     print(f"dsv4 bench on {job.device.describe()}, torch {torch.__version__}; model={job.spec.name}")
     print("\nsparse MQA decode, fp8_ds_mla pages (153 MB per cache), full index lists:\n" + bench_mqa(job))
-    print("\no_proj, G=8 groups of 8 heads, 4096 -> 1024 per group, then wo_b:\n" + bench_o_proj(job))
+    print("\no_proj, G=8 groups of 8 heads, 4096 -> 1024 per group:\n" + bench_o_proj(job))
+    print("\nthe dense projections (linear), each option on the layer's products, bf16 first:\n" + bench_linear(job))
     print("\nwhole layer, one layer of each type:\n" + bench_layer_step(job))
     n, tokens, context = SERVING_STEP
     print(f"\nhead padding: one tensor-parallel rank's decode step ({n} requests x {tokens} tokens, {context} "

@@ -12,6 +12,11 @@ from dsv4.strategies.indexer.fp4_sim import Fp4SimIndexer
 from dsv4.strategies.indexer.key_layouts import Fp8KeyLayout, Mxfp4KeyLayout
 from dsv4.strategies.indexer.mxfp4 import Mxfp4Indexer
 from dsv4.strategies.indexer.triton_fp8 import TritonFp8Indexer
+from dsv4.strategies.linear.deepgemm_fp8 import DeepGemmFp8Linear
+from dsv4.strategies.linear.fp8_sim import Fp8SimLinear
+from dsv4.strategies.linear.reference import ReferenceLinear
+from dsv4.strategies.linear.torch_fp8 import TorchFp8Linear
+from dsv4.strategies.linear.triton_fp8 import TritonFp8Linear
 from dsv4.strategies.mqa_kernel.aiter_sparse import AiterSparseMQA
 from dsv4.strategies.mqa_kernel.flashinfer_sparse import FlashInferSparse
 from dsv4.strategies.mqa_kernel.flashmla_sparse import FlashMLASparse
@@ -22,15 +27,16 @@ from dsv4.strategies.o_proj.reference import ReferenceOProj
 from dsv4.strategies.o_proj.rocm_bf16 import RocmBf16OProj
 from dsv4.strategies.o_proj.torch_fp8 import TorchFp8OProj
 from dsv4.strategies.o_proj.triton_fp8 import TritonFp8OProj
-from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, MQAKernelStrategy, Needs,
-                                       OProjStrategy, OProjWeights, SparseKV)
+from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, LinearStrategy, LinearWeight,
+                                       MQAKernelStrategy, Needs, OProjStrategy, OProjWeights, SparseKV)
 
-__all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8Indexer", "DeepGemmFp8OProj",
-           "ExactIndexer", "FlashInferSparse", "FlashMLASparse", "Fp4SimIndexer", "Fp8DsMlaFnuzLayout",
-           "Fp8DsMlaLayout", "Fp8KeyLayout", "Fp8PerTensorLayout", "HeadPaddingPolicy", "IndexerStrategy",
-           "MQAKernelStrategy", "Mxfp4Indexer", "Mxfp4KeyLayout", "Needs", "NoHeadPadding", "OProjStrategy",
-           "OProjWeights", "PlainRowLayout", "ReferenceMQA", "ReferenceOProj", "RocmBf16OProj", "SparseKV",
-           "TorchFp8OProj", "TritonFp8Indexer", "TritonFp8OProj", "TritonSparseMQA", "indexer_keys_layout"]
+__all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8Indexer", "DeepGemmFp8Linear",
+           "DeepGemmFp8OProj", "ExactIndexer", "FlashInferSparse", "FlashMLASparse", "Fp4SimIndexer", "Fp8DsMlaFnuzLayout",
+           "Fp8DsMlaLayout", "Fp8KeyLayout", "Fp8PerTensorLayout", "Fp8SimLinear", "HeadPaddingPolicy", "IndexerStrategy",
+           "LinearStrategy", "LinearWeight", "MQAKernelStrategy", "Mxfp4Indexer", "Mxfp4KeyLayout", "Needs",
+           "NoHeadPadding", "OProjStrategy", "OProjWeights", "PlainRowLayout", "ReferenceLinear", "ReferenceMQA",
+           "ReferenceOProj", "RocmBf16OProj", "SparseKV", "TorchFp8Linear", "TorchFp8OProj", "TritonFp8Indexer",
+           "TritonFp8Linear", "TritonFp8OProj", "TritonSparseMQA", "indexer_keys_layout"]
 
 
 def indexer_keys_layout(indexer: IndexerStrategy, *, dtype: str, head_dim: int) -> CacheLayout:

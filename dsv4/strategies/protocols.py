@@ -1,4 +1,4 @@
-"""The five seams of the layer, as structural Protocols, and the data they exchange.
+"""The six seams of the layer, as structural Protocols, and the data they exchange.
 
 Nothing here is subclassed: a strategy is any frozen, keyword-only dataclass with these members.
 Requirements are data (`Needs`), read by the one pure `dsv4.compat.check()`. torch is imported only
@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from dsv4.formats.fp8_blocks import Fp8Blocks, LinearNumerics
 from dsv4.formats.row_format import RowFormat
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ class Needs:
     model_powers_of_two: tuple[str, ...] = ()           # ModelSpec fields that must be powers of two
     model_choices: tuple[tuple[str, tuple[int, ...]], ...] = ()   # (ModelSpec field, the values it may take)
     index_page_keys: frozenset[int] = frozenset()       # indexer keys per ratio-4 entry page it reads
+    # the output rows (N) and input columns (K) of every projection it multiplies, on each rank, must be
+    # multiples of this (fp8 weights in 128x128 blocks); 0 = any
+    projection_multiple: int = 0
     # e4m3 flavours a kernel decodes fp8 cache bytes as on this device (a layout's own is its
     # RowFormat.fp8). "ocp" = float8_e4m3fn (bias 7, max 448), "fnuz" = float8_e4m3fnuz (bias 8, max
     # 240, no -0: byte 0x80 is NaN). Read as FNUZ a byte is worth half what it is as OCP, so check()
@@ -76,14 +80,33 @@ class SparseKV:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LinearWeight:
+    """One rank's weight of a dense projection y = x·Wᵀ: its values [N, K] (float32) and, where the
+    checkpoint stores it in fp8 (or random weights were made in that format), those blocks as stored;
+    `values` are then their exact dequantization."""
+    values: Tensor
+    fp8: Fp8Blocks | None = None
+
+    @staticmethod
+    def cat(parts: list["LinearWeight"]) -> "LinearWeight":
+        """Several projections of one input as one product (their output rows stacked); the fp8 blocks
+        come along only when every part has them."""
+        import torch
+
+        fp8 = [p.fp8 for p in parts]
+        where = parts[0].values.device
+        return LinearWeight(values=torch.cat([p.values.to(where) for p in parts]),
+                            fp8=Fp8Blocks.cat(fp8) if all(f is not None for f in fp8) else None)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class OProjWeights:
-    """One rank's output projection: `wo_a` [G·o_lora, hpg·D] (its groups), `wo_b` [hidden, G·o_lora].
+    """One rank's grouped `wo_a` [G·o_lora, hpg·D] (its groups); `wo_b` is the layer's `linear` product.
 
     A checkpoint's own fp8 `wo_a` may come along: its e4m3 bytes [G·o_lora, hpg·D] and their 128×128
     block scales [G·o_lora/128, hpg·D/128] (UE8M0 or float32), as stored; fp8 strategies then use
     them unchanged instead of quantizing `wo_a` (which is their dequantized float copy)."""
     wo_a: Tensor
-    wo_b: Tensor
     groups: int
     wo_a_fp8: Tensor | None = None
     wo_a_scale: Tensor | None = None
@@ -176,7 +199,8 @@ class MQAKernelStrategy(Protocol):
 
 @runtime_checkable
 class OProjStrategy(Protocol):
-    """Inverse RoPE on the attention output, grouped `wo_a`, then `wo_b` (this rank's partial sum)."""
+    """Inverse RoPE on the attention output, then the grouped `wo_a`: z [T, G·o_lora] in the activation
+    dtype, the input of `wo_b` (which the layer's `linear` multiplies: the ranks' partial sums)."""
     name: str
     error_budget: float      # relative error vs the oracle (same cache rounding) this option may add
 
@@ -184,3 +208,21 @@ class OProjStrategy(Protocol):
     def prepare(self, weights: OProjWeights, *, device: DeviceInfo, dtype: str) -> Any: ...   # once, at build
     def __call__(self, o: Tensor, rot: RopeRows, *, prepared: Any) -> Tensor: ...
     # rot: the layer's RoPE at the tokens' positions (the rotation to undo)
+
+
+@runtime_checkable
+class LinearStrategy(Protocol):
+    """How the layer's dense projections store their weights and multiply: `wq_a` and `wkv` (one product
+    of x), `wq_b` with the indexer's `wq_b` (one product of the normalised q_lora rows) and `wo_b` (of
+    o_proj's z). `numerics` says what the oracle recomputes them with: products in the activation dtype
+    (FLOAT), or the published fp8 linear (FP8: activation rows quantized per 128 values, e4m3 weights in
+    128x128 blocks, float32 accumulation). The kernel is chosen once, in `prepare`."""
+    name: str
+    error_budget: float      # relative error vs the oracle (the same numerics) this option may add
+    numerics: LinearNumerics
+
+    def needs(self, device: DeviceInfo) -> Needs: ...
+    def prepare(self, weight: LinearWeight, *, device: DeviceInfo, dtype: str) -> Any: ...   # once, at build
+    # x [T, K] in the activation dtype -> x·Wᵀ [T, N] in `out_dtype` (default: x's dtype); FLOAT options
+    # accumulate in float32 and may return it (out_dtype=float32), as the compressors need
+    def __call__(self, x: Tensor, prepared: Any, *, out_dtype: Any = None) -> Tensor: ...

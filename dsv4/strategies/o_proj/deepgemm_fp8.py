@@ -1,5 +1,5 @@
 """o_proj=deepgemm_fp8: the fp8 projection (fp8_common.py) with DeepGEMM's `fp8_einsum` as the grouped
-product (package sgl-deep-gemm), its recipe per architecture; `wo_b` in bf16."""
+product (package sgl-deep-gemm), its recipe per architecture."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,11 +26,11 @@ class DeepGemmFp8OProj:
         return SM90 if device.arch == "sm90" else (1, 1, 128)
 
     def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
-        (wq, ws), wo_b = grouped_weights(weights, device)
+        wq, ws = grouped_weights(weights, device)
         recipe = self.recipe(device)
         if recipe == (1, 1, 128):              # one scale per output row and 128-wide K block
             ws = ws.repeat_interleave(BLOCK, dim=1).contiguous()
-        return {"w": (wq, ws), "wo_b": wo_b, "groups": weights.groups, "recipe": recipe}
+        return {"w": (wq, ws), "groups": weights.groups, "recipe": recipe}
 
     def __call__(self, o, rot, *, prepared):
         import deep_gemm
@@ -42,4 +42,4 @@ class DeepGemmFp8OProj:
         z = torch.empty(o.shape[0], prepared["groups"], wq.shape[1], dtype=torch.bfloat16, device=o.device)
         if o.shape[0]:
             deep_gemm.fp8_einsum("bhr,hdr->bhd", (x, xs), prepared["w"], z, recipe=prepared["recipe"])
-        return z.flatten(1) @ prepared["wo_b"].T
+        return z.flatten(1)

@@ -3,11 +3,12 @@ o_proj (docs/numerics.md §4.2): inverse RoPE on the attention output fused with
 power-of-two scale per 128 contiguous dims of each (token, group) vector (our Triton kernel,
 dsv4/kernels/inv_rope_fp8.py); `wo_a` quantized once at build time in 128×128 blocks (power-of-two
 scales) -- or, loaded from a checkpoint, its stored e4m3 bytes and UE8M0 block scales used as they are;
-then the grouped product z[t,g] = W_oa[g] · o[t,g] in fp8 with float accumulation, and `wo_b` in bf16."""
+then the grouped product z[t,g] = W_oa[g] · o[t,g] in fp8 with float accumulation, z in bf16 (the input of
+the layer's `wo_b`, which its `linear` option multiplies)."""
 from __future__ import annotations
 
 from dsv4.formats.fp8 import E4M3_MAX
-from dsv4.kernels import TRITON_ARCHS
+from dsv4.kernels import FP8_TRITON_ARCHS
 from dsv4.strategies.protocols import Needs, OProjWeights
 
 
@@ -15,10 +16,6 @@ BLOCK = 128
 
 
 SM90 = (1, 128, 128)          # DeepGEMM's sm90 recipe: fp32 scales per 1x128 activation and 128x128 weight block
-
-
-# the NVIDIA architectures Triton supports that have e4m3 tensor cores (sm89 and newer)
-FP8_TRITON_ARCHS = frozenset(a for a in TRITON_ARCHS if a.startswith("sm") and int(a[2:]) >= 89)
 
 
 def pow2_scale(amax, floor: float):
@@ -88,19 +85,18 @@ def grouped_weights(weights: OProjWeights, device):
 
     g = weights.groups
     if weights.wo_a_fp8 is not None:          # a checkpoint's bytes: no dequantize-requantize round trip
-        return stored_weight_blocks(weights, device), weights.wo_b.to(device=device.torch_device,
-                                                                      dtype=torch.bfloat16)
+        return stored_weight_blocks(weights, device)
     wa = weights.wo_a.to(device=device.torch_device, dtype=torch.float32)
     wa = wa.view(g, wa.shape[0] // g, wa.shape[1])
     if wa.shape[1] % BLOCK or wa.shape[2] % BLOCK:
         raise ValueError(f"fp8 o_proj needs wo_a group dims divisible by {BLOCK}, got {tuple(wa.shape[1:])}")
-    return quantize_weight_blocks(wa), weights.wo_b.to(device=device.torch_device, dtype=torch.bfloat16)
+    return quantize_weight_blocks(wa)
 
 
 def block_scaled_weights(weights: OProjWeights, device) -> dict:
-    """wo_a's e4m3 bytes [G, N, K] and 128x128 block scales as separate tensors, wo_b in bf16."""
-    (wq, ws), wo_b = grouped_weights(weights, device)
-    return {"w": wq, "ws": ws, "wo_b": wo_b, "groups": weights.groups}
+    """wo_a's e4m3 bytes [G, N, K] and 128x128 block scales as separate tensors."""
+    wq, ws = grouped_weights(weights, device)
+    return {"w": wq, "ws": ws, "groups": weights.groups}
 
 
 def fp8_needs(*, archs, modules=()) -> Needs:

@@ -1,5 +1,5 @@
-"""o_proj=reference: the float projection (inverse RoPE, the grouped `wo_a` einsum, `wo_b`) in the
-activation dtype, on any device."""
+"""o_proj=reference: the float projection (inverse RoPE, the grouped `wo_a` einsum) in the activation
+dtype, on any device."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +10,7 @@ from dsv4.strategies.protocols import Needs, OProjWeights
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReferenceOProj:
-    """Inverse RoPE, per-group einsum with `wo_a`, then `wo_b`, in the activation dtype."""
+    """Inverse RoPE and the per-group einsum with `wo_a`, in the activation dtype."""
     name: str = "reference"
     error_budget: ClassVar[float] = 0.0     # vs the oracle: the float32 projection
 
@@ -23,14 +23,13 @@ class ReferenceOProj:
         dt = torch_dtype(dtype)
         g = weights.groups
         wa = weights.wo_a.to(device=device.torch_device, dtype=dt)
-        return {"wo_a": wa.view(g, wa.shape[0] // g, wa.shape[1]),
-                "wo_b": weights.wo_b.to(device=device.torch_device, dtype=dt)}
+        return {"wo_a": wa.view(g, wa.shape[0] // g, wa.shape[1])}
 
     def __call__(self, o, rot, *, prepared):
         import torch
 
-        wa, wb = prepared["wo_a"], prepared["wo_b"]
+        wa = prepared["wo_a"]
         o = rot.rotate(o, inverse=True).to(wa.dtype)                  # [T, H, D]
         og = o.reshape(o.shape[0], wa.shape[0], -1)                   # [T, G, hpg*D]
         z = torch.einsum("tgd,grd->tgr", og, wa)                      # [T, G, o_lora]
-        return z.flatten(1) @ wb.T
+        return z.flatten(1)

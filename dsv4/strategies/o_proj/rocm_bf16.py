@@ -1,6 +1,6 @@
 """o_proj=rocm_bf16: inverse RoPE, the grouped `wo_a` product through aiter's batched bf16 GEMM
 (`aiter.ops.triton.batched_gemm_bf16.batched_gemm_bf16(XQ, WQ, ...)`: Y[i] = X[i] @ W[i]^T, tuned configs
-for MI300X and MI350X), `wo_b` in bf16 (torch). Package amd-aiter, ROCm only; not run on AMD hardware:
+for MI300X and MI350X). Package amd-aiter, ROCm only; not run on AMD hardware:
 its marshalling is tested on the CPU (tests/test_aiter_marshalling.py)."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def grouped_input(o, rot, groups: int):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RocmBf16OProj:
-    """Inverse RoPE, the grouped `wo_a` product through aiter's batched bf16 GEMM, `wo_b` in bf16 (torch)."""
+    """Inverse RoPE and the grouped `wo_a` product through aiter's batched bf16 GEMM."""
     name: str = "rocm_bf16"
     error_budget: ClassVar[float] = 1e-2     # vs the oracle: bf16 products
 
@@ -38,17 +38,16 @@ class RocmBf16OProj:
 
         g = weights.groups
         wa = weights.wo_a.to(device=device.torch_device, dtype=torch.bfloat16)
-        return {"wo_a": wa.view(g, wa.shape[0] // g, wa.shape[1]).contiguous(),       # WQ [G, o_lora, hpg·D]
-                "wo_b": weights.wo_b.to(device=device.torch_device, dtype=torch.bfloat16)}
+        return {"wo_a": wa.view(g, wa.shape[0] // g, wa.shape[1]).contiguous()}       # WQ [G, o_lora, hpg·D]
 
     def __call__(self, o, rot, *, prepared):
         import importlib
 
         import torch
 
-        wa, wb = prepared["wo_a"], prepared["wo_b"]
+        wa = prepared["wo_a"]
         if o.shape[0] == 0:
-            return o.new_zeros(0, wb.shape[0], dtype=torch.bfloat16)
+            return o.new_zeros(0, wa.shape[0] * wa.shape[1], dtype=torch.bfloat16)
         bgemm = importlib.import_module("aiter.ops.triton.batched_gemm_bf16").batched_gemm_bf16
         z = bgemm(grouped_input(o, rot, wa.shape[0]), wa, dtype=torch.bfloat16)   # [G, T, o_lora]
-        return z.transpose(0, 1).reshape(o.shape[0], -1) @ wb.T
+        return z.transpose(0, 1).reshape(o.shape[0], -1)

@@ -1,5 +1,5 @@
 """o_proj=triton_fp8: the fp8 projection (fp8_common.py) with our Triton grouped e4m3 product
-(dsv4/kernels/fp8_grouped_gemm.py; NVIDIA sm89+), bit-identical to DeepGEMM's; `wo_b` in bf16."""
+(dsv4/kernels/fp8_grouped_gemm.py; NVIDIA sm89+), bit-identical to DeepGEMM's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,4 +44,4 @@ class TritonFp8OProj:
         x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared["groups"])
         z = grouped_fp8_gemm(x, xs, prepared["w"], prepared["ws"], block_m=self.block_m, num_warps=self.num_warps,
                              num_stages=self.num_stages, target=prepared.get("target"))
-        return z.flatten(1) @ prepared["wo_b"].T
+        return z.flatten(1)

@@ -1,0 +1,232 @@
+"""The published fp8 linear in Triton (linear=triton_fp8): y = x·Wᵀ with e4m3 operands, one power-of-two
+scale per 1×128 activation block and per 128×128 weight block, float32 sums -- what
+`dsv4.formats.fp8_blocks.fp8_linear_reference` states in torch ops.
+
+One program per (BN output columns, BM rows). It walks K in blocks of 128: it loads the activation tile
+in its own dtype and quantizes it there, as `act_quant` does (amax clamped at 1e-4, the scale
+2^ceil(log2(amax · fp32(1/448))) taken from the float32 bits, x / scale clamped to ±448 and rounded to
+e4m3), so a projection is one launch with no quantization kernel before it; then a tensor-core e4m3 dot
+with the weight tile, scaled by the rows' scales and the block's weight scales, added in float32. (With
+`xs` given the activation is e4m3 already, quantized elsewhere.) The K loop is software-pipelined by
+Triton.
+
+The launch is planned from the step's rows: few rows (decode) are bound by the weight's bytes, so the
+columns go 64 to a program and K's blocks are split over several programs per tile, as many as give
+every SM two programs; each writes its float32 partial sums, and the tile's last program to arrive adds
+them in split order and stores the tile (one launch, the same sums whichever program arrives last).
+Many rows (prefill) take 64x128 or 128x128 tiles over the whole of K. Under TRITON_INTERPRET=1 (the CPU tests) the activation's e4m3 rounding is written out in
+float32 arithmetic (the interpreter's own conversion does not round to nearest), the dots take the e4m3
+values widened to float32 (the products the tensor cores form exactly) and the result is stored as float32
+and rounded by torch: the interpreter's float32 -> bf16 conversion truncates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from dsv4.kernels.launch import as_dense, as_f32, launch, target_of
+from dsv4.kernels.target import Target
+from dsv4.sizes import cdiv
+
+BLOCK = 128
+
+
+@triton.jit
+def _e4m3_values(v):
+    """v (float32, |v| <= 448) rounded to the nearest e4m3 value, a tie to the even one, as float32: the
+    conversion written with float32 adds (round to nearest even) at the e4m3 spacing of v's binade, 2^(E-3)
+    for |v| in [2^E, 2^(E+1)), 2^-9 below 2^-6. For Triton's interpreter, whose e4m3 conversion does not
+    round to nearest (it gives 16 for 31.625 and 18 for 17)."""
+    bits = tl.abs(v).to(tl.int32, bitcast=True)
+    E = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    magic = ((E + 20 + 127) << 23).to(tl.float32, bitcast=True) * 1.5
+    r = (tl.abs(v) + magic) - magic
+    return tl.where(v < 0, -r, r)
+
+
+@triton.jit
+def _quantize_rows(a, EMULATE: tl.constexpr):
+    """a [BM, 128] float32 -> (e4m3 values [BM, 128], float32 power-of-two scales [BM]): act_quant. With
+    EMULATE the values come back as float32 (exactly e4m3 values), else as e4m3."""
+    amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-4)
+    bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)      # biased exponent of the ceiling
+    scale = (e << 23).to(tl.float32, bitcast=True)
+    v = tl.clamp(a / scale[:, None], -448.0, 448.0)
+    if EMULATE:
+        q = _e4m3_values(v)
+    else:
+        q = v.to(tl.float8e4nv)
+    return q, scale
+
+
+@triton.jit(do_not_specialize=["M"])          # step sizes: one compiled variant for all
+def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N, K, BM: tl.constexpr,
+                       BN: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, DOT: tl.constexpr,
+                       STAGES: tl.constexpr):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    k = tl.arange(0, 128)
+    live = rows < M
+    KB = K // 128
+    per = KB // SPLIT
+    x_row = rows.to(tl.int64) * K
+    w_row = cols.to(tl.int64) * K
+    ws_row = (cols // 128) * KB
+    acc = tl.zeros([BM, BN], tl.float32)
+    for kb in tl.range(split * per, split * per + per, num_stages=STAGES):
+        if QUANT:
+            a = tl.load(x_ptr + x_row[:, None] + kb * 128 + k[None, :], mask=live[:, None], other=0.0)
+            q, sa = _quantize_rows(a.to(tl.float32), DOT == tl.float32)
+        else:
+            q = tl.load(x_ptr + x_row[:, None] + kb * 128 + k[None, :], mask=live[:, None], other=0.0)
+            sa = tl.load(xs_ptr + rows.to(tl.int64) * KB + kb, mask=live, other=0.0)
+        b = tl.load(w_ptr + w_row[:, None] + kb * 128 + k[None, :])
+        sb = tl.load(ws_ptr + ws_row + kb)
+        acc += tl.dot(q.to(DOT), tl.trans(b.to(DOT))) * sa[:, None] * sb[None, :]
+    out = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if SPLIT > 1:
+        # each split's partial sums to the workspace; the tile's last program to finish adds them in split
+        # order (the same order whoever finishes last) and resets the tile's counter for the next call
+        tl.store(part_ptr + split * M * N + out, acc, mask=live[:, None])
+        tile = pid_m * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            acc = tl.zeros([BM, BN], tl.float32)
+            for s in range(SPLIT):
+                acc += tl.load(part_ptr + s * M * N + out, mask=live[:, None], other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=live[:, None])
+            tl.atomic_xchg(count_ptr + tile, 0)
+    else:
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, s_row, s_col, BM: tl.constexpr, EMULATE: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    kb = tl.program_id(1)
+    live = rows < M
+    offs = rows.to(tl.int64)[:, None] * K + kb * 128 + tl.arange(0, 128)[None, :]
+    q, scale = _quantize_rows(tl.load(x_ptr + offs, mask=live[:, None], other=0.0).to(tl.float32), EMULATE)
+    tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=live[:, None])      # exact: q holds e4m3 values
+    tl.store(s_ptr + rows.to(tl.int64) * s_row + kb * s_col, scale, mask=live)
+
+
+@dataclass(frozen=True, slots=True)
+class LinearLaunch:
+    block_m: int
+    block_n: int
+    split: int           # K's blocks split over this many programs per output tile (1: none)
+    num_warps: int
+    num_stages: int
+
+
+SMALL_M = 64                 # up to this many rows a product reads its weight about once: bandwidth-bound
+
+
+def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
+    """The launch for an [M, K] x [N, K]ᵀ product. Up to SMALL_M rows the weight bytes are the cost: 64
+    columns a program and K split into as many parts as give every SM about two programs (from N and K
+    alone, so a row's sums are split alike at any row count up to SMALL_M); more rows: 64x128 or 128x128
+    tiles over the whole of K."""
+    if M > SMALL_M:
+        return LinearLaunch(block_m=128 if M > 512 else 64, block_n=128, split=1, num_warps=8 if M > 512 else 4,
+                            num_stages=3)
+    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+    bn = 64 if N % 64 == 0 and N // 64 >= 8 else 32
+    return LinearLaunch(block_m=bm, block_n=bn, split=split_for(N // bn, K // BLOCK, target), num_warps=4,
+                        num_stages=4)
+
+
+def split_for(tiles: int, k_blocks: int, target: Target) -> int:
+    """The fewest parts of K's blocks (a divisor, each part at least 4 blocks) that give 2 programs per SM."""
+    want = 2 * target.processors
+    best = 1
+    for s in range(1, k_blocks + 1):
+        if k_blocks % s or k_blocks // s < 4:
+            continue
+        best = s
+        if tiles * s >= want:
+            break
+    return best
+
+
+def counters(N: int, device):
+    """The per-tile arrival counters a split product needs, zeroed once (each call leaves them zeroed): for
+    any row count up to SMALL_M and any launch `plan` makes for N columns."""
+    import torch
+
+    return torch.zeros(cdiv(SMALL_M, 16) * cdiv(N, 32), dtype=torch.int32, device=device)
+
+
+def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = None, count=None,
+               block_m: int | None = None, block_n: int | None = None, split: int | None = None,
+               num_warps: int | None = None, num_stages: int | None = None):
+    """x [M, K] (bf16/float32 activations, quantized in the kernel; or e4m3 with its scales `xs` [M, K/128]
+    float32) times w [N, K] e4m3 with block scales ws [N/128, K/128] float32 -> y [M, N] in `out_dtype`
+    (default: x's dtype; bf16 for e4m3 x). One launch. `target`: the device's facts (default: x's device's);
+    `count`: the projection's `counters` (a split product's; made for the call when not given -- calls that
+    may run at once on several streams need their own); the launch parameters override the plan."""
+    import torch
+
+    M, K = x.shape
+    N = w.shape[0]
+    fp8_x = x.dtype == torch.float8_e4m3fn
+    if w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8 linear: w must be float8_e4m3fn (OCP e4m3), got {w.dtype}")
+    if not fp8_x and x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"fp8 linear: x must be bf16, fp16, float32 or (with xs) e4m3, got {x.dtype}")
+    if fp8_x != (xs is not None):
+        raise ValueError("fp8 linear: an e4m3 x comes with its scales xs, and only an e4m3 x")
+    if K % BLOCK or N % BLOCK or tuple(w.shape) != (N, K) or tuple(ws.shape) != (N // BLOCK, K // BLOCK) \
+            or (xs is not None and tuple(xs.shape) != (M, K // BLOCK)):
+        raise ValueError(f"fp8 linear: x {tuple(x.shape)}, w {tuple(w.shape)}, ws {tuple(ws.shape)}"
+                         f"{'' if xs is None else f', xs {tuple(xs.shape)}'}: expected K and N multiples of "
+                         f"{BLOCK} and one scale per block")
+    out_dtype = out_dtype or (torch.bfloat16 if fp8_x else x.dtype)
+    tgt = target or target_of(x.device)
+    y = torch.empty(M, N, dtype=torch.float32 if tgt.interpret else out_dtype, device=x.device)
+    if M == 0:
+        return y.to(out_dtype)
+    p = plan(M, N, K, tgt)
+    bm, bn, sp = block_m or p.block_m, block_n or p.block_n, split or p.split
+    if (K // BLOCK) % sp:
+        raise ValueError(f"fp8 linear: split={sp} does not divide K's {K // BLOCK} blocks")
+    part = count_buf = y
+    if sp > 1:
+        part = torch.empty(sp, M, N, dtype=torch.float32, device=x.device)
+        count_buf = count if count is not None else counters(N, x.device)
+        if count_buf.numel() < (N // bn) * cdiv(M, bm):
+            raise ValueError(f"fp8 linear: {count_buf.numel()} counters for {(N // bn) * cdiv(M, bm)} tiles")
+    launch(_fp8_linear_kernel, (N // bn, sp, cdiv(M, bm)), as_dense(x), as_f32(xs) if xs is not None else x,
+           as_dense(w), as_f32(ws), y, part, count_buf, M, N, K, BM=bm, BN=bn, SPLIT=sp, QUANT=not fp8_x,
+           DOT=tl.float32 if tgt.interpret else tl.float8e4nv, STAGES=num_stages or p.num_stages,
+           num_warps=num_warps or p.num_warps)
+    return y.to(out_dtype)
+
+
+def act_quant_fp8(x, *, mn_major_scales: bool = False, target: Target | None = None):
+    """x [M, K] bf16/fp16/float32 -> (e4m3 [M, K], float32 scales [M, K/128]): `act_quant`, one launch. With
+    `mn_major_scales` the scales are stored block-major with M padded to a multiple of 4 (a view [M, K/128]
+    of that storage): the layout DeepGEMM's sm90 kernels read, which they would otherwise copy into."""
+    import torch
+
+    M, K = x.shape
+    if K % BLOCK:
+        raise ValueError(f"act_quant: the last dim ({K}) is not a multiple of {BLOCK}")
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    if mn_major_scales:
+        Mp = cdiv(M, 4) * 4
+        s = torch.empty(K // BLOCK, Mp, dtype=torch.float32, device=x.device)[:, :M].t()
+    else:
+        s = torch.empty(M, K // BLOCK, dtype=torch.float32, device=x.device)
+    if M:
+        emulate = (target or target_of(x.device)).interpret
+        launch(_act_quant_kernel, (cdiv(M, 32), K // BLOCK), as_dense(x), q, s, M, K, s.stride(0), s.stride(1),
+               BM=32, EMULATE=emulate, num_warps=4)
+    return q, s

@@ -1,0 +1,79 @@
+"""What the linear options share: their prepared weights (one frozen value per projection), the fp8
+options' needs, and the products the float and torch options are made of."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dsv4.formats.fp8_blocks import BLOCK, Fp8Blocks, quantize_blocks
+from dsv4.sizes import round_up
+from dsv4.strategies.protocols import LinearWeight, Needs
+
+
+@dataclass(frozen=True, slots=True)
+class FloatLinear:
+    """A projection's weight [N, K] in the activation dtype."""
+    weight: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Linear:
+    """A projection's weight as the checkpoint stores it, on the device: e4m3 [N, K] and float32
+    power-of-two scales [N/128, K/128]; `target`: the device's facts its kernel plans by (None: torch);
+    `count`: what its kernel keeps between calls (our Triton product's arrival counters), or None."""
+    weight: Any
+    scale: Any
+    target: Any = None
+    count: Any = None
+
+
+def fp8_blocks(weight: LinearWeight, device) -> Fp8Linear:
+    """The stored fp8 blocks of `weight` on the device (a checkpoint's, or random weights made in that
+    format), or -- for float weights handed in by an engine -- its values quantized once in 128x128 blocks."""
+    blocks: Fp8Blocks = weight.fp8 if weight.fp8 is not None else quantize_blocks(weight.values)
+    dev = device.torch_device
+    return Fp8Linear(weight=blocks.weight.to(dev).contiguous(), scale=blocks.scale.to(dev).float().contiguous())
+
+
+def fp8_needs(*, platforms=(), archs=(), modules=(), dtypes=()) -> Needs:
+    """Every fp8 option: each projection's N and K (per rank) in whole 128x128 blocks."""
+    return Needs(platforms=frozenset(platforms), archs=frozenset(archs), modules=tuple(modules),
+                 dtypes=frozenset(dtypes), projection_multiple=BLOCK)
+
+
+def mm_f32(x, w):
+    """x @ w.T with a float32 result: a float32 product for float32 inputs; for bf16 inputs the bf16
+    product accumulated and returned in float32 (what the published code gets from x.float() @ w.float()
+    with bf16-valued x and w)."""
+    import torch
+
+    if x.dtype == torch.float32:
+        return x @ (w if w.dtype == torch.float32 else w.float()).T
+    w = w if w.dtype == x.dtype else w.to(x.dtype)       # `.to` costs host time even when it returns w
+    if x.is_cuda:
+        try:
+            return torch.mm(x, w.T, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):      # a torch without mm's out_dtype: the same product in float32
+            pass
+    return x.float() @ w.float().T
+
+
+M_ALIGN = 8       # cuBLASLt's block-scaled fp8 matmul on the H200 ran every M that is a multiple of 8
+
+
+def blockwise_scaled_mm(a, sa, w, sw):
+    """a [M, K] e4m3 with sa [M, K/128]; w [N, K] e4m3 with sw [N/128, K/128] -> a·wᵀ [M, N] bf16.
+
+    cuBLASLt's block scaling (torch._scaled_mm) wants the activation scales M-major (stride (1, M)),
+    the weight scales [N/128, K/128] transposed like b = wᵀ, and M a multiple of M_ALIGN: rows are
+    zero-padded (scale 1) and the padding cut off."""
+    import torch
+
+    M = a.shape[0]
+    Mp = round_up(M, M_ALIGN)
+    if Mp != M:
+        a = torch.cat((a, a.new_zeros(Mp - M, a.shape[1])))
+        sa = torch.cat((sa.float(), sa.new_ones(Mp - M, sa.shape[1], dtype=torch.float32)))
+    sa_t = sa.float().t().contiguous().t()             # [Mp, K/128], M-major
+    out = torch._scaled_mm(a, w.t(), scale_a=sa_t, scale_b=sw.float().t(), out_dtype=torch.bfloat16)
+    return out[:M]

@@ -1,0 +1,40 @@
+"""linear=deepgemm_fp8: the published fp8 linear through DeepGEMM's block-scaled `fp8_gemm_nt` (package
+sgl-deep-gemm, sm90/sm100), the product vLLM and SGLang run DSV4's projections with on these GPUs; the
+activation rows quantized by our Triton kernel into the scale layout DeepGEMM reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from dsv4.formats.fp8_blocks import LinearNumerics
+from dsv4.strategies.linear.common import Fp8Linear, fp8_blocks, fp8_needs
+from dsv4.strategies.protocols import LinearWeight, Needs
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeepGemmFp8Linear:
+    """`deep_gemm.fp8_gemm_nt((x_e4m3, x_scales), (w_e4m3, w_scales), y)`: float32 scales per 1×128
+    activation block and 128×128 weight block (DeepGEMM's sm90 recipe; on sm100 it casts them to UE8M0,
+    which loses nothing: they are powers of two)."""
+    name: str = "deepgemm_fp8"
+    error_budget: ClassVar[float] = 3e-2        # vs the oracle with fp8 numerics: bf16 rounding moves e4m3 edges
+    numerics: ClassVar[LinearNumerics] = LinearNumerics.FP8
+
+    def needs(self, device) -> Needs:
+        return fp8_needs(platforms={"cuda"}, archs={"sm90", "sm100"},
+                         modules=(("triton", "triton"), ("deep_gemm", "sgl-deep-gemm")), dtypes={"bfloat16"})
+
+    def prepare(self, weight: LinearWeight, *, device, dtype: str) -> Fp8Linear:
+        return fp8_blocks(weight, device)
+
+    def __call__(self, x, prepared: Fp8Linear, *, out_dtype=None):
+        import deep_gemm
+        import torch
+
+        from dsv4.kernels.fp8_linear import act_quant_fp8
+
+        y = torch.empty(x.shape[0], prepared.weight.shape[0], dtype=torch.bfloat16, device=x.device)
+        if x.shape[0]:
+            xq, xs = act_quant_fp8(x, mn_major_scales=True)
+            deep_gemm.fp8_gemm_nt((xq, xs), (prepared.weight, prepared.scale), y)
+        return y if out_dtype in (None, torch.bfloat16) else y.to(out_dtype)

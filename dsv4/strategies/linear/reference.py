@@ -1,0 +1,33 @@
+"""linear=reference: the projections' float weights in the activation dtype, on any device."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from dsv4.formats.fp8_blocks import LinearNumerics
+from dsv4.strategies.linear.common import FloatLinear, mm_f32
+from dsv4.strategies.protocols import LinearWeight, Needs
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReferenceLinear:
+    """x·Wᵀ in the activation dtype (torch), or accumulated into float32 where asked."""
+    name: str = "reference"
+    error_budget: ClassVar[float] = 0.0         # vs the oracle: the float32 projection
+    numerics: ClassVar[LinearNumerics] = LinearNumerics.FLOAT
+
+    def needs(self, device) -> Needs:
+        return Needs()
+
+    def prepare(self, weight: LinearWeight, *, device, dtype: str) -> FloatLinear:
+        from dsv4.dtypes import torch_dtype
+
+        return FloatLinear(weight=weight.values.to(device=device.torch_device, dtype=torch_dtype(dtype)).contiguous())
+
+    def __call__(self, x, prepared: FloatLinear, *, out_dtype=None):
+        import torch
+
+        if out_dtype == torch.float32 and x.dtype != torch.float32:
+            return mm_f32(x, prepared.weight)
+        y = x @ prepared.weight.T
+        return y if out_dtype is None else y.to(out_dtype)

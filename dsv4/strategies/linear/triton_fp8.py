@@ -1,0 +1,42 @@
+"""linear=triton_fp8: the published fp8 linear through our Triton product (dsv4/kernels/fp8_linear.py,
+NVIDIA sm89+): the activation rows are quantized inside the product's own kernel, so a projection is
+one launch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from dsv4.formats.fp8_blocks import LinearNumerics
+from dsv4.kernels import FP8_TRITON_ARCHS
+from dsv4.strategies.linear.common import Fp8Linear, fp8_blocks, fp8_needs
+from dsv4.strategies.protocols import LinearWeight, Needs
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TritonFp8Linear:
+    """Our Triton block-scaled e4m3 product, its launch planned from the step's rows and the device."""
+    name: str = "triton_fp8"
+    error_budget: ClassVar[float] = 3e-2        # vs the oracle with fp8 numerics: bf16 rounding moves e4m3 edges
+    numerics: ClassVar[LinearNumerics] = LinearNumerics.FP8
+
+    def needs(self, device) -> Needs:
+        return fp8_needs(platforms={"cuda"}, archs=FP8_TRITON_ARCHS, modules=(("triton", "triton"),))
+
+    def prepare(self, weight: LinearWeight, *, device, dtype: str) -> Fp8Linear:
+        """The blocks on the device, the device's facts and this projection's own arrival counters (its
+        split products' last program adds the partial sums)."""
+        from dsv4.kernels.fp8_linear import counters
+        from dsv4.kernels.launch import target
+
+        blocks = fp8_blocks(weight, device)
+        count = counters(blocks.weight.shape[0], device.torch_device)
+        if device.platform == "cpu":               # the tests' interpreted kernels plan by the tensors' device
+            return replace(blocks, count=count)
+        return replace(blocks, count=count, target=target(platform=device.platform, arch=device.arch,
+                                                          torch_device=device.torch_device))
+
+    def __call__(self, x, prepared: Fp8Linear, *, out_dtype=None):
+        from dsv4.kernels.fp8_linear import fp8_linear
+
+        return fp8_linear(x, prepared.weight, prepared.scale, out_dtype=out_dtype, target=prepared.target,
+                          count=prepared.count)
