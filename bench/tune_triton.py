@@ -11,6 +11,9 @@
   python bench/tune_triton.py few        # a rank's few heads (8, 16, 32): the few-heads Hopper kernel at two and
                                          # three K buffers beside FlashMLA and the 64-head kernel, both padded to 64
   python bench/tune_triton.py oproj      # o_proj=triton_fp8's grouped e4m3 product beside DeepGEMM, torch_fp8, bf16
+  python bench/tune_triton.py linear     # linear=triton_fp8's product: launch variants (rows per program, columns,
+                                         # K split, activation quantized inside or by its own launch) on DSV4-Flash's
+                                         # products by row count, DeepGEMM's fp8_gemm_nt and the bf16 product beside
   python bench/tune_triton.py prefetch   # the 64-head kernel's L2 prefetch off, on and as picked, by program
                                          # length and pool size (pools that L2 holds and larger ones), FlashMLA beside
   python bench/tune_triton.py runs       # 8 and 16 heads on lists as a step plan makes them (MTP tokens sharing
@@ -386,6 +389,62 @@ def oproj() -> None:
         print(f"| {T} | " + " | ".join(f"{t:.1f}" for t in row) + " |", flush=True)
 
 
+LINEAR_SHAPES = {"x @ [wq_a|wkv]": (1536, 4096), "qr @ [wq_b|indexer wq_b]": (40960, 1024), "z @ wo_b": (4096, 8192)}
+
+
+def linear(rows=(1, 16, 64, 128, 1024, 8192)) -> None:
+    """linear=triton_fp8's product by launch (as planned first), bf16 x: in-kernel quantization or a separate
+    act_quant launch (pre); DeepGEMM (with its act_quant launch) and bf16 beside; µs and rel err vs planned."""
+    import deep_gemm
+
+    from dsv4.formats.fp8_blocks import quantize_blocks
+    from dsv4.kernels.fp8_linear import act_quant_fp8, fp8_linear, plan
+    from dsv4.kernels.launch import target_of
+
+    tgt = target_of(torch.device("cuda"))
+    print("\n| product | M | launch | µs | rel err |\n|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for product, (N, K) in LINEAR_SHAPES.items():
+        b = quantize_blocks(torch.randn(N, K, generator=g) * K ** -0.5)
+        w, ws, wb = b.weight.cuda(), b.scale.cuda(), b.dequantize().cuda().bfloat16()
+        for M in rows:
+            x = torch.randn(M, K, generator=g).cuda().bfloat16()
+            ref = fp8_linear(x, w, ws)
+            y = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+
+            def dg():
+                xq, xs = act_quant_fp8(x, mn_major_scales=True)
+                deep_gemm.fp8_gemm_nt((xq, xs), (w, ws), y)
+            rows_out = [("planned " + str(plan(M, N, K, tgt)), graph_time_us(lambda: fp8_linear(x, w, ws)), ref),
+                        ("deepgemm + act_quant", graph_time_us(dg), y), ("bf16", graph_time_us(lambda: x @ wb.T), None)]
+            small = M <= 128
+            grid = ([dict(block_m=bm, block_n=bn, split=sp, num_warps=4, num_stages=4)
+                     for bm in ((16, 64) if M <= 16 else (64,)) for bn in (64, 128) for sp in (1, 2, 4, 8)
+                     if (K // 128) % sp == 0 and (K // 128) // sp >= 2] if small else
+                    [dict(block_m=bm, block_n=bn, split=1, num_warps=nw, num_stages=st)
+                     for bm in (64, 128) for bn in (128, 256) for nw in (4, 8) for st in (3, 4)])
+            for cfg in grid:
+                for pre in (False, True):
+                    label = " ".join(f"{k}={v}" for k, v in cfg.items()) + (" pre" if pre else "")
+                    try:
+                        if pre:
+                            def fn(cfg=cfg):
+                                xq, xs = act_quant_fp8(x)
+                                return fp8_linear(xq, w, ws, xs=xs, **cfg)
+                        else:
+                            def fn(cfg=cfg):
+                                return fp8_linear(x, w, ws, **cfg)
+                        out = fn()
+                        rows_out.append((label, graph_time_us(fn), out))
+                    except Exception as e:  # noqa: BLE001 - a launch that does not compile is a row, not a stop
+                        rows_out.append((label + f" {type(e).__name__}", float("nan"), None))
+            best = min((r for r in rows_out[3:] if r[1] == r[1]), key=lambda r: r[1])
+            for label, us, out in rows_out[:3] + [best]:
+                err = "-" if out is None else f"{rel_err(out, ref):.1e}"
+                print(f"| {product} | {M} | {label}{' (best)' if label == best[0] else ''} | {us:.1f} | {err} |",
+                      flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
@@ -397,6 +456,8 @@ if __name__ == "__main__":
         few()
     elif "oproj" in sys.argv:
         oproj()
+    elif "linear" in sys.argv:
+        linear()
     elif "prefetch" in sys.argv:
         prefetch()
     elif "runs" in sys.argv:

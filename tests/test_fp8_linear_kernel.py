@@ -79,8 +79,9 @@ def test_plan_spreads_few_rows_over_the_processors():
 
     h200 = replace(target_of(torch.device(DEVICE)), processors=132)
     wo_b = plan(1, 4096, 8192, h200)                      # 64 tiles of 64 columns: K split 8 ways, 512 programs
-    assert (wo_b.block_m, wo_b.block_n, wo_b.split) == (16, 64, 8)
-    assert plan(64, 4096, 8192, h200).split == 8          # the same split at any row count up to 64
+    assert (wo_b.block_m, wo_b.block_n, wo_b.split, wo_b.quantize_first) == (16, 64, 8, False)
+    step = plan(64, 4096, 8192, h200)                     # the same split at any row count up to 128
+    assert step.split == 8 and step.quantize_first        # 64 rows: quantized once, by its own launch
     assert plan(1, 40960, 1024, h200).split == 1          # 640 tiles fill the GPU
     assert plan(1, 1536, 4096, h200).split == 8           # 24 tiles; each part at least 4 of K's 32 blocks
     assert plan(8192, 4096, 8192, h200) == plan(8192, 4096, 8192, h200) and plan(8192, 4096, 8192, h200).split == 1

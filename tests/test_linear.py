@@ -229,3 +229,39 @@ def test_check_refuses_what_cannot_run_with_a_fix():
 
 def test_error_budget_counts_the_linear():
     assert combo("fp8_sim").error_budget == pytest.approx(combo("reference").error_budget + Fp8SimLinear.error_budget)
+
+
+def test_deepgemm_option_hands_deepgemm_the_published_operands(monkeypatch):
+    """linear=deepgemm_fp8 through a stand-in `deep_gemm.fp8_gemm_nt` that computes the block product: bf16
+    rows are quantized (act_quant, scales in DeepGEMM's block-major layout) before the call; rows that come
+    quantized (Fp8Rows, as the q_lora norm makes them) are passed as they are; the result is fp8_sim's."""
+    import sys
+    import types
+
+    from dsv4.components.front import norm_rows
+    from dsv4.strategies import DeepGemmFp8Linear
+
+    calls = []
+
+    def fp8_gemm_nt(a, b, d):
+        calls.append((a[0], a[1]))
+        d.copy_(block_product(a[0], a[1], b[0], b[1]).to(d.dtype))
+    monkeypatch.setitem(sys.modules, "deep_gemm", types.SimpleNamespace(fp8_gemm_nt=fp8_gemm_nt))
+    g = torch.Generator().manual_seed(8)
+    w = LinearWeight(values=torch.randn(256, 384, generator=g) / 20)
+    x = torch.randn(5, 384, generator=g).bfloat16()
+    lin, sim = DeepGemmFp8Linear(), Fp8SimLinear()
+    dev = DeviceInfo(platform="cpu", arch="sm90")                    # tensors stay on the CPU
+    want = sim(x, sim.prepare(w, device=dev, dtype="bfloat16"))
+    p = lin.prepare(w, device=dev, dtype="bfloat16")
+    y = lin(x, p)
+    (xq, xs), = calls
+    assert xq.dtype == torch.float8_e4m3fn and xs.stride() == (1, 8)     # block-major, rows padded to 4
+    assert torch.equal(xq.view(torch.uint8), act_quant(x)[0].view(torch.uint8))
+    assert y.dtype == torch.bfloat16 and ref.rel_err(y, want) < 1e-2
+    rows = norm_rows(x, torch.ones(384), eps=1e-6, dtype=torch.bfloat16, fp8=True)
+    calls.clear()
+    y2 = lin(rows, p)
+    assert calls[0][0] is rows.values and calls[0][1] is rows.scales
+    assert ref.rel_err(y2, sim(rows, sim.prepare(w, device=dev, dtype="bfloat16"))) < 1e-2
+    assert lin(x[:0], p).shape == (0, 256)

@@ -99,6 +99,7 @@ class _Record:
 def component_us(layer, x, plan, caches) -> dict[str, float]:
     """The step's GEMMs, MQA kernel, o_proj and (ratio 4) indexer scores and top-k, each timed alone in a
     CUDA graph on the inputs the layer gives them."""
+    from dsv4.components.front import norm_rows
     from dsv4.strategies.linear.common import mm_f32
 
     mqa, oproj = _Record(layer.mqa_kernel), _Record(layer.o_proj)
@@ -115,8 +116,10 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
         if idx is not None:
             del idx.scores
     T = x.shape[0]
-    qr = torch.randn(T, layer.spec.q_lora_rank, device=x.device).to(layer.dtype)
     lin = layer.linear
+    # the q_lora rows as the layer hands them to wq_b (quantized by the norm's kernel for an fp8 linear)
+    qr = norm_rows(torch.randn(T, layer.spec.q_lora_rank, device=x.device), layer.q_norm, eps=layer.eps,
+                   dtype=layer.dtype, fp8=lin.fp8_input)
     name = lin.name
     if layer.compressor is None:
         out = {f"x @ [wq_a|wkv] ({name})": graph_time_us(lambda: lin(x, layer.x_proj))}

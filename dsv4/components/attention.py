@@ -125,7 +125,7 @@ class DSV4Attention(torch.nn.Module):
         else:
             qr_raw, kv_raw = lin(xa, self.x_proj).split_with_sizes(self.in_sizes[:2], 1)
             scores = mm_f32(xa, self.w_tail).split_with_sizes(self.in_sizes[2:], 1)
-        qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype)
+        qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype, fp8=lin.fp8_input)
         faults = torch.empty(FAULT_ROWS, T, dtype=torch.bool, device=x.device)
         idx, iq_raw = self.indexer, None
         q_raw = lin(qr, self.q_proj)

@@ -82,13 +82,18 @@ def stored_badly(rows):
     return ~torch.isfinite(rows.bfloat16()).all(-1)
 
 
-def norm_rows(x, weight, *, eps: float, dtype):
+def norm_rows(x, weight, *, eps: float, dtype, fp8: bool = False):
     """RMSNorm of x [T, N] (in `dtype`, or float32: rounded to `dtype` first) with `weight`, in float32,
-    rounded to `dtype` (the q_lora rows)."""
+    rounded to `dtype` (the q_lora rows); with `fp8`, those rows as an fp8 linear reads them (Fp8Rows:
+    act_quant of the `dtype` rows, written by the norm's own kernel on a GPU)."""
+    from dsv4.formats.fp8_blocks import Fp8Rows, act_quant
+
     if x.is_cuda:
         from dsv4.kernels.layer_front import norm_rows_kernel
-        return norm_rows_kernel(x, weight, eps=eps, dtype=dtype)
-    return rms_norm(x.to(dtype), weight, eps).to(dtype)
+        out = norm_rows_kernel(x, weight, eps=eps, dtype=dtype, fp8=fp8)
+        return Fp8Rows(values=out[0], scales=out[1], dtype=dtype) if fp8 else out
+    rows = rms_norm(x.to(dtype), weight, eps).to(dtype)
+    return Fp8Rows(*act_quant(rows), dtype=dtype) if fp8 else rows
 
 
 def rotate_rows(x, rot: RopeRows, dtype=None):

@@ -59,6 +59,20 @@ class Fp8Blocks:
         return self.weight.numel() * self.weight.element_size() + self.scale.numel() * self.scale.element_size()
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Rows:
+    """Activation rows as an fp8 linear reads them, made by the kernel that produced the rows (act_quant of
+    their `dtype` values): e4m3 [T, K] and float32 power-of-two scales [T, K/128] (any strides: DeepGEMM's
+    block-major layout included); `dtype`: the activation dtype (the product's output dtype)."""
+    values: Tensor
+    scales: Tensor
+    dtype: object
+
+    @property
+    def shape(self):
+        return self.values.shape
+
+
 def _whole(what: str, start: int, stop: int) -> None:
     if start % BLOCK or stop % BLOCK:
         raise ValueError(f"fp8 weight {what} [{start}, {stop}) cut a {BLOCK}x{BLOCK} scale block")

@@ -1,6 +1,6 @@
 """Compile our Triton kernels for GPUs this machine does not have, with the Triton wheel's own compilers
 (ptxas for NVIDIA, LLVM for AMD; no GPU and no driver needed): the portability check behind
-`backend=triton` and `o_proj=triton_fp8`. Compiling is not running: the numbers are checked on the H200
+`backend=triton`, `o_proj=triton_fp8` and `linear=triton_fp8`. Compiling is not running: the numbers are checked on the H200
 (tests marked gpu) and on the CPU under TRITON_INTERPRET=1.
 
   python -m dsv4.kernels.compile_check                              # every job below
@@ -9,7 +9,7 @@
 Each argument is TARGET/WHAT; TARGET is cuda:<sm> or hip:<gfx arch>; WHAT names a row format of
 LAYOUT_CODES (mqa_kernel=triton_sparse's two-pass kernels reading such pages; OCP e4m3 bytes take the hardware
 conversion where sparse_mqa would use it, NVIDIA sm89+), `o_proj` (o_proj=triton_fp8's grouped e4m3
-product, NVIDIA sm89+ only), `hopper` (triton_sparse's one-pass Gluon kernels, sm90 only) or `layer` (the
+product and linear=triton_fp8's product and activation quantizer at their planned launches, NVIDIA sm89+ only), `hopper` (triton_sparse's one-pass Gluon kernels, sm90 only) or `layer` (the
 layer's front, compressor, cache-writer and indexer kernels: layer_front, compress, cache_write,
 indexer_logits, topk_lists, fp8_queries). Exits non-zero if any kernel fails to compile.
 """
@@ -110,6 +110,7 @@ def compile_for(target: str, what: str) -> float:
         return time.perf_counter() - t0
     if what == "o_proj":
         from dsv4.kernels.fp8_grouped_gemm import _grouped_fp8_kernel
+        from dsv4.kernels.fp8_linear import _act_quant_kernel, _fp8_linear_kernel
         from dsv4.kernels.inv_rope_fp8 import _inv_rope_fp8_kernel
 
         types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "z_ptr": "*bf16",
@@ -119,6 +120,22 @@ def compile_for(target: str, what: str) -> float:
         for bm, warps in ((64, 4), (128, 8)):
             _compile(_grouped_fp8_kernel, dict(BM=bm, DOT=tl.float8e4nv, STAGES=4), lambda a: types.get(a, "i32"),
                      {"N", "K"}, gpu, warps)
+        # linear=triton_fp8: its planned launches for DSV4-Flash's products at decode and prefill row counts
+        from dsv4.kernels.fp8_linear import plan
+        from dsv4.kernels.target import Target
+
+        lin = types | {"y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+        tgt = Target(arch=f"sm{gpu.arch}", native_e4m3=True, processors=132)
+        launches = {plan(M, N, K, tgt) for M in (1, 64, 8192) for N, K in ((1536, 4096), (40960, 1024), (4096, 8192))}
+        for p in sorted(launches, key=str):
+            for quant in {False, not p.quantize_first}:      # rows quantized elsewhere (the q_lora norm), or here
+                _compile(_fp8_linear_kernel, dict(BM=p.block_m, BN=p.block_n, SPLIT=p.split, QUANT=quant,
+                                                  DOT=tl.float8e4nv, STAGES=p.num_stages),
+                         lambda a, q=quant: (lin | ({"x_ptr": "*bf16", "xs_ptr": "*bf16"} if q else {})).get(a, "i32"),
+                         {"N", "K", "xs_row", "xs_col"}, gpu, p.num_warps)
+        _compile(_act_quant_kernel, dict(BM=32, EMULATE=False), lambda a: {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv",
+                                                                          "s_ptr": "*fp32"}.get(a, "i32"),
+                 {"K", "s_row", "s_col"}, gpu, 4)
         return time.perf_counter() - t0
     from dsv4.kernels import sparse_mqa as mod
     from dsv4.kernels.launch import E4M3_SM
@@ -172,8 +189,10 @@ def _compile_layer(gpu) -> None:
                                 "iq_ptr": name, "iqo_ptr": "*u8" if fp8 else name, "iw_ptr": "*fp32",
                                 "iwq_ptr": "*fp32"}),
                          {"kv_stride", "H", "PH", "HI", "iw_stride"}, gpu, 4)
-            _compile(layer_front._norm_rows_kernel, dict(BLOCK=1024, SOFT=False),
-                     types({**f32, "x_ptr": kv, "out_ptr": name}), {"x_stride", "N"}, gpu, 4)
+            for fp8 in (False, True):                     # the rows, or as an fp8 linear reads them
+                _compile(layer_front._norm_rows_kernel, dict(BLOCK=1024, SOFT=False, FP8=fp8),
+                         types({**f32, "x_ptr": kv, "out_ptr": name, "q_ptr": "*fp8e4nv" if fp8 else name,
+                                "s_ptr": "*fp32" if fp8 else name}), {"x_stride", "N", "s_row", "s_col"}, gpu, 4)
         _compile(layer_front._rotate_rows_kernel, dict(D=128, BH=8, SOFT=False),
                  types({**f32, "x_ptr": "*fp32", "out_ptr": name}), {"H"}, gpu, 4)
     def job(n: str, dim: int, coff: int, kind: int, cache: dict) -> tuple[dict, dict]:

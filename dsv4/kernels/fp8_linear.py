@@ -5,9 +5,10 @@ scale per 1×128 activation block and per 128×128 weight block, float32 sums --
 One program per (BN output columns, BM rows). It walks K in blocks of 128: it loads the activation tile
 in its own dtype and quantizes it there, as `act_quant` does (amax clamped at 1e-4, the scale
 2^ceil(log2(amax · fp32(1/448))) taken from the float32 bits, x / scale clamped to ±448 and rounded to
-e4m3), so a projection is one launch with no quantization kernel before it; then a tensor-core e4m3 dot
-with the weight tile, scaled by the rows' scales and the block's weight scales, added in float32. (With
-`xs` given the activation is e4m3 already, quantized elsewhere.) The K loop is software-pipelined by
+e4m3), so a decode step's projection is one launch with no quantization kernel before it; then a
+tensor-core e4m3 dot with the weight tile, scaled by the rows' scales and the block's weight scales,
+added in float32. (With `xs` given the activation is e4m3 already, quantized elsewhere; above a few rows
+`act_quant_fp8` quantizes it once first, since every column program would otherwise redo it.) The K loop is software-pipelined by
 Triton.
 
 The launch is planned from the step's rows: few rows (decode) are bound by the weight's bytes, so the
@@ -47,7 +48,7 @@ def _e4m3_values(v):
 
 
 @triton.jit
-def _quantize_rows(a, EMULATE: tl.constexpr):
+def quantize_rows(a, EMULATE: tl.constexpr):
     """a [BM, 128] float32 -> (e4m3 values [BM, 128], float32 power-of-two scales [BM]): act_quant. With
     EMULATE the values come back as float32 (exactly e4m3 values), else as e4m3."""
     amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-4)
@@ -62,8 +63,9 @@ def _quantize_rows(a, EMULATE: tl.constexpr):
     return q, scale
 
 
-@triton.jit(do_not_specialize=["M"])          # step sizes: one compiled variant for all
-def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N, K, BM: tl.constexpr,
+@triton.jit(do_not_specialize=["M", "xs_row", "xs_col"])      # step sizes: one compiled variant for all
+def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
+                       BM: tl.constexpr,
                        BN: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, DOT: tl.constexpr,
                        STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -82,10 +84,10 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr,
     for kb in tl.range(split * per, split * per + per, num_stages=STAGES):
         if QUANT:
             a = tl.load(x_ptr + x_row[:, None] + kb * 128 + k[None, :], mask=live[:, None], other=0.0)
-            q, sa = _quantize_rows(a.to(tl.float32), DOT == tl.float32)
+            q, sa = quantize_rows(a.to(tl.float32), DOT == tl.float32)
         else:
             q = tl.load(x_ptr + x_row[:, None] + kb * 128 + k[None, :], mask=live[:, None], other=0.0)
-            sa = tl.load(xs_ptr + rows.to(tl.int64) * KB + kb, mask=live, other=0.0)
+            sa = tl.load(xs_ptr + rows.to(tl.int64) * xs_row + kb * xs_col, mask=live, other=0.0)
         b = tl.load(w_ptr + w_row[:, None] + kb * 128 + k[None, :])
         sb = tl.load(ws_ptr + ws_row + kb)
         acc += tl.dot(q.to(DOT), tl.trans(b.to(DOT))) * sa[:, None] * sb[None, :]
@@ -112,7 +114,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, s_row, s_col, BM: tl.constexpr,
     kb = tl.program_id(1)
     live = rows < M
     offs = rows.to(tl.int64)[:, None] * K + kb * 128 + tl.arange(0, 128)[None, :]
-    q, scale = _quantize_rows(tl.load(x_ptr + offs, mask=live[:, None], other=0.0).to(tl.float32), EMULATE)
+    q, scale = quantize_rows(tl.load(x_ptr + offs, mask=live[:, None], other=0.0).to(tl.float32), EMULATE)
     tl.store(q_ptr + offs, q.to(tl.float8e4nv), mask=live[:, None])      # exact: q holds e4m3 values
     tl.store(s_ptr + rows.to(tl.int64) * s_row + kb * s_col, scale, mask=live)
 
@@ -124,23 +126,30 @@ class LinearLaunch:
     split: int           # K's blocks split over this many programs per output tile (1: none)
     num_warps: int
     num_stages: int
+    quantize_first: bool  # bf16/float32 x: quantized by its own launch first, not inside every program
 
 
-SMALL_M = 64                 # up to this many rows a product reads its weight about once: bandwidth-bound
+FEW_ROWS = 16                # up to this many rows the activation is quantized inside the product
+SMALL_M = 128                # up to this many rows a product reads its weight about once: bandwidth-bound
+BIG_SHARED = frozenset({"sm90", "sm100", "sm103"})    # ~227 KB of shared memory a program: 64x256 tiles, 4 stages
 
 
 def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
-    """The launch for an [M, K] x [N, K]ᵀ product. Up to SMALL_M rows the weight bytes are the cost: 64
-    columns a program and K split into as many parts as give every SM about two programs (from N and K
-    alone, so a row's sums are split alike at any row count up to SMALL_M); more rows: 64x128 or 128x128
-    tiles over the whole of K."""
+    """The launch for an [M, K] x [N, K]ᵀ product (bench/tune_triton.py linear, docs/benchmarks.md). Up to
+    SMALL_M rows the weight bytes are the cost: K is split into as many parts as give every SM about two
+    programs (from N and K alone, so the parts are the same at any row count up to SMALL_M); up to FEW_ROWS
+    rows each program quantizes its activation tile itself (no launch before it), above that a program's
+    share of the quantizing outweighs a launch. More rows: 64x256 tiles over the whole of K (64x128 on GPUs
+    with ~100 KB of shared memory a program)."""
     if M > SMALL_M:
-        return LinearLaunch(block_m=128 if M > 512 else 64, block_n=128, split=1, num_warps=8 if M > 512 else 4,
-                            num_stages=3)
-    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-    bn = 64 if N % 64 == 0 and N // 64 >= 8 else 32
+        big = target.arch in BIG_SHARED
+        return LinearLaunch(block_m=64, block_n=256 if big else 128, split=1, num_warps=8 if big else 4,
+                            num_stages=4 if big else 3, quantize_first=True)
+    few = M <= FEW_ROWS
+    bm = 16 if few else 64
+    bn = 128 if N // 128 >= target.processors else (64 if N % 64 == 0 and N // 64 >= 8 else 32)
     return LinearLaunch(block_m=bm, block_n=bn, split=split_for(N // bn, K // BLOCK, target), num_warps=4,
-                        num_stages=4)
+                        num_stages=4, quantize_first=not few)
 
 
 def split_for(tiles: int, k_blocks: int, target: Target) -> int:
@@ -164,11 +173,17 @@ def counters(N: int, device):
     return torch.zeros(cdiv(SMALL_M, 16) * cdiv(N, 32), dtype=torch.int32, device=device)
 
 
+def _launch_params(p: LinearLaunch, **given) -> LinearLaunch:
+    from dataclasses import replace
+
+    return replace(p, **{k: v for k, v in given.items() if v is not None})
+
+
 def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = None, count=None,
                block_m: int | None = None, block_n: int | None = None, split: int | None = None,
-               num_warps: int | None = None, num_stages: int | None = None):
+               num_warps: int | None = None, num_stages: int | None = None, quantize_first: bool | None = None):
     """x [M, K] (bf16/float32 activations, quantized in the kernel; or e4m3 with its scales `xs` [M, K/128]
-    float32) times w [N, K] e4m3 with block scales ws [N/128, K/128] float32 -> y [M, N] in `out_dtype`
+    float32, row- or block-major) times w [N, K] e4m3 with block scales ws [N/128, K/128] float32 -> y [M, N] in `out_dtype`
     (default: x's dtype; bf16 for e4m3 x). One launch. `target`: the device's facts (default: x's device's);
     `count`: the projection's `counters` (a split product's; made for the call when not given -- calls that
     may run at once on several streams need their own); the launch parameters override the plan."""
@@ -193,21 +208,37 @@ def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = Non
     y = torch.empty(M, N, dtype=torch.float32 if tgt.interpret else out_dtype, device=x.device)
     if M == 0:
         return y.to(out_dtype)
-    p = plan(M, N, K, tgt)
-    bm, bn, sp = block_m or p.block_m, block_n or p.block_n, split or p.split
+    p = _launch_params(plan(M, N, K, tgt), block_m=block_m, block_n=block_n, split=split, num_warps=num_warps,
+                       num_stages=num_stages, quantize_first=quantize_first)
+    bm, bn, sp = p.block_m, p.block_n, p.split
     if (K // BLOCK) % sp:
         raise ValueError(f"fp8 linear: split={sp} does not divide K's {K // BLOCK} blocks")
+    if p.quantize_first and not fp8_x:
+        x, xs = act_quant_fp8(x, target=tgt)
+        fp8_x = True
     part = count_buf = y
     if sp > 1:
         part = torch.empty(sp, M, N, dtype=torch.float32, device=x.device)
         count_buf = count if count is not None else counters(N, x.device)
         if count_buf.numel() < (N // bn) * cdiv(M, bm):
             raise ValueError(f"fp8 linear: {count_buf.numel()} counters for {(N // bn) * cdiv(M, bm)} tiles")
-    launch(_fp8_linear_kernel, (N // bn, sp, cdiv(M, bm)), as_dense(x), as_f32(xs) if xs is not None else x,
+    if xs is not None and xs.dtype != torch.float32:
+        xs = xs.float()
+    launch(_fp8_linear_kernel, (N // bn, sp, cdiv(M, bm)), as_dense(x), xs if xs is not None else x,
+           xs.stride(0) if xs is not None else 0, xs.stride(1) if xs is not None else 0,
            as_dense(w), as_f32(ws), y, part, count_buf, M, N, K, BM=bm, BN=bn, SPLIT=sp, QUANT=not fp8_x,
-           DOT=tl.float32 if tgt.interpret else tl.float8e4nv, STAGES=num_stages or p.num_stages,
-           num_warps=num_warps or p.num_warps)
+           DOT=tl.float32 if tgt.interpret else tl.float8e4nv, STAGES=p.num_stages, num_warps=p.num_warps)
     return y.to(out_dtype)
+
+
+def fp8_scales(M: int, K: int, device, *, mn_major: bool):
+    """Room for the float32 scales [M, K/128] of M rows quantized per 128 values: row-major, or block-major
+    with M padded to a multiple of 4 (`mn_major`: the layout DeepGEMM's sm90 kernels read without a copy)."""
+    import torch
+
+    if mn_major:
+        return torch.empty(K // BLOCK, cdiv(M, 4) * 4, dtype=torch.float32, device=device)[:, :M].t()
+    return torch.empty(M, K // BLOCK, dtype=torch.float32, device=device)
 
 
 def act_quant_fp8(x, *, mn_major_scales: bool = False, target: Target | None = None):
@@ -220,11 +251,7 @@ def act_quant_fp8(x, *, mn_major_scales: bool = False, target: Target | None = N
     if K % BLOCK:
         raise ValueError(f"act_quant: the last dim ({K}) is not a multiple of {BLOCK}")
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    if mn_major_scales:
-        Mp = cdiv(M, 4) * 4
-        s = torch.empty(K // BLOCK, Mp, dtype=torch.float32, device=x.device)[:, :M].t()
-    else:
-        s = torch.empty(M, K // BLOCK, dtype=torch.float32, device=x.device)
+    s = fp8_scales(M, K, x.device, mn_major=mn_major_scales)
     if M:
         emulate = (target or target_of(x.device)).interpret
         launch(_act_quant_kernel, (cdiv(M, 32), K // BLOCK), as_dense(x), q, s, M, K, s.stride(0), s.stride(1),

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from dsv4.kernels.cache_write import fp8_heads, row_outputs, store_row
 from dsv4.kernels.fp4 import FP4_MAX_DIM, fp4_sim
+from dsv4.kernels.fp8_linear import quantize_rows
 from dsv4.kernels.launch import as_f32, as_i32, launch, rows_dense
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, TL_DTYPES, round_to, widen
 from dsv4.sizes import cdiv, next_pow2
@@ -163,8 +164,9 @@ def _front_kernel(q_ptr, q_stride, qo_ptr, H, PH, NQ, iq_ptr, iq_stride, iqo_ptr
                  SOFT)
 
 
-@triton.jit
-def _norm_rows_kernel(x_ptr, x_stride, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, SOFT: tl.constexpr):
+@triton.jit(do_not_specialize=["s_row", "s_col"])     # DeepGEMM's scale layout: strides follow T
+def _norm_rows_kernel(x_ptr, x_stride, w_ptr, out_ptr, q_ptr, s_ptr, s_row, s_col, N, eps, BLOCK: tl.constexpr,
+                      SOFT: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -175,8 +177,16 @@ def _norm_rows_kernel(x_ptr, x_stride, w_ptr, out_ptr, N, eps, BLOCK: tl.constex
     x = widen(x, SOFT)
     ms = tl.sum(x * x, axis=0) / N
     r = 1.0 / tl.sqrt_rn(ms + eps)
-    y = x * r * tl.load(w_ptr + cols, mask=m, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * N + cols, round_to(y, dt, SOFT), mask=m)
+    y = round_to(x * r * tl.load(w_ptr + cols, mask=m, other=0.0), dt, SOFT)
+    if FP8:         # the row as an fp8 linear reads it: e4m3 and one power-of-two scale per 128 values
+        q, scale = quantize_rows(tl.reshape(widen(y, SOFT), [BLOCK // 128, 128]), SOFT)
+        blk = tl.arange(0, BLOCK // 128)
+        live = blk < N // 128
+        tl.store(q_ptr + t.to(tl.int64) * N + tl.reshape(cols, [BLOCK // 128, 128]), q.to(tl.float8e4nv),
+                 mask=live[:, None])
+        tl.store(s_ptr + t.to(tl.int64) * s_row + blk * s_col, scale, mask=live)
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * N + cols, y, mask=m)
 
 
 @triton.jit
@@ -293,19 +303,29 @@ def kv_rows_kernel(kv, weight, cos, sin, slots, faults, *, eps: float, dtype, in
                         num_warps=num_warps)[1]
 
 
-def norm_rows_kernel(x, weight, *, eps: float, dtype, num_warps: int = 4):
+def norm_rows_kernel(x, weight, *, eps: float, dtype, fp8: bool = False, num_warps: int = 4):
     """x [T, N] (in `dtype` or float32 -- then rounded to `dtype` first; rows may be strided), weight [N]
-    float32 -> [T, N] in `dtype`: x·rsqrt(mean(x²)+eps)·w in float32, as components.norms.rms_norm.
-    Sync-free; one program per row."""
+    float32 -> [T, N] in `dtype`: x·rsqrt(mean(x²)+eps)·w in float32, as components.norms.rms_norm. With
+    `fp8` (N a multiple of 128) the rows as an fp8 linear reads them instead: (e4m3 [T, N], float32 scales
+    [T, N/128] in DeepGEMM's block-major layout), `act_quant` of the `dtype` rows. Sync-free; one program
+    per row."""
     import torch
 
+    from dsv4.kernels.fp8_linear import fp8_scales
+
     T, N = x.shape
-    out = torch.empty(T, N, dtype=dtype, device=x.device)
+    if fp8:
+        out = torch.empty(1, dtype=dtype, device=x.device)
+        q = torch.empty(T, N, dtype=torch.float8_e4m3fn, device=x.device)
+        s = fp8_scales(T, N, x.device, mn_major=True)
+    else:
+        out = torch.empty(T, N, dtype=dtype, device=x.device)
+        q = s = out
     if T:
         x = rows_dense(x)
-        launch(_norm_rows_kernel, (T,), x, x.stride(0), as_f32(weight), out, N, eps,
-               BLOCK=next_pow2(N), SOFT=SOFT_ROUND, num_warps=num_warps)
-    return out
+        launch(_norm_rows_kernel, (T,), x, x.stride(0), as_f32(weight), out, q, s, s.stride(0),
+               s.stride(-1), N, eps, BLOCK=next_pow2(N), SOFT=SOFT_ROUND, FP8=fp8, num_warps=num_warps)
+    return (q, s) if fp8 else out
 
 
 def rotate_rows_kernel(x, cos, sin, *, dtype=None, heads_per_program: int = 8, num_warps: int = 4):

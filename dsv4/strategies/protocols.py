@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from dsv4.formats.fp8_blocks import Fp8Blocks, LinearNumerics
+from dsv4.formats.fp8_blocks import Fp8Blocks, Fp8Rows, LinearNumerics
 from dsv4.formats.row_format import RowFormat
 
 if TYPE_CHECKING:
@@ -216,13 +216,16 @@ class LinearStrategy(Protocol):
     of x), `wq_b` with the indexer's `wq_b` (one product of the normalised q_lora rows) and `wo_b` (of
     o_proj's z). `numerics` says what the oracle recomputes them with: products in the activation dtype
     (FLOAT), or the published fp8 linear (FP8: activation rows quantized per 128 values, e4m3 weights in
-    128x128 blocks, float32 accumulation). The kernel is chosen once, in `prepare`."""
+    128x128 blocks, float32 accumulation). The kernel is chosen once, in `prepare`. `fp8_input`: it also
+    takes rows already quantized (`Fp8Rows`), which the kernel that makes them writes (the q_lora norm), so
+    that no launch quantizes them in between."""
     name: str
     error_budget: float      # relative error vs the oracle (the same numerics) this option may add
     numerics: LinearNumerics
+    fp8_input: bool
 
     def needs(self, device: DeviceInfo) -> Needs: ...
     def prepare(self, weight: LinearWeight, *, device: DeviceInfo, dtype: str) -> Any: ...   # once, at build
-    # x [T, K] in the activation dtype -> x·Wᵀ [T, N] in `out_dtype` (default: x's dtype); FLOAT options
-    # accumulate in float32 and may return it (out_dtype=float32), as the compressors need
-    def __call__(self, x: Tensor, prepared: Any, *, out_dtype: Any = None) -> Tensor: ...
+    # x [T, K] in the activation dtype (or, with fp8_input, Fp8Rows) -> x·Wᵀ [T, N] in `out_dtype` (default:
+    # x's dtype); FLOAT options accumulate in float32 and may return it (out_dtype=float32), as the compressors need
+    def __call__(self, x: Tensor | Fp8Rows, prepared: Any, *, out_dtype: Any = None) -> Tensor: ...

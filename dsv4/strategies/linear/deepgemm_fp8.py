@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.formats.fp8_blocks import LinearNumerics
+from dsv4.formats.fp8_blocks import Fp8Rows, LinearNumerics
 from dsv4.strategies.linear.common import Fp8Linear, fp8_blocks, fp8_needs
 from dsv4.strategies.protocols import LinearWeight, Needs
 
@@ -19,6 +19,7 @@ class DeepGemmFp8Linear:
     name: str = "deepgemm_fp8"
     error_budget: ClassVar[float] = 3e-2        # vs the oracle with fp8 numerics: bf16 rounding moves e4m3 edges
     numerics: ClassVar[LinearNumerics] = LinearNumerics.FP8
+    fp8_input: ClassVar[bool] = True
 
     def needs(self, device) -> Needs:
         return fp8_needs(platforms={"cuda"}, archs={"sm90", "sm100"},
@@ -33,8 +34,8 @@ class DeepGemmFp8Linear:
 
         from dsv4.kernels.fp8_linear import act_quant_fp8
 
-        y = torch.empty(x.shape[0], prepared.weight.shape[0], dtype=torch.bfloat16, device=x.device)
+        y = torch.empty(x.shape[0], prepared.weight.shape[0], dtype=torch.bfloat16, device=prepared.weight.device)
         if x.shape[0]:
-            xq, xs = act_quant_fp8(x, mn_major_scales=True)
+            xq, xs = (x.values, x.scales) if isinstance(x, Fp8Rows) else act_quant_fp8(x, mn_major_scales=True)
             deep_gemm.fp8_gemm_nt((xq, xs), (prepared.weight, prepared.scale), y)
         return y if out_dtype in (None, torch.bfloat16) else y.to(out_dtype)

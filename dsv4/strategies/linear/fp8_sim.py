@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.formats.fp8_blocks import LinearNumerics, act_quant, dequantize_blocks
+from dsv4.formats.fp8_blocks import Fp8Rows, LinearNumerics, act_quant, dequantize_blocks
 from dsv4.strategies.linear.common import Fp8Linear, fp8_blocks, fp8_needs
 from dsv4.strategies.protocols import LinearWeight, Needs
 
@@ -19,6 +19,7 @@ class Fp8SimLinear:
     name: str = "fp8_sim"
     error_budget: ClassVar[float] = 3e-2        # vs the oracle with fp8 numerics: bf16 rounding moves e4m3 edges
     numerics: ClassVar[LinearNumerics] = LinearNumerics.FP8
+    fp8_input: ClassVar[bool] = True
 
     def needs(self, device) -> Needs:
         return fp8_needs()
@@ -27,7 +28,7 @@ class Fp8SimLinear:
         return fp8_blocks(weight, device)
 
     def __call__(self, x, prepared: Fp8Linear, *, out_dtype=None):
-        xq, xs = act_quant(x)
+        xq, xs = (x.values, x.scales) if isinstance(x, Fp8Rows) else act_quant(x)
         xd = (xq.float().unflatten(-1, (-1, 128)) * xs[..., None]).flatten(-2)
         y = xd @ dequantize_blocks(prepared.weight, prepared.scale).T
         return y.to(out_dtype or x.dtype)

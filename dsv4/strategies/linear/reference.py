@@ -15,6 +15,7 @@ class ReferenceLinear:
     name: str = "reference"
     error_budget: ClassVar[float] = 0.0         # vs the oracle: the float32 projection
     numerics: ClassVar[LinearNumerics] = LinearNumerics.FLOAT
+    fp8_input: ClassVar[bool] = False
 
     def needs(self, device) -> Needs:
         return Needs()

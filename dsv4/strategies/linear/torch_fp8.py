@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.formats.fp8_blocks import LinearNumerics
+from dsv4.formats.fp8_blocks import Fp8Rows, LinearNumerics
 from dsv4.strategies.linear.common import Fp8Linear, blockwise_scaled_mm, fp8_blocks, fp8_needs
 from dsv4.strategies.protocols import LinearWeight, Needs
 
@@ -17,6 +17,7 @@ class TorchFp8Linear:
     name: str = "torch_fp8"
     error_budget: ClassVar[float] = 3e-2        # vs the oracle with fp8 numerics: bf16 rounding moves e4m3 edges
     numerics: ClassVar[LinearNumerics] = LinearNumerics.FP8
+    fp8_input: ClassVar[bool] = True
 
     def needs(self, device) -> Needs:
         return fp8_needs(platforms={"cuda"}, archs={"sm90", "sm100"}, modules=(("triton", "triton"),),
@@ -31,7 +32,8 @@ class TorchFp8Linear:
         from dsv4.kernels.fp8_linear import act_quant_fp8
 
         if x.shape[0] == 0:
-            return x.new_zeros(0, prepared.weight.shape[0], dtype=out_dtype or torch.bfloat16)
-        xq, xs = act_quant_fp8(x)
+            return torch.zeros(0, prepared.weight.shape[0], dtype=out_dtype or torch.bfloat16,
+                               device=prepared.weight.device)
+        xq, xs = (x.values, x.scales) if isinstance(x, Fp8Rows) else act_quant_fp8(x)
         y = blockwise_scaled_mm(xq, xs, prepared.weight, prepared.scale)
         return y if out_dtype in (None, torch.bfloat16) else y.to(out_dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from dsv4.formats.fp8_blocks import LinearNumerics
+from dsv4.formats.fp8_blocks import Fp8Rows, LinearNumerics
 from dsv4.kernels import FP8_TRITON_ARCHS
 from dsv4.strategies.linear.common import Fp8Linear, fp8_blocks, fp8_needs
 from dsv4.strategies.protocols import LinearWeight, Needs
@@ -18,6 +18,7 @@ class TritonFp8Linear:
     name: str = "triton_fp8"
     error_budget: ClassVar[float] = 3e-2        # vs the oracle with fp8 numerics: bf16 rounding moves e4m3 edges
     numerics: ClassVar[LinearNumerics] = LinearNumerics.FP8
+    fp8_input: ClassVar[bool] = True
 
     def needs(self, device) -> Needs:
         return fp8_needs(platforms={"cuda"}, archs=FP8_TRITON_ARCHS, modules=(("triton", "triton"),))
@@ -38,5 +39,8 @@ class TritonFp8Linear:
     def __call__(self, x, prepared: Fp8Linear, *, out_dtype=None):
         from dsv4.kernels.fp8_linear import fp8_linear
 
+        if isinstance(x, Fp8Rows):
+            return fp8_linear(x.values, prepared.weight, prepared.scale, xs=x.scales, out_dtype=out_dtype or x.dtype,
+                              target=prepared.target, count=prepared.count)
         return fp8_linear(x, prepared.weight, prepared.scale, out_dtype=out_dtype, target=prepared.target,
                           count=prepared.count)
