@@ -27,7 +27,8 @@ def case(text: str) -> tuple[int, int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", nargs="*", type=case, default=DECODE_CASES)
-    ap.add_argument("--backends", nargs="*", default=None, help="labels, e.g. 'flashmla_sparse + deepgemm_fp8 + deepgemm_fp8'")
+    ap.add_argument("--backends", nargs="*", default=None,
+                    help="labels, e.g. 'flashmla_sparse + deepgemm_fp8 + deepgemm_fp8'")
     ap.add_argument("--indexers", nargs="*", default=None, help="indexer options for the ratio-4 layer, e.g. mxfp4")
     ap.add_argument("--layer-types", nargs="*", default=None, help="e.g. c4a (default: swa c4a c128a)")
     ap.add_argument("--no-prefill", action="store_true")

@@ -5,8 +5,8 @@ dense projections computed (`indexer_numerics`, `linear_numerics`) and the choic
 `tensors.safetensors` the inputs, every layer's weights under DeepSeek's checkpoint names -- the linears
 held as fp8 blocks as the checkpoint stores them (`NAME.weight` e4m3, `NAME.scale` float32 per 128x128
 block, the values of its UE8M0 bytes), the others in float32 --, its outputs and (ratio-4 layers) the
-indexer's selection. Dumps without `linear_numerics` (float weights only) load as "float". `recompute()` redoes every output from those
-two files alone with the whole-sequence oracle.
+indexer's selection. Dumps without `linear_numerics` (float weights only) load as "float". `recompute()`
+redoes every output from those two files alone with the whole-sequence oracle.
 """
 from __future__ import annotations
 

@@ -164,7 +164,8 @@ def make_engine(spec, *, layers=(0, 1, 2), layout="float32", tp_size=1, dtype="f
     from dsv4.components.engine import Engine
     from dsv4.components.weights import random_layer_weights
     from dsv4.device import DeviceInfo
-    from dsv4.strategies import ExactIndexer, NoHeadPadding, PlainRowLayout, ReferenceLinear, ReferenceMQA, ReferenceOProj
+    from dsv4.strategies import (ExactIndexer, NoHeadPadding, PlainRowLayout, ReferenceLinear, ReferenceMQA,
+                                 ReferenceOProj)
 
     dev = device or DeviceInfo(platform="cpu")
     lay = layout if not isinstance(layout, str) else PlainRowLayout(name=layout, dtype=layout)

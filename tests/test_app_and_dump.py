@@ -116,3 +116,29 @@ def test_a_dump_of_fp4_sim_recomputes_with_its_numerics(compose_cfg, tmp_path):
     assert rel_err(layer["dumped"], layer["out"]) <= 1e-5
     for rows, scores in layer["scores"].values():
         assert grade_selection(layer["topk"][rows], scores, spec["model"]["index_topk"])["exact"] == 1.0
+
+
+def test_a_dump_of_fp8_linears_carries_them_as_stored_and_recomputes(compose_cfg, tmp_path):
+    """linear=fp8_sim: the dump holds the fp8 linears as the checkpoint stores them (`NAME.weight` e4m3 and
+    `NAME.scale` per 128x128 block) and says `linear_numerics: fp8`; the oracle recomputes every layer from
+    the files alone with those numerics; the same dump read as float (an older dump, without the key) does
+    not match -- the numerics matter."""
+    from dsv4.components.weights import FP8_LINEARS
+
+    dump = tmp_path / "dump"
+    assert main(compose_cfg(TINY + ["model.o_lora_rank=128", "linear=fp8_sim", f"dump_dir={dump}"]),
+                out_dir=tmp_path) <= 1e-3
+    spec = json.loads((dump / "spec.json").read_text())
+    assert spec["linear_numerics"] == "fp8" and spec["choices"]["linear"] == "fp8_sim"
+    t = load_file(str(dump / "tensors.safetensors"))
+    for name in FP8_LINEARS:
+        w = t[f"layers.1.attn.{name}"]
+        s = t[f"layers.1.attn.{name.removesuffix('.weight')}.scale"]
+        assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+        assert tuple(s.shape) == (w.shape[0] // 128, w.shape[1] // 128)
+        assert torch.equal(s, torch.exp2(torch.log2(s).round()))            # powers of two
+    for layer in recompute(dump).values():
+        assert rel_err(layer["dumped"], layer["out"]) <= 1e-3
+    del spec["linear_numerics"]
+    (dump / "spec.json").write_text(json.dumps(spec))
+    assert max(rel_err(r["dumped"], r["out"]) for r in recompute(dump).values()) > 1e-2

@@ -112,7 +112,8 @@ def test_glob_discovery_matches_hydra_group_options():
 # ---- every option, every backend x deployment pair -------------------------------------------------
 def platform_ok(job) -> bool:
     """Whether every strategy of the combination runs on the job's device (platform and arch, by its needs)."""
-    needs = [getattr(job.combo, g).needs(job.device) for g in ("mqa_kernel", "o_proj", "cache_layout", "indexer", "linear")]
+    needs = [getattr(job.combo, g).needs(job.device)
+             for g in ("mqa_kernel", "o_proj", "cache_layout", "indexer", "linear")]
     return all((not n.platforms or job.device.platform in n.platforms) and (not n.archs or job.device.arch in n.archs)
                for n in needs)
 

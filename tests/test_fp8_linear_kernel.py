@@ -136,7 +136,8 @@ def test_gpu_options_are_the_published_linear(option, M):
 
     dev = gpu_device()
     lin = shipped("linear", option)
-    if any(importlib.util.find_spec(m) is None for m, _ in lin.needs(dev).modules) or dev.arch not in lin.needs(dev).archs:
+    needs = lin.needs(dev)
+    if any(importlib.util.find_spec(m) is None for m, _ in needs.modules) or dev.arch not in needs.archs:
         pytest.skip(f"linear={option} does not run on this GPU")
     sim = shipped("linear", "fp8_sim")
     g = torch.Generator().manual_seed(M)

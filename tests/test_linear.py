@@ -3,8 +3,6 @@ of them, the options that run on a CPU against it and against the oracle with th
 layer type, prefill and decode, tp_size 1 and 2), fp8 weights kept as stored, and the rules check() applies."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -64,7 +62,8 @@ def test_block_product_is_a_float64_simulation_of_the_published_gemm():
     def one_binade(rows, cols):
         mant = 1 + torch.randint(0, 8, (rows, cols), generator=g) / 8
         sign = torch.randint(0, 2, (rows, cols), generator=g) * 2 - 1
-        return sign * mant * torch.exp2(torch.randint(-6, 6, (rows, cols // 128), generator=g).float()).repeat_interleave(128, 1)
+        exps = torch.randint(-6, 6, (rows, cols // 128), generator=g).float()
+        return sign * mant * torch.exp2(exps).repeat_interleave(128, 1)
     x, w = one_binade(5, 384), one_binade(256, 384)
     xq, xs = act_quant(x)
     wb = quantize_blocks(w)
@@ -73,7 +72,8 @@ def test_block_product_is_a_float64_simulation_of_the_published_gemm():
     for kb in range(3):
         part = xq.double()[:, kb * 128:(kb + 1) * 128] @ wb.weight.double()[:, kb * 128:(kb + 1) * 128].T
         part = part.float().double()      # the tensor core's float32 partial (exact here: 128 products of 8 bits)
-        sim = (sim + part * xs[:, kb, None].double() * wb.scale.double().repeat_interleave(128, 0)[None, :, kb]).float().double()
+        sw = wb.scale.double().repeat_interleave(128, 0)[None, :, kb]
+        sim = (sim + part * xs[:, kb, None].double() * sw).float().double()
     assert torch.equal(y.double(), sim)
     x, w = torch.randn(5, 384, generator=g), torch.randn(256, 384, generator=g) / 20
     xq, xs = act_quant(x)
@@ -205,8 +205,9 @@ def test_fp8_layer_holds_e4m3_weights():
 
 def combo(linear, *, tp_size=1, dtype="bfloat16", spec=None):
     return Combination(spec=spec or tiny_spec(o_lora_rank=128), linear=shipped("linear", linear), tp_size=tp_size,
-                       dtype=dtype, mqa_kernel=shipped("mqa_kernel", "reference"), o_proj=shipped("o_proj", "reference"),
-                       head_padding=shipped("head_padding", "none"), cache_layout=shipped("cache_layout", "bf16"))
+                       dtype=dtype, mqa_kernel=shipped("mqa_kernel", "reference"),
+                       o_proj=shipped("o_proj", "reference"), head_padding=shipped("head_padding", "none"),
+                       cache_layout=shipped("cache_layout", "bf16"))
 
 
 def test_check_refuses_what_cannot_run_with_a_fix():

@@ -2,8 +2,8 @@
 
 It is assembled from injected pieces (keyword-only) and contains no platform branches: the sparse MQA
 kernel, the output projection, the head padding, the cache layout and how the dense projections multiply
-(`linear`) are strategies; the compressor and indexer are components. It holds the math only: where rows go and which rows a token reads come
-from the step plan (dsv4/components/plan.py), and what it stores lives in its LayerCaches. Forward
+(`linear`) are strategies; the compressor and indexer are components. It holds the math only: where rows
+go and which rows a token reads come from the step plan (dsv4/components/plan.py), and what it stores lives in its LayerCaches. Forward
 follows docs/numerics.md §2.2 and, on a GPU, runs without a host sync, so a decode step can be captured in a
 CUDA graph.
 """

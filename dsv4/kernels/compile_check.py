@@ -1,7 +1,7 @@
 """Compile our Triton kernels for GPUs this machine does not have, with the Triton wheel's own compilers
 (ptxas for NVIDIA, LLVM for AMD; no GPU and no driver needed): the portability check behind
-`backend=triton`, `o_proj=triton_fp8` and `linear=triton_fp8`. Compiling is not running: the numbers are checked on the H200
-(tests marked gpu) and on the CPU under TRITON_INTERPRET=1.
+`backend=triton`, `o_proj=triton_fp8` and `linear=triton_fp8`. Compiling is not running: the numbers are
+checked on the H200 (tests marked gpu) and on the CPU under TRITON_INTERPRET=1.
 
   python -m dsv4.kernels.compile_check                              # every job below
   python -m dsv4.kernels.compile_check cuda:80/fp8_ds_mla hip:gfx942/fp8_ds_mla_fnuz cuda:89/o_proj
@@ -9,8 +9,8 @@
 Each argument is TARGET/WHAT; TARGET is cuda:<sm> or hip:<gfx arch>; WHAT names a row format of
 LAYOUT_CODES (mqa_kernel=triton_sparse's two-pass kernels reading such pages; OCP e4m3 bytes take the hardware
 conversion where sparse_mqa would use it, NVIDIA sm89+), `o_proj` (o_proj=triton_fp8's grouped e4m3
-product and linear=triton_fp8's product and activation quantizer at their planned launches, NVIDIA sm89+ only), `hopper` (triton_sparse's one-pass Gluon kernels, sm90 only) or `layer` (the
-layer's front, compressor, cache-writer and indexer kernels: layer_front, compress, cache_write,
+product and linear=triton_fp8's product and activation quantizer at their planned launches, NVIDIA sm89+
+only), `hopper` (triton_sparse's one-pass Gluon kernels, sm90 only) or `layer` (the layer's front, compressor, cache-writer and indexer kernels: layer_front, compress, cache_write,
 indexer_logits, topk_lists, fp8_queries). Exits non-zero if any kernel fails to compile.
 """
 from __future__ import annotations

@@ -2,23 +2,23 @@
 scale per 1×128 activation block and per 128×128 weight block, float32 sums -- what
 `dsv4.formats.fp8_blocks.fp8_linear_reference` states in torch ops.
 
-One program per (BN output columns, BM rows). It walks K in blocks of 128: it loads the activation tile
-in its own dtype and quantizes it there, as `act_quant` does (amax clamped at 1e-4, the scale
-2^ceil(log2(amax · fp32(1/448))) taken from the float32 bits, x / scale clamped to ±448 and rounded to
-e4m3), so a decode step's projection is one launch with no quantization kernel before it; then a
-tensor-core e4m3 dot with the weight tile, scaled by the rows' scales and the block's weight scales,
-added in float32. (With `xs` given the activation is e4m3 already, quantized elsewhere; above a few rows
-`act_quant_fp8` quantizes it once first, since every column program would otherwise redo it.) The K loop is software-pipelined by
-Triton.
+One program per (BN output columns, BM rows, part of K). It walks its K blocks of 128: a tensor-core e4m3
+dot of the activation tile with the weight tile, scaled by the rows' and the block's scales, added in
+float32; the loop is software-pipelined by Triton. The activation comes as e4m3 with its scales (made by
+the kernel that produced it, e.g. the q_lora norm, or by `act_quant_fp8`), or in its own dtype: then up to
+FEW_ROWS rows each program quantizes its tile as `act_quant` does (amax clamped at 1e-4, the scale
+2^ceil(log2(amax · fp32(1/448))) from the float32 bits, x / scale clamped to ±448 and rounded to e4m3), so
+a decode step's projection is one launch; above that `act_quant_fp8` quantizes the rows once first, since
+every column program would redo it.
 
-The launch is planned from the step's rows: few rows (decode) are bound by the weight's bytes, so the
-columns go 64 to a program and K's blocks are split over several programs per tile, as many as give
-every SM two programs; each writes its float32 partial sums, and the tile's last program to arrive adds
-them in split order and stores the tile (one launch, the same sums whichever program arrives last).
-Many rows (prefill) take 64x128 or 128x128 tiles over the whole of K. Under TRITON_INTERPRET=1 (the CPU tests) the activation's e4m3 rounding is written out in
-float32 arithmetic (the interpreter's own conversion does not round to nearest), the dots take the e4m3
-values widened to float32 (the products the tensor cores form exactly) and the result is stored as float32
-and rounded by torch: the interpreter's float32 -> bf16 conversion truncates.
+`plan` picks the launch from the step's rows: up to SMALL_M rows the weight's bytes are the cost, so K's
+blocks are split over as many programs per output tile as give every SM two programs; each writes its
+float32 partial sums and the tile's last program to arrive adds them in split order (the same sums
+whichever arrives last) and stores the tile. More rows take 64x256 tiles over the whole of K (64x128 on
+GPUs with ~100 KB of shared memory a program). Under TRITON_INTERPRET=1 (the CPU tests) the e4m3 rounding
+is written out in float32 arithmetic (the interpreter's own conversion does not round to nearest), the
+dots take the e4m3 values widened to float32 (the products the tensor cores form exactly) and the result
+is stored as float32 and rounded by torch: the interpreter's float32 -> bf16 conversion truncates.
 """
 from __future__ import annotations
 
@@ -182,11 +182,12 @@ def _launch_params(p: LinearLaunch, **given) -> LinearLaunch:
 def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = None, count=None,
                block_m: int | None = None, block_n: int | None = None, split: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None, quantize_first: bool | None = None):
-    """x [M, K] (bf16/float32 activations, quantized in the kernel; or e4m3 with its scales `xs` [M, K/128]
-    float32, row- or block-major) times w [N, K] e4m3 with block scales ws [N/128, K/128] float32 -> y [M, N] in `out_dtype`
-    (default: x's dtype; bf16 for e4m3 x). One launch. `target`: the device's facts (default: x's device's);
-    `count`: the projection's `counters` (a split product's; made for the call when not given -- calls that
-    may run at once on several streams need their own); the launch parameters override the plan."""
+    """x [M, K] (bf16/float32 activations; or e4m3 with its scales `xs` [M, K/128] float32, row- or
+    block-major) times w [N, K] e4m3 with block scales ws [N/128, K/128] float32 -> y [M, N] in `out_dtype`
+    (default: x's dtype; bf16 for e4m3 x): one launch, or two where the plan quantizes x first. `target`:
+    the device's facts (default: x's device's); `count`: the projection's `counters` (a split product's;
+    made for the call when not given -- calls that may run at once on several streams need their own);
+    the launch parameters override the plan."""
     import torch
 
     M, K = x.shape

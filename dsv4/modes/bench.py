@@ -1,5 +1,6 @@
 """`mode=bench`: GPU timings of the sparse MQA kernels, the output projections, the dense projections, the
-whole layer step and the indexer, every option available on this machine side by side in one process (the tables: dsv4/benches/)."""
+whole layer step and the indexer, every option available on this machine side by side in one process (the
+tables: dsv4/benches/)."""
 from __future__ import annotations
 
 from dsv4.errors import ConfigError

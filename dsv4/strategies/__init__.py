@@ -31,12 +31,13 @@ from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerSt
                                        MQAKernelStrategy, Needs, OProjStrategy, OProjWeights, SparseKV)
 
 __all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8Indexer", "DeepGemmFp8Linear",
-           "DeepGemmFp8OProj", "ExactIndexer", "FlashInferSparse", "FlashMLASparse", "Fp4SimIndexer", "Fp8DsMlaFnuzLayout",
-           "Fp8DsMlaLayout", "Fp8KeyLayout", "Fp8PerTensorLayout", "Fp8SimLinear", "HeadPaddingPolicy", "IndexerStrategy",
-           "LinearStrategy", "LinearWeight", "MQAKernelStrategy", "Mxfp4Indexer", "Mxfp4KeyLayout", "Needs",
-           "NoHeadPadding", "OProjStrategy", "OProjWeights", "PlainRowLayout", "ReferenceLinear", "ReferenceMQA",
-           "ReferenceOProj", "RocmBf16OProj", "SparseKV", "TorchFp8Linear", "TorchFp8OProj", "TritonFp8Indexer",
-           "TritonFp8Linear", "TritonFp8OProj", "TritonSparseMQA", "indexer_keys_layout"]
+           "DeepGemmFp8OProj", "ExactIndexer", "FlashInferSparse", "FlashMLASparse", "Fp4SimIndexer",
+           "Fp8DsMlaFnuzLayout", "Fp8DsMlaLayout", "Fp8KeyLayout", "Fp8PerTensorLayout", "Fp8SimLinear",
+           "HeadPaddingPolicy", "IndexerStrategy", "LinearStrategy", "LinearWeight", "MQAKernelStrategy",
+           "Mxfp4Indexer", "Mxfp4KeyLayout", "Needs", "NoHeadPadding", "OProjStrategy", "OProjWeights",
+           "PlainRowLayout", "ReferenceLinear", "ReferenceMQA", "ReferenceOProj", "RocmBf16OProj", "SparseKV",
+           "TorchFp8Linear", "TorchFp8OProj", "TritonFp8Indexer", "TritonFp8Linear", "TritonFp8OProj",
+           "TritonSparseMQA", "indexer_keys_layout"]
 
 
 def indexer_keys_layout(indexer: IndexerStrategy, *, dtype: str, head_dim: int) -> CacheLayout:

@@ -8,7 +8,6 @@ the layer's `wo_b`, which its `linear` option multiplies)."""
 from __future__ import annotations
 
 from dsv4.formats.fp8 import E4M3_MAX
-from dsv4.kernels import FP8_TRITON_ARCHS
 from dsv4.strategies.protocols import Needs, OProjWeights
 
 

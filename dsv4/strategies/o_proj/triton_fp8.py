@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from dsv4.strategies.o_proj.fp8_common import (FP8_TRITON_ARCHS, block_scaled_weights, fp8_needs,
-                                               fused_inverse_rope_fp8_quant)
+from dsv4.kernels import FP8_TRITON_ARCHS
+from dsv4.strategies.o_proj.fp8_common import block_scaled_weights, fp8_needs, fused_inverse_rope_fp8_quant
 from dsv4.strategies.protocols import Needs, OProjWeights
 
 
