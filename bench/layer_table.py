@@ -36,6 +36,11 @@ def main() -> None:
     ap.add_argument("--tp-sizes", nargs="*", type=int, default=None, help="the padding table's (default: 1 2 4 8)")
     ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
     a = ap.parse_args()
+    # Hydra overrides written after a list option (`--backends X model=dsv4_pro`) land in that list: move them
+    for key in ("backends", "indexers", "layer_types"):
+        given = getattr(a, key) or []
+        a.overrides += [x for x in given if "=" in x]
+        setattr(a, key, [x for x in given if "=" not in x] or (None if getattr(a, key) is None else []))
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         job = make_job(compose(config_name="config", overrides=a.overrides or ["deployment=h200"]))
     if a.padding:
