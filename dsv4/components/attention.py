@@ -3,9 +3,9 @@
 It is assembled from injected pieces (keyword-only) and contains no platform branches: the sparse MQA
 kernel, the output projection, the head padding, the cache layout and how the dense projections multiply
 (`linear`) are strategies; the compressor and indexer are components. It holds the math only: where rows
-go and which rows a token reads come from the step plan (dsv4/components/plan.py), and what it stores lives in its LayerCaches. Forward
-follows docs/numerics.md §2.2 and, on a GPU, runs without a host sync, so a decode step can be captured in a
-CUDA graph.
+go and which rows a token reads come from the step plan (dsv4/components/plan.py), and what it stores
+lives in its LayerCaches. Forward follows docs/numerics.md §2.2 and, on a GPU, runs without a host sync,
+so a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -99,8 +99,8 @@ class DSV4Attention(torch.nn.Module):
         self.register_buffer("attn_sink", sink)
 
     def _prepare(self, name: str, weight: LinearWeight, device, dtype: str):
-        """`linear`'s prepared product, its tensors held as this module's buffers (`name`, `name_scale`...),
-        so that they count as the layer's weights and move with it."""
+        """`linear`'s prepared product; its tensors are also this module's buffers (`name`, `name_scale`...),
+        so that `buffers()` -- the memory report's weights -- holds them."""
         import dataclasses
 
         prepared = self.linear.prepare(weight, device=device, dtype=dtype)
