@@ -52,7 +52,8 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
     comp = compressor("compressor.", spec.head_dim, ratio) if ratio > 1 else None
     idx = None
     if ratio == 4:
-        idx = Indexer(wq_b=w["indexer.wq_b.weight"].to(dev), weights_proj=w["indexer.weights_proj.weight"].to(dev),
+        # wq_b stays where the weights are: the layer multiplies it through `linear`, as its own prepared copy
+        idx = Indexer(wq_b=w["indexer.wq_b.weight"], weights_proj=w["indexer.weights_proj.weight"].to(dev),
                       compressor=compressor("indexer.compressor.", spec.index_head_dim, 4),
                       n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk,
                       numerics=strategies.indexer, device=device)
