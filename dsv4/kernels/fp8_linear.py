@@ -22,6 +22,7 @@ is stored as float32 and rounded by torch: the interpreter's float32 -> bf16 con
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import triton
@@ -134,6 +135,7 @@ SMALL_M = 128                # up to this many rows a product reads its weight a
 BIG_SHARED = frozenset({"sm90", "sm100", "sm103"})    # ~227 KB of shared memory a program: 64x256 tiles, 4 stages
 
 
+@functools.lru_cache(maxsize=1024)
 def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
     """The launch for an [M, K] x [N, K]ᵀ product (bench/tune_triton.py linear, docs/benchmarks.md). Up to
     SMALL_M rows the weight bytes are the cost: K is split into as many parts as give every SM about two
@@ -209,8 +211,11 @@ def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = Non
     y = torch.empty(M, N, dtype=torch.float32 if tgt.interpret else out_dtype, device=x.device)
     if M == 0:
         return y.to(out_dtype)
-    p = _launch_params(plan(M, N, K, tgt), block_m=block_m, block_n=block_n, split=split, num_warps=num_warps,
-                       num_stages=num_stages, quantize_first=quantize_first)
+    p = plan(M, N, K, tgt)                       # a step's plan is computed once, then looked up
+    given = dict(block_m=block_m, block_n=block_n, split=split, num_warps=num_warps, num_stages=num_stages,
+                 quantize_first=quantize_first)
+    if any(v is not None for v in given.values()):
+        p = _launch_params(p, **given)
     bm, bn, sp = p.block_m, p.block_n, p.split
     if (K // BLOCK) % sp:
         raise ValueError(f"fp8 linear: split={sp} does not divide K's {K // BLOCK} blocks")
