@@ -2,9 +2,10 @@
 total time (the table behind the layer-step optimisations in docs/benchmarks.md); with --eager, the
 host's time in the same forward run without the graph (cProfile, functions by their own time).
 
-  python bench/profile_layer.py                       # flashmla_sparse + deepgemm_fp8, every layer type, 64 x 2, 8k
-  python bench/profile_layer.py --backend triton_sparse + triton_fp8 --requests 64 --tokens 2 --context 65536
+  python bench/profile_layer.py          # the flashmla preset, every layer type, 64 x 2, 8k
+  python bench/profile_layer.py --backend "triton_sparse + triton_fp8 + triton_fp8" --requests 64 --context 65536
   python bench/profile_layer.py --eager --layer c4a   # the eager forward's host time by function
+  python bench/profile_layer.py --timeline --requests 1 --tokens 1   # one replay's kernels in order, with gaps
 """
 from __future__ import annotations
 
@@ -37,6 +38,23 @@ def traced(fn, calls: int = 10, *, host: bool = False):
             api[e.name][0] += 1
             api[e.name][1] += e.cpu_time_total / calls
     return ({k: (t, n // calls) for k, (t, n) in gpu.items()}, {k: (n / calls, t) for k, (n, t) in api.items()})
+
+
+def timeline(fn, calls: int = 3) -> list[tuple[float, float, float, str]]:
+    """The kernels of fn's last of `calls` calls in order of start: (start µs from the first kernel's start,
+    duration µs, idle µs since the latest end before it -- the GPU ran none of fn's kernels then, name)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+            torch.cuda.synchronize()
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    ks = ks[len(ks) - len(ks) // calls:]
+    out, t0, end = [], ks[0][0], ks[0][0]
+    for start, stop, name in ks:
+        out.append((start - t0, stop - start, max(0.0, start - end), name))
+        end = max(end, stop)
+    return out
 
 
 def host_profile(eng, layer: int, T: int, top: int) -> None:
@@ -79,7 +97,8 @@ def host_profile(eng, layer: int, T: int, top: int) -> None:
               f"({file.split('site-packages/')[-1].split('/work/')[-1]}:{line})")
 
 
-def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top: int, eager: bool = False) -> None:
+def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top: int, eager: bool = False,
+            show_timeline: bool = False) -> None:
     eng = engine_for(job, backend, (layer,), nreq=nreq, tokens=tokens, context=context, graphs=True)
     rids = list(range(nreq))
     fill(eng, rids, context, seed=1)
@@ -97,6 +116,12 @@ def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top:
           f"kernels {total:.1f} µs in {sum(r[1] for r in rows)} launches (gaps {us - total:.1f} µs)")
     for t, n, name in rows[:top]:
         print(f"  {t:8.1f} µs  x{n:<3d} {name[:110]}")
+    if show_timeline:
+        rows = timeline(graph.replay)
+        print(f"  one replay in order: {rows[-1][0] + rows[-1][1]:.1f} µs from first start to last end, "
+              f"{sum(r[2] for r in rows):.1f} µs with no kernel running")
+        for start, dur, idle, name in rows:
+            print(f"  {start:8.1f} +{dur:6.1f} (idle {idle:5.1f})  {name[:100]}")
     if eager:
         host_profile(eng, layer, T, top)
     del eng
@@ -105,21 +130,26 @@ def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backend", default="flashmla_sparse + deepgemm_fp8")
+    ap.add_argument("--backend", default="flashmla_sparse + deepgemm_fp8 + deepgemm_triton_fp8",
+                    help="a label 'mqa_kernel + o_proj + linear' of dsv4/benches/layer.py's backends")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=2)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--layer", default="all", help="swa | c4a | c128a | all")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--eager", action="store_true", help="also the eager forward's host time by function")
+    ap.add_argument("--timeline", action="store_true", help="also one replay's kernels in order, with the gaps")
     ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
     a = ap.parse_args()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         job = make_job(compose(config_name="config", overrides=a.overrides))
-    chosen = next(b for b in backends(job) if b.label == a.backend)
+    labels = {b.label: b for b in backends(job)}
+    if a.backend not in labels:
+        raise SystemExit(f"error: --backend {a.backend!r}: this machine runs {', '.join(labels) or 'none of them'}")
+    chosen = labels[a.backend]
     for layer in job.spec.one_layer_per_type():
         if a.layer in ("all", job.spec.layer_type(layer)):
-            profile(job, chosen, layer, a.requests, a.tokens, a.context, a.top, a.eager)
+            profile(job, chosen, layer, a.requests, a.tokens, a.context, a.top, a.eager, a.timeline)
 
 
 if __name__ == "__main__":

@@ -150,6 +150,7 @@ class RunSettings:
     weights: str = one_of(WEIGHTS, "random")
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     sweep_dir: str | None = None         # mode=summarize: +sweep_dir=PATH
+    overlap: bool = True                 # on a GPU, the compressors on a side stream beside the query path
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "RunSettings":

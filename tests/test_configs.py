@@ -491,7 +491,9 @@ def test_backend_presets_are_read_from_their_yaml_and_compose_the_layer_bench():
             assert option(group, opt).name, (name, group)
     h200 = backends(dsv4.compose(["deployment=h200"], running=False))
     assert [(b.label, b.combo.head_padding.name, b.combo.cache_layout.name) for b in h200] == [
+        ("flashmla_sparse + deepgemm_fp8 + deepgemm_triton_fp8", "buckets_64_128", "fp8_ds_mla"),
         ("flashmla_sparse + deepgemm_fp8 + deepgemm_fp8", "buckets_64_128", "fp8_ds_mla"),
+        ("flashmla_sparse + deepgemm_fp8 + triton_fp8", "buckets_64_128", "fp8_ds_mla"),
         ("flashmla_sparse + deepgemm_fp8 + reference", "buckets_64_128", "fp8_ds_mla"),
         ("triton_sparse + reference + triton_fp8", "none", "fp8_ds_mla"),
         ("triton_sparse + reference + reference", "none", "fp8_ds_mla"),

@@ -266,3 +266,45 @@ def test_deepgemm_option_hands_deepgemm_the_published_operands(monkeypatch):
     assert calls[0][0] is rows.values and calls[0][1] is rows.scales
     assert ref.rel_err(y2, sim(rows, sim.prepare(w, device=dev, dtype="bfloat16"))) < 1e-2
     assert lin(x[:0], p).shape == (0, 256)
+
+
+def test_deepgemm_triton_option_takes_ours_up_to_its_rows(monkeypatch):
+    """linear=deepgemm_triton_fp8: a step of at most `triton_rows` rows is our Triton product (the same
+    bytes as linear=triton_fp8, DeepGEMM not called), a larger one DeepGEMM's (a stand-in computing the
+    block product); both the published numerics. check() asks for what both need."""
+    import sys
+    import types
+
+    from dsv4.strategies import DeepGemmTritonFp8Linear, TritonFp8Linear
+
+    calls = []
+
+    def fp8_gemm_nt(a, b, d):
+        calls.append(a[0].shape[0])
+        d.copy_(block_product(a[0], a[1], b[0], b[1]).to(d.dtype))
+    monkeypatch.setitem(sys.modules, "deep_gemm", types.SimpleNamespace(fp8_gemm_nt=fp8_gemm_nt))
+    g = torch.Generator().manual_seed(9)
+    w = LinearWeight(values=torch.randn(256, 384, generator=g) / 20)
+    x = torch.randn(5, 384, generator=g).bfloat16()
+    dev = DeviceInfo(platform="cpu", arch="sm90")
+    sim = Fp8SimLinear()
+    want = sim(x, sim.prepare(w, device=dev, dtype="bfloat16"))
+    ours = TritonFp8Linear()
+    mine = ours(x, ours.prepare(w, device=dev, dtype="bfloat16"))
+    for rows, deepgemm in ((16, False), (5, False), (4, True), (0, True)):
+        lin = DeepGemmTritonFp8Linear(triton_rows=rows)
+        calls.clear()
+        y = lin(x, lin.prepare(w, device=dev, dtype="bfloat16"))
+        assert calls == ([5] if deepgemm else []), rows
+        assert ref.rel_err(y, want) < 1e-2
+        if not deepgemm:
+            assert torch.equal(y, mine)
+    h200 = DeviceInfo(platform="cuda", arch="sm90", name="H200")
+    l40 = DeviceInfo(platform="cuda", arch="sm89", name="L40S")
+    assert check(combo("deepgemm_triton_fp8"), h200) == []
+    refused = check(combo("deepgemm_triton_fp8"), l40)
+    assert [(p.group, p.fix) for p in refused] == [("linear", "linear=reference")] and "needs arch in" in refused[0].reason
+    from dsv4.errors import ConfigError
+    from dsv4.settings import option
+    with pytest.raises(ConfigError, match="triton_rows"):
+        option({"_target_": "dsv4.strategies.DeepGemmTritonFp8Linear", "triton_rows": -1}, "linear")

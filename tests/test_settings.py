@@ -46,6 +46,7 @@ BAD = [
     ("workload.layers=[]", "workload.layers=[]: expected at least one layer index"),
     ("mqa_kernel._target_=nosuch.Foo", "mqa_kernel._target_=nosuch.Foo: cannot import nosuch"),
     ("summary.tables=[bogus]", "summary.tables: unknown metric 'bogus'"),
+    ("overlap=maybe", "overlap=maybe: expected true or false"),
 ]
 
 

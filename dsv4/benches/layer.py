@@ -174,7 +174,9 @@ class Backend:
 # dense projections are fp8 (`linear`) with them in bf16 too (linear=reference, the preset's own o_proj),
 # timed in the same run
 O_PROJ_SWAPS = {"triton": ("triton_fp8",)}
-LINEAR_SWAPS = ("reference",)
+# each preset's rows also with these dense projections: float, and the fp8 options its own is made of
+LINEAR_SWAPS = {"flashmla": ("deepgemm_fp8", "triton_fp8", "reference"), "flashinfer": ("reference",),
+                "triton": ("reference",)}
 
 
 def backends(job) -> list[Backend]:
@@ -190,7 +192,7 @@ def backends(job) -> list[Backend]:
         if chosen["mqa_kernel"] == defaults()["mqa_kernel"]:        # the reference: what the others are checked by
             continue
         for o in (chosen["o_proj"], *O_PROJ_SWAPS.get(preset, ())):
-            swaps = LINEAR_SWAPS if o == chosen["o_proj"] else ()
+            swaps = LINEAR_SWAPS.get(preset, ()) if o == chosen["o_proj"] else ()
             for lin in dict.fromkeys((chosen["linear"], *swaps)):
                 groups = {g: option(g, n) for g, n in chosen.items() if g != "indexer"} | {
                     "o_proj": option("o_proj", o), "linear": option("linear", lin)}

@@ -26,8 +26,10 @@ from dsv4.strategies.linear.common import mm_f32
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, LinearStrategy, LinearWeight, MQAKernelStrategy,
                                        OProjStrategy, OProjWeights, SparseKV)
 
-# rows of LayerStepResult.faults: which stored row of a token was not finite
-FAULT_SWA, FAULT_COMPRESSED, FAULT_INDEXER = 0, 1, 2
+# rows of LayerStepResult.faults: which stored row of a token was not finite. The compressors write their
+# rows whole (FAULT_COMPRESSED last, then FAULT_INDEXER) and the front clears the rows before theirs, so the
+# two sides write apart and may run at once
+FAULT_SWA, FAULT_INDEXER, FAULT_COMPRESSED = 0, 1, 2
 FAULT_ROWS = 3
 
 
@@ -42,9 +44,11 @@ class DSV4Attention(torch.nn.Module):
     def __init__(self, *, spec: ModelSpec, layer: int, heads: int, weights: dict, o_weights: OProjWeights,
                  mqa_kernel: MQAKernelStrategy, o_proj: OProjStrategy, head_padding: HeadPaddingPolicy,
                  cache_layout: CacheLayout, linear: LinearStrategy, compressor: Compressor | None = None,
-                 indexer: Indexer | None = None, fp8: dict | None = None, dtype: str, device) -> None:
+                 indexer: Indexer | None = None, fp8: dict | None = None, dtype: str, device,
+                 overlap: bool = True) -> None:
         """`weights`: this rank's float values under our names; `fp8`: those the checkpoint stores as e4m3
-        blocks (formats.fp8_blocks.Fp8Blocks), as stored, which fp8 `linear` and `o_proj` options use."""
+        blocks (formats.fp8_blocks.Fp8Blocks), as stored, which fp8 `linear` and `o_proj` options use;
+        `overlap`: on a GPU, the compressors run on a side stream beside the query path."""
         super().__init__()
         from dsv4.dtypes import torch_dtype
 
@@ -62,6 +66,8 @@ class DSV4Attention(torch.nn.Module):
         self.compressor, self.indexer = compressor, indexer
         self.dtype, self.eps = torch_dtype(dtype), spec.rms_norm_eps
         dev = device.torch_device
+        # the compressors' branch runs on its own stream beside the query path (`_Branch`)
+        self.side_stream = torch.cuda.Stream(dev) if overlap and torch.device(dev).type == "cuda" and ratio > 1 else None
         self.mqa_prepared = mqa_kernel.prepare(device=device)
         self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype)
         fp8 = fp8 or {}
@@ -118,16 +124,28 @@ class DSV4Attention(torch.nn.Module):
         xa = x if x.dtype == self.dtype else x.to(self.dtype)
         rot = plan.rope_rows(self.rope)
         lin = self.linear
+        faults = torch.empty(FAULT_ROWS, T, dtype=torch.bool, device=x.device)
+        branch = _Branch(self.side_stream if self.compressor is not None else None)
+        if self.compressor is not None:
+            entry_rot = plan.rope_rows(self.rope, shift=self.ratio)
         if self.compressor is None:
             qr_raw, kv_raw = lin(xa, self.x_proj).split_with_sizes(self.in_sizes, 1)
         elif self.fused_tail:
             qr_raw, kv_raw, *scores = lin(xa, self.x_proj, out_dtype=torch.float32).split_with_sizes(self.in_sizes, 1)
         else:
+            with branch.side():      # the compressors' bf16 rows, beside the fp8 products of the query path
+                scores = mm_f32(xa, self.w_tail).split_with_sizes(self.in_sizes[2:], 1)
+                branch.mark()
             qr_raw, kv_raw = lin(xa, self.x_proj).split_with_sizes(self.in_sizes[:2], 1)
-            scores = mm_f32(xa, self.w_tail).split_with_sizes(self.in_sizes[2:], 1)
+        idx = self.indexer
+        if self.compressor is not None:
+            with branch.side():      # the compressors pool and store while the query path runs
+                parts = [CompressPart(self.compressor, scores[0], caches.state, FAULT_COMPRESSED, caches.compressed)]
+                if idx is not None:
+                    parts.append(idx.key_part(scores[1], caches.indexer_state, FAULT_INDEXER, caches.indexer_keys))
+                compress_all(parts, plan, entry_rot, faults)
         qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype, fp8=lin.fp8_input)
-        faults = torch.empty(FAULT_ROWS, T, dtype=torch.bool, device=x.device)
-        idx, iq_raw = self.indexer, None
+        iq_raw = None
         q_raw = lin(qr, self.q_proj)
         if idx is not None:
             # in the activation dtype, as the published code's projection returns it (then RoPE, FP4)
@@ -137,8 +155,11 @@ class DSV4Attention(torch.nn.Module):
         iq_dtype = idx.score_dtype(caches.indexer_keys) if idx is not None else None
         # a kernel that scores e4m3 queries gets them from the front, their scales in the head weights
         fp8_iq = front_iq and idx.numerics.fp8_queries and x.is_cuda
+        if fp8_iq:
+            branch.wait_mark()
+        front_faults = faults[:FAULT_ROWS - (0 if self.compressor is None else 1 if idx is None else 2)]
         q, iq = front_rows(q_raw.view(T, H, self.spec.head_dim), kv_raw, self.kv_norm, rot,
-                           plan.swa.write_slots, faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
+                           plan.swa.write_slots, front_faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
                            dtype=self.dtype, iq=iq_raw if front_iq else None,
                            iq_dtype=torch.float8_e4m3fn if fp8_iq else iq_dtype,
                            iq_fp4=front_iq and idx.numerics.transforms, iq_weights=scores[2] if fp8_iq else None,
@@ -146,14 +167,10 @@ class DSV4Attention(torch.nn.Module):
 
         topk, extra = None, {}
         if self.compressor is not None:
-            entry_rot = plan.rope_rows(self.rope, shift=self.ratio)
-            parts = [CompressPart(self.compressor, scores[0], caches.state, FAULT_COMPRESSED, caches.compressed)]
-            if idx is not None:
-                parts.append(idx.key_part(scores[1], caches.indexer_state, FAULT_INDEXER, caches.indexer_keys))
-            compress_all(parts, plan, entry_rot, faults)
             if idx is not None:
                 if iq is None:
                     iq = idx.queries(iq_raw.flatten(1), rot, iq_dtype)
+                branch.join()        # the indexer's keys are stored
                 iq, iw = iq if fp8_iq else (iq, scores[2])
                 ip = plan.indexer_plans.get(self.layer_type)
                 topk, lists, lens = idx.lists(idx.scores(iq, iw, caches.indexer_keys, plan, ip), plan)
@@ -161,6 +178,7 @@ class DSV4Attention(torch.nn.Module):
                 ents = plan.entries[self.ratio]
                 lists, lens = ents.visible, ents.counts
             extra = dict(extra=caches.compressed, extra_indices=lists, extra_lens=lens, extra_nested=idx is None)
+        branch.join()                # the compressed entries are stored
         kv = SparseKV(swa=caches.swa, swa_indices=plan.swa.indices, swa_lens=plan.swa.lens,
                       layer_type=self.layer_type, runs=plan.runs, **extra)
         out, _lse = self.mqa_kernel(q, kv, sink=self.attn_sink, scale=self.spec.softmax_scale,
@@ -168,3 +186,41 @@ class DSV4Attention(torch.nn.Module):
         z = self.o_proj(out if self.padded_heads == H else out[:, :H], rot, prepared=self.o_proj_prepared)
         y = lin(z if z.dtype == self.dtype else z.to(self.dtype), self.out_proj)
         return LayerStepResult(out=y, topk=topk, faults=faults)
+
+
+class _Branch:
+    """Work forked onto a side CUDA stream and joined back, inside one forward (and so inside a captured
+    graph, where it becomes a parallel branch); with no stream (a CPU, or overlap off) every call is a
+    no-op and the work runs in program order. Each fork waits for the main stream's work so far, so a
+    tensor the side stream frees is reused there only after the main stream's reads of it were issued
+    before the next fork."""
+    __slots__ = ("stream", "main", "event", "open")
+
+    def __init__(self, stream) -> None:
+        self.stream, self.main, self.event, self.open = stream, None, None, False
+
+    def side(self):
+        import contextlib
+
+        if self.stream is None:
+            return contextlib.nullcontext()
+        if not self.open:
+            self.main = torch.cuda.current_stream(self.stream.device)
+            self.stream.wait_stream(self.main)
+            self.open = True
+        return torch.cuda.stream(self.stream)
+
+    def mark(self) -> None:
+        """Remember the side stream's work so far (for `wait_mark`)."""
+        if self.stream is not None:
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+
+    def wait_mark(self) -> None:
+        if self.event is not None:
+            self.main.wait_event(self.event)
+
+    def join(self) -> None:
+        if self.open:
+            self.main.wait_stream(self.stream)
+            self.open = False

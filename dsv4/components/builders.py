@@ -35,10 +35,12 @@ class Strategies:
 
 
 def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_size: int,
-                strategies: Strategies, device: DeviceInfo, dtype: str, fp8: dict | None = None) -> DSV4Attention:
+                strategies: Strategies, device: DeviceInfo, dtype: str, fp8: dict | None = None,
+                overlap: bool = True) -> DSV4Attention:
     """`weights`: the whole layer's float values; `fp8`: those stored as e4m3 blocks (a checkpoint's, or
     random weights made in that format: `weights.in_fp8_blocks`), which fp8 `linear` and `o_proj` options
-    take as they are. Each is cut to rank `rank`'s shard."""
+    take as they are. Each is cut to rank `rank`'s shard. `overlap`: on a GPU, the compressors run on a
+    side stream beside the query path."""
     ratio = spec.compress_ratio(layer)
     w = shard(weights, spec, rank, tp_size)
     blocks = shard_fp8(fp8 or {}, spec, rank, tp_size)
@@ -67,7 +69,7 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
                          o_weights=o_weights, mqa_kernel=strategies.mqa_kernel, o_proj=strategies.o_proj,
                          head_padding=strategies.head_padding, cache_layout=strategies.cache_layout,
                          linear=strategies.linear, compressor=comp, indexer=idx, fp8=blocks, dtype=dtype,
-                         device=device)
+                         device=device, overlap=overlap)
 
 
 def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig, device: DeviceInfo,

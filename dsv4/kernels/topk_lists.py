@@ -89,31 +89,29 @@ def _select(u, live, need):
     """Radix select over keys held in registers, two bits a pass -> (thr: the top `bits` bits of the
     need-th largest live key, how many keys sharing them are taken, bits): 32 bits, fewer once the keys
     sharing them are all taken. A pass's four bin counts are one int64 sum (16-bit fields: at most 65,535 keys),
-    and its digit is found by scalar arithmetic: one reduction a pass, no histogram."""
+    and its digit is found by scalar arithmetic: one reduction a pass, no histogram. The passes are a loop,
+    not unrolled: a lone program (a step of few tokens) runs with its code cold in the instruction cache,
+    and unrolled passes made the kernel several times larger."""
     thr = tl.zeros([], tl.uint32)
     bits = tl.zeros([], tl.int32)
     whole = tl.zeros([], tl.int32)
-    for p in tl.static_range(16):
-        if whole == 0:
-            SH: tl.constexpr = 30 - 2 * p
-            if p == 0:
-                match = live
-            else:
-                match = live & ((u >> (SH + 2)) == (thr >> (SH + 2)))
-            one = tl.full(u.shape, 1, tl.int64)
-            h = tl.sum(tl.where(match, one << (((u >> SH) & 3).to(tl.int64) * 16), 0), 0)
-            h3 = ((h >> 48) & 0xFFFF).to(tl.int32)
-            h2 = ((h >> 32) & 0xFFFF).to(tl.int32)
-            h1 = ((h >> 16) & 0xFFFF).to(tl.int32)
-            h0 = (h & 0xFFFF).to(tl.int32)
-            a2 = h3 + h2
-            a1 = a2 + h1
-            # the largest digit whose keys, with those above it, reach `need`
-            d = tl.where(h3 >= need, 3, tl.where(a2 >= need, 2, tl.where(a1 >= need, 1, 0)))
-            need -= tl.where(d == 3, 0, tl.where(d == 2, h3, tl.where(d == 1, a2, a1)))
-            whole = (tl.where(d == 3, h3, tl.where(d == 2, h2, tl.where(d == 1, h1, h0))) == need).to(tl.int32)
-            thr = thr | (d.to(tl.uint32) << SH)
-            bits = 2 * (p + 1)
+    one = tl.full(u.shape, 1, tl.int64)
+    while (whole == 0) & (bits < 32):
+        sh = (30 - bits).to(tl.uint32)
+        match = live & ((u & _prefix_mask(bits)) == thr)       # no shift by 32: that is undefined on a GPU
+        h = tl.sum(tl.where(match, one << (((u >> sh) & 3).to(tl.int64) * 16), 0), 0)
+        h3 = ((h >> 48) & 0xFFFF).to(tl.int32)
+        h2 = ((h >> 32) & 0xFFFF).to(tl.int32)
+        h1 = ((h >> 16) & 0xFFFF).to(tl.int32)
+        h0 = (h & 0xFFFF).to(tl.int32)
+        a2 = h3 + h2
+        a1 = a2 + h1
+        # the largest digit whose keys, with those above it, reach `need`
+        d = tl.where(h3 >= need, 3, tl.where(a2 >= need, 2, tl.where(a1 >= need, 1, 0)))
+        need -= tl.where(d == 3, 0, tl.where(d == 2, h3, tl.where(d == 1, a2, a1)))
+        whole = (tl.where(d == 3, h3, tl.where(d == 2, h2, tl.where(d == 1, h1, h0))) == need).to(tl.int32)
+        thr = thr | (d.to(tl.uint32) << sh)
+        bits += 2
     return thr, need, bits
 
 

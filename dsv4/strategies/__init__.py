@@ -13,6 +13,7 @@ from dsv4.strategies.indexer.key_layouts import Fp8KeyLayout, Mxfp4KeyLayout
 from dsv4.strategies.indexer.mxfp4 import Mxfp4Indexer
 from dsv4.strategies.indexer.triton_fp8 import TritonFp8Indexer
 from dsv4.strategies.linear.deepgemm_fp8 import DeepGemmFp8Linear
+from dsv4.strategies.linear.deepgemm_triton_fp8 import DeepGemmTritonFp8Linear
 from dsv4.strategies.linear.fp8_sim import Fp8SimLinear
 from dsv4.strategies.linear.reference import ReferenceLinear
 from dsv4.strategies.linear.torch_fp8 import TorchFp8Linear
@@ -31,7 +32,7 @@ from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerSt
                                        MQAKernelStrategy, Needs, OProjStrategy, OProjWeights, SparseKV)
 
 __all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8Indexer", "DeepGemmFp8Linear",
-           "DeepGemmFp8OProj", "ExactIndexer", "FlashInferSparse", "FlashMLASparse", "Fp4SimIndexer",
+           "DeepGemmFp8OProj", "DeepGemmTritonFp8Linear", "ExactIndexer", "FlashInferSparse", "FlashMLASparse", "Fp4SimIndexer",
            "Fp8DsMlaFnuzLayout", "Fp8DsMlaLayout", "Fp8KeyLayout", "Fp8PerTensorLayout", "Fp8SimLinear",
            "HeadPaddingPolicy", "IndexerStrategy", "LinearStrategy", "LinearWeight", "MQAKernelStrategy",
            "Mxfp4Indexer", "Mxfp4KeyLayout", "Needs", "NoHeadPadding", "OProjStrategy", "OProjWeights",

@@ -1,5 +1,5 @@
 """What the linear options share: their prepared weights (one frozen value per projection), the fp8
-options' needs, and the products the float and torch options are made of."""
+options' needs, and the products the options are made of (float, torch, our Triton kernel, DeepGEMM)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,6 +33,54 @@ def fp8_blocks(weight: LinearWeight, device) -> Fp8Linear:
     blocks: Fp8Blocks = weight.fp8 if weight.fp8 is not None else quantize_blocks(weight.values)
     dev = device.torch_device
     return Fp8Linear(weight=blocks.weight.to(dev).contiguous(), scale=blocks.scale.to(dev).float().contiguous())
+
+
+def triton_blocks(weight: LinearWeight, device) -> Fp8Linear:
+    """The blocks on the device with what our Triton product keeps (dsv4/kernels/fp8_linear.py): this
+    projection's own arrival counters (its split products' last program adds the partial sums) and the
+    device's facts its launch is planned by."""
+    from dataclasses import replace
+
+    from dsv4.kernels.fp8_linear import counters
+    from dsv4.kernels.launch import target
+
+    blocks = fp8_blocks(weight, device)
+    count = counters(blocks.weight.shape[0], device.torch_device)
+    if device.platform == "cpu":               # the tests' interpreted kernels plan by the tensors' device
+        return replace(blocks, count=count)
+    return replace(blocks, count=count, target=target(platform=device.platform, arch=device.arch,
+                                                      torch_device=device.torch_device))
+
+
+def triton_product(x, prepared: Fp8Linear, out_dtype=None):
+    """x (rows in the activation dtype, or Fp8Rows) times the blocks, through our Triton product."""
+    from dsv4.formats.fp8_blocks import Fp8Rows
+    from dsv4.kernels.fp8_linear import fp8_linear
+
+    if isinstance(x, Fp8Rows):
+        return fp8_linear(x.values, prepared.weight, prepared.scale, xs=x.scales, out_dtype=out_dtype or x.dtype,
+                          target=prepared.target, count=prepared.count)
+    return fp8_linear(x, prepared.weight, prepared.scale, out_dtype=out_dtype, target=prepared.target,
+                      count=prepared.count)
+
+
+def deepgemm_product(x, prepared: Fp8Linear, out_dtype=None):
+    """The same product through DeepGEMM's `fp8_gemm_nt`, rows in the activation dtype quantized first by
+    our kernel into the scale layout DeepGEMM reads (Fp8Rows come in it)."""
+    import deep_gemm
+    import torch
+
+    from dsv4.formats.fp8_blocks import Fp8Rows
+    from dsv4.kernels.fp8_linear import act_quant_fp8
+
+    y = torch.empty(x.shape[0], prepared.weight.shape[0], dtype=torch.bfloat16, device=prepared.weight.device)
+    if x.shape[0]:
+        xq, xs = (x.values, x.scales) if isinstance(x, Fp8Rows) else act_quant_fp8(x, mn_major_scales=True)
+        deep_gemm.fp8_gemm_nt((xq, xs), (prepared.weight, prepared.scale), y)
+    return y if out_dtype in (None, torch.bfloat16) else y.to(out_dtype)
+
+
+DEEPGEMM_MODULES = (("triton", "triton"), ("deep_gemm", "sgl-deep-gemm"))
 
 
 def fp8_needs(*, platforms=(), archs=(), modules=(), dtypes=()) -> Needs:

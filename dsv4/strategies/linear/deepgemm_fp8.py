@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.formats.fp8_blocks import Fp8Rows, LinearNumerics
-from dsv4.strategies.linear.common import Fp8Linear, fp8_blocks, fp8_needs
+from dsv4.formats.fp8_blocks import LinearNumerics
+from dsv4.strategies.linear.common import DEEPGEMM_MODULES, Fp8Linear, deepgemm_product, fp8_blocks, fp8_needs
 from dsv4.strategies.protocols import LinearWeight, Needs
 
 
@@ -22,20 +22,10 @@ class DeepGemmFp8Linear:
     fp8_input: ClassVar[bool] = True
 
     def needs(self, device) -> Needs:
-        return fp8_needs(platforms={"cuda"}, archs={"sm90", "sm100"},
-                         modules=(("triton", "triton"), ("deep_gemm", "sgl-deep-gemm")), dtypes={"bfloat16"})
+        return fp8_needs(platforms={"cuda"}, archs={"sm90", "sm100"}, modules=DEEPGEMM_MODULES, dtypes={"bfloat16"})
 
     def prepare(self, weight: LinearWeight, *, device, dtype: str) -> Fp8Linear:
         return fp8_blocks(weight, device)
 
     def __call__(self, x, prepared: Fp8Linear, *, out_dtype=None):
-        import deep_gemm
-        import torch
-
-        from dsv4.kernels.fp8_linear import act_quant_fp8
-
-        y = torch.empty(x.shape[0], prepared.weight.shape[0], dtype=torch.bfloat16, device=prepared.weight.device)
-        if x.shape[0]:
-            xq, xs = (x.values, x.scales) if isinstance(x, Fp8Rows) else act_quant_fp8(x, mn_major_scales=True)
-            deep_gemm.fp8_gemm_nt((xq, xs), (prepared.weight, prepared.scale), y)
-        return y if out_dtype in (None, torch.bfloat16) else y.to(out_dtype)
+        return deepgemm_product(x, prepared, out_dtype)

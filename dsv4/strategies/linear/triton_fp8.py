@@ -3,12 +3,12 @@ NVIDIA sm89+): the activation rows are quantized inside the product's own kernel
 one launch."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.formats.fp8_blocks import Fp8Rows, LinearNumerics
+from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.kernels import FP8_TRITON_ARCHS
-from dsv4.strategies.linear.common import Fp8Linear, fp8_blocks, fp8_needs
+from dsv4.strategies.linear.common import Fp8Linear, fp8_needs, triton_blocks, triton_product
 from dsv4.strategies.protocols import LinearWeight, Needs
 
 
@@ -24,23 +24,7 @@ class TritonFp8Linear:
         return fp8_needs(platforms={"cuda"}, archs=FP8_TRITON_ARCHS, modules=(("triton", "triton"),))
 
     def prepare(self, weight: LinearWeight, *, device, dtype: str) -> Fp8Linear:
-        """The blocks on the device, the device's facts and this projection's own arrival counters (its
-        split products' last program adds the partial sums)."""
-        from dsv4.kernels.fp8_linear import counters
-        from dsv4.kernels.launch import target
-
-        blocks = fp8_blocks(weight, device)
-        count = counters(blocks.weight.shape[0], device.torch_device)
-        if device.platform == "cpu":               # the tests' interpreted kernels plan by the tensors' device
-            return replace(blocks, count=count)
-        return replace(blocks, count=count, target=target(platform=device.platform, arch=device.arch,
-                                                          torch_device=device.torch_device))
+        return triton_blocks(weight, device)
 
     def __call__(self, x, prepared: Fp8Linear, *, out_dtype=None):
-        from dsv4.kernels.fp8_linear import fp8_linear
-
-        if isinstance(x, Fp8Rows):
-            return fp8_linear(x.values, prepared.weight, prepared.scale, xs=x.scales, out_dtype=out_dtype or x.dtype,
-                              target=prepared.target, count=prepared.count)
-        return fp8_linear(x, prepared.weight, prepared.scale, out_dtype=out_dtype, target=prepared.target,
-                          count=prepared.count)
+        return triton_product(x, prepared, out_dtype)
