@@ -4,6 +4,7 @@
   python bench/layer_table.py --no-prefill deployment=h200 model=dsv4_pro
   python bench/layer_table.py --cases 64x2@131072 --layer-types c4a --indexers deepgemm_fp8 mxfp4 --no-prefill
   python bench/layer_table.py --padding --tp-sizes 8 --cases 256x2@8192     # the head-padding table at that step
+  python bench/layer_table.py --grid peers [model=dsv4_pro]   # every point the engines publish, beside their figures
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from dsv4.catalogue import CONFIG_DIR
 from dsv4.job import make_job
+from dsv4.benches.grid import bench_grid
 from dsv4.benches.layer import DECODE_CASES, bench_layer_step
 from dsv4.benches.padding import TP_SIZES, bench_padding
 
@@ -34,6 +36,8 @@ def main() -> None:
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--padding", action="store_true", help="mode=bench's head-padding table at each case instead")
     ap.add_argument("--tp-sizes", nargs="*", type=int, default=None, help="the padding table's (default: 1 2 4 8)")
+    ap.add_argument("--grid", choices=["peers"], default=None,
+                    help="peers: the points where vLLM and SGLang publish (dsv4/benches/peers.py) instead of --cases")
     ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
     a = ap.parse_args()
     # Hydra overrides written after a list option (`--backends X model=dsv4_pro`) land in that list: move them
@@ -43,6 +47,11 @@ def main() -> None:
         setattr(a, key, [x for x in given if "=" not in x] or (None if getattr(a, key) is None else []))
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         job = make_job(compose(config_name="config", overrides=a.overrides or ["deployment=h200"]))
+    if a.grid:
+        print(bench_grid(job, labels=a.backends, modes=("decode",) if a.no_prefill else ("decode", "prefill"),
+                         **({"layer_types": a.layer_types} if a.layer_types else {}),
+                         echo=lambda line: print("  row:", line, flush=True)))
+        return
     if a.padding:
         for step in a.cases:
             print(f"{step[0]} requests x {step[1]} tokens at {step[2]} context:\n"

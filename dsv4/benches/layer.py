@@ -228,7 +228,15 @@ def engine_for(job, backend: Backend, layers, *, nreq: int, tokens: int, context
     return build_engine(replace(job, combo=backend.combo), weights, pool, ranks=ranks, graphs=gc)
 
 
-def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int) -> list:
+def replayed_step(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int) -> tuple[float, bool]:
+    """The second layer of `layer`'s type replayed (µs, median) and whether that replay's output equals the
+    eager forward's bit for bit: a decode row without its eager timing and components."""
+    return decode_row(job, backend, layer, nreq, tokens, context, parts=False)
+
+
+def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int, *, parts: bool = True):
+    """The decode table's row for one step and the step's components timed alone; with parts=False only
+    (replay µs, replay == eager)."""
     first, second = two_of_type(job.spec, layer)
     eng = engine_for(job, backend, (first, second), nreq=nreq, tokens=tokens, context=context, graphs=True)
     rids = list(range(nreq))
@@ -252,6 +260,10 @@ def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, contex
     eng.layers[first][0](x, eager_plan, eng.pools[0].layers[first])
     eager_out = module(x, eager_plan, caches).out[:T].float()
     same = torch.equal(eager_out, replayed)
+    if not parts:
+        del eng
+        torch.cuda.empty_cache()
+        return step_us, same
     # host-bound, so timed EAGER_ROUNDS times (the host's speed drifts more than the GPU's), the medians kept
     timed = [eager_us(lambda: module(x, eager_plan, caches)) for _ in range(EAGER_ROUNDS)]
     eager, host = statistics.median(t for t, _ in timed), statistics.median(h for _, h in timed)
@@ -264,21 +276,21 @@ def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, contex
             eager / step_us, host, plan_us, comp, step_us / comp, floor, floor / step_us, same], parts
 
 
-def prefill_row(job, backend: Backend, layer: int) -> list:
-    """One PREFILL_TOKENS-token request through the layer, eagerly (after one warm-up request)."""
-    eng = engine_for(job, backend, (layer,), nreq=1, tokens=PREFILL_TOKENS, context=0, graphs=False)
-    hidden = torch.randn(PREFILL_TOKENS, job.spec.hidden_size, generator=torch.Generator().manual_seed(5))
-    pos = torch.arange(PREFILL_TOKENS)
+def prefill_row(job, backend: Backend, layer: int, tokens: int = PREFILL_TOKENS) -> list:
+    """One request of `tokens` tokens through the layer, eagerly (after one warm-up request)."""
+    eng = engine_for(job, backend, (layer,), nreq=1, tokens=tokens, context=0, graphs=False)
+    hidden = torch.randn(tokens, job.spec.hidden_size, generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(tokens)
     times = []
     for rid in range(3):
         eng.add_request(rid)
-        out = eng.step(hidden, pos, [rid] * PREFILL_TOKENS, timer=CudaTimer())
+        out = eng.step(hidden, pos, [rid] * tokens, timer=CudaTimer())
         times.append(out.seconds[layer])
         eng.release(rid)
     us = statistics.median(times[1:]) * 1e6
     del eng
     torch.cuda.empty_cache()
-    return [job.spec.layer_type(layer), backend.label, PREFILL_TOKENS, us / 1e3, PREFILL_TOKENS / us * 1e6]
+    return [job.spec.layer_type(layer), backend.label, tokens, us / 1e3, tokens / us * 1e6]
 
 
 def indexer_label(ix) -> str:

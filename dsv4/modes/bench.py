@@ -24,6 +24,9 @@ def run_bench(job, ranks=None) -> None:
     import torch
 
     from dsv4.benches.cases import SERVING_STEP, available_options
+    from dsv4.benches.grid import bench_grid, preset_label
+    from dsv4.catalogue import backend_presets
+    from dsv4.benches.peers import MODELS
     from dsv4.benches.indexer import CONTEXTS, NREQ, TOKENS, bench_indexer
     from dsv4.benches.kernels import bench_linear, bench_mqa, bench_o_proj
     from dsv4.benches.layer import bench_layer_step
@@ -59,3 +62,6 @@ def run_bench(job, ranks=None) -> None:
     print("\nthe ratio-4 layer with each indexer option:\n"
           + bench_layer_step(job, [(NREQ, TOKENS, c) for c in CONTEXTS[::2]], indexers=[ix.name for ix in indexers],
                              layer_types=("c4a",), prefill=False))
+    if job.spec.name in MODELS:
+        print("\nthe layer grid: every point where vLLM and SGLang publish their layer on the H200, the backend "
+              "presets:\n" + bench_grid(job, labels=[preset_label(p) for p in backend_presets()]))

@@ -1,0 +1,47 @@
+"""The layer grid's data and arithmetic (the timings themselves run on a GPU: bench/layer_table.py --grid
+peers): the project's copy of the engines' published figures holds every point of the grid, a row puts
+the fastest backend beside the faster engine, and a model the engines do not publish is refused."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+import dsv4
+from dsv4.benches.grid import bench_grid, grid_row, preset_label
+from dsv4.benches.peers import DECODE_POINTS, MODELS, PREFILL_POINTS, TABLE, Point, faster, grid, published
+
+
+def test_every_grid_point_has_the_engines_figures():
+    figures = published()
+    points = [p for m in MODELS for p in grid(m)]
+    assert len(points) == len(MODELS) * 2 * (len(DECODE_POINTS) + len(PREFILL_POINTS)) == len(set(points))
+    assert set(figures) == set(points)
+    for p in points:
+        assert set(figures[p]) <= {"vllm", "sglang"} and "vllm" in figures[p], p
+        assert all(0 < us < 1e6 for us in figures[p].values()), p
+    with open(TABLE, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["version"] for r in rows} == {"0.24.0", "0.5.14"}
+    # two figures quoted in docs/benchmarks.md
+    assert figures[Point("dsv4_flash", "c4a", "decode", 1, 1, 8192)]["vllm"] == 105.3
+    assert figures[Point("dsv4_flash", "c128a", "prefill", 1, 8192, 0)]["sglang"] == 3115.1
+
+
+def test_a_row_sets_the_fastest_backend_beside_the_faster_engine():
+    p = Point("dsv4_flash", "c4a", "decode", 1, 1, 8192)
+    tri = preset_label("triton")
+    times = {"a + b + c": (90.0, True), tri: (99.0, True)}
+    row = grid_row(p, times, {"vllm": 105.0, "sglang": 120.0})
+    assert row[:4] == ["c4a", "1 @ 8192", "a + b + c", 90.0]
+    assert row[4] == 99.0 and row[5] == pytest.approx(1.1) and row[8] == pytest.approx(90 / 105) and row[9] is True
+    assert faster({"vllm": 105.0, "sglang": 100.0}) == ("sglang", 100.0)
+    assert grid_row(p, {"a + b + c": (90.0, False)}, {"vllm": 105.0})[4:6] == [None, None]
+    assert grid_row(p, {"a + b + c": (90.0, False)}, {"vllm": 105.0})[9] is False
+
+
+def test_the_grid_refuses_what_it_cannot_compare():
+    with pytest.raises(ValueError, match="publish DSV4-Flash and DSV4-Pro only"):
+        bench_grid(dsv4.compose(["model=dsv4_tiny"], running=False))
+    with pytest.raises(ValueError, match="none of the backends"):
+        bench_grid(dsv4.compose(["deployment=cpu"], running=False), labels=["no + such + backend"])
