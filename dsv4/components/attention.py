@@ -9,6 +9,7 @@ so a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +67,9 @@ class DSV4Attention(torch.nn.Module):
         self.compressor, self.indexer = compressor, indexer
         self.dtype, self.eps = torch_dtype(dtype), spec.rms_norm_eps
         dev = device.torch_device
-        # the compressors' branch runs on its own stream beside the query path (`_Branch`)
-        self.side_stream = torch.cuda.Stream(dev) if overlap and torch.device(dev).type == "cuda" and ratio > 1 else None
+        # the compressors' branch runs on the device's side stream beside the query path (`_Branch`)
+        self.side_stream = side_stream(str(torch.device(dev))) if overlap and torch.device(dev).type == "cuda" \
+            and ratio > 1 else None
         self.mqa_prepared = mqa_kernel.prepare(device=device)
         self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype)
         fp8 = fp8 or {}
@@ -186,6 +188,13 @@ class DSV4Attention(torch.nn.Module):
         z = self.o_proj(out if self.padded_heads == H else out[:, :H], rot, prepared=self.o_proj_prepared)
         y = lin(z if z.dtype == self.dtype else z.to(self.dtype), self.out_proj)
         return LayerStepResult(out=y, topk=topk, faults=faults)
+
+
+@functools.cache
+def side_stream(device: str):
+    """The side stream of a GPU, shared by all its layers: the caching allocator keeps the blocks freed on
+    a stream for that stream, so a stream per layer would hold a step's branch buffers once per layer."""
+    return torch.cuda.Stream(device)
 
 
 class _Branch:
