@@ -38,19 +38,24 @@ def main() -> None:
     ap.add_argument("--tp-sizes", nargs="*", type=int, default=None, help="the padding table's (default: 1 2 4 8)")
     ap.add_argument("--grid", choices=["peers"], default=None,
                     help="peers: the points where vLLM and SGLang publish (dsv4/benches/peers.py) instead of --cases")
-    ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
+    ap.add_argument("overrides", nargs="*", default=[], help="Hydra overrides (deployment=h200 unless one is given)")
     a = ap.parse_args()
     # Hydra overrides written after a list option (`--backends X model=dsv4_pro`) land in that list: move them
     for key in ("backends", "indexers", "layer_types"):
         given = getattr(a, key) or []
         a.overrides += [x for x in given if "=" in x]
         setattr(a, key, [x for x in given if "=" not in x] or (None if getattr(a, key) is None else []))
+    if not any(o.startswith("deployment=") for o in a.overrides):
+        a.overrides.insert(0, "deployment=h200")
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
-        job = make_job(compose(config_name="config", overrides=a.overrides or ["deployment=h200"]))
+        job = make_job(compose(config_name="config", overrides=a.overrides))
     if a.grid:
-        print(bench_grid(job, labels=a.backends, modes=("decode",) if a.no_prefill else ("decode", "prefill"),
-                         **({"layer_types": a.layer_types} if a.layer_types else {}),
-                         echo=lambda line: print("  row:", line, flush=True)))
+        try:
+            print(bench_grid(job, labels=a.backends, modes=("decode",) if a.no_prefill else ("decode", "prefill"),
+                             **({"layer_types": a.layer_types} if a.layer_types else {}),
+                             echo=lambda line: print("  row:", line, flush=True)))
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
         return
     if a.padding:
         for step in a.cases:

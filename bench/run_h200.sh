@@ -8,8 +8,9 @@ export PYTHONUNBUFFERED=1
 stage() { local name=$1 limit=$2; shift 2; echo "### $name: $*"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1;
           echo "### $name exit $?"; grep -v "^  row:" "$OUT/$name.log" | tail -n 70; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv
-stage layer_table 400 python3 bench/layer_table.py --cases 64x2@8192 64x2@65536 128x1@8192 \
-  --backends "flashmla_sparse + deepgemm_fp8" "triton_sparse + triton_fp8"
+FLASHMLA="flashmla_sparse + deepgemm_fp8 + deepgemm_triton_fp8"; TRITON="triton_sparse + reference + triton_fp8"
+stage grid_flash 400 python3 bench/layer_table.py --grid peers --backends "$FLASHMLA" "$TRITON"
+stage grid_pro 400 python3 bench/layer_table.py --grid peers --backends "$FLASHMLA" "$TRITON" model=dsv4_pro
 stage gpu_tests_layer 330 python3 -m pytest -q -m gpu --maxfail=12 --tb=short -p no:cacheprovider \
   tests/test_gpu_layer.py tests/test_launch.py
 stage gpu_tests_kernels 330 python3 -m pytest -q -m gpu --maxfail=12 --tb=short -p no:cacheprovider \

@@ -40,8 +40,19 @@ def test_a_row_sets_the_fastest_backend_beside_the_faster_engine():
     assert grid_row(p, {"a + b + c": (90.0, False)}, {"vllm": 105.0})[9] is False
 
 
-def test_the_grid_refuses_what_it_cannot_compare():
+def test_the_grid_refuses_what_it_cannot_compare(monkeypatch):
+    """Before any work: a model the engines do not publish, a deployment this machine is not, backends
+    that do not run here."""
+    import dsv4.benches.grid as grid_mod
+    from dsv4.benches.layer import Backend
+
     with pytest.raises(ValueError, match="publish DSV4-Flash and DSV4-Pro only"):
         bench_grid(dsv4.compose(["model=dsv4_tiny"], running=False))
-    with pytest.raises(ValueError, match="none of the backends"):
-        bench_grid(dsv4.compose(["deployment=cpu"], running=False), labels=["no + such + backend"])
+    h200 = dsv4.compose(["deployment=h200"], running=False)
+    if grid_mod.local_platform() != "cuda":
+        with pytest.raises(ValueError, match="this machine's platform is"):
+            bench_grid(h200)
+    monkeypatch.setattr(grid_mod, "local_platform", lambda: "cuda")
+    monkeypatch.setattr(grid_mod, "backends", lambda job: [Backend(label="a + b + c", combo=None)])
+    with pytest.raises(ValueError, match=r"none of the backends \['no \+ such'\] runs here; these do: \['a \+ b \+ c'\]"):
+        bench_grid(h200, labels=["no + such"])

@@ -10,6 +10,7 @@ import torch
 from dsv4.benches.layer import backends, prefill_row, replayed_step
 from dsv4.benches.peers import LAYER_TYPES, Point, faster, grid, published
 from dsv4.catalogue import backend_presets
+from dsv4.device import local_platform
 from dsv4.report import table
 
 HEADERS = ["layer", "step", "fastest backend", "ours µs", "triton preset µs", "triton / ours", "vLLM µs",
@@ -46,9 +47,13 @@ def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "p
     if spec.name not in {p.model for p in figures}:
         raise ValueError(f"model={spec.name}: the engines publish DSV4-Flash and DSV4-Pro only "
                          f"(model=dsv4_flash or model=dsv4_pro)")
-    runs = [b for b in backends(job) if labels is None or b.label in labels]
+    if job.device.platform != local_platform():
+        raise ValueError(f"the grid times GPU steps: the deployment describes {job.device.describe()} and this "
+                         f"machine's platform is {local_platform()}")
+    here = backends(job)
+    runs = [b for b in here if labels is None or b.label in labels]
     if not runs:
-        raise ValueError(f"none of the backends {labels} runs here; these do: {[b.label for b in backends(job)]}")
+        raise ValueError(f"none of the backends {labels} runs here; these do: {[b.label for b in here]}")
     first = {lt: next(l for l in spec.one_layer_per_type() if spec.layer_type(l) == lt) for lt in layer_types}
     rows = []
     for p in grid(spec.name, layer_types):
