@@ -38,6 +38,8 @@ def test_a_row_sets_the_fastest_backend_beside_the_faster_engine():
     assert faster({"vllm": 105.0, "sglang": 100.0}) == ("sglang", 100.0)
     assert grid_row(p, {"a + b + c": (90.0, False)}, {"vllm": 105.0})[4:6] == [None, None]
     assert grid_row(p, {"a + b + c": (90.0, False)}, {"vllm": 105.0})[9] is False
+    assert grid_row(Point("dsv4_flash", "c4a", "prefill", 1, 8192, 0), {"a + b + c": (6e3, None)},
+                    {"vllm": 7e3})[9] is None          # a prefill runs eagerly: nothing compared
 
 
 def test_the_grid_refuses_what_it_cannot_compare(monkeypatch):

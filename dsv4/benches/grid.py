@@ -23,20 +23,21 @@ def preset_label(preset: str) -> str:
     return f"{chosen['mqa_kernel']} + {chosen['o_proj']} + {chosen['linear']}"
 
 
-def time_point(job, backend, layer: int, p: Point) -> tuple[float, bool]:
-    """µs of `backend` at point p (prefill: eager, so nothing to compare), and whether replay equals eager."""
+def time_point(job, backend, layer: int, p: Point) -> tuple[float, bool | None]:
+    """µs of `backend` at point p, and whether replay equals eager (None for a prefill: it runs eagerly)."""
     if p.mode == "prefill":
-        return prefill_row(job, backend, layer, tokens=p.tokens)[3] * 1e3, True
+        return prefill_row(job, backend, layer, tokens=p.tokens)[3] * 1e3, None
     return replayed_step(job, backend, layer, p.requests, 1, p.context)
 
 
-def grid_row(p: Point, times: dict[str, tuple[float, bool]], figures: dict[str, float]) -> list:
+def grid_row(p: Point, times: dict[str, tuple[float, bool | None]], figures: dict[str, float]) -> list:
     best = min(times, key=lambda label: times[label][0])
+    checked = [same for _, same in times.values() if same is not None]
     ours = times[best][0]
     tri = times.get(preset_label("triton"), (None,))[0]
     _, peer = faster(figures)
     return [p.layer, p.label(), best, ours, tri, None if tri is None else tri / ours, figures.get("vllm"),
-            figures.get("sglang"), ours / peer, all(same for _, same in times.values())]
+            figures.get("sglang"), ours / peer, all(checked) if checked else None]
 
 
 def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "prefill"), echo=None) -> str:
