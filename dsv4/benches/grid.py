@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.benches.layer import backends, prefill_row, replayed_step
+from dsv4.benches.layer import backends, prefill_row, replayed_step, row_label
 from dsv4.benches.peers import LAYER_TYPES, Point, faster, grid, published
 from dsv4.catalogue import backend_presets
 from dsv4.device import local_platform
@@ -20,7 +20,7 @@ HEADERS = ["layer", "step", "fastest backend", "ours µs", "triton preset µs", 
 def preset_label(preset: str) -> str:
     """A backend preset's row label in the layer tables ('mqa_kernel + o_proj + linear')."""
     chosen = backend_presets()[preset]
-    return f"{chosen['mqa_kernel']} + {chosen['o_proj']} + {chosen['linear']}"
+    return row_label(chosen["mqa_kernel"], chosen["o_proj"], chosen["linear"])
 
 
 def time_point(job, backend, layer: int, p: Point) -> tuple[float, bool | None]:

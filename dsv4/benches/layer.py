@@ -179,6 +179,11 @@ LINEAR_SWAPS = {"flashmla": ("deepgemm_fp8", "triton_fp8", "reference"), "flashi
                 "triton": ("reference",)}
 
 
+def row_label(mqa_kernel: str, o_proj: str, linear: str) -> str:
+    """A backend's row label in the layer tables."""
+    return f"{mqa_kernel} + {o_proj} + {linear}"
+
+
 def backends(job) -> list[Backend]:
     """The shipped backend presets (catalogue.backend_presets) whose kernel is not the reference and that
     check() accepts on this machine, each as (label 'mqa_kernel + o_proj + linear', combination) with the
@@ -198,7 +203,7 @@ def backends(job) -> list[Backend]:
                     "o_proj": option("o_proj", o), "linear": option("linear", lin)}
                 c = replace(job.combo, **groups, dtype="bfloat16", tp_size=1, world_size=None)
                 if not check(c, job.device, here=local_platform()):
-                    out.append(Backend(label=f"{chosen['mqa_kernel']} + {o} + {lin}", combo=c))
+                    out.append(Backend(label=row_label(chosen["mqa_kernel"], o, lin), combo=c))
     return out
 
 
@@ -231,11 +236,11 @@ def engine_for(job, backend: Backend, layers, *, nreq: int, tokens: int, context
 def replayed_step(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int) -> tuple[float, bool]:
     """The second layer of `layer`'s type replayed (µs, median) and whether that replay's output equals the
     eager forward's bit for bit: a decode row without its eager timing and components."""
-    return decode_row(job, backend, layer, nreq, tokens, context, parts=False)
+    return decode_row(job, backend, layer, nreq, tokens, context, full=False)
 
 
-def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int, *, parts: bool = True):
-    """The decode table's row for one step and the step's components timed alone; with parts=False only
+def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int, *, full: bool = True):
+    """The decode table's row for one step and the step's components timed alone; with full=False only
     (replay µs, replay == eager)."""
     first, second = two_of_type(job.spec, layer)
     eng = engine_for(job, backend, (first, second), nreq=nreq, tokens=tokens, context=context, graphs=True)
@@ -252,18 +257,18 @@ def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, contex
     module, plan, caches = eng.layers[second][0], cap.plans[0], eng.pools[0].layers[second]
     replayed = res.outputs[second].clone()
     step_us = replay_us(cap.layer_graphs[(second, 0)].replay)
-    first_us = replay_us(cap.layer_graphs[(first, 0)].replay)     # + the type's per-step kernel plan
-    plan_us = replay_us(cap.plan_graph.replay)
     x = cap.x
     eager_plan = replace(plan, kernel_plans={})                   # its own kernel plan, made eagerly
     eng.kernel_plans(eager_plan, 0, fresh=True)
     eng.layers[first][0](x, eager_plan, eng.pools[0].layers[first])
     eager_out = module(x, eager_plan, caches).out[:T].float()
     same = torch.equal(eager_out, replayed)
-    if not parts:
+    if not full:
         del eng
         torch.cuda.empty_cache()
         return step_us, same
+    first_us = replay_us(cap.layer_graphs[(first, 0)].replay)     # + the type's per-step kernel plan
+    plan_us = replay_us(cap.plan_graph.replay)
     # host-bound, so timed EAGER_ROUNDS times (the host's speed drifts more than the GPU's), the medians kept
     timed = [eager_us(lambda: module(x, eager_plan, caches)) for _ in range(EAGER_ROUNDS)]
     eager, host = statistics.median(t for t, _ in timed), statistics.median(h for _, h in timed)

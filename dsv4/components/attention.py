@@ -9,6 +9,7 @@ so a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -68,8 +69,8 @@ class DSV4Attention(torch.nn.Module):
         self.dtype, self.eps = torch_dtype(dtype), spec.rms_norm_eps
         dev = device.torch_device
         # the compressors' branch runs on the device's side stream beside the query path (`_Branch`)
-        self.side_stream = side_stream(str(torch.device(dev))) if overlap and torch.device(dev).type == "cuda" \
-            and ratio > 1 else None
+        on_gpu = torch.device(dev).type == "cuda"
+        self.side_stream = side_stream(str(torch.device(dev))) if overlap and on_gpu and ratio > 1 else None
         self.mqa_prepared = mqa_kernel.prepare(device=device)
         self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype)
         fp8 = fp8 or {}
@@ -209,8 +210,6 @@ class _Branch:
         self.stream, self.main, self.event, self.open = stream, None, None, False
 
     def side(self):
-        import contextlib
-
         if self.stream is None:
             return contextlib.nullcontext()
         if not self.open:

@@ -80,13 +80,16 @@ def deepgemm_product(x, prepared: Fp8Linear, out_dtype=None):
     return y if out_dtype in (None, torch.bfloat16) else y.to(out_dtype)
 
 
-DEEPGEMM_MODULES = (("triton", "triton"), ("deep_gemm", "sgl-deep-gemm"))
-
-
 def fp8_needs(*, platforms=(), archs=(), modules=(), dtypes=()) -> Needs:
     """Every fp8 option: each projection's N and K (per rank) in whole 128x128 blocks."""
     return Needs(platforms=frozenset(platforms), archs=frozenset(archs), modules=tuple(modules),
                  dtypes=frozenset(dtypes), projection_multiple=BLOCK)
+
+
+def deepgemm_needs() -> Needs:
+    """What an option multiplying through DeepGEMM needs (the activation quantized by our Triton kernel)."""
+    return fp8_needs(platforms={"cuda"}, archs={"sm90", "sm100"},
+                     modules=(("triton", "triton"), ("deep_gemm", "sgl-deep-gemm")), dtypes={"bfloat16"})
 
 
 def mm_f32(x, w):

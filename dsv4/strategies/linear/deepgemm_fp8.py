@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dsv4.formats.fp8_blocks import LinearNumerics
-from dsv4.strategies.linear.common import DEEPGEMM_MODULES, Fp8Linear, deepgemm_product, fp8_blocks, fp8_needs
+from dsv4.strategies.linear.common import Fp8Linear, deepgemm_needs, deepgemm_product, fp8_blocks
 from dsv4.strategies.protocols import LinearWeight, Needs
 
 
@@ -22,7 +22,7 @@ class DeepGemmFp8Linear:
     fp8_input: ClassVar[bool] = True
 
     def needs(self, device) -> Needs:
-        return fp8_needs(platforms={"cuda"}, archs={"sm90", "sm100"}, modules=DEEPGEMM_MODULES, dtypes={"bfloat16"})
+        return deepgemm_needs()
 
     def prepare(self, weight: LinearWeight, *, device, dtype: str) -> Fp8Linear:
         return fp8_blocks(weight, device)

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.settings import at_least
-from dsv4.strategies.linear.common import (DEEPGEMM_MODULES, Fp8Linear, deepgemm_product, fp8_needs, triton_blocks,
+from dsv4.strategies.linear.common import (Fp8Linear, deepgemm_needs, deepgemm_product, triton_blocks,
                                            triton_product)
 from dsv4.strategies.protocols import LinearWeight, Needs
 
@@ -26,7 +26,7 @@ class DeepGemmTritonFp8Linear:
     fp8_input: ClassVar[bool] = True
 
     def needs(self, device) -> Needs:
-        return fp8_needs(platforms={"cuda"}, archs={"sm90", "sm100"}, modules=DEEPGEMM_MODULES, dtypes={"bfloat16"})
+        return deepgemm_needs()
 
     def prepare(self, weight: LinearWeight, *, device, dtype: str) -> Fp8Linear:
         """The blocks as `triton_fp8` prepares them (with its counters and target); DeepGEMM reads the same
