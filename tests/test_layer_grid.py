@@ -56,5 +56,6 @@ def test_the_grid_refuses_what_it_cannot_compare(monkeypatch):
             bench_grid(h200)
     monkeypatch.setattr(grid_mod, "local_platform", lambda: "cuda")
     monkeypatch.setattr(grid_mod, "backends", lambda job: [Backend(label="a + b + c", combo=None)])
-    with pytest.raises(ValueError, match=r"none of the backends \['no \+ such'\] runs here; these do: \['a \+ b \+ c'\]"):
+    wanted = r"none of the backends \['no \+ such'\] runs here; these do: \['a \+ b \+ c'\]"
+    with pytest.raises(ValueError, match=wanted):
         bench_grid(h200, labels=["no + such"])
