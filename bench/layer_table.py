@@ -5,6 +5,7 @@
   python bench/layer_table.py --cases 64x2@131072 --layer-types c4a --indexers deepgemm_fp8 mxfp4 --no-prefill
   python bench/layer_table.py --padding --tp-sizes 8 --cases 256x2@8192     # the head-padding table at that step
   python bench/layer_table.py --grid peers [model=dsv4_pro]   # every point the engines publish, beside their figures
+  python bench/layer_table.py --grid peers --no-decode        # its prefill points only
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("--indexers", nargs="*", default=None, help="indexer options for the ratio-4 layer, e.g. mxfp4")
     ap.add_argument("--layer-types", nargs="*", default=None, help="e.g. c4a (default: swa c4a c128a)")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--no-decode", action="store_true", help="with --grid: its prefill points only")
     ap.add_argument("--padding", action="store_true", help="mode=bench's head-padding table at each case instead")
     ap.add_argument("--tp-sizes", nargs="*", type=int, default=None, help="the padding table's (default: 1 2 4 8)")
     ap.add_argument("--grid", choices=["peers"], default=None,
@@ -51,7 +53,8 @@ def main() -> None:
         job = make_job(compose(config_name="config", overrides=a.overrides))
     if a.grid:
         try:
-            print(bench_grid(job, labels=a.backends, modes=("decode",) if a.no_prefill else ("decode", "prefill"),
+            modes = tuple(m for m, off in (("decode", a.no_decode), ("prefill", a.no_prefill)) if not off)
+            print(bench_grid(job, labels=a.backends, modes=modes,
                              **({"layer_types": a.layer_types} if a.layer_types else {}),
                              echo=lambda line: print("  row:", line, flush=True)))
         except ValueError as e:

@@ -124,8 +124,9 @@ def test_matrix_covers_every_preset_swap_and_device():
                                                                                         "o_proj=deepgemm_fp8"]
     # fp8 projections: our Triton product on NVIDIA sm89+, refused elsewhere; the float ones run anywhere
     assert golden["verdicts"]["backend=triton"]["sm90"] == "ok"
-    assert golden["verdicts"]["backend=triton"]["sm80"] == ["linear=triton_fp8"]
-    assert golden["verdicts"]["backend=triton linear=reference"]["sm80"] == "ok"
+    assert golden["verdicts"]["backend=triton"]["sm80"] == ["linear=triton_fp8", "o_proj=triton_fp8"]
+    assert golden["verdicts"]["backend=triton linear=reference"]["sm80"] == ["o_proj=triton_fp8"]
+    assert golden["verdicts"]["backend=triton o_proj=reference"]["sm80"] == ["linear=triton_fp8"]
     assert golden["verdicts"]["backend=reference linear=fp8_sim"] == {k: "ok" for k in DEVICES}
     assert golden["verdicts"]["backend=flashmla"]["gfx942"] != "ok"
     # FlashInfer's top-k: CUDA only, refused as its own choice; with the FlashMLA preset it runs on sm90

@@ -80,14 +80,25 @@ def test_plan_spreads_few_rows_over_the_processors():
     h200 = replace(target_of(torch.device(DEVICE)), processors=132)
     wo_b = plan(1, 4096, 8192, h200)                      # 64 tiles of 64 columns: K split 8 ways, 512 programs
     assert (wo_b.block_m, wo_b.block_n, wo_b.split, wo_b.quantize_first) == (16, 64, 8, False)
-    step = plan(64, 4096, 8192, h200)                     # the same split at any row count up to 128
-    assert step.split == 8 and step.quantize_first        # 64 rows: quantized once, by its own launch
     assert plan(1, 40960, 1024, h200).split == 1          # 640 tiles fill the GPU
     assert plan(1, 1536, 4096, h200).split == 8           # 24 tiles; each part at least 4 of K's 32 blocks
+    sm90 = replace(h200, arch="sm90")
+    # more rows: quantized once by its own launch; K's parts bring the programs nearest to one per SM
+    x_proj = [plan(m, 1536, 4096, sm90) for m in (32, 64, 128, 256)]
+    assert [(p.block_m, p.block_n, p.split) for p in x_proj] == [(32, 64, 4), (64, 64, 4), (64, 64, 2), (64, 64, 1)]
+    assert all(p.quantize_first for p in x_proj)
+    assert (plan(64, 4096, 8192, sm90).block_n, plan(64, 4096, 8192, sm90).split) == (128, 4)   # 32 tiles
+    q_proj = plan(128, 40960, 1024, sm90)                 # 640 128x64 tiles: no split
+    assert (q_proj.block_m, q_proj.block_n, q_proj.split) == (128, 64, 1)
     assert plan(8192, 4096, 8192, h200) == plan(8192, 4096, 8192, h200) and plan(8192, 4096, 8192, h200).split == 1
+    assert (plan(512, 32768, 1024, sm90).block_n, plan(512, 32768, 1024, sm90).split) == (256, 1)   # 1024 tiles
+    wkv = plan(512, 512, 4096, sm90)                      # 16 wide tiles would leave 116 SMs idle
+    assert (wkv.block_m, wkv.block_n, wkv.split, wkv.quantize_first) == (64, 128, 8, True)
+    assert plan(512, 384, 4096, sm90).block_n == 128      # 384 columns are not whole 256-column tiles
+    assert plan(2048, 512, 4096, sm90).split == 4 and plan(8192, 512, 4096, sm90).split == 1
 
 
-@pytest.mark.parametrize("M", [1, 20, 64])
+@pytest.mark.parametrize("M", [1, 20, 64, 200])
 def test_split_products_add_their_parts_and_leave_the_counters_zeroed(M):
     """K's blocks over several programs per tile: the tile's last program adds the parts; the counters are
     zero again after each call, so the next call (a graph replay) starts afresh."""

@@ -13,7 +13,8 @@ Beside it, in the same process:
   layer's glue (norms, RoPE, compressors, cache writes, index lists) and the gaps between kernels cost;
 - floor: the bytes the step must move (its weights as stored, the KV rows and indexer keys it reads)
   at the card's measured copy bandwidth.
-Replay and eager outputs are compared bit for bit. A prefill of one 8192-token request is timed eagerly.
+Replay and eager outputs are compared bit for bit. A prefill of one 8192-token request is timed eagerly, on the
+second layer of its type too.
 """
 from __future__ import annotations
 
@@ -169,11 +170,11 @@ class Backend:
     combo: Any
 
 
-# besides each backend preset as it ships, its kernel with these projections too: the fp8 projection in
-# Triton behind our Triton kernel, as configs/backend/triton.yaml suggests on sm89+; and every preset whose
-# dense projections are fp8 (`linear`) with them in bf16 too (linear=reference, the preset's own o_proj),
-# timed in the same run
-O_PROJ_SWAPS = {"triton": ("triton_fp8",)}
+# besides each backend preset as it ships, its kernel with these output projections too: the triton preset's
+# with the float o_proj its configs/backend/triton.yaml names for GPUs without fp8 products; and every preset
+# whose dense projections are fp8 (`linear`) with them in bf16 too (linear=reference, the preset's own
+# o_proj), timed in the same run
+O_PROJ_SWAPS = {"triton": ("reference",)}
 # each preset's rows also with these dense projections: float, and the fp8 options its own is made of
 LINEAR_SWAPS = {"flashmla": ("deepgemm_fp8", "triton_fp8", "reference"), "flashinfer": ("reference",),
                 "triton": ("reference",)}
@@ -282,15 +283,18 @@ def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, contex
 
 
 def prefill_row(job, backend: Backend, layer: int, tokens: int = PREFILL_TOKENS) -> list:
-    """One request of `tokens` tokens through the layer, eagerly (after one warm-up request)."""
-    eng = engine_for(job, backend, (layer,), nreq=1, tokens=tokens, context=0, graphs=False)
-    hidden = torch.randn(tokens, job.spec.hidden_size, generator=torch.Generator().manual_seed(5))
+    """One request of `tokens` tokens through the second layer of `layer`'s type, eagerly (after one warm-up
+    request): as in the decode rows, the type's per-step kernel plan is made by the first layer, once a step
+    in a model."""
+    first, second = two_of_type(job.spec, layer)
+    eng = engine_for(job, backend, (first, second), nreq=1, tokens=tokens, context=0, graphs=False)
+    hidden = torch.randn(tokens, job.spec.hidden_size, generator=torch.Generator().manual_seed(5)).to(eng.device)
     pos = torch.arange(tokens)
     times = []
     for rid in range(3):
         eng.add_request(rid)
         out = eng.step(hidden, pos, [rid] * tokens, timer=CudaTimer())
-        times.append(out.seconds[layer])
+        times.append(out.seconds[second])
         eng.release(rid)
     us = statistics.median(times[1:]) * 1e6
     del eng

@@ -12,13 +12,15 @@ a decode step's projection is one launch; above that `act_quant_fp8` quantizes t
 every column program would redo it.
 
 `plan` picks the launch from the step's rows: up to SMALL_M rows the weight's bytes are the cost, so K's
-blocks are split over as many programs per output tile as give every SM two programs; each writes its
-float32 partial sums and the tile's last program to arrive adds them in split order (the same sums
-whichever arrives last) and stores the tile. More rows take 64x256 tiles over the whole of K (64x128 on
-GPUs with ~100 KB of shared memory a program). Under TRITON_INTERPRET=1 (the CPU tests) the e4m3 rounding
-is written out in float32 arithmetic (the interpreter's own conversion does not round to nearest), the
-dots take the e4m3 values widened to float32 (the products the tensor cores form exactly) and the result
-is stored as float32 and rounded by torch: the interpreter's float32 -> bf16 conversion truncates.
+blocks are split over several programs per output tile until the GPU is full; each writes its float32
+partial sums and the tile's last program to arrive adds them in split order (the same sums whichever
+arrives last) and stores the tile. More rows take 64x256 tiles over the whole of K (64x128 on GPUs with
+~100 KB of shared memory a program), split over K too where that many tiles would leave SMs idle.
+
+Under TRITON_INTERPRET=1 (the CPU tests) the e4m3 rounding is written out in float32 arithmetic (the
+interpreter's own conversion does not round to nearest), the dots take the e4m3 values widened to float32
+(the products the tensor cores form exactly) and the result is stored as float32 and rounded by torch: the
+interpreter's float32 -> bf16 conversion truncates.
 """
 from __future__ import annotations
 
@@ -131,48 +133,77 @@ class LinearLaunch:
 
 
 FEW_ROWS = 16                # up to this many rows the activation is quantized inside the product
-SMALL_M = 128                # up to this many rows a product reads its weight about once: bandwidth-bound
+SMALL_M = 256                # up to this many rows a product reads its weight about once: bandwidth-bound
+WIDE_N = 4096                # from this many columns 128-column tiles (fewer, longer programs) win up to SMALL_M rows
 BIG_SHARED = frozenset({"sm90", "sm100", "sm103"})    # ~227 KB of shared memory a program: 64x256 tiles, 4 stages
 
 
 @functools.lru_cache(maxsize=1024)
 def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
-    """The launch for an [M, K] x [N, K]ᵀ product (bench/tune_triton.py linear, docs/benchmarks.md). Up to
-    SMALL_M rows the weight bytes are the cost: K is split into as many parts as give every SM about two
-    programs (from N and K alone, so the parts are the same at any row count up to SMALL_M); up to FEW_ROWS
-    rows each program quantizes its activation tile itself (no launch before it), above that a program's
-    share of the quantizing outweighs a launch. More rows: 64x256 tiles over the whole of K (64x128 on GPUs
-    with ~100 KB of shared memory a program)."""
+    """The launch for an [M, K] x [N, K]ᵀ product (bench/tune_triton.py linear, docs/benchmarks.md).
+
+    Up to FEW_ROWS rows: 16-row tiles, each program quantizing its activation tile itself (no launch before
+    it), K split into as many parts as give every SM about two programs. Up to SMALL_M rows the weight's
+    bytes are still the cost: 32- or 64-row tiles of 64 columns (128 from WIDE_N), the activation quantized
+    by its own launch (a program's share of the quantizing would outweigh it), K split into the parts that
+    bring the programs nearest to one per SM (more parts only add partial sums to write and read); a
+    product with a tile per SM already takes 128x64 tiles from 128 rows. More
+    rows: 64x256 tiles over the whole of K (64x128 on GPUs with ~100 KB of shared memory a program), or --
+    where those tiles would leave SMs idle -- 64x128 tiles with K split to fill them. The choices are the
+    fastest of a sweep on the H200 at DSV4-Flash's and DSV4-Pro's products (docs/benchmarks.md)."""
+    big = target.arch in BIG_SHARED
+    stages = 4 if big else 3
     if M > SMALL_M:
-        big = target.arch in BIG_SHARED
-        return LinearLaunch(block_m=64, block_n=256 if big else 128, split=1, num_warps=8 if big else 4,
-                            num_stages=4 if big else 3, quantize_first=True)
-    few = M <= FEW_ROWS
-    bm = 16 if few else 64
-    bn = 128 if N // 128 >= target.processors else (64 if N % 64 == 0 and N // 64 >= 8 else 32)
-    return LinearLaunch(block_m=bm, block_n=bn, split=split_for(N // bn, K // BLOCK, target), num_warps=4,
-                        num_stages=4, quantize_first=not few)
+        wide = big and N % 256 == 0
+        if cdiv(M, 64) * (N // (256 if wide else 128)) >= target.processors:
+            return LinearLaunch(block_m=64, block_n=256 if wide else 128, split=1, num_warps=8 if wide else 4,
+                                num_stages=stages, quantize_first=True)
+        tiles = cdiv(M, 64) * (N // 128)
+        split = split_for(tiles, K // BLOCK, 2 * target.processors) if tiles <= counter_slots(N) else 1
+        return LinearLaunch(block_m=64, block_n=128, split=split, num_warps=4, num_stages=stages,
+                            quantize_first=True)
+    if M <= FEW_ROWS:
+        bn = 128 if N // 128 >= target.processors else (64 if N % 64 == 0 and N // 64 >= 8 else 32)
+        return LinearLaunch(block_m=16, block_n=bn, split=split_for(N // bn, K // BLOCK, 2 * target.processors),
+                            num_warps=4, num_stages=4, quantize_first=False)
+    bm = 32 if M <= 32 else 64
+    bn = 128 if N >= WIDE_N and N % 128 == 0 else 64 if N % 64 == 0 else 32
+    if M >= 128 and cdiv(M, 128) * (N // 64) >= target.processors and N % 64 == 0:
+        return LinearLaunch(block_m=128, block_n=64, split=1, num_warps=4, num_stages=stages, quantize_first=True)
+    tiles = cdiv(M, bm) * (N // bn)
+    split = nearest_split(tiles, K // BLOCK, target.processors)
+    return LinearLaunch(block_m=bm, block_n=bn, split=split, num_warps=4, num_stages=stages, quantize_first=True)
 
 
-def split_for(tiles: int, k_blocks: int, target: Target) -> int:
-    """The fewest parts of K's blocks (a divisor, each part at least 4 blocks) that give 2 programs per SM."""
-    want = 2 * target.processors
-    best = 1
-    for s in range(1, k_blocks + 1):
-        if k_blocks % s or k_blocks // s < 4:
-            continue
-        best = s
-        if tiles * s >= want:
-            break
-    return best
+def _splits(k_blocks: int):
+    """K's possible parts: the divisors of its blocks that leave each part at least 4 blocks."""
+    return [s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= 4] or [1]
+
+
+def nearest_split(tiles: int, k_blocks: int, want: int) -> int:
+    """The part count that brings tiles x parts nearest to `want` programs (by ratio, the fewer on a tie)."""
+    import math
+
+    return min(_splits(k_blocks), key=lambda s: (abs(math.log(tiles * s / want)), s))
+
+
+def split_for(tiles: int, k_blocks: int, want: int) -> int:
+    """The fewest parts of K's blocks (each at least 4 blocks) that give `want` programs, or the most there are."""
+    return next((s for s in _splits(k_blocks) if tiles * s >= want), _splits(k_blocks)[-1])
 
 
 def counters(N: int, device):
     """The per-tile arrival counters a split product needs, zeroed once (each call leaves them zeroed): for
-    any row count up to SMALL_M and any launch `plan` makes for N columns."""
+    any split launch `plan` makes for N columns."""
     import torch
 
-    return torch.zeros(cdiv(SMALL_M, 16) * cdiv(N, 32), dtype=torch.int32, device=device)
+    return torch.zeros(counter_slots(N), dtype=torch.int32, device=device)
+
+
+def counter_slots(N: int) -> int:
+    """How many per-tile counters a product of N columns keeps: room for the most tiles of any split launch
+    `plan` makes (tiles of at least 16x32 up to 32 rows, 64x64 up to SMALL_M, 64x128 up to 2048 rows)."""
+    return cdiv(SMALL_M, 32) * cdiv(N, 32)
 
 
 def _launch_params(p: LinearLaunch, **given) -> LinearLaunch:
