@@ -1,4 +1,4 @@
-"""A cache layout of one's own is its class and its YAML (README, "Adding a cache layout"). The layouts here
+"""A cache layout of one's own is its class and its YAML (docs/options.md §9.1). The layouts here
 are defined in this file and named by YAML files that a fixture writes into a folder of its own, put on
 Hydra's search path: no file of the package names them, and yet they compose, check() judges them by their
 row format (never by name), and a run through them matches the oracle, which rounds rows as they store them."""

@@ -1,14 +1,18 @@
 """The README's commands do what their comments say: each single-run `python run.py` line of "Using it"
 is composed and judged with `mode=check` (refused exactly where the comment says so), its Quick start
-block has the two commands CI runs, and it points at nothing outside the repository."""
+block has the two commands CI runs, its support matrix says what the golden compatibility matrix says, and
+it points at nothing outside the repository."""
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
 
 import pytest
 
+from dsv4 import catalogue
+from dsv4.strategies.indexer.top_k import TOP_K
 from tests.conftest import run_py
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -46,6 +50,49 @@ def test_a_using_it_command_is_judged_as_its_comment_says(tmp_path, args, commen
     assert r.returncode == (1 if refused else 0), r.stdout + r.stderr
     if refused:
         assert "fix:" in r.stderr and "Traceback" not in r.stderr
+
+
+# the support matrix's platforms (golden matrix device keys), and whether the tests and benches run there
+PLATFORMS = {"cpu": True, "sm90": True, "sm100": False, "sm120": False, "gfx942": False, "gfx950": False}
+
+
+def golden_support() -> dict[str, dict[str, str]]:
+    """{group=option: {platform: runs | checked only | refused}} from tests/golden/compat_matrix.json: an option
+    is accepted on a platform where some case that includes it (a backend preset as shipped, or with one
+    option swapped) is judged ok."""
+    golden = json.loads((Path(__file__).resolve().parent / "golden" / "compat_matrix.json").read_text())
+    presets = catalogue.backend_presets()
+    cells: dict[str, dict[str, str]] = {}
+    for case, verdicts in golden["verdicts"].items():
+        swapped = dict(part.split("=", 1) for part in case.split())
+        chosen = {**presets[swapped.pop("backend")], **swapped}
+        chosen.setdefault("indexer.top_k", catalogue.option("indexer", chosen["indexer"]).top_k)
+        for group, name in chosen.items():
+            row = cells.setdefault(f"{group}={name}", dict.fromkeys(PLATFORMS, "refused"))
+            for platform, run_here in PLATFORMS.items():
+                if verdicts[platform] == "ok":
+                    row[platform] = "runs" if run_here else "checked only"
+    return cells
+
+
+def readme_support() -> tuple[list[str], dict[str, dict[str, str]]]:
+    """(the platform keys of the header, {group=option: {platform: cell}}) of the README's support matrix."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in section("Support matrix").splitlines() if line.startswith("| ")]
+    platforms = [cell.split()[0] for cell in rows[0][1:]]
+    return platforms, {r[0].strip("`"): dict(zip(platforms, r[1:])) for r in rows[1:] if r[0].startswith("`")}
+
+
+def test_the_support_matrix_says_what_the_golden_matrix_says():
+    platforms, readme = readme_support()
+    golden = golden_support()
+    shipped = {f"{g}={o}" for g in catalogue.GROUPS for o in catalogue.options(g)} | {f"indexer.top_k={k}"
+                                                                                      for k in TOP_K}
+    assert platforms == list(PLATFORMS)
+    assert set(golden) == shipped and set(readme) == shipped, sorted(set(readme) ^ shipped)
+    wrong = [f"| `{key}` | " + " | ".join(golden[key].values()) + " |" for key in sorted(shipped)
+             if readme[key] != golden[key]]
+    assert not wrong, "README rows that differ from the golden matrix; they should read:\n" + "\n".join(wrong)
 
 
 def test_quick_start_has_the_install_and_test_commands():

@@ -2,7 +2,7 @@
 of: the sparse MQA kernels and the indexer's scoring kernel pick their decoding by it, `check()` matches a
 kernel's `Needs.row_formats` against it, the memory report and the oracle round rows by it, and the dump
 records its label. A cache layout is described by its format and read by nobody through its name, so a new
-layout is its class and its YAML (README, "Adding a cache layout")."""
+layout is its class and its YAML (docs/options.md §9.1)."""
 from __future__ import annotations
 
 import enum
