@@ -1,6 +1,7 @@
 """`mode=run`: build the workload's layers, run it through the paged caches, grade it with the oracle."""
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -53,9 +54,12 @@ def layer_names(spec, layers) -> dict[int, str]:
 
 
 def tensor_bytes(obj) -> int:
-    """Bytes of every tensor in obj (a tensor, or dicts / lists / tuples of them)."""
+    """Bytes of every tensor in obj (a tensor, or dicts / lists / tuples / dataclass values of them: a
+    strategy's prepared state)."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return sum(tensor_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):

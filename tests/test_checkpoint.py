@@ -288,7 +288,7 @@ def test_fp8_oproj_prepare_returns_the_stored_bytes_and_scales(monkeypatch, chec
             layer = build_layer(spec=sp, layer=1, weights=got.weights[1], rank=rank, tp_size=tp_size, strategies=st,
                                 device=dev, dtype="bfloat16", fp8=got.fp8[1])
             prep = layer.o_proj_prepared
-            wq, ws = prep["w"] if s.name == "deepgemm_fp8" else (prep["w"], prep["ws"])
+            wq, ws = prep.weight, prep.scale
             assert wq.dtype == torch.float8_e4m3fn and wq.shape == (G, r, K)
             assert torch.equal(wq.reshape(G * r, K).view(torch.uint8), q_file[rows].view(torch.uint8))
             assert ws.shape == (G, r // 128, K // 128)
@@ -348,7 +348,7 @@ def test_random_weights_keep_quantizing_at_build_time():
     g = torch.Generator().manual_seed(0)
     w = OProjWeights(wo_a=torch.randn(256, 1024, generator=g) / 32, groups=2)
     prep = DeepGemmFp8OProj().prepare(w, device=DeviceInfo(platform="cpu", arch="sm90"), dtype="bfloat16")
-    assert prep["w"][0].shape == (2, 128, 1024) and prep["w"][1].shape == (2, 1, 8)
+    assert prep.weight.shape == (2, 128, 1024) and prep.scale.shape == (2, 1, 8)
 
 
 # ---- reading only what the layer needs --------------------------------------------------------------

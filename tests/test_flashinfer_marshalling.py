@@ -696,7 +696,7 @@ def test_prepare_and_the_lazy_workspace(fake_flashinfer):
     for dev, mode in ((SM100, "trtllm_combined"), (SM103, "trtllm_combined"), (SM120, "sm120_two_pool"),
                       (SM121, "sm120_two_pool")):
         prep = k.prepare(device=dev)
-        assert prep["mode"] == mode and prep["workspace_bytes"] == 128 * 1024 * 1024
+        assert prep.mode == mode and prep.workspace_bytes == 128 * 1024 * 1024
     with pytest.raises(ValueError, match="sm100/sm103"):
         k.prepare(device=SM90)
     with pytest.raises(ValueError, match="prepare"):

@@ -139,6 +139,8 @@ def test_flashmla_adapter_through_the_contract_equals_reference(monkeypatch, arc
     assert calls[2]["sched"] is not calls[0]["sched"]
     k(q, kv, sink=sink, scale=512 ** -0.5, prepared=prep)           # no plan: a schedule of its own
     assert calls[3]["sched"] not in (calls[0]["sched"], calls[2]["sched"])
+    # the layer's page views: one per cache buffer, made by the first call and kept by the layer's memo
+    assert len(prep.pages.views) == (2 if extra_w else 1)
 
 
 def test_flashmla_prefill_gather_attends_what_the_reference_does(monkeypatch):

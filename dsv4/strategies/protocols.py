@@ -3,6 +3,12 @@
 Nothing here is subclassed: a strategy is any frozen, keyword-only dataclass with these members.
 Requirements are data (`Needs`), read by the one pure `dsv4.compat.check()`. torch is imported only
 for type checking, so `mode=check` never loads it.
+
+What a strategy's `prepare` returns (typed `Any` here) is the option's own frozen dataclass, defined
+beside it (or in its group's common module), or None where it keeps nothing: the layer holds it and
+hands it to every call unchanged. State a call keeps between calls has an owner of its own type inside
+it (e.g. flashmla_sparse's PageViews, the fp8 linears' arrival counters); the value is never rebuilt
+or added to after build.
 """
 from __future__ import annotations
 

@@ -184,6 +184,13 @@ def call_args(q, kv: SparseKV, *, sink, scale: float, fmt: str) -> dict[str, Any
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class AiterPrepared:
+    """A layer's choice for its device: the fp8 format its architecture's aiter reads (an FP8_FORMAT value),
+    which every call checks aiter's own fp8 type against."""
+    fp8_format: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class AiterSparseMQA:
     name: str = "aiter_sparse"
     error_budget: ClassVar[float] = 1e-2     # vs the oracle: bf16 probabilities
@@ -196,17 +203,17 @@ class AiterSparseMQA:
                      dtypes=frozenset({"bfloat16"}), modules=(("aiter", "amd-aiter"),), fp8_formats=fmts,
                      graphs=False)      # the attended rows are gathered by torch.unique, which reads sizes
 
-    def prepare(self, *, device) -> dict[str, Any]:
+    def prepare(self, *, device) -> AiterPrepared:
         fmt = FP8_FORMAT.get(device.arch)
         if fmt is None:
             raise ValueError(f"mqa_kernel=aiter_sparse runs on rocm/gfx942 or rocm/gfx950, not {device.describe()} "
                              "(check() refuses this); fix: mqa_kernel=reference")
-        return {"fp8_format": fmt}
+        return AiterPrepared(fp8_format=fmt)
 
     def plan(self, *, tokens: int, layer_type: str, previous=None) -> None:
         return None
 
-    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None, plan=None):
+    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared: AiterPrepared | None = None, plan=None):
         import importlib
 
         if prepared is None:
@@ -215,7 +222,7 @@ class AiterSparseMQA:
             return q.new_zeros(q.shape), None
         aiter = importlib.import_module("aiter")
         mla = importlib.import_module("aiter.mla")
-        fmt = prepared["fp8_format"]
+        fmt = prepared.fp8_format
         if format_of(aiter.dtypes.fp8) != fmt:
             raise ValueError(f"mqa_kernel=aiter_sparse was prepared for {TORCH_FP8[fmt]} caches, but aiter's fp8 "
                              f"type here is {aiter.dtypes.fp8}: the deployment's device.arch is not this GPU's")

@@ -219,6 +219,14 @@ def call_args(q, kv: SparseKV, *, sink, scale: float, mode: str, workspace, out=
     return args
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FlashInferPrepared:
+    """A layer's choices for its device: the argument form its architecture takes (a MODES value) and the
+    size of the workspace the plan allocates."""
+    mode: str
+    workspace_bytes: int
+
+
 @dataclass(slots=True)
 class FlashInferPlan:
     """The kernel's zeroed workspace, made once and handed from step to step."""
@@ -239,27 +247,28 @@ class FlashInferSparse:
                      modules=(("flashinfer", "flashinfer-python"),),
                      model_values=(("sliding_window", SWA_COLUMNS),))
 
-    def prepare(self, *, device) -> dict[str, Any]:
+    def prepare(self, *, device) -> FlashInferPrepared:
         mode = MODES.get(device.arch)
         if mode is None:
             raise ValueError(f"mqa_kernel=flashinfer_sparse runs on sm100/sm103 (TRTLLM-gen) or sm120/sm121, "
                              f"not {device.describe()} (check() refuses this); fix: mqa_kernel=reference")
-        return {"mode": mode, "workspace_bytes": WORKSPACE_BYTES}
+        return FlashInferPrepared(mode=mode, workspace_bytes=WORKSPACE_BYTES)
 
     def plan(self, *, tokens: int, layer_type: str, previous: "FlashInferPlan | None" = None) -> "FlashInferPlan":
         return previous if previous is not None else FlashInferPlan()
 
     @staticmethod
-    def workspace(plan: "FlashInferPlan | None", prepared: dict[str, Any], device):
+    def workspace(plan: "FlashInferPlan | None", prepared: FlashInferPrepared, device):
         """The zeroed workspace, made on first use and kept in the plan (every layer of every step)."""
         import torch
 
         plan = plan if plan is not None else FlashInferPlan()
         if plan.workspace is None:
-            plan.workspace = torch.zeros(prepared["workspace_bytes"], dtype=torch.int8, device=device)
+            plan.workspace = torch.zeros(prepared.workspace_bytes, dtype=torch.int8, device=device)
         return plan.workspace
 
-    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None, plan: "FlashInferPlan | None" = None):
+    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared: FlashInferPrepared | None = None,
+                 plan: "FlashInferPlan | None" = None):
         import importlib
 
         if prepared is None:
@@ -267,9 +276,9 @@ class FlashInferSparse:
         if q.shape[0] == 0:
             return q.new_zeros(q.shape), None
         decode = importlib.import_module("flashinfer.mla").trtllm_batch_decode_sparse_mla_dsv4
-        args = call_args(q, kv, sink=sink, scale=scale, mode=prepared["mode"],
+        args = call_args(q, kv, sink=sink, scale=scale, mode=prepared.mode,
                          workspace=self.workspace(plan, prepared, q.device))
         out = decode(**args)
-        if prepared["mode"] == "trtllm_combined":         # queries with no row read a placeholder: 0 instead
+        if prepared.mode == "trtllm_combined":         # queries with no row read a placeholder: 0 instead
             out.masked_fill_(no_rows(kv)[:, None, None], 0)
         return out.to(q.dtype), None                      # the API returns no log-sum-exp

@@ -8,7 +8,7 @@ tile-scheduler metadata is the strategy's per-step plan: made empty once per lay
 requires identical shapes and lengths, which layers of one type in one step have); so are the index
 lists the type's layers share, padded to the kernel's width (the SWA windows; ratio-128 layers' entries).
 In a CUDA graph the first layer's captured call recomputes both on every replay. The page views of a
-layer's caches are made once (kept in what `prepare` gave the layer). On sm90 the kernels are the
+layer's caches are made once, by the layer's `PageViews` (which `prepare` makes). On sm90 the kernels are the
 package's legacy ones.
 
 Prefill tokens go through the same decode kernel by default: it reads the fp8 pages in place, while
@@ -37,12 +37,26 @@ def _pad_width(idx):
     return pad_columns(idx, max(WIDTH_MULTIPLE, round_up(idx.shape[1], WIDTH_MULTIPLE)))
 
 
-def _pages(memo: dict, cache):
-    """fp8_ds_mla_pages(cache), made once per cache buffer (`memo`: the module's, by the buffer's identity)."""
-    hit = memo.get(id(cache.data))
-    if hit is None or hit[0] is not cache.data:
-        hit = memo[id(cache.data)] = (cache.data, fp8_ds_mla_pages(cache))
-    return hit[1]
+@dataclass(slots=True, eq=False)
+class PageViews:
+    """A layer's memo of its caches' page views (fp8_ds_mla_pages), each made once per cache buffer and kept
+    by the buffer's identity, so that no call of the layer makes them again."""
+    views: dict = field(default_factory=dict)       # id(buffer) -> (the buffer, its page view)
+
+    def of(self, cache):
+        """fp8_ds_mla_pages(cache), made by the first call that reads its buffer."""
+        hit = self.views.get(id(cache.data))
+        if hit is None or hit[0] is not cache.data:
+            hit = self.views[id(cache.data)] = (cache.data, fp8_ds_mla_pages(cache))
+        return hit[1]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FlashMLAPrepared:
+    """A layer's own state: whether the package's legacy kernels run (sm90), and the memo of its caches' page
+    views (made once per buffer, not per call)."""
+    use_legacy: bool
+    pages: PageViews = field(default_factory=PageViews, compare=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -73,15 +87,16 @@ class FlashMLASparse:
                      dtypes=frozenset({"bfloat16"}), modules=(("flash_mla", "sgl-flash-mla"),),
                      graphs=not self.prefill_gather_min_tokens)    # the gather path sizes its rows by torch.unique
 
-    def prepare(self, *, device) -> dict[str, Any]:
-        return {"use_legacy": device.arch == "sm90"}       # sm90 runs the package's legacy kernels
+    def prepare(self, *, device) -> FlashMLAPrepared:
+        return FlashMLAPrepared(use_legacy=device.arch == "sm90")       # sm90 runs the package's legacy kernels
 
     def plan(self, *, tokens: int, layer_type: str, previous=None) -> FlashMLAPlan:
         import flash_mla
 
         return FlashMLAPlan(sched=flash_mla.get_mla_metadata()[0])
 
-    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None, plan: FlashMLAPlan | None = None):
+    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared: FlashMLAPrepared | None = None,
+                 plan: FlashMLAPlan | None = None):
         if self.prefill_gather_min_tokens and q.shape[0] >= self.prefill_gather_min_tokens:
             return self._gather_prefill(q, kv, sink=sink, scale=scale, prepared=prepared)
         import flash_mla
@@ -89,25 +104,25 @@ class FlashMLASparse:
 
         from dsv4.kernels.launch import as_dense, as_f32
 
-        legacy = bool(prepared and prepared["use_legacy"])
+        legacy = prepared is not None and prepared.use_legacy
         T, H, D = q.shape
         if plan is None:                             # this call alone
             plan = FlashMLAPlan(sched=flash_mla.get_mla_metadata()[0])
-        pages = prepared.setdefault("pages", {}) if prepared is not None else {}
+        pages = prepared.pages if prepared is not None else PageViews()      # this call alone: views of its own
         extra = {}
         if kv.extra is not None:
-            extra = dict(extra_k_cache=_pages(pages, kv.extra),
+            extra = dict(extra_k_cache=pages.of(kv.extra),
                          extra_indices_in_kvcache=plan.padded("extra", kv.extra_indices),
                          extra_topk_length=as_dense(kv.extra_lens))
         qb = q if q.dtype == torch.bfloat16 else q.to(torch.bfloat16)
         out, lse = flash_mla.flash_mla_with_kvcache(
-            as_dense(qb).view(T, 1, H, D), _pages(pages, kv.swa), None, None, 512, plan.sched, softmax_scale=scale,
+            as_dense(qb).view(T, 1, H, D), pages.of(kv.swa), None, None, 512, plan.sched, softmax_scale=scale,
             is_fp8_kvcache=True, indices=plan.padded("swa", kv.swa_indices), attn_sink=as_f32(sink),
             topk_length=as_dense(kv.swa_lens), use_legacy=legacy, **extra)
         out = out.view(T, H, -1)
         return (out if out.dtype == q.dtype else out.to(q.dtype)), lse.view(T, H)
 
-    def _gather_prefill(self, q, kv: SparseKV, *, sink, scale: float, prepared=None):
+    def _gather_prefill(self, q, kv: SparseKV, *, sink, scale: float, prepared: FlashMLAPrepared | None = None):
         """Dequantize each referenced row once into a bf16 workspace, then flash_mla_sparse_fwd."""
         import flash_mla
         import torch
@@ -120,5 +135,5 @@ class FlashMLASparse:
         out, _, lse = flash_mla.flash_mla_sparse_fwd(
             q.to(torch.bfloat16).contiguous(), rows.unsqueeze(1), local.unsqueeze(1), scale, 512,
             attn_sink=sink.float().contiguous(), topk_length=lens,
-            use_legacy=bool(prepared and prepared["use_legacy"]))
+            use_legacy=prepared is not None and prepared.use_legacy)
         return out.to(q.dtype), lse

@@ -15,12 +15,15 @@ Prefill uses the same kernels.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
 from dsv4.kernels import TRITON_ARCHS
 from dsv4.kernels.sparse_plan import HOPPER_ARCHS, HOPPER_DTYPES, HOPPER_HEAD_DIM, VARIANTS
 from dsv4.strategies.protocols import Needs, SparseKV
+
+if TYPE_CHECKING:
+    from dsv4.kernels.target import Target
 
 
 READS = frozenset({BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ})       # the rows the kernels decode
@@ -64,7 +67,7 @@ class TritonSparseMQA:
                      fp8_formats=frozenset({"ocp", "fnuz"}),       # whichever the layout stores
                      model_values=(("head_dim", 512), ("qk_rope_head_dim", 64)))
 
-    def prepare(self, *, device):
+    def prepare(self, *, device) -> Target:
         """The device's facts the calls are planned by (arch, e4m3 in hardware, processors), resolved once."""
         from dsv4.kernels.launch import target
 

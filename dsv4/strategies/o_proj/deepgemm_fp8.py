@@ -3,11 +3,25 @@ product (package sgl-deep-gemm), its recipe per architecture."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from dsv4.strategies.o_proj.fp8_common import (BLOCK, SM90, grouped_weights, fp8_needs,
                                                fused_inverse_rope_fp8_quant)
 from dsv4.strategies.protocols import Needs, OProjWeights
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeepGemmWoA:
+    """A layer's `wo_a` on its device as `fp8_einsum` reads it, made once at build: e4m3 bytes [G, N, K], float32
+    scales in the recipe's layout ([G, N/128, K/128], or per output row [G, N, K/128] for (1, 1, 128)), its G
+    groups and the recipe of its device's architecture."""
+    weight: Tensor
+    scale: Tensor
+    groups: int
+    recipe: tuple[int, int, int]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,21 +39,21 @@ class DeepGemmFp8OProj:
     def recipe(device) -> tuple[int, int, int]:
         return SM90 if device.arch == "sm90" else (1, 1, 128)
 
-    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
+    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> DeepGemmWoA:
         wq, ws = grouped_weights(weights, device)
         recipe = self.recipe(device)
         if recipe == (1, 1, 128):              # one scale per output row and 128-wide K block
             ws = ws.repeat_interleave(BLOCK, dim=1).contiguous()
-        return {"w": (wq, ws), "groups": weights.groups, "recipe": recipe}
+        return DeepGemmWoA(weight=wq, scale=ws, groups=weights.groups, recipe=recipe)
 
-    def __call__(self, o, rot, *, prepared):
+    def __call__(self, o, rot, *, prepared: DeepGemmWoA):
         import deep_gemm
         import torch
 
         # on sm90 the activation scales are written where DeepGEMM reads them (no copy inside the call)
-        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared["groups"], mn_major_scales=prepared["recipe"] == SM90)
-        wq, _ = prepared["w"]
-        z = torch.empty(o.shape[0], prepared["groups"], wq.shape[1], dtype=torch.bfloat16, device=o.device)
+        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared.groups, mn_major_scales=prepared.recipe == SM90)
+        z = torch.empty(o.shape[0], prepared.groups, prepared.weight.shape[1], dtype=torch.bfloat16, device=o.device)
         if o.shape[0]:
-            deep_gemm.fp8_einsum("bhr,hdr->bhd", (x, xs), prepared["w"], z, recipe=prepared["recipe"])
+            deep_gemm.fp8_einsum("bhr,hdr->bhd", (x, xs), (prepared.weight, prepared.scale), z,
+                                 recipe=prepared.recipe)
         return z.flatten(1)

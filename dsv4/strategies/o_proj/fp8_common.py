@@ -7,11 +7,30 @@ then the grouped product z[t,g] = W_oa[g] · o[t,g] in fp8 with float accumulati
 the layer's `wo_b`, which its `linear` option multiplies)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from dsv4.formats.fp8 import E4M3_MAX
 from dsv4.strategies.protocols import Needs, OProjWeights
 
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from dsv4.kernels.target import Target
+
 
 BLOCK = 128
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fp8WoA:
+    """A layer's `wo_a` on its device as the grouped fp8 products read it, made once at build: e4m3 bytes
+    [G, N, K], float32 scales per 128x128 block [G, N/128, K/128], its G groups, and (`target`) the device's
+    facts our Triton product plans by, resolved once (None: the torch product, or a CPU)."""
+    weight: Tensor
+    scale: Tensor
+    groups: int
+    target: Target | None = None
 
 
 SM90 = (1, 128, 128)          # DeepGEMM's sm90 recipe: fp32 scales per 1x128 activation and 128x128 weight block
@@ -92,10 +111,10 @@ def grouped_weights(weights: OProjWeights, device):
     return quantize_weight_blocks(wa)
 
 
-def block_scaled_weights(weights: OProjWeights, device) -> dict:
+def block_scaled_weights(weights: OProjWeights, device) -> Fp8WoA:
     """wo_a's e4m3 bytes [G, N, K] and 128x128 block scales as separate tensors."""
     wq, ws = grouped_weights(weights, device)
-    return {"w": wq, "ws": ws, "groups": weights.groups}
+    return Fp8WoA(weight=wq, scale=ws, groups=weights.groups)
 
 
 def fp8_needs(*, archs, modules=()) -> Needs:

@@ -5,9 +5,12 @@ its marshalling is tested on the CPU (tests/test_aiter_marshalling.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from dsv4.strategies.protocols import Needs, OProjWeights
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 AITER_ARCHS = frozenset({"gfx942", "gfx950"})      # the GPUs amd-aiter builds for (mqa_kernel=aiter_sparse's too)
@@ -23,6 +26,13 @@ def grouped_input(o, rot, groups: int):
     return x.reshape(x.shape[0], groups, -1).transpose(0, 1).contiguous()
 
 
+@dataclass(frozen=True, slots=True)
+class Bf16WoA:
+    """A layer's `wo_a` on its device in bf16, per output group and contiguous [G, o_lora, hpg·D]: the batched
+    GEMM's WQ, made once at build."""
+    wo_a: Tensor
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RocmBf16OProj:
     """Inverse RoPE and the grouped `wo_a` product through aiter's batched bf16 GEMM."""
@@ -33,19 +43,19 @@ class RocmBf16OProj:
         return Needs(platforms=frozenset({"rocm"}), archs=AITER_ARCHS, dtypes=frozenset({"bfloat16"}),
                      modules=(("aiter", "amd-aiter"),))
 
-    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
+    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Bf16WoA:
         import torch
 
         g = weights.groups
         wa = weights.wo_a.to(device=device.torch_device, dtype=torch.bfloat16)
-        return {"wo_a": wa.view(g, wa.shape[0] // g, wa.shape[1]).contiguous()}       # WQ [G, o_lora, hpg·D]
+        return Bf16WoA(wa.view(g, wa.shape[0] // g, wa.shape[1]).contiguous())       # WQ [G, o_lora, hpg·D]
 
-    def __call__(self, o, rot, *, prepared):
+    def __call__(self, o, rot, *, prepared: Bf16WoA):
         import importlib
 
         import torch
 
-        wa = prepared["wo_a"]
+        wa = prepared.wo_a
         if o.shape[0] == 0:
             return o.new_zeros(0, wa.shape[0] * wa.shape[1], dtype=torch.bfloat16)
         bgemm = importlib.import_module("aiter.ops.triton.batched_gemm_bf16").batched_gemm_bf16

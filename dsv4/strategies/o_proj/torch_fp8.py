@@ -3,10 +3,10 @@ group (cuBLASLt; rows padded to its multiple)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from dsv4.strategies.linear.common import blockwise_scaled_mm
-from dsv4.strategies.o_proj.fp8_common import (block_scaled_weights, fp8_needs,
+from dsv4.strategies.o_proj.fp8_common import (Fp8WoA, block_scaled_weights, fp8_needs,
                                                fused_inverse_rope_fp8_quant)
 from dsv4.strategies.protocols import Needs, OProjWeights
 
@@ -22,13 +22,13 @@ class TorchFp8OProj:
     def needs(self, device) -> Needs:
         return fp8_needs(archs={"sm90", "sm100"})
 
-    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
+    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Fp8WoA:
         return block_scaled_weights(weights, device)
 
-    def __call__(self, o, rot, *, prepared):
+    def __call__(self, o, rot, *, prepared: Fp8WoA):
         import torch
 
-        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared["groups"])
-        w, ws = prepared["w"], prepared["ws"]
-        outs = [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], w[g], ws[g]) for g in range(prepared["groups"])]
+        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared.groups)
+        w, ws = prepared.weight, prepared.scale
+        outs = [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], w[g], ws[g]) for g in range(prepared.groups)]
         return torch.stack(outs, 1).flatten(1)

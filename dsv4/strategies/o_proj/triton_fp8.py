@@ -2,11 +2,11 @@
 (dsv4/kernels/fp8_grouped_gemm.py; NVIDIA sm89+), bit-identical to DeepGEMM's."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from dsv4.kernels import FP8_TRITON_ARCHS
-from dsv4.strategies.o_proj.fp8_common import block_scaled_weights, fp8_needs, fused_inverse_rope_fp8_quant
+from dsv4.strategies.o_proj.fp8_common import Fp8WoA, block_scaled_weights, fp8_needs, fused_inverse_rope_fp8_quant
 from dsv4.strategies.protocols import Needs, OProjWeights
 
 
@@ -29,19 +29,20 @@ class TritonFp8OProj:
     def needs(self, device) -> Needs:
         return fp8_needs(archs=FP8_TRITON_ARCHS)
 
-    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Any:
+    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Fp8WoA:
         """The weights in blocks, and the device's facts the product's calls plan by (resolved once)."""
         from dsv4.kernels.launch import target
 
         out = block_scaled_weights(weights, device)
         if device.platform != "cpu":
-            out["target"] = target(platform=device.platform, arch=device.arch, torch_device=device.torch_device)
+            out = replace(out, target=target(platform=device.platform, arch=device.arch,
+                                             torch_device=device.torch_device))
         return out
 
-    def __call__(self, o, rot, *, prepared):
+    def __call__(self, o, rot, *, prepared: Fp8WoA):
         from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
 
-        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared["groups"])
-        z = grouped_fp8_gemm(x, xs, prepared["w"], prepared["ws"], block_m=self.block_m, num_warps=self.num_warps,
-                             num_stages=self.num_stages, target=prepared.get("target"))
+        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared.groups)
+        z = grouped_fp8_gemm(x, xs, prepared.weight, prepared.scale, block_m=self.block_m, num_warps=self.num_warps,
+                             num_stages=self.num_stages, target=prepared.target)
         return z.flatten(1)
