@@ -1,4 +1,5 @@
-"""What one launch costs the host on this machine: an eager layer step is bound by it (docs/benchmarks.md).
+"""What one launch costs the host on this machine: an eager layer step is bound by it
+(docs/notes/2026-12-02-eager-host-time.md).
 Median host µs per call, called back to back, of a one-argument Triton kernel (Triton's launch and ours),
 one of the layer's Triton launchers, small torch ops and bf16 GEMMs of a decode step's size.
 

@@ -1,6 +1,6 @@
 """Where a layer's decode step spends its time: the replayed CUDA graph under torch.profiler, kernels by
-total time (the table behind the layer-step optimisations in docs/benchmarks.md); with --eager, the
-host's time in the same forward run without the graph (cProfile, functions by their own time).
+total time (the tables behind the layer-step optimisations in docs/archive/benchmarks-journal.md); with
+--eager, the host's time in the same forward run without the graph (cProfile, functions by their own time).
 
   python bench/profile_layer.py          # the flashmla preset, every layer type, 64 x 2, 8k
   python bench/profile_layer.py --backend "triton_sparse + triton_fp8 + triton_fp8" --requests 64 --context 65536

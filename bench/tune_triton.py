@@ -38,7 +38,8 @@ from dsv4.device import detect
 from tests.conftest import tiny_spec
 
 CASES = DECODE_CASES[:5] + [("h64 128+512", 64, 64, 512, 2048, 2)]
-# (the planner's large-step shape, its small-step shape, and the neighbours measured in docs/benchmarks.md)
+# (the planner's large-step shape, its small-step shape, and the neighbours measured in the journal,
+# docs/archive/benchmarks-journal.md)
 CONFIGS = [dict(block_n=128, block_h=64, block_d=128, num_warps_pv=4), dict(block_n=64, block_h=16, block_d=64,
            num_warps_pv=8), dict(block_n=64, block_h=64, block_d=128, num_warps_pv=4),
            dict(block_n=128, block_h=64, block_d=64, num_warps_pv=4), dict(block_n=128, block_h=64, block_d=256,

@@ -1,6 +1,7 @@
 """Every config composes, instantiates on CPU without allocating, and passes `check`; the `_target_`s
-and strategy classes follow the rules of STYLE §4.3-4.4; the model specs carry the real values; and
-the command line (`run.py`) reports user errors cleanly, with `mode=check` staying torch-free.
+name public dsv4 objects and the strategy classes are frozen keyword-only dataclasses; the model specs
+carry the real values; and the command line (`run.py`) reports user errors cleanly, with `mode=check`
+staying torch-free.
 
 Options are discovered from dsv4/configs/<group>/*.yaml, so a new YAML is tested with no edit here.
 """

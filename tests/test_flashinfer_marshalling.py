@@ -346,7 +346,7 @@ def layout_of(kind: str, kv_scale: float = 1.0, q_scale: float = 1.0):
 
 
 def layer_case(kind: str, layout, T: int, seed: int, *, K: int = 37, positions=None):
-    """A SparseKV the way the layer makes one, vLLM-style (§5.8): per token at position p the SWA window
+    """A SparseKV the way the layer makes one, vLLM-style (§2.6, §5.5): per token at position p the SWA window
     max(0, p-127)..p in order (fewer than 128 near the start, -1 after), and for `kind` c4a a top-K list
     of distinct compressed entries < (p+1)//4 in score order (-1 padded), for c128a entries
     0..(p+1)//128-1 (width: the largest count), through random per-token block tables."""

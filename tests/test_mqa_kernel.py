@@ -1,5 +1,5 @@
 """Sparse MQA with sink (docs/numerics.md §2.7, §5.5), cache row layouts (§3.3), head padding (§4.2, §4.3)
-and the reference output projection (§2.8, §5.6), each against our own float64 formulas."""
+and the reference output projection (§2.8), each against our own float64 formulas."""
 from __future__ import annotations
 
 import math

@@ -260,7 +260,8 @@ def test_inverse_after_forward_is_identity_and_norm_is_preserved(ratio):
 
 
 def test_inverse_sign_convention_spec_6_2():
-    """§6.2: o=[1,2,3,4] with 2 NoPE + 2 RoPE dims, cos=0, sin=1 -> inverse gives [1,2,4,-3]."""
+    """§2.3, the inverse negates the sine: o=[1,2,3,4] with 2 NoPE + 2 RoPE dims, cos=0, sin=1 -> inverse
+    gives [1,2,4,-3]."""
     cos, sin = torch.ones(1, 32), torch.zeros(1, 32)
     cos[0, 0], sin[0, 0] = 0.0, 1.0                             # pair 0 at angle pi/2; others angle 0
     rows = RopeRows(cos=cos, sin=sin)

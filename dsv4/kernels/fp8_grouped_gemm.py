@@ -48,8 +48,8 @@ def _grouped_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, z_ptr, T, G, N, K, BM: tl.
 def grouped_fp8_gemm(x, xs, w, ws, *, block_m: int = 64, num_warps: int = 4, num_stages: int = 4,
                      target: Target | None = None):
     """x [T, G, K] e4m3, xs [T, G, K/128] float32; w [G, N, K] e4m3, ws [G, N/128, K/128] float32 ->
-    z [T, G, N] bf16. The default launch was the fastest up to 1024 tokens in both H200 runs, and at 4096
-    the fastest in one and within 8% of the best in the other (bench/tune_triton.py oproj, docs/benchmarks.md).
+    z [T, G, N] bf16. The default launch is the H200 sweep's (bench/tune_triton.py oproj;
+    docs/notes/2026-12-04-fp8-products.md).
     `target`: the device's facts as the strategy prepared them (default: `launch.target_of` x's device)."""
     import torch
 

@@ -140,7 +140,7 @@ BIG_SHARED = frozenset({"sm90", "sm100", "sm103"})    # ~227 KB of shared memory
 
 @functools.lru_cache(maxsize=1024)
 def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
-    """The launch for an [M, K] x [N, K]ᵀ product (bench/tune_triton.py linear, docs/benchmarks.md).
+    """The launch for an [M, K] x [N, K]ᵀ product (bench/tune_triton.py linear).
 
     Up to FEW_ROWS rows: 16-row tiles, each program quantizing its activation tile itself (no launch before
     it), K split into as many parts as give every SM about two programs. Up to SMALL_M rows the weight's
@@ -150,7 +150,7 @@ def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
     product with a tile per SM already takes 128x64 tiles from 128 rows. More
     rows: 64x256 tiles over the whole of K (64x128 on GPUs with ~100 KB of shared memory a program), or --
     where those tiles would leave SMs idle -- 64x128 tiles with K split to fill them. The choices are the
-    fastest of a sweep on the H200 at DSV4-Flash's and DSV4-Pro's products (docs/benchmarks.md)."""
+    fastest of a sweep on the H200 at DSV4-Flash's and DSV4-Pro's products (docs/notes/2026-12-04-fp8-products.md)."""
     big = target.arch in BIG_SHARED
     stages = 4 if big else 3
     if M > SMALL_M:

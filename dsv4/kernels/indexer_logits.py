@@ -18,15 +18,15 @@ each head over its power-of-two scale (`key_layouts.fp8_queries`), times the rec
 are stored -- one e4m3 tensor-core product, at twice bf16's rate, where Triton has e4m3 (NVIDIA sm89+),
 else both decoded to their bf16 values (exact) -- then each key's scale on its head sum. For
 FP4-simulated queries and keys both operands hold the values exactly and the products are exact; on the
-H200 the e4m3 product's sums equalled the bf16 product's bit for bit (docs/benchmarks.md). float32 keys:
-the scores feed a top-k that is compared with a float32 oracle, so the products must be float32-accurate.
-INPUT_PRECISION["cuda"] = "tf32x3" splits each float32 operand into a tf32 head and a tf32 tail and sums three tensor-core products (error ~2^-21 relative, about float32's); plain "tf32"
-(10-bit mantissas: 7.7e-4 from a float64 oracle on the H200) would reorder near-ties of the top-k, and
-"ieee" runs on the CUDA cores (30x slower there). The split is done here rather than by tl.dot's
-"tf32x3" so that the queries are split once per program, not once per block (H200, the shapes below:
-decode 144 -> 139 us, 8k prefill 2.9 -> 2.5 ms; both 3.5e-7 from the float64 oracle), the two small
-products accumulated before the large one, as Triton orders them (the tensor cores' float32
-accumulation drops low bits of small addends to a large sum: 1.4e-6 the other way round). AMD's Triton
+H200 the e4m3 product's sums equalled the bf16 product's bit for bit (docs/notes/2026-12-02-indexer-scores.md).
+float32 keys: the scores feed a top-k that is compared with a float32 oracle, so the products must be
+float32-accurate.
+INPUT_PRECISION["cuda"] = "tf32x3" splits each float32 operand into a tf32 head and a tf32 tail and sums three
+tensor-core products (error ~2^-21 relative, about float32's); plain "tf32" (10-bit mantissas) would reorder
+near-ties of the top-k, and "ieee" runs on the CUDA cores, far slower. The split is done here rather than by
+tl.dot's "tf32x3" so that the queries are split once per program, not once per block, the two small products
+accumulated before the large one, as Triton orders them (the tensor cores' float32 accumulation drops low bits of
+small addends to a large sum). The measurements: docs/notes/2026-12-02-indexer-scores.md. AMD's Triton
 has no tf32x3; "bf16x6" (three bf16 pieces per operand, six products) is its float32-accurate
 tensor-core product. Under TRITON_INTERPRET=1 the products are NumPy's float32 matmuls; its dot of bf16
 operands multiplies their uint16 bits, so there bf16 operands are widened to float32 first (the products of

@@ -1,14 +1,14 @@
 """Launching our Triton kernels with less host time than `kernel[grid](...)`.
 
-An eager decode step is bound by the host's time per launch (docs/benchmarks.md). Besides the driver's
-launch, Triton's `JITFunction.run` binds the arguments, derives their specialization, turns it and the
-launch options into a string key, reads its knobs and re-checks the kernel's globals on every call.
-`launch` keeps only what a call needs once a kernel is compiled: Triton's own binder still derives the
-specialization (dtypes, 16-byte alignment of pointers, integers equal to 1 or divisible by 16), so a
-call that needs another compiled variant gets it -- from Triton's normal path, which compiles it -- and
-otherwise the compiled variant is launched directly on the current stream: through the C launcher
-itself where the Triton is one whose launcher calling convention is known here (3.5 and 3.6) and the
-kernel needs no scratch memory, else through the compiled kernel's `run`.
+An eager decode step is bound by the host's time per launch (docs/notes/2026-12-02-eager-host-time.md).
+Besides the driver's launch, Triton's `JITFunction.run` binds the arguments, derives their specialization,
+turns it and the launch options into a string key, reads its knobs and re-checks the kernel's globals on every
+call. `launch` keeps only what a call needs once a kernel is compiled: Triton's own binder still derives the
+specialization (dtypes, 16-byte alignment of pointers, integers equal to 1 or divisible by 16), so a call that
+needs another compiled variant gets it -- from Triton's normal path, which compiles it -- and otherwise the
+compiled variant is launched directly on the current stream: through the C launcher itself where the Triton is
+one whose launcher calling convention is known here (3.5 and 3.6) and the kernel needs no scratch memory, else
+through the compiled kernel's `run`.
 
 Kernels are looked up by identity (a JITFunction's own hash recomputes its cache key in Python); the
 grid arithmetic on the host is dsv4/sizes.py's. `device_arch` and `native_e4m3` are the device facts the

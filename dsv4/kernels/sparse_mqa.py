@@ -1,11 +1,11 @@
 """Sparse MQA with attention sink in Triton, reading the paged cache in place (mqa_kernel=triton_sparse):
 the portable two-pass kernel, and the call that runs it or, where `plan_kernel` (sparse_plan.py) sends steps
-on sm90 with fp8_ds_mla pages, the one-pass Hopper kernel (sparse_mqa_hopper.py; 1.4-1.9x faster there,
-docs/benchmarks.md).
+on sm90 with fp8_ds_mla pages, the one-pass Hopper kernels (sparse_mqa_hopper.py, sparse_mqa_hopper_few.py),
+which read and decode each row once.
 
 Two passes, so that no program holds more than a [heads, rows] or a [heads, dims] tile (in plain Triton a one-pass
 flash kernel owns a [heads, 512] float32 accumulator plus a decoded [rows, 512] tile: 255 registers,
-spills, one program per SM; it measured 1.3-3x slower on the H200, docs/benchmarks.md):
+spills, one program per SM):
 
 1. `_scores_kernel`, one program per (block of BN index columns of a token's SWA or compressed list,
    token, head block): gathers the rows, Q·Kᵀ over 8 slices of 64 dims (each slice decoded to bf16 on
@@ -21,10 +21,10 @@ L2 (the programs of one token are launched next to each other). Prefill-sized st
 workspace WORKSPACE_BYTES at a time.
 
 Addressing: a row's 8 scale bytes are one int64 load per row, shifted per 64 dims (byte loads per
-slice, widened through shared memory, were the scores pass's main stall); the page size is a
-constexpr, so slot -> (page, offset) is a shift for power-of-two pages instead of an integer division;
-P·V programs whose dims hold no RoPE part (3 of 4) skip the bf16 loads. Together: 201 -> 167 µs at
-b=128, s_q=2 on the H200 (docs/benchmarks.md).
+slice, widened through shared memory, stall the scores pass); the page size is a constexpr, so
+slot -> (page, offset) is a shift for power-of-two pages instead of an integer division; P·V programs
+whose dims hold no RoPE part (3 of 4) skip the bf16 loads. What was measured, and the designs not kept:
+docs/notes/2026-11-29-two-pass-kernel.md.
 
 Row decoding (docs/numerics.md §3.2): on GPUs that convert OCP e4m3 in hardware (NVIDIA sm89+) the bytes go
 through that conversion; everywhere else (FNUZ bytes, A100, AMD) it is integer arithmetic, which needs

@@ -18,12 +18,13 @@ decode structure):
 Each row is read from memory once and decoded once. A step with fewer such programs than SMs (decode of
 a few requests) cuts each (token, 64 heads) into S programs over equal runs of its list blocks
 (sparse_plan.hopper_splits): each writes its unnormalized output and (max, sum) per head in float32,
-and split_combine.py merges them, sink and lse included (H200: b=1 34 -> 13.5 µs, b=16 34.5 -> 18.4).
+and split_combine.py merges them, sink and lse included (docs/notes/2026-12-02-hopper-splits.md).
 Shared memory: Q 64 KB + 2 x 64 KB of K + 2 x 8 KB of P. Registers (the SM's 64K over 384 threads): WG0
 192 (its half of O is 128 of them), WG1 160, producer 152; the producer loads four chunks before waiting
-for a free buffer and the rest while decoding (all seven at once spill). What did not work on the way (a
-single 8-warp instruction stream: 255 registers and spills, 3.4x slower; two consumer warp groups of one
-budget: ptxas ignored setmaxnreg): docs/benchmarks.md.
+for a free buffer and the rest while decoding (all seven at once spill). A single 8-warp instruction
+stream holds the [64, 512] accumulator beside a decoded tile and spills, and two consumer warp groups of
+one register budget get their setmaxnreg ignored by ptxas: hence FlashMLA's split. The designs measured on
+the way: docs/notes/2026-11-29-two-pass-kernel.md.
 
 Gluon exposes what this needs and plain Triton does not: explicit shared-memory buffers, warp
 specialization with per-partition register budgets, mbarriers, and asynchronous warpgroup MMAs reading
@@ -46,9 +47,9 @@ from dsv4.sizes import cdiv
 BH = gl.constexpr(64)      # heads per program: one warpgroup MMA's M
 # 12 warps x 168 registers = the SM's 64K: WG1 160, the producer 152, WG0 the rest (192)
 MAXNREG, WG1_REGS, PRODUCER_REGS = 168, 160, 152
-# the producer's L2 prefetch of the next block's rows, from pools larger than L2: 0.90-0.96x the time with
-# 6 to 18 blocks per program when the programs fill the GPU twice, 0.94-0.99x with 7 to 10 blocks when
-# they fill it once, 1.02-1.07x with 4 to 6; from a pool that L2 holds 1.06-1.12x (docs/benchmarks.md)
+# programs of at least this many blocks ask L2 for the next block's rows, from pools larger than L2: a
+# shorter program cannot hide the extra requests, and rows L2 already holds gain nothing from them
+# (docs/notes/2026-12-03-l2-prefetch.md)
 PREFETCH_MIN_BLOCKS = gl.constexpr(6)
 
 

@@ -3,49 +3,30 @@ tensor-parallel rank's share of DSV4's 64 or 128 heads), in Gluon; sparse_mqa_ho
 
 The 64-head kernel's products have the heads as the MMA's M, which is at least 64: at 8 heads it does the
 work of 64, and its 4 decoding warps, squeezed to 152 registers beside two 64-head accumulators, wait on
-one block's loads at a time (H200, 8 heads, 128+512 rows, 256 tokens: 84.7 µs, about its 64-head time,
-while the rows are 96 MB, 23 µs at the card's copy bandwidth). Here the products are transposed, so
-that the heads are the MMA's N (8 to 32) and nothing is padded to 64:
+one block's loads at a time. Here the products are transposed, so that the heads are the MMA's N (8 to 32)
+and nothing is padded to 64:
     Sᵀ [64 rows, NH] = K [64, 512] · Qᵀ,    Oᵀ [512, NH] += Vᵀ [512, 64] · Pᵀ,
 both operands from shared memory (K read as Kᵀ for the second), one warp group doing both, Oᵀ being
 at most 128 of its registers. That leaves the registers to the 8 decoding warps, which software-pipeline
 the gather: while block j is decoded into shared memory, block j + 1's rows (7 x 64 e4m3 bytes, the
-bf16 RoPE dims, the scale word) are in flight, and block j + 2's list entries.
+bf16 RoPE dims, the scale word) are in flight, and block j + 2's list entries. Four e4m3 bytes at a time
+are decoded by one inline PTX block (`_e4m3_to_bf16`), not byte by byte.
 The numerics are the 64-head kernel's: e4m3 x 2^(e-127) -> bf16 rows, float32 scores, the online softmax
 in the log2 domain, P rounded to bf16, the sink in the denominator; splits merge in split_combine.py.
-H200, 8 heads, same step: 58.2 µs against FlashMLA's 86.7 with its heads padded to 64 (16 heads 62.0
-against 86.6, 32 heads 111.4 against 141.0). What bounds it: the gather alone takes 36 µs (2.6 TB/s of
-random 576-byte rows), and what does not hide behind it is shared memory, not arithmetic: the loads in
-flight finish later while the decoding stores rows into the K buffers or the MMAs read them (8 heads:
-gather and decoding 52.5 µs, 38.9 when the decoded rows are not stored, gather and MMAs 56.8; 32 heads:
-the gather 86.4, with the MMAs 120.6 before the sums over rows left the loop; docs/benchmarks.md). A
-profile says latency: DRAM a quarter busy, the schedulers issuing in 41% of cycles, the warps waiting
-mostly on the loads.
-Not used, as measured: copying the rows by cp.async into shared-memory staging (no registers held while
-in flight; 9% faster on the largest 8- and 16-head steps, 4-23% slower on smaller steps, shorter lists
-and 32 heads), two blocks per iteration in fixed registers (4-7% slower at 8 and 16 heads),
-loading the rows evict-first (5-8% faster on the three largest steps measured, 1-17% slower on the six
-others), Sᵀ multiplied from registers by two decoding warp groups, one per half of the dims (5% faster at
-8 heads, 3-9% slower at 32 heads, ratio 128 and SWA), and e4m3 rows left raw in shared memory for the MMA
-warp group to decode Vᵀ from (1.4-2.0 times slower: its serial chain becomes the bound). At 32 heads,
-two MMA warp groups beside the 8 decoding warps (16 warps: at most 128 registers each on average): one
-per half of the dims, exchanging Sᵀ's partial sums (1.2-2.2 times slower, their registers spill), or
-one per 16 heads (0.96 of the time before the sums left the loop, which alone gave 0.88). Asking L2 for
-the rows three blocks ahead: by prefetch.global.L2 per 128-byte line, 1.02-3.1 times slower; by one bulk
-prefetch per row, 1.03-1.4 times slower (the 64-head kernel gains from the first, docs/benchmarks.md).
-No K in shared memory at all (each warp's share of the rows decoded into mma.sync fragments in its
-registers, Sᵀ's partial sums over 8 warps through shared memory, Vᵀ and Pᵀ transposed by movmatrix): about
-3 times slower, each thread's 16 bytes of a row too few to pay for the row's address work. Persistent
-programs, the K buffers one ring across items: 0.93-1.03x at 8 and 16 heads, 1.12x at 32.
+
+What bounds it is the latency of the gather, not arithmetic or DRAM bandwidth: the loads in flight finish
+later while the decoding stores rows into the K buffers or the MMAs read them, and each decoding thread
+holds one block's loads at a time. The measurements, and the designs measured and not kept (rows staged by
+cp.async, evict-first loads, Sᵀ from the decoding warps' registers, raw rows in shared memory, two MMA warp
+groups at 32 heads, L2 prefetch, no K in shared memory, persistent programs):
+docs/notes/2026-12-03-few-heads-designs.md.
 
 G > 1: program p takes group p of the step's runs (QueryRuns.groups: up to G consecutive tokens of one
 request, a decode step's MTP tokens), its columns the G x NH heads of its tokens, and reads the union of
 their lists once: their SWA windows share all but a row per token, a ratio-128 layer's lists are nested
 prefixes, a ratio-4 layer's top-k lists are read in turn. Each column's scores are masked to its own
-token's part of the union. Groups come first in the grid, so no SM waits behind programs with nothing
-to do (with a program per token, the run's other tokens' programs idle among them: 1.09x the lone
-kernel's time instead of 0.94x). H200, 8 heads, 256 MTP tokens: 0.94x the lone kernel's time with
-128+512 rows, 0.88x SWA only, 0.68x ratio 128 (docs/benchmarks.md).
+token's part of the union. Groups come first in the grid, so that no SM waits behind programs with
+nothing to do (docs/notes/2026-12-03-mtp-token-groups.md).
 """
 from __future__ import annotations
 
@@ -58,8 +39,8 @@ from dsv4.kernels.hopper_gluon import (BN, block_slots, cta_barrier, fence_async
 # 12 warps x 168 registers = the SM's 64K: the 8 decoding warps 152, the MMA warp group the rest
 MAXNREG, PRODUCER_REGS = 168, 152
 PRODUCER_WARPS = gl.constexpr(8)
-# K buffers: two (three, where shared memory holds them beside 8 or 16 heads' Q, measured no faster;
-# docs/benchmarks.md)
+# K buffers: two (a third, where shared memory holds it beside 8 or 16 heads' Q, measured no faster:
+# docs/notes/2026-12-03-few-heads-designs.md)
 BUFFERS = 2
 MAX_COLUMNS = 32     # heads x tokens of a program: Oᵀ [512, 32] float32 is 128 registers of its warp group
 
@@ -291,13 +272,13 @@ def _consumer(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH: gl.constexpr, D
     m_i = gl.full([NQ], float("-inf"), gl.float32, gl.SliceLayout(0, s_l))
     # the running sums per row position of a block, summed over the rows once at the end: a sum over a
     # block's rows is a reduction across the warp group's 4 warps (shared memory and two barriers) on
-    # this warp group's chain every block (32 heads: 125 -> 111 µs; docs/benchmarks.md)
+    # this warp group's chain every block (docs/notes/2026-12-03-few-heads-designs.md)
     l_rows = gl.zeros([BN, NQ], gl.float32, s_l)
     o = gl.zeros([D, NQ], gl.float32, s_l)
     # 32 heads, where this warp group's chain is about as long as the gather: block i + 1's Sᵀ is issued
     # before block i's Oᵀ is waited for (past the last block, on a buffer that is not written any more;
-    # its result is dropped). Fewer heads: measured no faster (docs/benchmarks.md); 16 heads of two tokens:
-    # the early Sᵀ beside the group's lengths spills.
+    # its result is dropped). Fewer heads: measured no faster (docs/notes/2026-12-03-few-heads-designs.md);
+    # 16 heads of two tokens: the early Sᵀ beside the group's lengths spills.
     AHEAD: gl.constexpr = NH == 32
     nb = j1 - j0
     if AHEAD:

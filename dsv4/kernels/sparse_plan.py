@@ -26,11 +26,10 @@ class Launch(NamedTuple):
 
 
 def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launch:
-    """Launch shapes from the step's size (H200 sweeps, docs/benchmarks.md). When the scores pass at
-    128 columns x 64 heads per program gives at least half as many programs as processors: that
-    (4 warps), and 128 output dims per P·V program. Otherwise (decode of a few requests) more, smaller
-    programs: 64 columns x 16 heads, 64 dims with 8 warps (the two-pass kernel on the H200: b=1 21 µs
-    instead of 34; 128 SWA-only queries, 128 programs: 28 µs with the first shape, 69 with the second)."""
+    """Launch shapes from the step's size (the H200 sweep: docs/notes/2026-11-29-two-pass-kernel.md). When the
+    scores pass at 128 columns x 64 heads per program gives at least half as many programs as processors:
+    that (4 warps), and 128 output dims per P·V program. Otherwise (decode of a few requests) more, smaller
+    programs, so that the step fills the GPU: 64 columns x 16 heads, 64 dims with 8 warps."""
     full = min(64, max(16, next_pow2(heads)))
     if 2 * tokens * cdiv(columns, 128) * cdiv(heads, full) >= processors:
         return Launch(128, full, 128, 4)
@@ -50,9 +49,9 @@ RUN_GROUP = 2       # tokens of a run per program where hopper_group groups them
 def hopper_group(tokens: int, heads: int, columns: int, processors: int) -> int:
     """Tokens of a run (StepPlan.runs) per program of the one-pass Hopper kernel, given the runs: 2 at 8
     heads where the step's groups of two still fill the GPU unsplit, so that a request's two MTP tokens
-    read their shared window rows once (H200, 256 tokens: 0.94x the time with 128+512 rows, 0.88x SWA
-    only, 0.68x ratio 128); else 1: 16 heads x 2 tokens are 32 columns, whose state spills (1.23-1.30x),
-    and groups split over list blocks pay the merge (1.27-1.64x; docs/benchmarks.md)."""
+    read their shared window rows once; else 1: 16 heads x 2 tokens are 32 columns, whose state spills, and
+    groups split over list blocks pay more for the merge than the union saves
+    (docs/notes/2026-12-03-mtp-token-groups.md)."""
     if hopper_heads(heads) != 8 or hopper_splits(tokens, heads, columns, processors, group=RUN_GROUP) != 1:
         return 1
     return RUN_GROUP
@@ -60,9 +59,9 @@ def hopper_group(tokens: int, heads: int, columns: int, processors: int) -> int:
 
 def hopper_splits(tokens: int, heads: int, columns: int, processors: int, group: int = 1) -> int:
     """How many programs the Hopper kernel makes of each (token, head block): 1 once the step has as many
-    of them as SMs; below, as many as bring it to about one per SM, each at least one block of 64 rows
-    (H200, 64 heads, 128+512 rows: b=1 34.1 -> 13.5 µs, b=16 34.5 -> 18.4, b=48 35.4 -> 30.0;
-    docs/benchmarks.md). `group` tokens per program (hopper_group) count as one."""
+    of them as SMs; below, as many as bring it to about one per SM, each at least one block of 64 rows, so
+    that a small step fills the GPU (docs/notes/2026-12-02-hopper-splits.md). `group` tokens per program
+    (hopper_group) count as one."""
     programs = cdiv(tokens, group) * cdiv(heads, hopper_heads(heads))
     if programs >= processors:
         return 1

@@ -20,10 +20,8 @@ in registers, two bits a pass, with a pass's four bin counts summed as one int64
   searched, streamed BLOCK columns at a time, RADIX bits a pass by histogram: the same result, slower.
 
 The lists are written by a running prefix sum over the searched keys: every key above the K-th's found
-prefix and the first ties at it. Rows of at most K visible entries take every entry. (Measured and left
-out on the H200: a row's candidates gathered by programs of their own, 4,096 columns each, and searched
-by a second launch; prefetching the pass's next block; a 256-bin histogram; four bits a pass, its four
-int64 counts reduced together: 12.1 against 8.6 µs at 2,048 columns, 30.1 against 22.0 at 16,384.)
+prefix and the first ties at it. Rows of at most K visible entries take every entry. The measurements,
+and the designs measured and left out: docs/notes/2026-12-01-indexer-top-k.md.
 """
 from __future__ import annotations
 
@@ -35,8 +33,8 @@ from dsv4.sizes import cdiv, next_pow2
 
 # H200, 128 rows (64 requests x 2 tokens) of 2,048, 16,384 and 32,768 columns, K = 512 (bench/tune_indexer.py)
 BLOCK, RADIX, NUM_WARPS, SAMPLE, WARP_COLS = 2048, 4, 16, 2048, 128
-# rows of at most NARROW columns take NARROW_WARPS (8 against 16 warps: 8.6 against 9.6 µs at 2,048 columns,
-# 22.0 against 23.0 at 16,384; 16 warps stay faster at 32,768, 30.0 against 32.9)
+# rows of at most NARROW columns take NARROW_WARPS, faster there than 16; wider rows keep 16
+# (docs/notes/2026-12-01-indexer-top-k.md)
 NARROW, NARROW_WARPS = 16384, 8
 MIN_CAP = 4096          # rows up to this many entries are searched whole; a wider row's candidates fit here
 

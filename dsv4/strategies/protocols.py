@@ -152,7 +152,7 @@ class IndexerStrategy(Protocol):
     error_budget: float
     transforms: bool
     fp4: bool
-    oracle_numerics: str        # reference.INDEXER_NUMERICS: what the oracle recomputes the indexer with
+    oracle_numerics: str        # oracle.INDEXER_NUMERICS: what the oracle recomputes the indexer with
     fp8_queries: bool
     top_k: str                  # top_k.TOP_K: the selection its scores go through on a GPU
 

@@ -1,7 +1,7 @@
 """cache_layout=fp8_ds_mla_fnuz: the fp8_ds_mla record (docs/numerics.md §3.2) with FNUZ e4m3 bytes.
 
 MI300X (gfx942) computes fp8 only as float8_e4m3fnuz -- aiter's `dtypes.fp8` there -- so a gfx942
-kernel that decodes cache bytes natively needs them in that flavour (§3.2's ROCm caveat, §7 item 13).
+kernel that decodes cache bytes natively needs them in that flavour (§3.2; aiter on ROCm: §4.5).
 Same 584 bytes per token and the same pages as fp8_ds_mla: all tokens' 576 data bytes (448 e4m3 NoPE
 bytes, 64 bf16 RoPE dims), then all tokens' 8 scale bytes (7 UE8M0 exponents + a zero byte), page
 stride a multiple of 576. Only the e4m3 flavour of the NoPE bytes differs: FNUZ has bias 8 (OCP: 7),

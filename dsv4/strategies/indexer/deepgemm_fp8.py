@@ -32,8 +32,9 @@ def deepgemm_pages(cache):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeepGemmPlan:
     """One step's inputs of fp8_paged_mqa_logits besides the queries and keys, made once and shared by the
-    step's ratio-4 layers: every token its own batch row (next_n = 1; pairing a request's two tokens as
-    next_n = 2 measured slower on the H200, 113 µs against 83 at 128k: docs/benchmarks.md)."""
+    step's ratio-4 layers: every token its own batch row (next_n = 1: a request's tokens stay adjacent in the
+    schedule and share their key pages through L2; pairing them as next_n = 2 was slower,
+    docs/notes/2026-12-02-indexer-scores.md)."""
     lens: Any               # [T, 1] int32: entries each token sees, >= 1
     table: Any              # [T, P] int32: its request's entries table (page 0 for a missing page)
     schedule: Any           # get_paged_mqa_logits_metadata over `lens`

@@ -14,7 +14,7 @@ from dsv4.strategies.protocols import Needs, OProjWeights
 class TritonFp8OProj:
     """The same fp8 projection with our Triton grouped product (dsv4/kernels/fp8_grouped_gemm.py), for
     NVIDIA GPUs with fp8 tensor cores (sm89+) and no DeepGEMM. Launch defaults from the H200 sweep
-    (docs/benchmarks.md)."""
+    (docs/notes/2026-12-04-fp8-products.md)."""
     name: str = "triton_fp8"
     error_budget: ClassVar[float] = 5e-2     # vs the oracle: e4m3 activations and weights
     block_m: int = 64         # tokens per program
