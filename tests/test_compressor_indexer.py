@@ -429,3 +429,39 @@ def test_indexer_scores_then_select_end_to_end(n, K, seed):
     if len(fin) > 1 and float((fin[1:] - fin[:-1]).abs().min()) < 1e-4 * float(fin.abs().max()):
         return                                                          # near tie: set equality is moot
     _check_selection(idx.select(scores_of(idx, q, w, keys, pos)), ref, K)
+
+
+def test_the_pieces_refuse_kernels_for_tensors_they_cannot_run_on():
+    """The layer's own pieces run what `kernels` says: given a Target (the GPU's kernels) they refuse CPU
+    tensors with a one-line error rather than run their torch code instead."""
+    from types import SimpleNamespace
+
+    from dsv4.components.compressor import CompressPart, compress_all
+    from dsv4.components.front import front_rows, kv_rows, norm_rows, q_rows, rotate_rows
+    from dsv4.components.rope import RopeRows
+    from dsv4.kernels.target import Target
+
+    gpu = Target(arch="sm90", native_e4m3=True, processors=132)
+    T, D = 3, 128
+    rot = RopeRows(cos=torch.ones(T, 32), sin=torch.zeros(T, 32))
+    x, slots, faults = torch.randn(T, 2, D), torch.zeros(T, dtype=torch.int32), torch.zeros(3, T, dtype=torch.bool)
+    comp, idx = make_compressor(make_weights(4, D, 0), 4, D), make_indexer(K=4, Di=D)
+    scores = torch.randn(T, 2 * comp.width)
+    calls = [("q_rows", lambda: q_rows(x, rot, padded_heads=2, eps=EPS, dtype=torch.float32, kernels=gpu)),
+             ("kv_rows", lambda: kv_rows(x[:, 0], torch.ones(D), rot, slots, faults, eps=EPS, dtype=torch.float32,
+                                         kernels=gpu)),
+             ("front_rows", lambda: front_rows(x, x[:, 0], torch.ones(D), rot, slots, faults, None, padded_heads=2,
+                                               eps=EPS, dtype=torch.float32, kernels=gpu)),
+             ("norm_rows", lambda: norm_rows(x[:, 0], torch.ones(D), eps=EPS, dtype=torch.float32, kernels=gpu)),
+             ("rotate_rows", lambda: rotate_rows(x, rot, kernels=gpu)),
+             ("Compressor.entries", lambda: comp.entries(scores, None, None, rot, faults, 2, kernels=gpu)),
+             ("Compressor.compress", lambda: comp.compress(scores, None, None, rot, faults, 2, None, kernels=gpu)),
+             ("compress_all", lambda: compress_all([CompressPart(comp, scores, None, 2, None)], None, rot, faults,
+                                                   kernels=gpu)),
+             ("rotate_rows", lambda: idx.queries(torch.randn(T, 8 * D), rot, kernels=gpu)),
+             ("Indexer.plan", lambda: idx.plan(SimpleNamespace(positions=slots), kernels=gpu)),
+             ("Indexer.scores", lambda: idx.scores(x, x[..., 0], None, None, kernels=gpu)),
+             ("Indexer.lists", lambda: idx.lists(scores, None, kernels=gpu))]
+    for who, call in calls:
+        with pytest.raises(ValueError, match=rf"^{who}: GPU tensors need kernels=.*given a Target with cpu tensors$"):
+            call()

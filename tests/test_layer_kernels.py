@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.triton_mode import BIG, DEVICE, MARK  # first: sets TRITON_INTERPRET without a GPU
+from tests.triton_mode import BIG, DEVICE, KERNELS, MARK  # first: sets TRITON_INTERPRET without a GPU
 
 from dsv4.components.compressor import Compressor
 from dsv4.components.front import kv_rows, q_rows
@@ -562,7 +562,8 @@ def test_front_kernel_makes_fp4_indexer_queries(iq_dtype, iq_in):
     rot = rope_rows(T, g)
     _, _, got = front_kernel(None, None, None, dev(rot.cos), dev(rot.sin), None, None, padded_heads=0, eps=EPS,
                              dtype=torch.bfloat16, iq=dev(iq), iq_dtype=iq_dtype, iq_fp4=True)
-    want = Fp4SimIndexer().queries(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin)))).to(iq_dtype)
+    want = Fp4SimIndexer().queries(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin)),
+                                               kernels=KERNELS)).to(iq_dtype)
     got, want = got.cpu(), want.cpu()
     assert got.dtype == iq_dtype and torch.equal(torch.isnan(got), torch.isnan(want))
     assert bool(torch.isnan(want[1, 2]).any()) and torch.equal(got.nan_to_num(), want.nan_to_num())
@@ -1154,7 +1155,7 @@ def test_front_kernel_makes_fp8_indexer_queries():
     got_q, _, (q8, wq) = front_kernel(dev(q), None, None, dev(rot.cos), dev(rot.sin), None, None, padded_heads=4,
                                       eps=EPS, dtype=torch.bfloat16, iq=dev(iq), iq_dtype=torch.float8_e4m3fn,
                                       iq_fp4=True, iq_weights=dev(w), iq_w_scale=0.125)
-    rows = Fp4SimIndexer().queries(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin))))
+    rows = Fp4SimIndexer().queries(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin)), kernels=KERNELS))
     want_q8, want_w = fp8_queries(rows.cpu().bfloat16(), w, 0.125)
     assert q8.shape == (T, 1, Hi, Di) and q8.dtype == torch.float8_e4m3fn and wq.shape == (T, Hi)
     assert torch.equal(q8.cpu().view(torch.uint8), want_q8.view(torch.uint8))

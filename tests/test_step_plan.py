@@ -77,7 +77,7 @@ class OwnEngine:
                               **kw)
         plan.validate(swa_blocks=self.caches.swa.data.shape[0])
         if self.layer.indexer is not None:          # its indexer's per-step plan (None on the CPU)
-            plan.indexer_plans[self.layer.layer_type] = self.layer.indexer.plan(plan)
+            plan.indexer_plans[self.layer.layer_type] = self.layer.indexer.plan(plan, kernels=self.layer.kernels)
         out = self.layer(torch.cat([chunks[r] for r in rids]), plan, self.caches)
         assert not bool(out.faults.any())
         for r, c in zip(rids, counts):

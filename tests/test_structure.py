@@ -1,6 +1,7 @@
 """The package's structure, read from its imports (every `import` statement, inside functions too): no
 module imports one that imports it back, the kernels import nothing above them, and nothing below the
-modes sees the app, the job's Hydra config or the benches; each strategy option is a module of its own."""
+modes sees the app, the job's Hydra config or the benches; each strategy option is a module of its own; the
+layer's own pieces never choose their implementation by a tensor's device."""
 from __future__ import annotations
 
 import ast
@@ -79,3 +80,12 @@ def test_each_option_is_a_module_of_its_groups_folder_that_no_other_strategy_imp
         if m.startswith("dsv4.strategies."):
             bad = sorted(d for d in deps if d in option_modules and d != m)
             assert not bad, f"{m} imports the option modules {bad}"
+
+
+def test_the_components_choose_their_implementation_once_not_by_the_tensor():
+    """The layer's own pieces run their kernels or their torch code as the `kernels` value resolved when the
+    layer is built says (dsv4.components.attention.layer_kernels), never by asking a tensor where it lives."""
+    bad = sorted(f"{p.name}:{node.lineno}" for p in (ROOT / "components").glob("*.py")
+                 for node in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(node, ast.Attribute) and node.attr == "is_cuda")
+    assert not bad, f"is_cuda read in dsv4/components: {bad}"

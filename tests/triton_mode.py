@@ -22,3 +22,13 @@ if INTERPRET:
 else:
     MARK = pytest.mark.gpu
     DEVICE, BIG = "cuda", True
+
+# what the layer's own pieces (dsv4/components) are given to run on tensors on DEVICE, as a layer built for this
+# machine resolves it: the GPU's Target (their kernels), or None (their torch code, on CPU tensors)
+if INTERPRET:
+    KERNELS = None
+else:
+    from dsv4.components.attention import layer_kernels
+    from dsv4.device import detect
+
+    KERNELS = layer_kernels(detect())

@@ -120,7 +120,7 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
     lin = layer.linear
     # the q_lora rows as the layer hands them to wq_b (quantized by the norm's kernel for an fp8 linear)
     qr = norm_rows(torch.randn(T, layer.spec.q_lora_rank, device=x.device), layer.q_norm, eps=layer.eps,
-                   dtype=layer.dtype, fp8=lin.fp8_input)
+                   dtype=layer.dtype, fp8=lin.fp8_input, kernels=layer.kernels)
     name = lin.name
     if layer.compressor is None:
         out = {f"x @ [wq_a|wkv] ({name})": graph_time_us(lambda: lin(x, layer.x_proj))}
@@ -136,7 +136,7 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
         a, k = scores.args, scores.kwargs
         out["indexer scores"] = graph_time_us(lambda: idx.scores(*a, **k))
         s = scores.inner(*a, **k)
-        out["top-k lists"] = graph_time_us(lambda: idx.lists(s, plan))
+        out["top-k lists"] = graph_time_us(lambda: idx.lists(s, plan, kernels=layer.kernels))
     q, kv = mqa.args
     # the kernel's per-step state (FlashMLA's scheduler metadata) made once, outside the timed calls, as
     # every layer of a type but the first finds it

@@ -22,7 +22,9 @@ from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
 from dsv4.components.plan import StepPlan
 from dsv4.components.rope import Rope
+from dsv4.device import DeviceInfo
 from dsv4.formats.fp8_blocks import LinearNumerics
+from dsv4.kernels.target import Target
 from dsv4.spec import LAYER_TYPES, ModelSpec
 from dsv4.strategies.linear.common import mm_f32
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, LinearStrategy, LinearWeight, MQAKernelStrategy,
@@ -68,6 +70,9 @@ class DSV4Attention(torch.nn.Module):
         self.compressor, self.indexer = compressor, indexer
         self.dtype, self.eps = torch_dtype(dtype), spec.rms_norm_eps
         dev = device.torch_device
+        # which implementation the layer's own pieces (front, norms, compressors, indexer) run, chosen here once:
+        # our Triton kernels, planned by the device's Target, or (None, on the CPU) their torch code
+        self.kernels: Target | None = layer_kernels(device)
         # the compressors' branch runs on the device's side stream beside the query path (`_Branch`)
         on_gpu = torch.device(dev).type == "cuda"
         self.side_stream = side_stream(str(torch.device(dev))) if overlap and on_gpu and ratio > 1 else None
@@ -126,7 +131,7 @@ class DSV4Attention(torch.nn.Module):
                              f"{caches.swa.layout.name}, built for ratio {self.ratio} and {self.cache_layout.name}")
         xa = x if x.dtype == self.dtype else x.to(self.dtype)
         rot = plan.rope_rows(self.rope)
-        lin = self.linear
+        lin, kernels = self.linear, self.kernels
         faults = torch.empty(FAULT_ROWS, T, dtype=torch.bool, device=x.device)
         branch = _Branch(self.side_stream if self.compressor is not None else None)
         if self.compressor is not None:
@@ -146,8 +151,8 @@ class DSV4Attention(torch.nn.Module):
                 parts = [CompressPart(self.compressor, scores[0], caches.state, FAULT_COMPRESSED, caches.compressed)]
                 if idx is not None:
                     parts.append(idx.key_part(scores[1], caches.indexer_state, FAULT_INDEXER, caches.indexer_keys))
-                compress_all(parts, plan, entry_rot, faults)
-        qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype, fp8=lin.fp8_input)
+                compress_all(parts, plan, entry_rot, faults, kernels=kernels)
+        qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype, fp8=lin.fp8_input, kernels=kernels)
         iq_raw = None
         q_raw = lin(qr, self.q_proj)
         if idx is not None:
@@ -157,7 +162,7 @@ class DSV4Attention(torch.nn.Module):
         front_iq = idx is not None and idx.front_queries
         iq_dtype = idx.score_dtype(caches.indexer_keys) if idx is not None else None
         # a kernel that scores e4m3 queries gets them from the front, their scales in the head weights
-        fp8_iq = front_iq and idx.numerics.fp8_queries and x.is_cuda
+        fp8_iq = front_iq and idx.numerics.fp8_queries and kernels is not None
         if fp8_iq:
             branch.wait_mark()
         front_faults = faults[:FAULT_ROWS - (0 if self.compressor is None else 1 if idx is None else 2)]
@@ -166,17 +171,18 @@ class DSV4Attention(torch.nn.Module):
                            dtype=self.dtype, iq=iq_raw if front_iq else None,
                            iq_dtype=torch.float8_e4m3fn if fp8_iq else iq_dtype,
                            iq_fp4=front_iq and idx.numerics.transforms, iq_weights=scores[2] if fp8_iq else None,
-                           iq_w_scale=idx.weight_scale if fp8_iq else 1.0)
+                           iq_w_scale=idx.weight_scale if fp8_iq else 1.0, kernels=kernels)
 
         topk, extra = None, {}
         if self.compressor is not None:
             if idx is not None:
                 if iq is None:
-                    iq = idx.queries(iq_raw.flatten(1), rot, iq_dtype)
+                    iq = idx.queries(iq_raw.flatten(1), rot, iq_dtype, kernels=kernels)
                 branch.join()        # the indexer's keys are stored
                 iq, iw = iq if fp8_iq else (iq, scores[2])
                 ip = plan.indexer_plans.get(self.layer_type)
-                topk, lists, lens = idx.lists(idx.scores(iq, iw, caches.indexer_keys, plan, ip), plan)
+                index_scores = idx.scores(iq, iw, caches.indexer_keys, plan, ip, kernels=kernels)
+                topk, lists, lens = idx.lists(index_scores, plan, kernels=kernels)
             else:
                 ents = plan.entries[self.ratio]
                 lists, lens = ents.visible, ents.counts
@@ -189,6 +195,17 @@ class DSV4Attention(torch.nn.Module):
         z = self.o_proj(out if self.padded_heads == H else out[:, :H], rot, prepared=self.o_proj_prepared)
         y = lin(z if z.dtype == self.dtype else z.to(self.dtype), self.out_proj)
         return LayerStepResult(out=y, topk=topk, faults=faults)
+
+
+def layer_kernels(device: DeviceInfo) -> Target | None:
+    """Which implementation the layer's own pieces run on `device`, chosen once when the layer is built: our
+    Triton kernels, planned by the device's Target, on a GPU; None on the CPU, where their torch code (the
+    kernels' specification) runs."""
+    if device.platform == "cpu":
+        return None
+    from dsv4.kernels.launch import target
+
+    return target(platform=device.platform, arch=device.arch, torch_device=device.torch_device)
 
 
 @functools.cache

@@ -15,9 +15,10 @@ A step is `compress`, over all tokens of all requests, made of two batched opera
   projection, earlier ones from the state pages -- and returns the entry (written through the cache
   layout by the layer).
 The state pages are written only at slots of this step's new positions, so a refused or failed step
-leaves every row an earlier step wrote untouched. On a GPU, `compress` is one Triton kernel that also
-stores the closed entries into their cache (dsv4/kernels/compress.py); the torch code of the two
-operations is the CPU path and its reference.
+leaves every row an earlier step wrote untouched. Given `kernels` (the device's Target, which the layer
+resolves once when it is built), `compress` is one Triton kernel that also stores the closed entries into
+their cache (dsv4/kernels/compress.py); the torch code of the two operations (`kernels` None) is the CPU
+path and its reference.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Any
 
 from dsv4.components.front import stored_badly
 from dsv4.components.norms import rms_norm
+from dsv4.kernels.target import Target, check_kernels
 
 
 class Compressor:
@@ -50,20 +52,24 @@ class Compressor:
 
         return torch.cat((self.wkv, self.wgate))
 
-    def compress(self, scores, plan, state, rot, faults, fault_row: int, cache) -> None:
-        """The step, its closed entries stored into `cache` (a PagedCache): on a GPU in the compressor's
+    def compress(self, scores, plan, state, rot, faults, fault_row: int, cache, *,
+                 kernels: Target | None = None) -> None:
+        """The step, its closed entries stored into `cache` (a PagedCache): given `kernels`, in the compressor's
         own kernel where the cache's layout has a kernel store, else `entries` and the layout's `write`."""
-        if scores.is_cuda and cache.store is not None:
+        check_kernels(kernels, scores, "Compressor.compress")
+        if kernels is not None and cache.store is not None:
             self._kernel(scores, plan, state, rot, faults, fault_row, into=cache.store)
             return
-        rows, store = self.entries(scores, plan, state, rot, faults, fault_row)
+        rows, store = self.entries(scores, plan, state, rot, faults, fault_row, kernels=kernels)
         cache.write(store, rows)
 
-    def entries(self, scores, plan, state, rot, faults, fault_row: int):
+    def entries(self, scores, plan, state, rot, faults, fault_row: int, *, kernels: Target | None = None):
         """The step: `write_state`, then `close` -> (rows [T, D] float32 as `close` gives them, store [T]
         int32: the slot each token's closed entry is stored at, -1 where it closes none or its entry is
-        not stored), with faults[fault_row] ([F, T] bool) set where a closed entry is not stored."""
-        if scores.is_cuda:
+        not stored), with faults[fault_row] ([F, T] bool) set where a closed entry is not stored; given
+        `kernels`, in the compressor's own kernel."""
+        check_kernels(kernels, scores, "Compressor.entries")
+        if kernels is not None:
             return self._kernel(scores, plan, state, rot, faults, fault_row)
         import torch
 
@@ -154,26 +160,28 @@ class CompressPart:
 
     @property
     def kernel_stores(self) -> bool:
-        """Whether the compress kernel can store its entries: a GPU cache with a kernel store, and numerics
-        the kernel applies (none, or the FP4 ones)."""
+        """Whether the compress kernel can store its entries: a cache with a kernel store, and numerics the
+        kernel applies (none, or the FP4 ones)."""
         n = self.numerics
-        return (self.scores.is_cuda and self.cache.store is not None
-                and (n is None or not n.transforms or n.fp4))
+        return self.cache.store is not None and (n is None or not n.transforms or n.fp4)
 
 
-def compress_all(parts, plan, rot, faults) -> None:
+def compress_all(parts, plan, rot, faults, *, kernels: Target | None = None) -> None:
     """Compressors of one ratio over the same step (CompressPart; a ratio-4 layer's and its indexer's), their
-    closed entries stored into their caches: in one launch where the kernel can store every part's
-    (`kernel_stores`); otherwise each through `entries`, its numerics and its layout's `write`."""
-    if all(part.kernel_stores for part in parts):
+    closed entries stored into their caches: given `kernels`, in one launch where the kernel can store every
+    part's (`kernel_stores`); otherwise each through `entries` (in its kernel, given `kernels`), its numerics
+    and its layout's `write`."""
+    for p in parts:
+        check_kernels(kernels, p.scores, "compress_all")
+    if kernels is not None and all(part.kernel_stores for part in parts):
         _launch(tuple((p.compressor, p.scores, p.state, p.fault_row, p.cache.store, p.fp4) for p in parts), plan,
                 rot, faults)
         return
     for p in parts:
         if p.numerics is None or not p.numerics.transforms:
-            p.compressor.compress(p.scores, plan, p.state, rot, faults, p.fault_row, p.cache)
+            p.compressor.compress(p.scores, plan, p.state, rot, faults, p.fault_row, p.cache, kernels=kernels)
             continue
-        rows, store = p.compressor.entries(p.scores, plan, p.state, rot, faults, p.fault_row)
+        rows, store = p.compressor.entries(p.scores, plan, p.state, rot, faults, p.fault_row, kernels=kernels)
         p.cache.write(store, p.numerics.keys(rows, p.prepared))
 
 

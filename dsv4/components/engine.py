@@ -287,7 +287,7 @@ class Engine:
         for ranks in self.layers.values():
             m = ranks[rank]
             if m.indexer is not None and m.layer_type not in plan.indexer_plans:
-                plan.indexer_plans[m.layer_type] = m.indexer.plan(plan)
+                plan.indexer_plans[m.layer_type] = m.indexer.plan(plan, kernels=m.kernels)
 
     def _forward(self, x, segs, timer, on_layer):
         plans = []

@@ -12,13 +12,15 @@ What the queries and keys are before they are scored and stored is the `indexer`
 (`numerics`, dsv4/strategies/indexer/): as computed (`exact`), or Hadamard-rotated and FP4-simulated
 as the published code trains and runs them (`fp4_sim`).
 
-Scores are one call over the step and the top-k another: on a GPU the strategy's scoring kernel (ours,
-dsv4/kernels/indexer_logits.py, or DeepGEMM's) and its `top_k` (ours, dsv4/kernels/topk_lists.py, or
-FlashInfer's); torch here, which is the CPU path and the kernels' specification.
+Scores are one call over the step and the top-k another: given `kernels` (the device's Target, which the
+layer resolves once when it is built) the strategy's scoring kernel (ours, dsv4/kernels/indexer_logits.py,
+or DeepGEMM's) and its `top_k` (ours, dsv4/kernels/topk_lists.py, or FlashInfer's); otherwise torch here,
+which is the CPU path and the kernels' specification.
 """
 from __future__ import annotations
 
 from dsv4.components.compressor import CompressPart
+from dsv4.kernels.target import Target, check_kernels
 
 TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens at a time
 
@@ -37,16 +39,16 @@ class Indexer:
     def weight_scale(self) -> float:
         return self.head_dim ** -0.5 * self.n_heads ** -0.5
 
-    def queries(self, q_raw, rot, dtype=None):
-        """q_raw [T, Hi·Di] float32 (qr @ wq_bᵀ) -> q [T, Hi, Di], RoPE on the last 64 dims in float32, then
-        the strategy's numerics, in `dtype` (the keys' dtype, to which `scores` rounds them; float32 if
-        None)."""
+    def queries(self, q_raw, rot, dtype=None, *, kernels: Target | None = None):
+        """q_raw [T, Hi·Di] float32 (qr @ wq_bᵀ) -> q [T, Hi, Di], RoPE on the last 64 dims in float32
+        (`front.rotate_rows`, its kernel given `kernels`), then the strategy's numerics, in `dtype` (the
+        keys' dtype, to which `scores` rounds them; float32 if None)."""
         from dsv4.components.front import rotate_rows
 
         q = q_raw.view(-1, self.n_heads, self.head_dim)
         if not self.numerics.transforms:
-            return rotate_rows(q, rot, dtype)
-        q = self.numerics.queries(rotate_rows(q, rot), self.prepared)
+            return rotate_rows(q, rot, dtype, kernels=kernels)
+        q = self.numerics.queries(rotate_rows(q, rot, kernels=kernels), self.prepared)
         return q if dtype is None else q.to(dtype)
 
     @staticmethod
@@ -69,24 +71,27 @@ class Indexer:
         return CompressPart(self.compressor, scores, state, fault_row, cache, numerics=self.numerics,
                             prepared=self.prepared)
 
-    def plan(self, plan):
-        """The strategy's per-step plan (IndexerStrategy.plan) from the step plan's; None on the CPU."""
-        if plan.device.type != "cuda":
+    def plan(self, plan, *, kernels: Target | None = None):
+        """The strategy's per-step plan (IndexerStrategy.plan) from the step plan's, for its kernels (given
+        `kernels`); None for the torch path."""
+        check_kernels(kernels, plan.positions, "Indexer.plan")
+        if kernels is None:
             return None
         ents = plan.entries[4]
         return self.numerics.plan(token_request=plan.token_request, counts=ents.counts, pages=ents.table.pages,
                                   block_size=ents.table.block_size)
 
-    def scores(self, q, w, keys, plan, index_plan=None):
+    def scores(self, q, w, keys, plan, index_plan=None, *, kernels: Target | None = None):
         """[T, width] float32 scores of every entry slot of each token's request; -inf where not visible
         (j >= count) -- which a vendor kernel may leave unwritten: `lists` reads the visible ones only.
         q [T, Hi, Di] float32 (rounded here to the keys' dtype) or already in it, w [T, Hi] float32 the
         head weights (weights_proj's output, scaled here by `weight_scale`), keys: the PagedCache of
-        indexer keys. On a GPU: the strategy's kernel, given the step's `index_plan` (`plan`), its rows
+        indexer keys. Given `kernels`: the strategy's kernel, given the step's `index_plan` (`plan`), its rows
         maybe wider than `width`; for a strategy with `fp8_queries`, q and w may be what its kernel takes
         (e4m3 queries, their scales folded into w: the layer's front kernel makes them)."""
+        check_kernels(kernels, q, "Indexer.scores")
         ents = plan.entries[4]
-        if q.is_cuda:                           # the strategy's kernel
+        if kernels is not None:                 # the strategy's kernel
             return self.numerics.scores(q, w, keys, ents.table.pages, plan.token_request, ents.counts,
                                         width=ents.width, w_scale=self.weight_scale, plan=index_plan,
                                         prepared=self.prepared)
@@ -107,15 +112,16 @@ class Indexer:
             out[sl] = logits.masked_fill(~visible, float("-inf"))
         return out
 
-    def lists(self, scores, plan):
+    def lists(self, scores, plan, *, kernels: Target | None = None):
         """The selection as the MQA kernel reads it: (local indices [T, K] int32 as `select` gives them,
         their global slots [T, K] int32 through each token's table, -1 padded, and how many are valid
-        [T] int32). On a GPU the strategy's `top_k` (dsv4/strategies/indexer/top_k.py: our radix select, valid
-        entries in index order, or FlashInfer's), where `select` gives them best first."""
+        [T] int32). Given `kernels`, the strategy's `top_k` (dsv4/strategies/indexer/top_k.py: our radix
+        select, valid entries in index order, or FlashInfer's), where `select` gives them best first."""
         import torch
 
+        check_kernels(kernels, scores, "Indexer.lists")
         ents = plan.entries[4]
-        if scores.is_cuda:
+        if kernels is not None:
             from dsv4.strategies.indexer.top_k import TOP_K
             return TOP_K[self.numerics.top_k](scores, ents.counts, ents.table.pages, plan.token_request,
                                               topk=self.topk, block_size=ents.table.block_size)

@@ -15,3 +15,11 @@ class Target:
     processors: int       # streaming multiprocessors (compute units): what a launch has to fill
     interpret: bool = False
     l2_bytes: int = 0     # its last-level cache: rows of a pool larger than this come from DRAM
+
+
+def check_kernels(kernels: Target | None, tensor, who: str) -> None:
+    """Refuse a call whose tensors are not where its implementation runs: the kernels (a Target) take GPU
+    tensors, the torch code (None) CPU ones; a mismatch is an error, never a silent switch to the other path."""
+    if tensor.is_cuda != (kernels is not None):
+        raise ValueError(f"{who}: GPU tensors need kernels=<the device's Target>, CPU tensors kernels=None; "
+                         f"given {'a Target' if kernels is not None else 'None'} with {tensor.device.type} tensors")
