@@ -19,6 +19,7 @@ FlashInfer's); torch here, which is the CPU path and the kernels' specification.
 from __future__ import annotations
 
 from dsv4.components.compressor import CompressPart
+from dsv4.formats.indexer_numerics import IndexerNumerics
 
 TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens at a time
 
@@ -44,9 +45,9 @@ class Indexer:
         from dsv4.components.front import rotate_rows
 
         q = q_raw.view(-1, self.n_heads, self.head_dim)
-        if not self.numerics.transforms:
+        if self.numerics.numerics is IndexerNumerics.EXACT:
             return rotate_rows(q, rot, dtype)
-        q = self.numerics.queries(rotate_rows(q, rot), self.prepared)
+        q = self.numerics.numerics.apply(rotate_rows(q, rot))
         return q if dtype is None else q.to(dtype)
 
     @staticmethod
@@ -56,12 +57,6 @@ class Indexer:
         import torch
 
         return torch.bfloat16 if keys.data.dtype == torch.uint8 else keys.data.dtype
-
-    @property
-    def front_queries(self) -> bool:
-        """Whether the layer's front kernel can make its queries: RoPE alone, or RoPE and the published FP4
-        numerics (`front.front_rows`)."""
-        return not self.numerics.transforms or self.numerics.fp4
 
     def key_part(self, scores, state, fault_row: int, cache):
         """Its compressor's part of the layer's compress step (`compressor.compress_all`), its keys taking
@@ -83,8 +78,8 @@ class Indexer:
         q [T, Hi, Di] float32 (rounded here to the keys' dtype) or already in it, w [T, Hi] float32 the
         head weights (weights_proj's output, scaled here by `weight_scale`), keys: the PagedCache of
         indexer keys. On a GPU: the strategy's kernel, given the step's `index_plan` (`plan`), its rows
-        maybe wider than `width`; for a strategy with `fp8_queries`, q and w may be what its kernel takes
-        (e4m3 queries, their scales folded into w: the layer's front kernel makes them)."""
+        maybe wider than `width`; for a strategy whose `query_format` is E4M3, q and w may be what its kernel
+        takes (e4m3 queries, their scales folded into w: the layer's front kernel makes them)."""
         ents = plan.entries[4]
         if q.is_cuda:                           # the strategy's kernel
             return self.numerics.scores(q, w, keys, ents.table.pages, plan.token_request, ents.counts,
@@ -110,15 +105,14 @@ class Indexer:
     def lists(self, scores, plan):
         """The selection as the MQA kernel reads it: (local indices [T, K] int32 as `select` gives them,
         their global slots [T, K] int32 through each token's table, -1 padded, and how many are valid
-        [T] int32). On a GPU the strategy's `top_k` (dsv4/strategies/indexer/top_k.py: our radix select, valid
+        [T] int32). On a GPU the strategy's `top_k` (dsv4/strategies/indexer/top_k/: our radix select, valid
         entries in index order, or FlashInfer's), where `select` gives them best first."""
         import torch
 
         ents = plan.entries[4]
         if scores.is_cuda:
-            from dsv4.strategies.indexer.top_k import TOP_K
-            return TOP_K[self.numerics.top_k](scores, ents.counts, ents.table.pages, plan.token_request,
-                                              topk=self.topk, block_size=ents.table.block_size)
+            return self.numerics.top_k(scores, ents.counts, ents.table.pages, plan.token_request,
+                                       topk=self.topk, block_size=ents.table.block_size)
         local = self.select(scores)
         return local, ents.table.slots(plan.token_request, local), (local >= 0).sum(1, dtype=torch.int32)
 
