@@ -99,14 +99,14 @@ def flashinfer_topk_rows(context: int, scores, counts, pages, req, want) -> list
         return []
     import flashinfer
 
-    from dsv4.strategies.indexer.top_k import PREFER_LOWER_INDEX, TOP_K
+    from dsv4.strategies.indexer.top_k.flashinfer import PREFER_LOWER_INDEX, FlashInferTopK
 
     T, width = scores.shape
     ent = torch.arange(width, device="cuda")
     table = (pages[:, ent // BS] * BS + ent % BS).int().contiguous()      # each entry's slot
     zeros = torch.zeros(T, dtype=torch.int32, device="cuda")
     variants = {
-        "indexer.top_k=flashinfer": lambda: TOP_K["flashinfer"](scores, counts, pages, req, topk=K, block_size=BS)[0],
+        "indexer.top_k=flashinfer": lambda: FlashInferTopK()(scores, counts, pages, req, topk=K, block_size=BS)[0],
         "FlashInfer ragged, non-deterministic":
             lambda: flashinfer.top_k_ragged_transform(scores, zeros, counts, K),
         "FlashInfer page table, deterministic": lambda: flashinfer.top_k_page_table_transform(

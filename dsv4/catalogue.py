@@ -1,9 +1,11 @@
 """The shipped options of each strategy group: the one reader of dsv4/configs/<group>/*.yaml.
 
-An option is its class and its YAML file. `check()` computes its fixes from what ships here (a group's
-default in configs/config.yaml, which needs nothing; the head padding that yields what a kernel takes),
-and `mode=info` and `mode=bench` list and compose the options through `options` and the backend presets
-through `backend_presets`.
+An option is its class and its YAML file. A group may nest one in an option's field (NESTED_GROUPS:
+`indexer.top_k`, configs/indexer/top_k/*.yaml): the option's YAML and the command line name the nested
+option (`indexer.top_k=flashinfer`), which is read here into its object. `check()` computes its fixes from
+what ships here (a group's default in configs/config.yaml, a nested group's in that option's YAML, which
+need nothing; the head padding that yields what a kernel takes), and `mode=info` and `mode=bench` list and
+compose the options through `options` and the backend presets through `backend_presets`.
 """
 from __future__ import annotations
 
@@ -16,23 +18,39 @@ from dsv4.settings import option as parse_option
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer", "linear")
+# groups whose option is a field of a group's option (`parent.field`), their YAMLs in configs/<parent>/<field>/
+NESTED_GROUPS = ("indexer.top_k",)
+
+
+def folder(group: str) -> Path:
+    """The folder of a group's YAMLs (a nested group's inside its parent's)."""
+    return CONFIG_DIR.joinpath(*group.split("."))
 
 
 def instantiate_group(node: Any, group: str = "strategy"):
-    """One strategy from its YAML node, every field checked first (dsv4.settings.option)."""
-    from omegaconf import DictConfig, OmegaConf
+    """One strategy from its YAML node, every field checked first (dsv4.settings.option); a field of a nested
+    group (NESTED_GROUPS) takes the option it names, or the one its own node describes."""
+    from omegaconf import OmegaConf
 
-    return parse_option(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node, group)
+    node = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    for nested in NESTED_GROUPS:
+        parent, _, key = nested.rpartition(".")
+        if parent == group and isinstance(node.get(key), str):
+            node[key] = option(nested, node[key])
+        elif parent == group and isinstance(node.get(key), dict):
+            node[key] = instantiate_group(node[key], nested)
+    return parse_option(node, group)
 
 
 @functools.cache
 def options(group: str) -> dict[str, Any]:
-    """The shipped options of `group`, instantiated, by name (their YAML files' stems), in name order."""
+    """The shipped options of `group` (or of a nested group), instantiated, by name (their YAML files'
+    stems), in name order."""
     from omegaconf import OmegaConf
 
-    paths = sorted((CONFIG_DIR / group).glob("*.yaml"))
+    paths = sorted(folder(group).glob("*.yaml"))
     if not paths:
-        raise ConfigError(f"no shipped options for group {group!r} (one of {', '.join(GROUPS)})")
+        raise ConfigError(f"no shipped options for group {group!r} (one of {', '.join(GROUPS + NESTED_GROUPS)})")
     return {p.stem: instantiate_group(OmegaConf.load(p), group) for p in paths}
 
 
@@ -80,7 +98,8 @@ def backend_presets() -> dict[str, dict[str, str]]:
 
 @functools.cache
 def defaults() -> dict[str, str]:
-    """Each group's option in configs/config.yaml's defaults list: the choice when nothing else is said."""
+    """Each group's option in configs/config.yaml's defaults list, and each nested group's in the YAML of its
+    parent's default (configs/indexer/exact.yaml: `top_k: triton`): the choice when nothing else is said."""
     from omegaconf import OmegaConf
 
     out = {}
@@ -89,4 +108,7 @@ def defaults() -> dict[str, str]:
             (group, name), = entry.items()
             if group in GROUPS:
                 out[group] = name
+    for nested in NESTED_GROUPS:
+        parent, _, key = nested.rpartition(".")
+        out[nested] = OmegaConf.load(folder(parent) / f"{out[parent]}.yaml")[key]
     return out

@@ -8,15 +8,16 @@ override that fixes it.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from dsv4.catalogue import NESTED_GROUPS
 from dsv4.device import DeviceInfo
 from dsv4.dtypes import ACTIVATION_DTYPES
 from dsv4.errors import Problem
 from dsv4.formats.fp8_blocks import LinearNumerics
+from dsv4.formats.indexer_numerics import IndexerNumerics
 from dsv4.spec import ModelSpec
-from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K, TOP_K
 
 
 def _default_indexer():
@@ -33,11 +34,10 @@ def _default_linear():
 NEEDS_GROUPS = ("mqa_kernel", "o_proj", "cache_layout", "indexer", "linear")
 
 
-def _needing(c) -> list[tuple[str, object]]:
-    """(group, strategy) of every strategy whose Needs check() reads: the NEEDS_GROUPS' and the indexer's
-    top-k (`indexer.top_k`, its own requirements and fix)."""
-    top_k = TOP_K.get(getattr(c.indexer, "top_k", None))
-    return [(g, getattr(c, g)) for g in NEEDS_GROUPS] + ([("indexer.top_k", top_k)] if top_k is not None else [])
+def _needing(c: "Combination") -> list[tuple[str, object]]:
+    """(group, strategy) of every strategy whose Needs check() reads: the NEEDS_GROUPS' and the nested
+    groups' (`indexer.top_k`)."""
+    return [(g, c.choice(g)) for g in NEEDS_GROUPS + NESTED_GROUPS]
 
 # what the activation dtype alone costs against the float32 oracle (tests/test_layer_vs_oracle.py)
 DTYPE_ERROR_BUDGET = {"float32": 1e-5, "bfloat16": 3e-2}
@@ -45,19 +45,19 @@ DTYPE_ERROR_BUDGET = {"float32": 1e-5, "bfloat16": 3e-2}
 # the activation dtype and the indexer's numerics: a near-tie in float32; the rounding of bf16 queries and
 # keys (tests: test_layer_vs_oracle, test_gpu_layer); under the FP4 numerics bf16's ~1e-3 moves a value
 # across an FP4 rounding edge, a whole step (1/8 to 1/3 of it): up to 0.1 measured on dsv4_tiny
-SELECTION_GAP = {("float32", "exact"): 1e-5, ("bfloat16", "exact"): 2e-2,
-                 ("float32", "fp4"): 1e-5, ("bfloat16", "fp4"): 0.15}
+SELECTION_GAP = {("float32", IndexerNumerics.EXACT): 1e-5, ("bfloat16", IndexerNumerics.EXACT): 2e-2,
+                 ("float32", IndexerNumerics.FP4): 1e-5, ("bfloat16", IndexerNumerics.FP4): 0.15}
 # with fp8 projections the indexer's queries come from e4m3-quantized q_lora rows: bf16's rounding moves
 # some of them across an e4m3 edge (a step of 6-12%) where the float32 oracle's do not. Measured on dsv4_tiny
 # (seeds 0-2, linear=fp8_sim): up to 0.07 (exact) and 0.22 (fp4); float32 selections are the oracle's
-FP8_LINEAR_SELECTION_GAP = {("bfloat16", "exact"): 0.15, ("bfloat16", "fp4"): 0.4}
+FP8_LINEAR_SELECTION_GAP = {("bfloat16", IndexerNumerics.EXACT): 0.15, ("bfloat16", IndexerNumerics.FP4): 0.4}
 
 
 def selection_gap(c: "Combination") -> float:
     """How far below the oracle's k-th score a selected entry may score, for this combination."""
-    gap = SELECTION_GAP[c.dtype, c.indexer.oracle_numerics]
+    gap = SELECTION_GAP[c.dtype, c.indexer.numerics]
     if c.linear.numerics is LinearNumerics.FP8:
-        gap = max(gap, FP8_LINEAR_SELECTION_GAP.get((c.dtype, c.indexer.oracle_numerics), 0.0))
+        gap = max(gap, FP8_LINEAR_SELECTION_GAP.get((c.dtype, c.indexer.numerics), 0.0))
     return gap
 
 
@@ -85,6 +85,20 @@ class Combination:
         return DTYPE_ERROR_BUDGET[self.dtype] + sum(
             getattr(s, "error_budget", 0.0)
             for s in (self.mqa_kernel, self.o_proj, self.cache_layout, self.indexer, self.linear))
+
+    def choice(self, group: str):
+        """The strategy chosen for `group`: a group's (`indexer`), or a nested group's (`indexer.top_k`)."""
+        strategy = self
+        for key in group.split("."):
+            strategy = getattr(strategy, key)
+        return strategy
+
+    def with_choice(self, group: str, strategy) -> "Combination":
+        """This combination with `strategy` chosen for `group` (a nested group's in its parent's option)."""
+        parent, _, key = group.rpartition(".")
+        if not parent:
+            return replace(self, **{key: strategy})
+        return self.with_choice(parent, replace(self.choice(parent), **{key: strategy}))
 
     @property
     def local_heads(self) -> int | None:
@@ -158,11 +172,11 @@ CROSS_RULES: tuple[Callable[[Combination, DeviceInfo], list[Problem]], ...] = (
 
 
 def safe_choice(group: str) -> str:
-    """The fix offered when a choice cannot run on a device: the group's default (configs/config.yaml),
-    which needs nothing (a test holds the defaults to that), or the indexer's default top-k."""
+    """The fix offered when a choice cannot run on a device: the group's default (configs/config.yaml; a
+    nested group's in its parent's default option), which needs nothing (a test holds the defaults to that)."""
     from dsv4.catalogue import defaults
 
-    return f"indexer.top_k={DEFAULT_TOP_K}" if group == "indexer.top_k" else f"{group}={defaults()[group]}"
+    return f"{group}={defaults()[group]}"
 
 
 def _paddings_for(heads: int, wanted) -> list[str]:

@@ -24,10 +24,11 @@ from typing import Any, Mapping
 
 import torch
 
+from dsv4.formats.indexer_numerics import IndexerNumerics
 from dsv4.formats.row_format import RowFormat, RowKind
 
 ROW_ROUNDINGS = (RowKind.PLAIN, RowKind.FP8_DS_MLA, RowKind.FP8_PER_TENSOR)    # the cache rows it rounds as
-INDEXER_NUMERICS = ("exact", "fp4")
+INDEXER_NUMERICS = tuple(n.value for n in IndexerNumerics)      # "exact", "fp4"
 LINEAR_NUMERICS = ("float", "fp8")
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)         # the FP4 magnitudes, by code 0..7
 
@@ -204,7 +205,7 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
             hw = (x @ w["indexer.weights_proj.weight"].T) * Di ** -0.5 * Hi ** -0.5
             by = {}                     # the scores under each numerics the oracle offers (for grading)
             for numerics in INDEXER_NUMERICS:
-                qn, kn = (_fp4_indexer(iq), _fp4_indexer(kidx)) if numerics == "fp4" else (iq, kidx)
+                qn, kn = (_fp4_indexer(iq), _fp4_indexer(kidx)) if numerics == IndexerNumerics.FP4.value else (iq, kidx)
                 sc = (torch.einsum("lhd,nd->lhn", qn, kn).relu() * hw[..., None]).sum(1)
                 by[numerics] = sc.masked_fill(~visible, -math.inf)
             scores = by[indexer_numerics]

@@ -141,7 +141,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     row_label = row_format.label
     kv_scale = row_format.kv_scale if row_format.kind is RowKind.FP8_PER_TENSOR else None
     names = layer_names(spec, layers)
-    linear = c.linear.numerics.value
+    linear, indexer_numerics = c.linear.numerics.value, c.indexer.numerics.value
     # the float weights the fp8 ones were made from (random weights), or their values (a checkpoint's)
     float_weights = None
     if c.linear.numerics is LinearNumerics.FP8:
@@ -156,18 +156,18 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         given = None if topk is None else topk.long()
         args = (model, R, weights[l], rec["hidden"], rec["positions"], rec["request_index"])
         o = ref.oracle_outputs(*args, row_format=row_label, kv_scale=kv_scale, topk=given,
-                               indexer_numerics=c.indexer.oracle_numerics, linear_numerics=linear)
+                               indexer_numerics=indexer_numerics, linear_numerics=linear)
         out = rec["outputs"][l]
         m: dict[str, Any] = {"layer": l, "compress_ratio": R, "rel_err": ref.rel_err(out, o["out"]),
                              "cosine": ref.cosine(out, o["out"])}
         if not row_format.exact:        # what the cache's rounding costs against exact float32 rows
             m["rel_err_vs_f32_kv"] = ref.rel_err(out, ref.oracle_outputs(
-                *args, row_format="float32", topk=given, indexer_numerics=c.indexer.oracle_numerics,
+                *args, row_format="float32", topk=given, indexer_numerics=indexer_numerics,
                 linear_numerics=linear)["out"])
         if float_weights is not None:   # what the fp8 projections cost against float weights and products
             m["rel_err_vs_float_linear"] = ref.rel_err(out, ref.oracle_outputs(
                 model, R, float_weights[l], *args[3:], row_format=row_label, kv_scale=kv_scale, topk=given,
-                indexer_numerics=c.indexer.oracle_numerics)["out"])
+                indexer_numerics=indexer_numerics)["out"])
         if topk is not None:
             g = [ref.grade_selection(topk[rows_], sc, spec.index_topk) for rows_, sc in o["scores"].values()]
             m["topk_exact"] = sum(x["exact"] for x in g) / len(g)
@@ -176,7 +176,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
             # the selection against each numerics the oracle offers: the model's weights as computed
             # (exact) and the published FP4 numerics
             for numerics in ref.INDEXER_NUMERICS:
-                grades = g if numerics == c.indexer.oracle_numerics else [
+                grades = g if numerics == indexer_numerics else [
                     ref.grade_selection(topk[rows_], sc, spec.index_topk) for rows_, sc in
                     o["scores_by"][numerics].values()]
                 m[f"topk_recall_vs_{numerics}"] = sum(x["recall"] for x in grades) / len(grades)
@@ -256,7 +256,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     print(f"  result: {path}")
     if job.run.dump_dir:
         dump = write_dump(job.run.dump_dir, spec=spec, layers=weights, record=rec, row_format=row_label,
-                          choices=job.choices, kv_scale=kv_scale, indexer_numerics=c.indexer.oracle_numerics,
+                          choices=job.choices, kv_scale=kv_scale, indexer_numerics=indexer_numerics,
                           fp8=fp8, linear_numerics=linear)
         print(f"  dump written to {dump} (spec.json, tensors.safetensors)")
     if wrong:

@@ -43,7 +43,7 @@ def load_option(group: str, option: str):
     """A shipped strategy option, instantiated the way the app does it."""
     from dsv4.catalogue import instantiate_group
 
-    return instantiate_group(OmegaConf.load(CONFIGS / group / f"{option}.yaml"))
+    return instantiate_group(OmegaConf.load(CONFIGS.joinpath(*group.split("."), f"{option}.yaml")), group)
 
 
 FLASH = load_spec("dsv4_flash")     # 64 heads, 8 output groups
@@ -440,15 +440,17 @@ def test_problem_line_without_supported_or_fix():
 
 
 def test_the_catalogue_holds_the_shipped_yamls_and_defaults_that_need_nothing():
-    """catalogue.options(group) is every YAML of configs/<group>/ by name; each group's default (the fix
-    check() offers when a choice cannot run on a device) needs nothing, so it runs anywhere."""
-    from dsv4.catalogue import GROUPS, defaults, option, options
+    """catalogue.options(group) is every YAML of configs/<group>/ by name (a nested group's in its parent's
+    folder); each group's default (the fix check() offers when a choice cannot run on a device) needs
+    nothing, so it runs anywhere."""
+    from dsv4.catalogue import GROUPS, NESTED_GROUPS, defaults, option, options
     from dsv4.errors import ConfigError
 
-    for group in GROUPS:
-        assert list(options(group)) == sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+    for group in GROUPS + NESTED_GROUPS:
+        assert list(options(group)) == sorted(p.stem for p in CONFIGS.joinpath(*group.split(".")).glob("*.yaml"))
         assert all(opt.name == name for name, opt in options(group).items())
-    assert set(defaults()) == set(GROUPS)
+    assert set(defaults()) == set(GROUPS + NESTED_GROUPS)
+    assert defaults()["indexer.top_k"] == "triton"
     cpu = DeviceInfo(platform="cpu")
     for group, name in defaults().items():
         if group != "head_padding":                   # head paddings have no needs
@@ -483,12 +485,12 @@ def test_flashinfer_top_k_runs_on_cuda_only(indexer):
     """indexer.top_k=flashinfer on ROCm or the CPU: one problem of its own (group indexer.top_k, fix
     indexer.top_k=triton), whatever the indexer; the same indexer with our top-k has none of it; on CUDA
     its package is looked for here only, and a missing one is named."""
-    fi = replace(load_option("indexer", indexer), top_k="flashinfer")
-    assert load_option("indexer", indexer).top_k == "triton"
+    fi = replace(load_option("indexer", indexer), top_k=load_option("indexer.top_k", "flashinfer"))
+    assert load_option("indexer", indexer).top_k == load_option("indexer.top_k", "triton")
     for dev in (CPU, GFX942):
         probs = [p for p in check(combo(indexer=fi, dtype="bfloat16"), dev) if p.group == "indexer.top_k"]
         assert [(p.value, p.supported, p.fix) for p in probs] == [("flashinfer", ("cuda",), "indexer.top_k=triton")]
-        ours = check(combo(indexer=replace(fi, top_k="triton"), dtype="bfloat16"), dev)
+        ours = check(combo(indexer=replace(fi, top_k=load_option("indexer.top_k", "triton")), dtype="bfloat16"), dev)
         assert not [p for p in ours if p.group == "indexer.top_k"]
     assert not [p for p in check(combo(indexer=fi, dtype="bfloat16"), SM90) if p.group == "indexer.top_k"]
     missing = [p for p in check(combo(indexer=fi, dtype="bfloat16"), SM90, here="cuda") if p.group == "indexer.top_k"]
@@ -497,7 +499,15 @@ def test_flashinfer_top_k_runs_on_cuda_only(indexer):
 
 
 def test_an_unknown_top_k_is_refused_when_the_option_is_made():
+    """A top-k that is not an option is refused when the indexer option is made; a name that is none of the
+    shipped ones when the config is read, with the names it could be."""
+    from dsv4.catalogue import instantiate_group
+    from dsv4.errors import ConfigError
     from dsv4.strategies import ExactIndexer
 
-    with pytest.raises(ValueError, match=r"indexer=exact: top_k='radix' is not one of \('triton', 'flashinfer'\)"):
+    with pytest.raises(ValueError, match=r"indexer=exact: top_k='radix' is not a top-k option"):
         ExactIndexer(top_k="radix")
+    node = OmegaConf.load(CONFIGS / "indexer" / "exact.yaml")
+    node.top_k = "radix"
+    with pytest.raises(ConfigError, match=r"indexer.top_k=radix is not a shipped option \(one of flashinfer, triton\)"):
+        instantiate_group(node, "indexer")

@@ -15,11 +15,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from dsv4.catalogue import GROUPS
+from dsv4.catalogue import GROUPS, NESTED_GROUPS
+from dsv4.catalogue import options as shipped
 from dsv4.job import make_job
 from dsv4.compat import check
 from dsv4.device import DeviceInfo
-from dsv4.strategies.indexer.top_k import TOP_K
 from tests.conftest import CONFIGS, ROOT, options
 
 GOLDEN = ROOT / "tests" / "golden" / "compat_matrix.json"
@@ -38,8 +38,8 @@ DEVICES = {
 
 @pytest.fixture(scope="module")
 def combos():
-    """{case: Combination}: each backend preset, and each preset with one strategy group (or its indexer's
-    top-k) swapped."""
+    """{case: Combination}: each backend preset, and each preset with one strategy group (or a nested group:
+    its indexer's top-k) swapped."""
     out = {}
     GlobalHydra.instance().clear()
     try:
@@ -54,11 +54,12 @@ def combos():
                             cfg = compose(config_name="config", overrides=base + [f"backend={backend}",
                                                                                   f"{group}={option}"])
                             out[f"backend={backend} {group}={option}"] = make_job(cfg).combo
-                for top_k in TOP_K:                  # the preset's indexer with each other top-k
-                    if top_k != preset.indexer.top_k:
-                        cfg = compose(config_name="config", overrides=base + [f"backend={backend}",
-                                                                              f"indexer.top_k={top_k}"])
-                        out[f"backend={backend} indexer.top_k={top_k}"] = make_job(cfg).combo
+                for group in NESTED_GROUPS:          # the preset's indexer with each other top-k
+                    for option in shipped(group):
+                        if option != preset.choice(group).name:
+                            cfg = compose(config_name="config", overrides=base + [f"backend={backend}",
+                                                                                  f"{group}={option}"])
+                            out[f"backend={backend} {group}={option}"] = make_job(cfg).combo
     finally:
         GlobalHydra.instance().clear()
     return out
@@ -110,7 +111,7 @@ def test_compat_matrix_matches_golden(combos, request):
 
 def test_matrix_covers_every_preset_swap_and_device():
     golden = json.loads(GOLDEN.read_text())
-    swaps = sum(len(options(g)) - 1 for g in GROUPS) + len(TOP_K) - 1
+    swaps = sum(len(shipped(g)) - 1 for g in GROUPS + NESTED_GROUPS)
     assert len(golden["verdicts"]) == len(options("backend")) * (1 + swaps)
     assert all(set(v) == set(DEVICES) for v in golden["verdicts"].values())
     # the shipped presets are valid where they are meant to run

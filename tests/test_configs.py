@@ -26,7 +26,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import dsv4.strategies
 from tests.conftest import CONFIGS, options, run_py
-from dsv4.catalogue import GROUPS, instantiate_group
+from dsv4.catalogue import GROUPS, NESTED_GROUPS, folder, instantiate_group, option
+from dsv4.catalogue import options as shipped
 from dsv4.job import make_job, problems_for
 from dsv4.modes.info import info
 from dsv4.settings import MODES
@@ -34,12 +35,13 @@ from dsv4.compat import check
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.spec import ModelSpec
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, LinearStrategy,
-                                       MQAKernelStrategy, OProjStrategy)
+                                       MQAKernelStrategy, OProjStrategy, TopKStrategy)
 
 ALL_GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer", "linear", "backend", "model",
               "workload", "deployment")
 PROTOCOLS = {"mqa_kernel": MQAKernelStrategy, "o_proj": OProjStrategy, "head_padding": HeadPaddingPolicy,
-             "cache_layout": CacheLayout, "indexer": IndexerStrategy, "linear": LinearStrategy}
+             "cache_layout": CacheLayout, "indexer": IndexerStrategy, "linear": LinearStrategy,
+             "indexer.top_k": TopKStrategy}
 HYDRA_KEYS = {"_target_", "_convert_", "_recursive_", "_partial_", "_args_"}
 KERNEL_LIBS = ("flash_mla", "flashinfer", "deep_gemm", "aiter")
 
@@ -62,7 +64,8 @@ def yaml_overrides(path: Path) -> dict[str, str]:
 OPTION_CASES = [pytest.param(g, o, id=f"{g}={o}") for g in ALL_GROUPS for o in options(g)]
 PAIR_CASES = [pytest.param(b, d, id=f"backend={b},deployment={d}")
               for b, d in product(options("backend"), options("deployment"))]
-STRATEGY_YAMLS = [pytest.param(g, CONFIGS / g / f"{o}.yaml", id=f"{g}={o}") for g in GROUPS for o in options(g)]
+STRATEGY_YAMLS = [pytest.param(g, p, id=f"{g}={p.stem}") for g in GROUPS + NESTED_GROUPS
+                  for p in sorted(folder(g).glob("*.yaml"))]
 
 
 def _targets() -> list[tuple[str, str]]:
@@ -95,6 +98,17 @@ def test_every_group_folder_is_covered_and_nonempty():
     for g in ALL_GROUPS:
         assert options(g), f"configs/{g}/ has no option"
     assert set(GROUPS) <= set(ALL_GROUPS)
+
+
+def test_nested_groups_are_the_folders_inside_the_groups():
+    """A folder inside a strategy group's folder is a nested group (NESTED_GROUPS: configs/indexer/top_k/),
+    whose options an option's field names."""
+    inner = {f"{g}.{p.name}" for g in GROUPS for p in (CONFIGS / g).iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert inner == set(NESTED_GROUPS)
+    for nested in NESTED_GROUPS:
+        parent, _, key = nested.rpartition(".")
+        assert all(getattr(opt, key).name == load_yaml(folder(parent) / f"{name}.yaml")[key]
+                   for name, opt in shipped(parent).items())
 
 
 def test_glob_discovery_matches_hydra_group_options():
@@ -206,7 +220,7 @@ def test_strategy_class_and_yaml(group, path):
     with pytest.raises(TypeError):
         cls(*kw.values())                                   # kw_only: positional construction fails
 
-    inst = instantiate_group(OmegaConf.load(path))
+    inst = instantiate_group(OmegaConf.load(path), group)
     assert type(inst) is cls
     assert inst.name == path.stem
     assert type(inst).__mro__ == (cls, object), "strategies subclass nothing"
@@ -286,22 +300,20 @@ def test_spec_rejects_a_negative_compress_ratio():
 
 
 # ---- in-process app behaviour --------------------------------------------------------------------------
-def info_top_ks() -> dict:
-    """mode=info's rows of the indexer's top-k settings -> their strategies."""
-    from dsv4.strategies.indexer.top_k import TOP_K
-
-    return {f"indexer.top_k={name}": s for name, s in TOP_K.items()}
+def info_rows() -> set[str]:
+    """mode=info's rows: every option of every group and nested group (indexer.top_k)."""
+    return {f"{g}={o}" for g in GROUPS + NESTED_GROUPS for o in shipped(g)}
 
 
 def test_info_lists_every_strategy_option_with_a_verdict(compose_cfg, no_alloc):
     """Every option of every group and every indexer.top_k; on the CPU ok exactly for what runs there."""
     job = make_job(compose_cfg([]))
     rows = parse_info(info(job))
-    top_ks = info_top_ks()
-    assert set(rows) == {f"{g}={o}" for g in GROUPS for o in options(g)} | set(top_ks)
+    assert set(rows) == info_rows()
+    assert {k for k in rows if k.startswith("indexer.top_k=")} == {"indexer.top_k=triton", "indexer.top_k=flashinfer"}
     for key, (verdict, _) in rows.items():
         g, o = key.split("=")
-        strat = top_ks.get(key) or instantiate(OmegaConf.load(CONFIGS / g / f"{o}.yaml"), _convert_="all")
+        strat = option(g, o)
         plats = strat.needs(job.device).platforms if hasattr(strat, "needs") else frozenset()
         assert verdict == ("ok" if not plats or "cpu" in plats else "no"), key
     starred = sorted(k for k, (_, star) in rows.items() if star)
@@ -469,7 +481,7 @@ def test_cli_check_and_info_never_import_kernel_libraries(stubs, tmp_path, compo
     assert "stub" not in r.stderr and "Traceback" not in r.stderr
     if mode == "info":
         rows = parse_info(r.stdout)
-        assert set(rows) == {f"{g}={o}" for g in GROUPS for o in options(g)} | set(info_top_ks())
+        assert set(rows) == info_rows()
         assert all(verdict in ("ok", "no") for verdict, _ in rows.values())
         cfg = compose_cfg([])
         assert sorted(k for k, (_, star) in rows.items() if star) == sorted(

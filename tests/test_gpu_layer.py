@@ -147,11 +147,11 @@ def test_fp8_keys_select_what_fp4_sim_selects(graphs):
     near-ties DeepGEMM's sums order otherwise, recall >= 0.98, and the outputs within 1e-2. triton_fp8
     with indexer.top_k=flashinfer: fp4_sim's sets, the outputs within 1e-3 (its lists' order). 64 index
     heads (the real model's; DeepGEMM takes 32 or 64 on sm90)."""
-    from dsv4.strategies import DeepGemmFp8Indexer, TritonFp8Indexer
+    from dsv4.strategies import DeepGemmFp8Indexer, FlashInferTopK, TritonFp8Indexer
 
     options = [("fp4_sim", Fp4SimIndexer()), ("triton_fp8", TritonFp8Indexer())]
     options += [("deepgemm_fp8", DeepGemmFp8Indexer())] if HOPPER else []
-    options += [("flashinfer top-k", TritonFp8Indexer(top_k="flashinfer"))] if FLASHINFER is not None else []
+    options += [("flashinfer top-k", TritonFp8Indexer(top_k=FlashInferTopK()))] if FLASHINFER is not None else []
     runs = {}
     for name, numerics in options:
         spec, eng, _ = engine("triton+reference", graphs=graphs, seed=4, indexer=numerics,
@@ -187,8 +187,11 @@ def test_graph_replay_equals_eager_bit_for_bit(backend, top_k):
     FlashInfer's, indexer.top_k=flashinfer)."""
     if top_k == "flashinfer" and FLASHINFER is None:
         pytest.skip("indexer.top_k=flashinfer needs flashinfer-python")
-    spec, g_eng, W = engine(backend, graphs=True, indexer=ExactIndexer(top_k=top_k))
-    _, e_eng, _ = engine(backend, weights=W, indexer=ExactIndexer(top_k=top_k))
+    from dsv4.catalogue import option
+
+    select = option("indexer.top_k", top_k)
+    spec, g_eng, W = engine(backend, graphs=True, indexer=ExactIndexer(top_k=select))
+    _, e_eng, _ = engine(backend, weights=W, indexer=ExactIndexer(top_k=select))
     X = {r: x.cuda() for r, x in hidden_for({r: n + 40 for r, n in LENGTHS.items()}, spec.hidden_size, seed=2).items()}
     schedule = chunked(LENGTHS, 64)
     drive(g_eng, X, schedule)

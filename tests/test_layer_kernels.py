@@ -501,7 +501,8 @@ def test_compress_kernel_stores_fp4_keys(keys, nan):
     an entry that is not finite is refused and flagged before the numerics, as there."""
     from dsv4.kernels.cache_write import fp4_record_store, fp8_key_store
     from dsv4.kernels.compress import CompressJob, compress_kernels
-    from dsv4.strategies import Fp4SimIndexer, Fp8KeyLayout, Mxfp4KeyLayout
+    from dsv4.formats.indexer_numerics import IndexerNumerics
+    from dsv4.strategies import Fp8KeyLayout, Mxfp4KeyLayout
 
     R, D = 4, 128
     plan, blocks = step_plan(SPANS[R], seed=81)
@@ -520,7 +521,7 @@ def test_compress_kernel_stores_fp4_keys(keys, nan):
     ref_faults = torch.ones(3, T, dtype=torch.bool)
     rows, store = comp.entries(scores, plan, ref_state, rot, ref_faults, 2)
     want = pages.clone()
-    lay.write(want, store, Fp4SimIndexer().keys(rows), block_size=bs)
+    lay.write(want, store, IndexerNumerics.FP4.apply(rows), block_size=bs)
     got, faults, got_state = dev(pages), dev(torch.ones(3, T, dtype=torch.bool)), dev(state)
     into = {"mxfp4": fp4_record_store, "fp8": fp8_key_store}[keys](got, bs, D) if keys in ("mxfp4", "fp8") \
         else row_store(keys, got, bs)
@@ -553,7 +554,7 @@ def test_front_kernel_makes_fp4_indexer_queries(iq_dtype, iq_in):
     torch path (rotate_rows, then fp4_sim's queries) gives -- also for heads holding a NaN or an infinity
     (NaN where torch has NaN, the same values elsewhere)."""
     from dsv4.components.front import rotate_rows
-    from dsv4.strategies import Fp4SimIndexer
+    from dsv4.formats.indexer_numerics import IndexerNumerics
 
     g, T, Hi, Di = gen(86), 5, 6, 128
     iq = torch.randn(T, Hi, Di, generator=g) * torch.exp(torch.randn(T, Hi, 1, generator=g) * 3)
@@ -562,8 +563,8 @@ def test_front_kernel_makes_fp4_indexer_queries(iq_dtype, iq_in):
     rot = rope_rows(T, g)
     _, _, got = front_kernel(None, None, None, dev(rot.cos), dev(rot.sin), None, None, padded_heads=0, eps=EPS,
                              dtype=torch.bfloat16, iq=dev(iq), iq_dtype=iq_dtype, iq_fp4=True)
-    want = Fp4SimIndexer().queries(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin)),
-                                               kernels=KERNELS)).to(iq_dtype)
+    want = IndexerNumerics.FP4.apply(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin)),
+                                                 kernels=KERNELS)).to(iq_dtype)
     got, want = got.cpu(), want.cpu()
     assert got.dtype == iq_dtype and torch.equal(torch.isnan(got), torch.isnan(want))
     assert bool(torch.isnan(want[1, 2]).any()) and torch.equal(got.nan_to_num(), want.nan_to_num())
@@ -735,13 +736,13 @@ def test_indexer_logits_reads_key_records(launch, record):
 def e4m3_case(seed: int, holes=((2, 1),)):
     """indexer_case's step with FP4-simulated queries and keys (fp4_sim's values: exact in e4m3 over each
     head's or key's power-of-two scale), the queries also in e4m3 with their scales in the head weights."""
-    from dsv4.strategies import Fp4SimIndexer
+    from dsv4.formats.indexer_numerics import IndexerNumerics
     from dsv4.strategies.indexer.key_layouts import fp8_queries
 
     q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, 8, 128, holes=holes, seed=seed)
-    fp4 = Fp4SimIndexer()
-    q = fp4.queries(q)
-    keys.data.copy_(fp4.keys(keys.data.flatten(0, 1)).view(keys.data.shape))
+    fp4 = IndexerNumerics.FP4
+    q = fp4.apply(q)
+    keys.data.copy_(fp4.apply(keys.data.flatten(0, 1)).view(keys.data.shape))
     q8, wq = fp8_queries(q, w, 1.0)                # the kernel applies w_scale
     return q, w, q8.squeeze(1), wq, keys, plan, idx
 
@@ -887,12 +888,12 @@ def test_indexer_logits_decode_sized():
         rec, rows = record_twin(keys, record)
         assert torch.equal(run_indexer(q, w, rec, plan, idx), run_indexer(q, w, rows, plan, idx))
     # FP4-simulated values, e4m3 queries against fp8 records (the tensor cores' e4m3 product on sm89+)
-    from dsv4.strategies import Fp4SimIndexer
+    from dsv4.formats.indexer_numerics import IndexerNumerics
     from dsv4.strategies.indexer.key_layouts import fp8_queries
 
-    fp4 = Fp4SimIndexer()
-    q = fp4.queries(q)
-    keys.data.copy_(fp4.keys(keys.data.flatten(0, 1).float()).view(keys.data.shape))
+    fp4 = IndexerNumerics.FP4
+    q = fp4.apply(q)
+    keys.data.copy_(fp4.apply(keys.data.flatten(0, 1).float()).view(keys.data.shape))
     rec, rows = record_twin(keys, "fp8")
     q8, wq = fp8_queries(q, w, 1.0)                # the kernel applies w_scale
     assert torch.equal(run_indexer(q8.squeeze(1), wq, rec, plan, idx), run_indexer(q, w, rows, plan, idx))
@@ -1064,21 +1065,21 @@ def test_flashinfer_top_k_through_its_contract(monkeypatch):
     deterministic mode with ties to the lower index, zero offsets, the rows' counts as lengths (a column
     slice of padded rows read as the whole rows, NaN past the slice), then our page lookup -- the lists,
     slots and counts of test_topk_lists' stable sort, in any order."""
-    from dsv4.strategies.indexer.top_k import PREFER_LOWER_INDEX, TOP_K
+    from dsv4.strategies.indexer.top_k.flashinfer import PREFER_LOWER_INDEX, FlashInferTopK
 
     calls: list = []
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer(calls))
     scores, counts, pages, req, K, bs = topk_case()
     args = (dev(counts), dev(pages), dev(req))
-    got = TOP_K["flashinfer"](dev(scores), *args, topk=K, block_size=bs)
+    got = FlashInferTopK()(dev(scores), *args, topk=K, block_size=bs)
     assert_topk_lists(*got, scores, counts, pages, req, K, bs, index_order=False)
     assert calls == [{"deterministic": True, "tie_break": PREFER_LOWER_INDEX, "width": scores.shape[1]}]
     padded = dev(torch.full((scores.shape[0], scores.shape[1] + 8), float("nan")))
     padded[:, :scores.shape[1]] = dev(scores)
-    again = TOP_K["flashinfer"](padded[:, :scores.shape[1]], *args, topk=K, block_size=bs)
+    again = FlashInferTopK()(padded[:, :scores.shape[1]], *args, topk=K, block_size=bs)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
     assert calls[-1]["width"] == scores.shape[1] + 8                  # the padded rows, not a copy of the slice
-    empty = TOP_K["flashinfer"](dev(scores[:0]), dev(counts[:0]), dev(pages), dev(req[:0]), topk=K, block_size=bs)
+    empty = FlashInferTopK()(dev(scores[:0]), dev(counts[:0]), dev(pages), dev(req[:0]), topk=K, block_size=bs)
     assert [tuple(x.shape) for x in empty] == [(0, K), (0, K), (0,)] and len(calls) == 2     # no call for no rows
 
 
@@ -1090,9 +1091,9 @@ def test_flashinfer_top_k_selects_what_triton_selects(width):
     rows of 2,048 and 32,768 entries, K = 512, some rows partly visible, some with every score tied), against
     indexer.top_k=triton: the same entries, slots and counts; the same lists on a second call, and from
     padded rows (a column slice, NaN past the visible entries)."""
-    from dsv4.strategies.indexer.top_k import TOP_K
+    from dsv4.strategies import FlashInferTopK, TritonTopK
 
-    fi, ours = TOP_K["flashinfer"], TOP_K["triton"]
+    fi, ours = FlashInferTopK(), TritonTopK()
     if not width:
         scores, counts, pages, req, K, bs = topk_case()
         got = fi(scores.to(DEVICE), counts.to(DEVICE), pages.to(DEVICE), req.to(DEVICE), topk=K, block_size=bs)
@@ -1143,7 +1144,7 @@ def test_front_kernel_makes_fp8_indexer_queries():
     """iq_dtype e4m3: the front's indexer queries as deepgemm_fp8 scores them -- RoPE, FP4 numerics, then
     `fp8_queries` with the head weights (strided rows) -- bit for bit, beside the query and KV parts."""
     from dsv4.components.front import rotate_rows
-    from dsv4.strategies import Fp4SimIndexer
+    from dsv4.formats.indexer_numerics import IndexerNumerics
     from dsv4.strategies.indexer.key_layouts import fp8_queries
 
     g, T, Hi, Di = gen(87), 5, 6, 128
@@ -1155,7 +1156,8 @@ def test_front_kernel_makes_fp8_indexer_queries():
     got_q, _, (q8, wq) = front_kernel(dev(q), None, None, dev(rot.cos), dev(rot.sin), None, None, padded_heads=4,
                                       eps=EPS, dtype=torch.bfloat16, iq=dev(iq), iq_dtype=torch.float8_e4m3fn,
                                       iq_fp4=True, iq_weights=dev(w), iq_w_scale=0.125)
-    rows = Fp4SimIndexer().queries(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin)), kernels=KERNELS))
+    rows = IndexerNumerics.FP4.apply(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin)),
+                                                 kernels=KERNELS))
     want_q8, want_w = fp8_queries(rows.cpu().bfloat16(), w, 0.125)
     assert q8.shape == (T, 1, Hi, Di) and q8.dtype == torch.float8_e4m3fn and wq.shape == (T, Hi)
     assert torch.equal(q8.cpu().view(torch.uint8), want_q8.view(torch.uint8))

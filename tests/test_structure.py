@@ -68,13 +68,17 @@ def test_the_floors_import_nothing_above_them():
 
 
 def test_each_option_is_a_module_of_its_groups_folder_that_no_other_strategy_imports():
-    """strategies/<group>/<option>.py: an option's class lives in its group's folder, and what options share
-    lives in a module of its own (dsv4/formats/, a group's common module), never in another option's."""
-    from dsv4.catalogue import GROUPS, options
+    """strategies/<group>/<option>.py (a nested group's: strategies/<group>/<nested>/<option>.py): an option's
+    class lives in its group's folder, and what options share lives in a module of its own (dsv4/formats/, a
+    group's common module), never in another option's."""
+    from dsv4.catalogue import GROUPS, NESTED_GROUPS, options
 
     homes = {g: {type(o).__module__ for o in options(g).values()} for g in GROUPS}
     for g, mods in homes.items():
         assert all(m.startswith(f"dsv4.strategies.{g}.") and m.count(".") == 3 for m in mods), (g, mods)
+    for g in NESTED_GROUPS:            # a nested group's options: strategies/<group>/<nested>/<option>.py
+        mods = {type(o).__module__ for o in options(g).values()}
+        assert all(m.startswith(f"dsv4.strategies.{g}.") and m.count(".") == 4 for m in mods), (g, mods)
     option_modules = set().union(*homes.values())
     for m, deps in GRAPH.items():
         if m.startswith("dsv4.strategies."):

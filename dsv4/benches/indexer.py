@@ -64,18 +64,16 @@ def as_bf16_rows(keys):
                       data=rows.view(-1, BS, dim), block_size=BS, head_dim=dim)
 
 
-def option_rows(ix, spec, context: int, top_ks=("triton",)) -> list[list]:
+def option_rows(ix, spec, context: int, top_ks=None) -> list[list]:
     """[context, option, top-k, key B/entry, step plan µs (made once per step for the step's ratio-4
     layers; 0: none), scores µs, scores + top-k µs, rel err vs bf16 rows, same top-k set], one row per
-    top-k of `top_ks` (top_k.TOP_K's names)."""
+    top-k option of `top_ks` (default: the option's own)."""
     from dsv4.strategies import indexer_keys_layout
     from dsv4.strategies.indexer.common import triton_scores
-    from dsv4.strategies.indexer.top_k import TOP_K
 
     Hi, Di, K = spec.index_n_heads, spec.index_head_dim, spec.index_topk
     q, w, pages, req, counts, rows = decode_case(context, Hi, Di)
-    if ix.transforms:
-        q, rows = ix.queries(q), ix.keys(rows.view(-1, Di)).view(rows.shape)
+    q, rows = ix.numerics.apply(q), ix.numerics.apply(rows.view(-1, Di)).view(rows.shape)
     layout = indexer_keys_layout(ix, dtype="bfloat16", head_dim=Di)
     keys = stored_keys(layout, rows)
     del rows
@@ -101,35 +99,33 @@ def option_rows(ix, spec, context: int, top_ks=("triton",)) -> list[list]:
     plan_us = graph_time_us(plan) if ip is not None else 0.0
     scores_us = graph_time_us(scores)
     rows = []
-    for name in top_ks:
-        def step(select=TOP_K[name]):
+    for top_k in top_ks if top_ks is not None else (ix.top_k,):
+        def step(select=top_k):
             return select(scores(), counts, pages, req, topk=K, block_size=BS)
 
         local, _, _ = step()
         same = torch.equal(local[:, :want.shape[1]].sort(dim=-1).values.long(), want)
-        rows.append([context, ix.name, name, layout.bytes_per_token(Di), plan_us, scores_us, graph_time_us(step),
-                     err, same])
+        rows.append([context, ix.name, top_k.name, layout.bytes_per_token(Di), plan_us, scores_us,
+                     graph_time_us(step), err, same])
     del keys, out
     torch.cuda.empty_cache()
     return rows
 
 
-def top_ks_here(job) -> list[str]:
-    """The names of the top-k options (top_k.TOP_K) check() accepts on this machine for the job's indexer."""
-    from dataclasses import replace
-
+def top_ks_here(job) -> list:
+    """The top-k options (configs/indexer/top_k/) check() accepts on this machine for the job's indexer."""
+    from dsv4.catalogue import options
     from dsv4.compat import check
     from dsv4.device import local_platform
-    from dsv4.strategies.indexer.top_k import TOP_K
 
-    return [name for name in TOP_K if not [
-        p for p in check(replace(job.combo, indexer=replace(job.combo.indexer, top_k=name)), job.device,
-                         here=local_platform()) if p.group == "indexer.top_k"]]
+    return [top_k for top_k in options("indexer.top_k").values() if not [
+        p for p in check(job.combo.with_choice("indexer.top_k", top_k), job.device, here=local_platform())
+        if p.group == "indexer.top_k"]]
 
 
 def bench_indexer(job, options=None, top_ks=None) -> str:
     """The table (module docstring) for `options` (default: every option check() accepts here), each with
-    every top-k of `top_ks` (default: every one check() accepts here), with the job's model."""
+    every top-k option of `top_ks` (default: every one check() accepts here), with the job's model."""
     rows = []
     top_ks = top_ks if top_ks is not None else top_ks_here(job)
     for ix in options if options is not None else available_options(job, "indexer"):

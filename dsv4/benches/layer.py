@@ -303,10 +303,8 @@ def prefill_row(job, backend: Backend, layer: int, tokens: int = PREFILL_TOKENS)
 
 
 def indexer_label(ix) -> str:
-    """An indexer option's name, with its top-k where that is not ours."""
-    from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K
-
-    return ix.name if ix.top_k == DEFAULT_TOP_K else f"{ix.name}, top_k={ix.top_k}"
+    """An indexer option's name, with its top-k where that is not the default (ours)."""
+    return ix.name if ix.top_k.name == defaults()["indexer.top_k"] else f"{ix.name}, top_k={ix.top_k.name}"
 
 
 def layer_backends(job, layer: int, labels, indexers) -> list[Backend]:

@@ -25,6 +25,7 @@ from dsv4.components.rope import Rope
 from dsv4.device import DeviceInfo
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.kernels.target import Target
+from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
 from dsv4.spec import LAYER_TYPES, ModelSpec
 from dsv4.strategies.linear.common import mm_f32
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, LinearStrategy, LinearWeight, MQAKernelStrategy,
@@ -159,10 +160,10 @@ class DSV4Attention(torch.nn.Module):
             # in the activation dtype, as the published code's projection returns it (then RoPE, FP4)
             q_raw, iq_raw = q_raw.split_with_sizes(self.q_sizes, 1)
             iq_raw = iq_raw.view(T, idx.n_heads, idx.head_dim)
-        front_iq = idx is not None and idx.front_queries
+        front_iq = idx is not None        # the front kernel applies every IndexerNumerics
         iq_dtype = idx.score_dtype(caches.indexer_keys) if idx is not None else None
         # a kernel that scores e4m3 queries gets them from the front, their scales in the head weights
-        fp8_iq = front_iq and idx.numerics.fp8_queries and kernels is not None
+        fp8_iq = front_iq and idx.numerics.query_format is QueryFormat.E4M3 and kernels is not None
         if fp8_iq:
             branch.wait_mark()
         front_faults = faults[:FAULT_ROWS - (0 if self.compressor is None else 1 if idx is None else 2)]
@@ -170,8 +171,9 @@ class DSV4Attention(torch.nn.Module):
                            plan.swa.write_slots, front_faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
                            dtype=self.dtype, iq=iq_raw if front_iq else None,
                            iq_dtype=torch.float8_e4m3fn if fp8_iq else iq_dtype,
-                           iq_fp4=front_iq and idx.numerics.transforms, iq_weights=scores[2] if fp8_iq else None,
-                           iq_w_scale=idx.weight_scale if fp8_iq else 1.0, kernels=kernels)
+                           iq_fp4=front_iq and idx.numerics.numerics is IndexerNumerics.FP4,
+                           iq_weights=scores[2] if fp8_iq else None, iq_w_scale=idx.weight_scale if fp8_iq else 1.0,
+                           kernels=kernels)
 
         topk, extra = None, {}
         if self.compressor is not None:

@@ -28,6 +28,7 @@ from typing import Any
 from dsv4.components.front import stored_badly
 from dsv4.components.norms import rms_norm
 from dsv4.kernels.target import Target, check_kernels
+from dsv4.formats.indexer_numerics import IndexerNumerics
 
 
 class Compressor:
@@ -156,14 +157,13 @@ class CompressPart:
     @property
     def fp4(self) -> bool:
         """Whether its entries take the published FP4 numerics (which the compress kernel applies)."""
-        return self.numerics is not None and self.numerics.transforms
+        return self.numerics is not None and self.numerics.numerics is IndexerNumerics.FP4
 
     @property
     def kernel_stores(self) -> bool:
-        """Whether the compress kernel can store its entries: a cache with a kernel store, and numerics the
-        kernel applies (none, or the FP4 ones)."""
-        n = self.numerics
-        return self.cache.store is not None and (n is None or not n.transforms or n.fp4)
+        """Whether the compress kernel can store its entries: a cache with a kernel store (the kernel applies
+        every IndexerNumerics)."""
+        return self.cache.store is not None
 
 
 def compress_all(parts, plan, rot, faults, *, kernels: Target | None = None) -> None:
@@ -178,11 +178,11 @@ def compress_all(parts, plan, rot, faults, *, kernels: Target | None = None) -> 
                 rot, faults)
         return
     for p in parts:
-        if p.numerics is None or not p.numerics.transforms:
+        if p.numerics is None or p.numerics.numerics is IndexerNumerics.EXACT:
             p.compressor.compress(p.scores, plan, p.state, rot, faults, p.fault_row, p.cache, kernels=kernels)
             continue
         rows, store = p.compressor.entries(p.scores, plan, p.state, rot, faults, p.fault_row, kernels=kernels)
-        p.cache.write(store, p.numerics.keys(rows, p.prepared))
+        p.cache.write(store, p.numerics.numerics.apply(rows))
 
 
 def _launch(parts, plan, rot, faults) -> list:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dsv4.components.compressor import CompressPart
 from dsv4.kernels.target import Target, check_kernels
+from dsv4.formats.indexer_numerics import IndexerNumerics
 
 TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens at a time
 
@@ -46,9 +47,9 @@ class Indexer:
         from dsv4.components.front import rotate_rows
 
         q = q_raw.view(-1, self.n_heads, self.head_dim)
-        if not self.numerics.transforms:
+        if self.numerics.numerics is IndexerNumerics.EXACT:
             return rotate_rows(q, rot, dtype, kernels=kernels)
-        q = self.numerics.queries(rotate_rows(q, rot, kernels=kernels), self.prepared)
+        q = self.numerics.numerics.apply(rotate_rows(q, rot, kernels=kernels))
         return q if dtype is None else q.to(dtype)
 
     @staticmethod
@@ -58,12 +59,6 @@ class Indexer:
         import torch
 
         return torch.bfloat16 if keys.data.dtype == torch.uint8 else keys.data.dtype
-
-    @property
-    def front_queries(self) -> bool:
-        """Whether the layer's front kernel can make its queries: RoPE alone, or RoPE and the published FP4
-        numerics (`front.front_rows`)."""
-        return not self.numerics.transforms or self.numerics.fp4
 
     def key_part(self, scores, state, fault_row: int, cache):
         """Its compressor's part of the layer's compress step (`compressor.compress_all`), its keys taking
@@ -87,8 +82,8 @@ class Indexer:
         q [T, Hi, Di] float32 (rounded here to the keys' dtype) or already in it, w [T, Hi] float32 the
         head weights (weights_proj's output, scaled here by `weight_scale`), keys: the PagedCache of
         indexer keys. Given `kernels`: the strategy's kernel, given the step's `index_plan` (`plan`), its rows
-        maybe wider than `width`; for a strategy with `fp8_queries`, q and w may be what its kernel takes
-        (e4m3 queries, their scales folded into w: the layer's front kernel makes them)."""
+        maybe wider than `width`; for a strategy whose `query_format` is E4M3, q and w may be what its kernel
+        takes (e4m3 queries, their scales folded into w: the layer's front kernel makes them)."""
         check_kernels(kernels, q, "Indexer.scores")
         ents = plan.entries[4]
         if kernels is not None:                 # the strategy's kernel
@@ -115,16 +110,15 @@ class Indexer:
     def lists(self, scores, plan, *, kernels: Target | None = None):
         """The selection as the MQA kernel reads it: (local indices [T, K] int32 as `select` gives them,
         their global slots [T, K] int32 through each token's table, -1 padded, and how many are valid
-        [T] int32). Given `kernels`, the strategy's `top_k` (dsv4/strategies/indexer/top_k.py: our radix
-        select, valid entries in index order, or FlashInfer's), where `select` gives them best first."""
+        [T] int32). Given `kernels`, the strategy's `top_k` (dsv4/strategies/indexer/top_k/: our radix select,
+        valid entries in index order, or FlashInfer's), where `select` gives them best first."""
         import torch
 
         check_kernels(kernels, scores, "Indexer.lists")
         ents = plan.entries[4]
         if kernels is not None:
-            from dsv4.strategies.indexer.top_k import TOP_K
-            return TOP_K[self.numerics.top_k](scores, ents.counts, ents.table.pages, plan.token_request,
-                                              topk=self.topk, block_size=ents.table.block_size)
+            return self.numerics.top_k(scores, ents.counts, ents.table.pages, plan.token_request,
+                                       topk=self.topk, block_size=ents.table.block_size)
         local = self.select(scores)
         return local, ents.table.slots(plan.token_request, local), (local >= 0).sum(1, dtype=torch.int32)
 

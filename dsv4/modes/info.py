@@ -1,7 +1,8 @@
-"""`mode=info`: every option of every strategy group, swapped into the job's combination, with its verdict."""
+"""`mode=info`: every option of every strategy group (nested ones included), swapped into the job's combination,
+with its verdict."""
 from __future__ import annotations
 
-from dsv4.catalogue import GROUPS, options
+from dsv4.catalogue import GROUPS, NESTED_GROUPS, options
 from dsv4.compat import check
 from dsv4.device import local_platform
 from dsv4.job import Job
@@ -14,13 +15,11 @@ def info_mode(job: Job, *, multirun: bool) -> None:
 
 
 def info(job: Job) -> str:
-    """Every option of every strategy group, swapped into the current combination, with its verdict.
+    """Every option of every strategy group and nested group (`indexer.top_k`), swapped into the current
+    combination, with its verdict.
     For a deployment of another platform than this machine's (`deployment=h200 mode=info` on a CPU),
     the Python packages an option needs are listed as unknown: they can be looked for only there."""
-    from dataclasses import replace
     from importlib.util import find_spec
-
-    from dsv4.strategies.indexer.top_k import TOP_K
 
     here = local_platform()
     local = job.device.platform == here
@@ -39,14 +38,10 @@ def info(job: Job) -> str:
         return [f"{option}{'*' if current else ''}", verdict, packages, reason]
 
     rows = []
-    for group in GROUPS:
+    for group in GROUPS + NESTED_GROUPS:
         for name, strat in options(group).items():
-            rows.append(row(f"{group}={name}", replace(job.combo, **{group: strat}), strat,
-                            getattr(job.combo, group).name == strat.name))
-    ix = job.combo.indexer
-    for name, top_k in TOP_K.items():           # the indexer's own setting, with the job's indexer
-        rows.append(row(f"indexer.top_k={name}", replace(job.combo, indexer=replace(ix, top_k=name)), top_k,
-                        ix.top_k == name))
+            rows.append(row(f"{group}={name}", job.combo.with_choice(group, strat), strat,
+                            job.combo.choice(group).name == strat.name))
     where = ("packages looked for here" if local else
              f"packages unknown: looked for only on a {job.device.platform} machine")
     head = (f"dsv4 info: model={job.spec.name}, tp_size={job.combo.tp_size}, dtype={job.combo.dtype}, "

@@ -11,6 +11,8 @@ from dsv4.strategies.indexer.exact import ExactIndexer
 from dsv4.strategies.indexer.fp4_sim import Fp4SimIndexer
 from dsv4.strategies.indexer.key_layouts import Fp8KeyLayout, Mxfp4KeyLayout
 from dsv4.strategies.indexer.mxfp4 import Mxfp4Indexer
+from dsv4.strategies.indexer.top_k.flashinfer import FlashInferTopK
+from dsv4.strategies.indexer.top_k.triton import TritonTopK
 from dsv4.strategies.indexer.triton_fp8 import TritonFp8Indexer
 from dsv4.strategies.linear.deepgemm_fp8 import DeepGemmFp8Linear
 from dsv4.strategies.linear.deepgemm_triton_fp8 import DeepGemmTritonFp8Linear
@@ -29,16 +31,18 @@ from dsv4.strategies.o_proj.rocm_bf16 import RocmBf16OProj
 from dsv4.strategies.o_proj.torch_fp8 import TorchFp8OProj
 from dsv4.strategies.o_proj.triton_fp8 import TritonFp8OProj
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, LinearStrategy, LinearWeight,
-                                       MQAKernelStrategy, Needs, OProjStrategy, OProjWeights, SparseKV)
+                                       MQAKernelStrategy, Needs, OProjStrategy, OProjWeights, SparseKV,
+                                       TopKStrategy)
 
 __all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8Indexer", "DeepGemmFp8Linear",
-           "DeepGemmFp8OProj", "DeepGemmTritonFp8Linear", "ExactIndexer", "FlashInferSparse", "FlashMLASparse", "Fp4SimIndexer",
-           "Fp8DsMlaFnuzLayout", "Fp8DsMlaLayout", "Fp8KeyLayout", "Fp8PerTensorLayout", "Fp8SimLinear",
+           "DeepGemmFp8OProj", "DeepGemmTritonFp8Linear", "ExactIndexer", "FlashInferSparse", "FlashInferTopK",
+           "FlashMLASparse", "Fp4SimIndexer", "Fp8DsMlaFnuzLayout", "Fp8DsMlaLayout", "Fp8KeyLayout",
+           "Fp8PerTensorLayout", "Fp8SimLinear",
            "HeadPaddingPolicy", "IndexerStrategy", "LinearStrategy", "LinearWeight", "MQAKernelStrategy",
            "Mxfp4Indexer", "Mxfp4KeyLayout", "Needs", "NoHeadPadding", "OProjStrategy", "OProjWeights",
            "PlainRowLayout", "ReferenceLinear", "ReferenceMQA", "ReferenceOProj", "RocmBf16OProj", "SparseKV",
-           "TorchFp8Linear", "TorchFp8OProj", "TritonFp8Indexer", "TritonFp8Linear", "TritonFp8OProj",
-           "TritonSparseMQA", "indexer_keys_layout"]
+           "TopKStrategy", "TorchFp8Linear", "TorchFp8OProj", "TritonFp8Indexer", "TritonFp8Linear",
+           "TritonFp8OProj", "TritonSparseMQA", "TritonTopK", "indexer_keys_layout"]
 
 
 def indexer_keys_layout(indexer: IndexerStrategy, *, dtype: str, head_dim: int) -> CacheLayout:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from dsv4.formats.fp8_blocks import Fp8Blocks, Fp8Rows, LinearNumerics
+from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
 from dsv4.formats.row_format import RowFormat
 
 if TYPE_CHECKING:
@@ -139,36 +140,46 @@ class CacheLayout(Protocol):
 
 
 @runtime_checkable
-class IndexerStrategy(Protocol):
-    """The numerics of the lightning indexer (ratio-4 layers): what its RoPE'd queries and its closed
-    keys become before they are scored and stored. `prepare` makes what the transforms need once, on
-    the device; `transforms` says whether they change anything, `fp4` whether they are the published
-    rotation and FP4 simulation, which the layer's kernels apply themselves on a GPU (dsv4/kernels/fp4.py;
-    other transforms run as `queries` and `keys`). It owns its keys' record (`key_layout`) and, on a GPU,
-    the kernel that scores them (`scores`), which with `fp8_queries` takes e4m3 queries, each head over its
-    power-of-two scale, and head weights that carry those scales (key_layouts.fp8_queries; the layer's front
-    kernel makes them)."""
+class TopKStrategy(Protocol):
+    """How the indexer's scores become the MQA kernel's lists on a GPU: an option of the group nested in the
+    indexer's (`indexer.top_k`, configs/indexer/top_k/). The torch path (components/indexer.py) is their
+    specification."""
     name: str
-    error_budget: float
-    transforms: bool
-    fp4: bool
-    oracle_numerics: str        # oracle.INDEXER_NUMERICS: what the oracle recomputes the indexer with
-    fp8_queries: bool
-    top_k: str                  # top_k.TOP_K: the selection its scores go through on a GPU
 
     def needs(self, device: DeviceInfo) -> Needs: ...
+    # scores [T, >= width] float32 (row t visible below counts[t]) -> (local entry indices [T, topk], their
+    # global slots through each token's request's entries table `pages` [T, topk], their counts [T]) int32,
+    # the valid entries of a row first
+    def __call__(self, scores: Tensor, counts: Tensor, pages: Tensor, token_request: Tensor, *, topk: int,
+                 block_size: int) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+@runtime_checkable
+class IndexerStrategy(Protocol):
+    """The lightning indexer of ratio-4 layers: its numerics (`numerics`: what its RoPE'd queries and its
+    closed keys become before they are scored and stored; the layer's kernels apply them on a GPU, the
+    oracle recomputes them), its keys' record (`key_layout`) and, on a GPU, the kernel that scores them
+    (`scores`, taking the queries in `query_format`) and the top-k its scores go through (`top_k`, an option
+    of its own)."""
+    name: str
+    error_budget: float
+    numerics: IndexerNumerics
+    query_format: QueryFormat
+    top_k: TopKStrategy
+
+    def needs(self, device: DeviceInfo) -> Needs: ...
+    # once per layer: what `scores` needs made on the device (the device's facts our kernel plans by), or None
     def prepare(self, *, head_dim: int, device: DeviceInfo) -> Any: ...
     # how its keys are stored; None: plain rows in the activation dtype (the pool's PlainRowLayout)
     def key_layout(self, *, dtype: str, head_dim: int) -> CacheLayout | None: ...
-    def queries(self, q: Tensor, prepared: Any) -> Tensor: ...     # [T, Hi, Di] float32 -> float32
-    def keys(self, rows: Tensor, prepared: Any) -> Tensor: ...     # [T, Di] float32 -> float32
     # once per step on a GPU, shared by the step's ratio-4 layers: what `scores` needs made per step
     # (DeepGEMM's lens, block table rows and schedule), or None
     def plan(self, *, token_request: Tensor, counts: Tensor, pages: Tensor, block_size: int) -> Any: ...
     # on a GPU: the step's scores [T, >= width] float32 of q [T, Hi, Di] over each token's request's keys
     # (a PagedCache in its key_layout, through the entries table `pages`), entries j < counts[t] visible;
-    # the top-k reads only those. `plan`: what plan() gave for the step (None: the call makes its own);
-    # `prepared`: what prepare() gave (e.g. the device's facts its kernel plans by)
+    # the top-k reads only those. q and w may already be in its `query_format` (e4m3 queries, their scales
+    # in w: the layer's front kernel made them). `plan`: what plan() gave for the step (None: the call makes
+    # its own); `prepared`: what prepare() gave
     def scores(self, q: Tensor, w: Tensor, keys: PagedCache, pages: Tensor, token_request: Tensor,
                counts: Tensor, *, width: int, w_scale: float, plan: Any = None, prepared: Any = None) -> Tensor: ...
 

@@ -1,31 +1,25 @@
-"""What the indexer options share: our Triton scoring, no per-step plan where scoring needs none, the
-published FP4 numerics as an option's `queries`, `keys` and `needs`, and plain keys in the activation
-dtype (no record of their own)."""
+"""What the indexer options share: our Triton scoring and the device's facts it is planned by, what the
+published FP4 numerics need of the model, and the check of an option's `top_k`."""
 from __future__ import annotations
 
 from typing import Any
 
-from dsv4.formats.fp4 import FP4_BLOCK, fp4_sim
-from dsv4.strategies.protocols import Needs
+from dsv4.formats.fp4 import FP4_BLOCK
+from dsv4.strategies.protocols import Needs, TopKStrategy
 
 
-def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, plan=None, prepared=None):
-    """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): rows of the keys' dtype,
-    FP4 or fp8 records (no per-step plan), planned by the device's facts `triton_prepare` resolved."""
+def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, prepared=None):
+    """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): rows of the keys' dtype, FP4
+    or fp8 records, or e4m3 queries with their scales in w (no per-step plan), planned by the device's
+    facts `triton_target` resolved."""
     from dsv4.kernels.indexer_logits import indexer_logits
 
     return indexer_logits(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale, target=prepared)
 
 
-def no_prepare(self, *, head_dim: int, device) -> Any:
-    """An option's `prepare` when its transforms and its scoring need nothing made on the device."""
-    return None
-
-
-def triton_prepare(self, *, head_dim: int, device) -> Any:
-    """An option's `prepare` when our Triton kernel scores its keys and its transforms need nothing: on a GPU
-    the device's facts the kernel's calls are planned by (dsv4.kernels.launch.target), resolved once; None
-    elsewhere (the torch path scores)."""
+def triton_target(device) -> Any:
+    """What an option scored by our Triton kernel prepares: on a GPU the device's facts the kernel's calls are
+    planned by (dsv4.kernels.launch.target), resolved once; None elsewhere (the torch path scores)."""
     platform = getattr(device, "platform", None)
     if platform not in ("cuda", "rocm"):
         return None
@@ -34,35 +28,13 @@ def triton_prepare(self, *, head_dim: int, device) -> Any:
     return target(platform=platform, arch=device.arch, torch_device=device.torch_device)
 
 
-def no_plan(self, *, token_request, counts, pages, block_size: int) -> None:
-    """An option's `plan` when its scoring needs nothing made per step."""
-    return None
+# what the rotation and the FP4 blocks need of the model, and the fix where it has other shapes
+FP4_NEEDS = Needs(model_multiples=(("index_head_dim", FP4_BLOCK),), model_powers_of_two=("index_head_dim",),
+                  fix="indexer=exact")
 
 
-def fp4_queries(self, q, prepared=None):
-    """The FP4 options' `queries`: RoPE'd queries [..., Di] -> rotated, FP4-simulated, float32 (bf16 values)."""
-    return fp4_sim(q)
-
-
-def fp4_keys(self, rows, prepared=None):
-    """The FP4 options' `keys`: closed keys [N, Di] after norm and RoPE -> rotated, FP4-simulated, float32
-    (bf16 values)."""
-    return fp4_sim(rows)
-
-
-# what the rotation and the blocks need of the model, and the fix where it has other shapes
-FP4_NEEDS = {"model_multiples": (("index_head_dim", FP4_BLOCK),), "model_powers_of_two": ("index_head_dim",),
-             "fix": "indexer=exact"}
-
-
-def fp4_needs(self, device) -> Needs:
-    """The FP4 options' `needs` where their scoring is ours: the rotation's and the blocks' alone."""
-    return Needs(**FP4_NEEDS)
-
-
-def plain_keys(self, *, dtype: str, head_dim: int) -> None:
-    """The `key_layout` of options that keep no record of their own: None, their keys are plain rows in the
-    activation dtype (the pool makes them a PlainRowLayout): float32 activations keep exact keys; bf16 ones
-    store bf16 keys, as the published inference code does (its indexer cache is a bf16 tensor scored by a
-    bf16 product)."""
-    return None
+def check_top_k(option) -> None:
+    """An option's `top_k` is a top-k option (configs/indexer/top_k/; the config names one by its name)."""
+    if not isinstance(option.top_k, TopKStrategy):
+        raise ValueError(f"indexer={option.name}: top_k={option.top_k!r} is not a top-k option "
+                         f"(an option of configs/indexer/top_k/, e.g. TritonTopK())")

@@ -8,13 +8,14 @@ DeepGEMM's fp8 tensor-core products then sum them in its own order and precision
 differently than under `fp4_sim`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from dsv4.strategies.indexer.common import FP4_NEEDS, fp4_keys, fp4_queries, no_prepare
+from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
+from dsv4.strategies.indexer.common import FP4_NEEDS, check_top_k
 from dsv4.strategies.indexer.key_layouts import Fp8KeyLayout, e4m3_queries
-from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K, check_top_k
-from dsv4.strategies.protocols import Needs
+from dsv4.strategies.indexer.top_k.triton import TritonTopK
+from dsv4.strategies.protocols import Needs, TopKStrategy
 
 
 DEEPGEMM_PAGES = {"sm90": (64,), "sm100": (32, 64)}               # keys per page it reads, per arch
@@ -59,7 +60,7 @@ def deepgemm_plan(*, token_request, counts, pages, block_size: int) -> DeepGemmP
 
 
 def deepgemm_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float,
-                    plan: DeepGemmPlan | None = None, prepared=None):
+                    plan: DeepGemmPlan | None = None):
     """[T, >= width] float32 scores by deep_gemm.fp8_paged_mqa_logits, every token its own batch row, its
     request's block table row and its count of visible entries (the step's DeepGemmPlan; made here for a
     call without one); entries at or past the count may hold anything (the top-k reads each row's first
@@ -82,17 +83,15 @@ class DeepGemmFp8Indexer:
     """fp4_sim's queries and keys; keys stored as Fp8KeyLayout records, scored by DeepGEMM (sm90, sm100;
     package sgl-deep-gemm)."""
     name: str = "deepgemm_fp8"
-    top_k: str = DEFAULT_TOP_K                # how the scores become lists on a GPU (top_k.TOP_K)
-    __post_init__ = check_top_k
+    top_k: TopKStrategy = field(default_factory=TritonTopK)     # how its scores become lists on a GPU
     # near-ties ranked in DeepGEMM's summation order may swap an entry of the top-k: the layer's output
     # moves by the swapped rows' share
     error_budget: ClassVar[float] = 1e-2
-    transforms: ClassVar[bool] = True
-    fp4: ClassVar[bool] = True
-    oracle_numerics: ClassVar[str] = "fp4"
-    fp8_queries: ClassVar[bool] = True
-    scores, prepare = staticmethod(deepgemm_scores), no_prepare
-    queries, keys = fp4_queries, fp4_keys
+    numerics: ClassVar[IndexerNumerics] = IndexerNumerics.FP4
+    query_format: ClassVar[QueryFormat] = QueryFormat.E4M3
+
+    def __post_init__(self) -> None:
+        check_top_k(self)
 
     def needs(self, device) -> Needs:
         heads = DEEPGEMM_HEADS.get(device.arch, DEEPGEMM_HEADS["sm90"])
@@ -100,11 +99,18 @@ class DeepGemmFp8Indexer:
                      modules=(("deep_gemm", "sgl-deep-gemm"),),
                      model_values=(("index_head_dim", 128),), model_choices=(("index_n_heads", heads),),
                      index_page_keys=frozenset(DEEPGEMM_PAGES.get(device.arch, DEEPGEMM_PAGES["sm90"])),
-                     model_multiples=FP4_NEEDS["model_multiples"], model_powers_of_two=FP4_NEEDS["model_powers_of_two"],
+                     model_multiples=FP4_NEEDS.model_multiples, model_powers_of_two=FP4_NEEDS.model_powers_of_two,
                      fix="indexer=triton_fp8")
 
-    def key_layout(self, *, dtype: str, head_dim: int):
+    def prepare(self, *, head_dim: int, device) -> None:
+        return None
+
+    def key_layout(self, *, dtype: str, head_dim: int) -> Fp8KeyLayout:
         return Fp8KeyLayout(head_dim=head_dim)
 
     def plan(self, *, token_request, counts, pages, block_size: int) -> DeepGemmPlan:
         return deepgemm_plan(token_request=token_request, counts=counts, pages=pages, block_size=block_size)
+
+    def scores(self, q, w, keys, pages, token_request, counts, *, width: int, w_scale: float,
+               plan: DeepGemmPlan | None = None, prepared=None):
+        return deepgemm_scores(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale, plan=plan)

@@ -3,32 +3,42 @@ activation dtype): the indexer scores what the model's weights give, with no sim
 The published code also rounds the head weights and the scores to bf16; here both stay float32."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from dsv4.strategies.indexer.common import no_plan, triton_prepare, plain_keys, triton_scores
-from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K, check_top_k
-from dsv4.strategies.protocols import Needs
+from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
+from dsv4.strategies.indexer.common import check_top_k, triton_scores, triton_target
+from dsv4.strategies.indexer.top_k.triton import TritonTopK
+from dsv4.strategies.protocols import Needs, TopKStrategy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExactIndexer:
     name: str = "exact"
-    top_k: str = DEFAULT_TOP_K                # how the scores become lists on a GPU (top_k.TOP_K)
-    __post_init__ = check_top_k
+    top_k: TopKStrategy = field(default_factory=TritonTopK)     # how its scores become lists on a GPU
     error_budget: ClassVar[float] = 0.0
-    transforms: ClassVar[bool] = False        # queries and keys are scored as the layer computes them
-    fp4: ClassVar[bool] = False               # the transforms are the published FP4 ones (dsv4/kernels/fp4.py)
-    oracle_numerics: ClassVar[str] = "exact"  # what the oracle recomputes the indexer with (oracle.py)
-    fp8_queries: ClassVar[bool] = False       # its GPU kernel scores e4m3 queries, scales in the head weights
+    numerics: ClassVar[IndexerNumerics] = IndexerNumerics.EXACT
+    query_format: ClassVar[QueryFormat] = QueryFormat.ROWS
 
-    scores, prepare, plan, key_layout = staticmethod(triton_scores), triton_prepare, no_plan, plain_keys
+    def __post_init__(self) -> None:
+        check_top_k(self)
 
     def needs(self, device) -> Needs:
         return Needs()
 
-    def queries(self, q, prepared=None):
-        return q
+    def prepare(self, *, head_dim: int, device):
+        return triton_target(device)
 
-    def keys(self, rows, prepared=None):
-        return rows
+    def key_layout(self, *, dtype: str, head_dim: int) -> None:
+        """None: plain rows in the activation dtype (the pool's PlainRowLayout): float32 activations keep exact
+        keys; bf16 ones store bf16 keys, as the published inference code does (its indexer cache is a bf16
+        tensor scored by a bf16 product)."""
+        return None
+
+    def plan(self, *, token_request, counts, pages, block_size: int) -> None:
+        return None
+
+    def scores(self, q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, plan=None,
+               prepared=None):
+        return triton_scores(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale,
+                             prepared=prepared)

@@ -10,24 +10,40 @@ published code also rounds the head weights and the scores to bf16; here both st
 scoring kernel)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from dsv4.strategies.indexer.common import (fp4_keys, fp4_needs, fp4_queries, no_plan, triton_prepare, plain_keys,
-                                           triton_scores)
-from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K, check_top_k
+from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
+from dsv4.strategies.indexer.common import FP4_NEEDS, check_top_k, triton_scores, triton_target
+from dsv4.strategies.indexer.top_k.triton import TritonTopK
+from dsv4.strategies.protocols import Needs, TopKStrategy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fp4SimIndexer:
     name: str = "fp4_sim"
-    top_k: str = DEFAULT_TOP_K                # how the scores become lists on a GPU (top_k.TOP_K)
-    __post_init__ = check_top_k
+    top_k: TopKStrategy = field(default_factory=TritonTopK)     # how its scores become lists on a GPU
     error_budget: ClassVar[float] = 0.0       # the oracle applies the same numerics
-    transforms: ClassVar[bool] = True
-    fp4: ClassVar[bool] = True                # which the layer's kernels apply themselves on a GPU
-    oracle_numerics: ClassVar[str] = "fp4"
-    fp8_queries: ClassVar[bool] = False
+    numerics: ClassVar[IndexerNumerics] = IndexerNumerics.FP4
+    query_format: ClassVar[QueryFormat] = QueryFormat.ROWS
 
-    scores, prepare, plan, key_layout = staticmethod(triton_scores), triton_prepare, no_plan, plain_keys
-    queries, keys, needs = fp4_queries, fp4_keys, fp4_needs
+    def __post_init__(self) -> None:
+        check_top_k(self)
+
+    def needs(self, device) -> Needs:
+        return FP4_NEEDS
+
+    def prepare(self, *, head_dim: int, device):
+        return triton_target(device)
+
+    def key_layout(self, *, dtype: str, head_dim: int) -> None:
+        """None: the FP4-simulated keys stored as plain rows in the activation dtype (bf16 values)."""
+        return None
+
+    def plan(self, *, token_request, counts, pages, block_size: int) -> None:
+        return None
+
+    def scores(self, q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, plan=None,
+               prepared=None):
+        return triton_scores(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale,
+                             prepared=prepared)

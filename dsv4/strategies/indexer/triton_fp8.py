@@ -5,22 +5,14 @@ decoded to their bf16 values) and sums the exact products in float32 -- on the H
 `fp4_sim`'s bf16 values give."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-from dsv4.strategies.indexer.common import fp4_keys, fp4_needs, fp4_queries, no_plan, triton_prepare
+from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
+from dsv4.strategies.indexer.common import FP4_NEEDS, check_top_k, triton_scores, triton_target
 from dsv4.strategies.indexer.key_layouts import Fp8KeyLayout, e4m3_queries
-from dsv4.strategies.indexer.top_k import DEFAULT_TOP_K, check_top_k
-
-
-def triton_fp8_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, plan=None,
-                      prepared=None):
-    """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): e4m3 queries, their scales
-    in the head weights, against the fp8 records as stored (no per-step plan)."""
-    from dsv4.kernels.indexer_logits import indexer_logits
-
-    q8, wq = e4m3_queries(q, w, w_scale)
-    return indexer_logits(q8, wq, keys, pages, token_request, counts, width=width, target=prepared)
+from dsv4.strategies.indexer.top_k.triton import TritonTopK
+from dsv4.strategies.protocols import Needs, TopKStrategy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -28,17 +20,32 @@ class TritonFp8Indexer:
     """fp4_sim's queries and keys; keys stored as Fp8KeyLayout records, scored by our Triton kernel (e4m3
     queries as deepgemm_fp8's)."""
     name: str = "triton_fp8"
-    top_k: str = DEFAULT_TOP_K                # how the scores become lists on a GPU (top_k.TOP_K)
-    __post_init__ = check_top_k
+    top_k: TopKStrategy = field(default_factory=TritonTopK)     # how its scores become lists on a GPU
     # the exact values of fp4_sim's queries and keys, their exact products summed in float32 (the e4m3
     # tensor cores' sums equal the bf16 ones' bit for bit on the H200: tests/test_gpu_layer.py)
     error_budget: ClassVar[float] = 0.0
-    transforms: ClassVar[bool] = True
-    fp4: ClassVar[bool] = True
-    oracle_numerics: ClassVar[str] = "fp4"
-    fp8_queries: ClassVar[bool] = True
-    scores, prepare, plan = staticmethod(triton_fp8_scores), triton_prepare, no_plan
-    queries, keys, needs = fp4_queries, fp4_keys, fp4_needs
+    numerics: ClassVar[IndexerNumerics] = IndexerNumerics.FP4
+    query_format: ClassVar[QueryFormat] = QueryFormat.E4M3
 
-    def key_layout(self, *, dtype: str, head_dim: int):
+    def __post_init__(self) -> None:
+        check_top_k(self)
+
+    def needs(self, device) -> Needs:
+        return FP4_NEEDS
+
+    def prepare(self, *, head_dim: int, device):
+        return triton_target(device)
+
+    def key_layout(self, *, dtype: str, head_dim: int) -> Fp8KeyLayout:
         return Fp8KeyLayout(head_dim=head_dim)
+
+    def plan(self, *, token_request, counts, pages, block_size: int) -> None:
+        return None
+
+    def scores(self, q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, plan=None,
+               prepared=None):
+        """Our Triton kernel: e4m3 queries, their scales in the head weights (w_scale folded in), against the
+        fp8 records as stored."""
+        q8, wq = e4m3_queries(q, w, w_scale)
+        return triton_scores(q8, wq, keys, pages, token_request, counts, width=width, w_scale=1.0,
+                             prepared=prepared)
