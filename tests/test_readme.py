@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from dsv4 import catalogue
-from dsv4.strategies.indexer.top_k import TOP_K
 from tests.conftest import run_py
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -66,7 +65,7 @@ def golden_support() -> dict[str, dict[str, str]]:
     for case, verdicts in golden["verdicts"].items():
         swapped = dict(part.split("=", 1) for part in case.split())
         chosen = {**presets[swapped.pop("backend")], **swapped}
-        chosen.setdefault("indexer.top_k", catalogue.option("indexer", chosen["indexer"]).top_k)
+        chosen.setdefault("indexer.top_k", catalogue.option("indexer", chosen["indexer"]).top_k.name)
         for group, name in chosen.items():
             row = cells.setdefault(f"{group}={name}", dict.fromkeys(PLATFORMS, "refused"))
             for platform, run_here in PLATFORMS.items():
@@ -86,8 +85,7 @@ def readme_support() -> tuple[list[str], dict[str, dict[str, str]]]:
 def test_the_support_matrix_says_what_the_golden_matrix_says():
     platforms, readme = readme_support()
     golden = golden_support()
-    shipped = {f"{g}={o}" for g in catalogue.GROUPS for o in catalogue.options(g)} | {f"indexer.top_k={k}"
-                                                                                      for k in TOP_K}
+    shipped = {f"{g}={o}" for g in (*catalogue.GROUPS, *catalogue.NESTED_GROUPS) for o in catalogue.options(g)}
     assert platforms == list(PLATFORMS)
     assert set(golden) == shipped and set(readme) == shipped, sorted(set(readme) ^ shipped)
     wrong = [f"| `{key}` | " + " | ".join(golden[key].values()) + " |" for key in sorted(shipped)
