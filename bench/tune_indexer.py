@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.benches.timing import graph_time_us
-from dsv4.components.kv_pool import PagedCache
+from dsv4.seam import PagedCache
 from dsv4.benches.indexer import as_bf16_rows, stored_keys
 from dsv4.kernels.fp8_queries import fp8_queries_kernel
 from dsv4.kernels.indexer_logits import indexer_logits

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dsv4.formats.row_format import BF16_ROWS, FLOAT32_ROWS, FP8_KEYS, MXFP4_KEYS
-from dsv4.spec import LAYER_TYPES, ModelSpec
+from dsv4.layer_types import LAYER_TYPES, by_ratio
+from dsv4.spec import ModelSpec
 
 GIB = 2 ** 30
 MILLION_TOKENS = 2 ** 20          # "1M context" = max_position_embeddings = 1,048,576
@@ -22,7 +23,7 @@ def compressor_state_bytes(ratio: int, dim: int) -> int:
     """What one request's compressor state holds at most: (candidate, gate) float32 rows, each coff·dim
     wide, of the last coff·R positions, on pages of coff·R rows -- two of them where the window spans a
     page boundary (kv_pool's `state{R}` groups)."""
-    coff = 2 if ratio == 4 else 1
+    coff = by_ratio(ratio).coff
     return 2 * (coff * ratio) * 2 * (coff * dim) * 4
 
 
@@ -51,12 +52,13 @@ class LayerMemory:
 
 def layer_memory(spec: ModelSpec, ratio: int, layout, *, indexer: str = "float32") -> LayerMemory:
     row = layout.bytes_per_token(spec.head_dim)
-    comp = row / ratio if ratio > 1 else 0.0
-    idx = indexer_entry_bytes(indexer, spec.index_head_dim) / 4 if ratio == 4 else 0.0
-    state = compressor_state_bytes(ratio, spec.head_dim) if ratio > 1 else 0
-    if ratio == 4:
-        state += compressor_state_bytes(4, spec.index_head_dim)
-    return LayerMemory(layer_type=LAYER_TYPES[ratio], row_bytes=row, swa_bytes_per_request=spec.sliding_window * row,
+    kind = by_ratio(ratio)
+    comp = row / ratio if kind.compressed else 0.0
+    idx = indexer_entry_bytes(indexer, spec.index_head_dim) / ratio if kind.indexed else 0.0
+    state = compressor_state_bytes(ratio, spec.head_dim) if kind.compressed else 0
+    if kind.indexed:
+        state += compressor_state_bytes(ratio, spec.index_head_dim)
+    return LayerMemory(layer_type=kind.name, row_bytes=row, swa_bytes_per_request=spec.sliding_window * row,
                        kv_bytes_per_token=comp, indexer_bytes_per_token=idx, state_bytes_per_request=state)
 
 
@@ -71,9 +73,9 @@ def model_memory(spec: ModelSpec, layout, *, tokens: int = MILLION_TOKENS, index
     for layer in range(spec.num_hidden_layers):
         r = spec.compress_ratio(layer)
         counts[r] = counts.get(r, 0) + 1
-    per_type = {LAYER_TYPES[r]: layer_memory(spec, r, layout, indexer=indexer) for r in sorted(counts)}
-    total = sum(n * per_type[LAYER_TYPES[r]].bytes_for(tokens) for r, n in counts.items())
-    return {"tokens": tokens, "layers": {LAYER_TYPES[r]: n for r, n in sorted(counts.items())},
+    per_type = {by_ratio(r).name: layer_memory(spec, r, layout, indexer=indexer) for r in sorted(counts)}
+    total = sum(n * per_type[by_ratio(r).name].bytes_for(tokens) for r, n in counts.items())
+    return {"tokens": tokens, "layers": {by_ratio(r).name: n for r, n in sorted(counts.items())},
             "per_type": per_type, "total_bytes": total}
 
 
@@ -120,7 +122,7 @@ def memory_table(spec: ModelSpec, layouts, dtype: str, indexer=None) -> str:
         m = model_memory(spec, layout, indexer=indexer_kind(dtype, indexer))
         pt = m["per_type"]
         row = [layout.name, layout.bytes_per_token(spec.head_dim), pt[next(iter(pt))].swa_bytes_per_request / 1024]
-        for t in LAYER_TYPES.values():
+        for t in (lt.name for lt in LAYER_TYPES):
             row.append(pt[t].kv_bytes_per_token + pt[t].indexer_bytes_per_token if t in pt else None)
         row.append(m["total_bytes"] / GIB)
         rows.append(row)

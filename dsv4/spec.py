@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from dsv4.errors import ConfigError
+from dsv4.layer_types import RATIOS, by_ratio
 from dsv4.settings import above, at_least, parse
 
-LAYER_TYPES = {1: "swa", 4: "c4a", 128: "c128a"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,9 +60,9 @@ class ModelSpec:
             errs.append(f"num_attention_heads ({self.num_attention_heads}) must be divisible by o_groups ({self.o_groups})")
         if len(self.compress_ratios) < self.num_hidden_layers:
             errs.append(f"compress_ratios has {len(self.compress_ratios)} entries for {self.num_hidden_layers} layers")
-        bad = sorted({r for r in self.compress_ratios if r not in (0, 4, 128)})
+        bad = sorted({r for r in self.compress_ratios if max(1, r) not in RATIOS})
         if bad:
-            errs.append(f"compress_ratios may hold only 0, 4 or 128, got {bad}")
+            errs.append(f"compress_ratios may hold only 0 (or 1), {', '.join(map(str, RATIOS[1:]))}, got {bad}")
         if errs:
             raise ConfigError(f"model={self.name}: " + "; ".join(errs))
 
@@ -86,7 +86,8 @@ class ModelSpec:
         return max(1, self.compress_ratios[layer])
 
     def layer_type(self, layer: int) -> str:
-        return LAYER_TYPES[self.compress_ratio(layer)]
+        """The name of the layer's type (dsv4/layer_types.py): swa, c4a or c128a."""
+        return by_ratio(self.compress_ratio(layer)).name
 
     def one_layer_per_type(self) -> tuple[int, ...]:
         """The first layer of each type present (SWA-only, ratio 4, ratio 128), in that order."""
@@ -102,7 +103,7 @@ class ModelSpec:
         D, H, G = self.head_dim, self.num_attention_heads // tp_size, self.o_groups // tp_size
         out = {"wq_a": (self.q_lora_rank, self.hidden_size), "wkv": (D, self.hidden_size),
                "wq_b": (H * D, self.q_lora_rank)}
-        if 4 in self.compress_ratios[:self.num_hidden_layers]:
+        if any(by_ratio(max(1, r)).indexed for r in self.compress_ratios[:self.num_hidden_layers]):
             out["indexer.wq_b"] = (self.index_n_heads * self.index_head_dim, self.q_lora_rank)
         out["wo_b"] = (self.hidden_size, G * self.o_lora_rank)
         return out

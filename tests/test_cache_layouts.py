@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsv4.components.kv_pool import PagedCache
+from dsv4.seam import PagedCache
 from dsv4.errors import InvalidRequest
 from dsv4.formats.fp8 import per_tensor_query, per_tensor_scales
 from dsv4.strategies import Fp8DsMlaLayout, Fp8PerTensorLayout, PlainRowLayout

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from dsv4.components.builders import build_pool
 from dsv4.components.engine import Engine, Segment
-from dsv4.components.kv_pool import BlockAllocator, KVPool, PagedCache, PageGroup, PoolConfig, RowRule
-from dsv4.components.plan import COMPRESSOR_REACH
+from dsv4.components.kv_pool import BlockAllocator, KVPool, PageGroup, PoolConfig, RowRule
+from dsv4.seam import PagedCache
+from dsv4.layer_types import by_ratio
 from dsv4.device import DeviceInfo
 from dsv4.errors import InvalidRequest
 from dsv4.strategies import PlainRowLayout
@@ -41,7 +42,7 @@ def make_pool(*, W: int, swa_bs: int, swa_blocks: int, ratio: int = 1, comp_bs: 
               state_blocks: int = 16, seed: int | None = None) -> KVPool:
     groups = {"swa": group("swa", swa_bs, swa_blocks, RowRule(keep=W), seed)}
     if ratio > 1:
-        reach = COMPRESSOR_REACH[ratio]
+        reach = by_ratio(ratio).reach
         groups[f"entries{ratio}"] = group("compressed", comp_bs, comp_blocks, RowRule(per=ratio), seed)
         groups[f"state{ratio}"] = group("state", reach, state_blocks, RowRule(keep=reach, tail_only=True), seed)
     return KVPool(groups=groups, layers={}, window=W)
@@ -149,7 +150,7 @@ def test_plan_slots_follow_the_block_tables(seed, swa_bs, comp_bs, ratio, steps)
     d = Driver(pool, W)
     for rid in "ab":
         d.add(rid)
-    reach = COMPRESSOR_REACH[ratio]
+    reach = by_ratio(ratio).reach
     for na, nb in steps:
         step = {r: n for r, n in (("a", na), ("b", nb)) if n}
         if not step:
@@ -273,7 +274,7 @@ def test_swa_pages_freed_on_commit_return_to_allocator():
 def test_compressor_state_pages_stay_bounded(ratio, chunk):
     """Whatever the step size, a request holds at most two state pages after a commit (its last coff·R
     positions), takes at most two more within a step, and the rows kept are exactly the last reach."""
-    reach = COMPRESSOR_REACH[ratio]
+    reach = by_ratio(ratio).reach
     d = Driver(make_pool(W=8, swa_bs=64, swa_blocks=64, ratio=ratio, comp_bs=4, comp_blocks=64, state_blocks=4), 8)
     d.add("r")
     while d.lengths["r"] < 900:

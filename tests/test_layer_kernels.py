@@ -35,9 +35,11 @@ from tests.triton_mode import BIG, DEVICE, KERNELS, MARK  # first: sets TRITON_I
 from dsv4.components.compressor import Compressor
 from dsv4.components.front import kv_rows, q_rows
 from dsv4.components.indexer import Indexer
-from dsv4.components.kv_pool import PagedCache, CompressorState
+from dsv4.components.kv_pool import CompressorState
+from dsv4.seam import PagedCache
 from dsv4.components.plan import PageTable, StepPlan
-from dsv4.components.rope import Rope, RopeRows
+from dsv4.components.rope import Rope
+from dsv4.seam import RopeRows
 from dsv4.kernels.cache_write import fp8_ds_mla_store, plain_rows_store, write_fp8_ds_mla_kernel, write_rows_kernel
 from dsv4.kernels.compress import compress_kernel
 from dsv4.kernels.indexer_logits import indexer_logits

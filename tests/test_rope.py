@@ -20,7 +20,8 @@ from omegaconf import OmegaConf
 from tests.conftest import (CONFIGS, published_angles, published_freqs_cis, published_rope_freqs, published_rope_kw,
                             spec_rope_freqs, tiny_spec)
 from dsv4 import oracle
-from dsv4.components.rope import Rope, RopeRows, rope_frequencies
+from dsv4.components.rope import Rope, rope_frequencies
+from dsv4.seam import RopeRows
 from dsv4.spec import ModelSpec
 
 NOPE, ROPE = 448, 64

@@ -13,8 +13,10 @@ import torch
 
 from dsv4 import oracle as ref
 from dsv4.components.builders import Strategies, build_layer
-from dsv4.components.kv_pool import LayerCaches, PagedCache, CompressorState
-from dsv4.components.plan import COMPRESSOR_REACH, PageTable, StepPlan
+from dsv4.components.kv_pool import LayerCaches, CompressorState
+from dsv4.seam import PagedCache
+from dsv4.components.plan import PageTable, StepPlan
+from dsv4.layer_types import by_ratio
 from dsv4.components.weights import random_layer_weights
 from dsv4.device import DeviceInfo
 from dsv4.strategies import NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
@@ -38,8 +40,8 @@ class OwnEngine:
         self.pages = {"swa": -(-max_len // 8)}
         R = self.ratio
         if R > 1:
-            self.blocks |= {"state": COMPRESSOR_REACH[R], "entries": 4}
-            self.pages |= {"state": -(-max_len // COMPRESSOR_REACH[R]), "entries": -(-(max_len // R) // 4)}
+            self.blocks |= {"state": by_ratio(R).reach, "entries": 4}
+            self.pages |= {"state": -(-max_len // by_ratio(R).reach), "entries": -(-(max_len // R) // 4)}
 
         def paged(name, lay, group, dim):
             n = requests * self.pages[group]

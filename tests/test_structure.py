@@ -60,7 +60,7 @@ def test_the_floors_import_nothing_above_them():
             assert not bad, f"{m} imports {bad}"
         if m.startswith("dsv4.kernels"):
             bad = sorted(d for d in deps if d.startswith("dsv4.")
-                         and not d.startswith(("dsv4.kernels", "dsv4.formats", "dsv4.sizes")))
+                         and not d.startswith(("dsv4.kernels", "dsv4.formats", "dsv4.sizes", "dsv4.layer_types")))
             assert not bad, f"{m} imports {bad}"
         if m.startswith("dsv4.formats"):
             bad = sorted(d for d in deps if d.startswith("dsv4.") and not d.startswith(("dsv4.formats", "dsv4.sizes")))
@@ -93,3 +93,27 @@ def test_the_components_choose_their_implementation_once_not_by_the_tensor():
                  for node in ast.walk(ast.parse(p.read_text()))
                  if isinstance(node, ast.Attribute) and node.attr == "is_cuda")
     assert not bad, f"is_cuda read in dsv4/components: {bad}"
+
+
+def test_the_layer_types_are_one_table_below_everything():
+    """dsv4/layer_types.py is pure data that imports nothing of ours, and no module but it spells a ratio's
+    facts (which ratio has an indexer, how a compressor's windows overlap) as literals."""
+    import re
+
+    assert not [d for d in GRAPH["dsv4.layer_types"] if d.startswith("dsv4")]
+    facts = re.compile(r"ratio\w*\)? *(==|!=) *(4|128)\b|\b2 if \w*ratio\w* == 4")
+    for m, path in MODULES.items():
+        if m in ("dsv4.layer_types", "dsv4.oracle"):        # the oracle restates the published math itself
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not facts.search(line.split("#")[0]), f"{path.name}:{n}: {line.strip()}"
+
+
+def test_strategies_never_import_components():
+    """The strategies see the layer's components only through the seam's values (dsv4/seam.py), never by
+    importing dsv4/components/ (type-checking imports included)."""
+    for m, deps in GRAPH.items():
+        if m.startswith("dsv4.strategies") or m == "dsv4.seam":
+            bad = sorted(d for d in deps if d.startswith("dsv4.components"))
+            assert not bad, f"{m} imports {bad}"
+

@@ -367,7 +367,7 @@ def test_lengths_outside_the_list_are_clamped(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rows_past_2gib_of_pages(variant):
     """Rows whose byte offsets in the pool pass 2^31 (60,000 pages of 37,440 B) are found: offsets are 64-bit."""
-    from dsv4.components.kv_pool import PagedCache
+    from dsv4.seam import PagedCache
 
     lay, blocks = LAYOUTS["fp8_ds_mla"], 60_000
     pool = PagedCache(name="swa", layout=lay, block_size=64, head_dim=512,

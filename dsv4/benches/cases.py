@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from dsv4.catalogue import options
-from dsv4.components.kv_pool import PagedCache
+from dsv4.seam import PagedCache
 from dsv4.strategies import Fp8DsMlaLayout, OProjWeights, SparseKV
 
 POOL_BLOCKS = 4096                                          # 262,144 rows x 584 B = 153 MB per cache

@@ -13,7 +13,7 @@ import torch
 
 from dsv4.benches.cases import available_options
 from dsv4.benches.timing import graph_time_us
-from dsv4.components.kv_pool import PagedCache
+from dsv4.seam import PagedCache
 from dsv4.oracle import rel_err
 from dsv4.report import table
 from dsv4.sizes import cdiv

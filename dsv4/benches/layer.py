@@ -27,6 +27,7 @@ import torch
 from dsv4.benches.timing import CEILINGS, eager_us, graph_time_us, replay_us
 from dsv4.catalogue import backend_presets, defaults, option
 from dsv4.components.engine import CudaTimer, Segment
+from dsv4.layer_types import by_ratio
 from dsv4.report import table
 from dsv4.runner import tensor_bytes
 from dsv4.sizes import cdiv
@@ -155,8 +156,9 @@ def floor_bytes(layer, caches, nreq: int, context: int) -> int:
     (window + compressed entries it attends to) and, at ratio 4, its visible indexer keys."""
     weights = tensor_bytes(list(layer.buffers())) + tensor_bytes(layer.o_proj_prepared)
     row = caches.swa.layout.bytes_per_token(layer.spec.head_dim)
-    entries = context // layer.ratio if layer.ratio > 1 else 0
-    attended = min(entries, layer.spec.index_topk) if layer.ratio == 4 else entries
+    kind = by_ratio(layer.ratio)
+    entries = context // layer.ratio if kind.compressed else 0
+    attended = min(entries, layer.spec.index_topk) if kind.indexed else entries
     kv = nreq * (min(context, layer.spec.sliding_window) + attended) * row
     keys = caches.indexer_keys
     keys = nreq * entries * keys.head_dim * keys.data.element_size() if keys is not None else 0
@@ -339,7 +341,7 @@ def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, indexers=None, lay
               if layer_types is None or job.spec.layer_type(l) in layer_types]
     for layer in layers:
         for backend in layer_backends(job, layer, labels, indexers):
-            ix = indexer_label(backend.combo.indexer) if job.spec.compress_ratio(layer) == 4 else "-"
+            ix = indexer_label(backend.combo.indexer) if by_ratio(job.spec.compress_ratio(layer)).indexed else "-"
             for nreq, tokens, context in cases:
                 try:
                     row, parts = decode_row(job, backend, layer, nreq, tokens, context)

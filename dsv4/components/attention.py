@@ -26,10 +26,11 @@ from dsv4.device import DeviceInfo
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.kernels.target import Target
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
-from dsv4.spec import LAYER_TYPES, ModelSpec
+from dsv4.layer_types import by_ratio
+from dsv4.spec import ModelSpec
 from dsv4.strategies.linear.common import mm_f32
-from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, LinearStrategy, LinearWeight, MQAKernelStrategy,
-                                       OProjStrategy, OProjWeights, SparseKV)
+from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, LinearStrategy, LinearWeight, MQAKernelStrategy, OProjStrategy, OProjWeights)
+from dsv4.seam import SparseKV
 
 # rows of LayerStepResult.faults: which stored row of a token was not finite. The compressors write their
 # rows whole (FAULT_COMPRESSED last, then FAULT_INDEXER) and the front clears the rows before theirs, so the
@@ -61,10 +62,12 @@ class DSV4Attention(torch.nn.Module):
         padded = head_padding.padded_heads(heads)
         if padded is None or padded < heads:       # check() reports this with a fix; the module only refuses
             raise ValueError(f"head_padding={head_padding.name} cannot hold {heads} heads")
-        if (compressor is None) != (ratio == 1) or (indexer is None) != (ratio != 4):
-            raise ValueError(f"ratio {ratio}: a compressor iff ratio > 1, an indexer iff ratio == 4")
+        kind = by_ratio(ratio)
+        if (compressor is None) == kind.compressed or (indexer is None) == kind.indexed:
+            raise ValueError(f"ratio {ratio} ({kind.name}): a compressor {'is' if kind.compressed else 'is not'} "
+                             f"expected, an indexer {'is' if kind.indexed else 'is not'}")
         self.spec, self.layer, self.ratio, self.heads, self.padded_heads = spec, layer, ratio, heads, padded
-        self.layer_type = LAYER_TYPES[ratio]
+        self.layer_type = kind.name
         self.rope = Rope.for_layer(spec, ratio)
         self.mqa_kernel, self.o_proj, self.head_padding, self.cache_layout = mqa_kernel, o_proj, head_padding, cache_layout
         self.linear = linear
@@ -76,7 +79,7 @@ class DSV4Attention(torch.nn.Module):
         self.kernels: Target | None = layer_kernels(device)
         # the compressors' branch runs on the device's side stream beside the query path (`_Branch`)
         on_gpu = torch.device(dev).type == "cuda"
-        self.side_stream = side_stream(str(torch.device(dev))) if overlap and on_gpu and ratio > 1 else None
+        self.side_stream = side_stream(str(torch.device(dev))) if overlap and on_gpu and kind.compressed else None
         self.mqa_prepared = mqa_kernel.prepare(device=device)
         self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype)
         fp8 = fp8 or {}

@@ -11,12 +11,13 @@ from typing import Any
 from dsv4.components.attention import DSV4Attention
 from dsv4.components.compressor import Compressor
 from dsv4.components.indexer import Indexer
-from dsv4.components.kv_pool import (CompressorState, KVPool, LayerCaches, PagedCache, PageGroup, PoolConfig,
-                                     page_groups)
+from dsv4.components.kv_pool import CompressorState, KVPool, LayerCaches, PageGroup, PoolConfig, page_groups
+from dsv4.seam import PagedCache
 from dsv4.components.weights import shard, shard_fp8
 from dsv4.device import DeviceInfo
 from dsv4.dtypes import torch_dtype
 from dsv4.formats.fp8_blocks import BLOCK as FP8_BLOCK
+from dsv4.layer_types import by_ratio
 from dsv4.spec import ModelSpec
 from dsv4.strategies import ExactIndexer, ReferenceLinear, indexer_keys_layout
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, LinearStrategy,
@@ -51,9 +52,10 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
                           ape=w[f"{prefix}ape"].to(dev), norm=w[f"{prefix}norm.weight"].to(dev), ratio=r,
                           head_dim=dim, eps=spec.rms_norm_eps, dtype=torch_dtype(dtype))
 
-    comp = compressor("compressor.", spec.head_dim, ratio) if ratio > 1 else None
+    kind = by_ratio(ratio)
+    comp = compressor("compressor.", spec.head_dim, ratio) if kind.compressed else None
     idx = None
-    if ratio == 4:
+    if kind.indexed:
         # wq_b stays where the weights are: the layer multiplies it through `linear`, as its own prepared copy
         idx = Indexer(wq_b=w["indexer.wq_b.weight"], weights_proj=w["indexer.weights_proj.weight"].to(dev),
                       compressor=compressor("indexer.compressor.", spec.index_head_dim, 4),
@@ -94,14 +96,14 @@ def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig
     caches = {}
     for l in layers:
         r = spec.compress_ratio(l)
+        kind = by_ratio(r)
         kw: dict[str, Any] = {}
-        if r > 1:
-            coff = 2 if r == 4 else 1
+        if kind.compressed:
             kw |= dict(compressed=cache("compressed", layout, groups[f"entries{r}"], spec.head_dim),
-                       state=state(groups[f"state{r}"], coff * spec.head_dim))
-        if r == 4:
+                       state=state(groups[f"state{r}"], kind.coff * spec.head_dim))
+        if kind.indexed:             # the indexer's keys: a compressor of the layer's ratio of its own
             keys = indexer_keys_layout(indexer or ExactIndexer(), dtype=dtype, head_dim=spec.index_head_dim)
-            kw |= dict(indexer_keys=cache("indexer", keys, groups["entries4"], spec.index_head_dim),
-                       indexer_state=state(groups["state4"], 2 * spec.index_head_dim))
+            kw |= dict(indexer_keys=cache("indexer", keys, groups[f"entries{r}"], spec.index_head_dim),
+                       indexer_state=state(groups[f"state{r}"], kind.coff * spec.index_head_dim))
         caches[l] = LayerCaches(ratio=r, swa=cache("swa", layout, groups["swa"], spec.head_dim), **kw)
     return KVPool(groups=groups, layers=caches, window=spec.sliding_window)

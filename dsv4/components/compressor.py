@@ -29,6 +29,7 @@ from dsv4.components.front import stored_badly
 from dsv4.components.norms import rms_norm
 from dsv4.kernels.target import Target, check_kernels
 from dsv4.formats.indexer_numerics import IndexerNumerics
+from dsv4.layer_types import by_ratio
 
 
 class Compressor:
@@ -38,7 +39,7 @@ class Compressor:
         import torch
 
         self.ratio, self.dim, self.eps = ratio, head_dim, eps
-        self.coff = 2 if ratio == 4 else 1
+        self.coff = by_ratio(ratio).coff
         self.wkv, self.wgate, self.ape, self.norm = wkv.float(), wgate.float(), ape.float(), norm.float()
         self.dtype = dtype if dtype is not None else torch.float32
 

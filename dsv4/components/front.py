@@ -13,7 +13,7 @@ for the cache layout to round as it stores them).
 from __future__ import annotations
 
 from dsv4.components.norms import rms_norm
-from dsv4.components.rope import RopeRows
+from dsv4.seam import RopeRows
 from dsv4.kernels.target import Target, check_kernels
 
 

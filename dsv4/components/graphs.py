@@ -21,6 +21,7 @@ import torch
 from dsv4.components.engine import TABLE_PAGES, pack_inputs
 from dsv4.components.plan import RUN_GROUPS, StepPlan
 from dsv4.graph import GraphConfig
+from dsv4.layer_types import by_ratio
 from dsv4.sizes import cdiv, round_up
 
 
@@ -82,7 +83,7 @@ class StepGraphs:
         for ranks in engine.layers.values():          # RoPE rows inside the plan's graph, not a layer's
             m = ranks[rank]
             plan.rope_rows(m.rope)
-            if m.ratio > 1:
+            if by_ratio(m.ratio).compressed:
                 plan.rope_rows(m.rope, shift=m.ratio)
         for group in RUN_GROUPS:                       # and the runs' groups, which kernels may read
             plan.runs.groups(group)

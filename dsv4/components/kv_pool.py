@@ -22,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from dsv4.components.plan import COMPRESSOR_REACH
 from dsv4.errors import InvalidRequest
+from dsv4.layer_types import by_ratio
+from dsv4.seam import PagedCache
 from dsv4.settings import at_least, parse
 from dsv4.sizes import cdiv
 
@@ -151,34 +152,6 @@ class PageGroup:
                 table[p] = -1
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PagedCache:
-    """One cache of one layer: storage in a layout, on a page group's pages (slot = page·B + offset)."""
-    name: str
-    layout: Any                 # CacheLayout
-    data: Any                   # layout.allocate(...): one leading page dimension
-    block_size: int
-    head_dim: int
-    # how our row-making kernels store into `data` directly (the layout's kernel_store), None where they cannot
-    store: Any = field(init=False, default=None, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "store", self.layout.kernel_store(self.data, self.block_size))
-
-    def write(self, slots, rows) -> None:
-        """Store rows at global slots (-1: skip), through the layout."""
-        self.layout.write(self.data, slots, rows, block_size=self.block_size)
-
-    def read(self, slots):
-        return self.layout.read(self.data, slots, block_size=self.block_size)
-
-    @property
-    def num_slots(self) -> int:
-        return self.data.shape[0] * self.block_size
-
-    @property
-    def page_bytes(self) -> int:
-        return self.layout.page_bytes(self.block_size, self.head_dim)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -302,7 +275,7 @@ def page_groups(*, window: int, ratios, pool: PoolConfig) -> dict[str, PageGroup
     for r in sorted(set(ratios) - {1}):
         groups[f"entries{r}"] = PageGroup(name=f"ratio-{r} compressed", block_size=pool.compressed_block_size(r),
                                           num_blocks=pool.compressed_blocks, rule=RowRule(per=r), knob="compressed_blocks")
-        reach = COMPRESSOR_REACH[r]
+        reach = by_ratio(r).reach
         groups[f"state{r}"] = PageGroup(name=f"ratio-{r} compressor state", block_size=reach,
                                         num_blocks=pool.state_blocks(), rule=RowRule(keep=reach, tail_only=True),
                                         knob="max_requests")

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4.kernels.sparse_plan import RUN_GROUP
+from dsv4.layer_types import by_ratio
+from dsv4.seam import QueryRuns
 
-COMPRESSOR_REACH = {4: 8, 128: 128}      # positions a ratio's compressor reads back (coff·R: overlap at 4)
-DENSE_RATIOS = (128,)                   # ratios whose layers attend to every visible entry (HCA)
 RUN_GROUPS = (RUN_GROUP,)               # QueryRuns.groups sizes a captured step makes in its plan's graph
 
 
@@ -77,32 +77,6 @@ class EntryRows:
     visible: Any = None     # [T, width] int32 slots of every visible entry (-1 padded), for dense ratios
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class QueryRuns:
-    """Which of the step's tokens are consecutive positions of one request (a decode step's MTP tokens, a
-    prefill chunk): a kernel may read the rows such tokens share once for several of them (SparseKV.runs).
-    By the plan's construction their SWA lists are windows, each the one before shifted by a position,
-    and a dense ratio's lists prefixes of the run's last one."""
-    tokens: Any             # [T, 2] int32: the token's index in its run, and the run's tokens from it on
-    _groups: dict = field(default_factory=dict)
-
-    def groups(self, size: int):
-        """[T, 2] int32: row p < the number of groups: the first token of group p and how many tokens it
-        has, the runs cut into groups of up to `size` tokens in order; (0, 0) past them. Made once per
-        step and size: a captured step makes RUN_GROUPS' in its plan's graph (graphs.py), so that every
-        layer's graph reads what the plan's replay wrote."""
-        import torch
-
-        if size not in self._groups:
-            off, left = self.tokens[:, 0], self.tokens[:, 1]
-            first = off % size == 0
-            T = off.shape[0]
-            rows = torch.where(first, torch.cumsum(first, 0, dtype=torch.int32) - 1, T).long()
-            out = torch.zeros(T + 1, 2, dtype=torch.int32, device=off.device)
-            out.scatter_(0, rows[:, None].expand(T, 2),
-                         torch.stack((torch.arange(T, dtype=torch.int32, device=off.device), left.clamp(max=size)), 1))
-            self._groups[size] = out[:T]
-        return self._groups[size]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,7 +131,7 @@ class StepPlan:
 
         states = {}
         for ratio, table in (state or {}).items():
-            keep = COMPRESSOR_REACH[ratio]
+            keep = by_ratio(ratio).reach
             kept = real & (pos >= lens.index_select(0, req) - keep + 1)      # read by a later step
             states[ratio] = StateRows(table=table, keep=keep, write_slots=torch.where(kept, table.slots(req, pos), none))
 
@@ -168,7 +142,7 @@ class StepPlan:
             close = torch.where(closes, table.slots(req, counts - 1), none)
             width = table.pages.shape[1] * table.block_size
             visible = None
-            if ratio in DENSE_RATIOS:
+            if not by_ratio(ratio).indexed:
                 cols = torch.arange(max(width, 1), device=dev, dtype=torch.int32)[None, :]
                 visible = table.slots(req, torch.where(cols < counts[:, None], cols, torch.full_like(cols, -1)))
             ents[ratio] = EntryRows(ratio=ratio, table=table, counts=counts, close_slots=close, width=width,

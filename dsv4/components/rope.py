@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
+from dsv4.layer_types import by_ratio
+from dsv4.seam import ROPE_DIM, RopeRows
 from dsv4.spec import ModelSpec
 
-ROPE_DIM = 64
 
 
 def rope_frequencies(spec: ModelSpec, ratio: int) -> list[float]:
@@ -25,9 +25,10 @@ def rope_frequencies(spec: ModelSpec, ratio: int) -> list[float]:
     import torch
 
     half = ROPE_DIM // 2
-    base = spec.rope_theta if ratio <= 1 else spec.compress_rope_theta
+    compressed = by_ratio(max(1, ratio)).compressed
+    base = spec.compress_rope_theta if compressed else spec.rope_theta
     freqs = 1.0 / (base ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float32) / ROPE_DIM))
-    if ratio > 1:
+    if compressed:
         ys = spec.rope_scaling
         orig = ys.original_max_position_embeddings
 
@@ -57,27 +58,6 @@ def _freq_tensor(freqs: tuple[float, ...], device):
     return _FREQ_TENSORS[key]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RopeRows:
-    """cos, sin [T, 32] float32 of one RoPE table at T positions: what rotating T rows needs. A step
-    plan makes them once per table and step (`StepPlan.rope_rows`); kernels take them as they are."""
-    cos: Any
-    sin: Any
-
-    def rotate(self, x, *, inverse: bool = False):
-        """Rotate x[..., -64:] (x is [T, ..., D]). Returns float32."""
-        import torch
-
-        c, s = self.cos, self.sin
-        while c.dim() < x.dim():                     # broadcast over head dims
-            c, s = c.unsqueeze(-2), s.unsqueeze(-2)
-        if inverse:
-            s = -s
-        xf = x.float()
-        pairs = xf[..., -ROPE_DIM:].unflatten(-1, (ROPE_DIM // 2, 2))
-        ev, od = pairs[..., 0], pairs[..., 1]
-        rot = torch.stack((ev * c - od * s, od * c + ev * s), -1).flatten(-2)
-        return torch.cat((xf[..., :-ROPE_DIM], rot), -1)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

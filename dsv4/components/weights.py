@@ -8,6 +8,7 @@ The linears the checkpoint stores in fp8 (`FP8_LINEARS`) can be made in that for
 from __future__ import annotations
 
 from dsv4.formats.fp8_blocks import BLOCK, Fp8Blocks, quantize_blocks
+from dsv4.layer_types import by_ratio
 from dsv4.spec import ModelSpec
 
 # e4m3 with one power-of-two scale per 128x128 block in DeepSeek-V4's checkpoints (components/checkpoint.py)
@@ -27,11 +28,12 @@ def weight_shapes(spec: ModelSpec, ratio: int) -> dict[str, tuple[int, ...]]:
         "wo_b.weight": (hid, G * spec.o_lora_rank),
         "attn_sink": (H,),
     }
-    if ratio > 1:
-        coff = 2 if ratio == 4 else 1
+    kind = by_ratio(ratio)
+    if kind.compressed:
+        coff = kind.coff
         shapes |= {"compressor.wkv.weight": (coff * D, hid), "compressor.wgate.weight": (coff * D, hid),
                    "compressor.ape": (ratio, coff * D), "compressor.norm.weight": (D,)}
-    if ratio == 4:
+    if kind.indexed:
         Hi, Di = spec.index_n_heads, spec.index_head_dim
         shapes |= {"indexer.wq_b.weight": (Hi * Di, spec.q_lora_rank),
                    "indexer.weights_proj.weight": (Hi, hid),

@@ -23,13 +23,14 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, rows_dense
+from dsv4.layer_types import LAYER_TYPES
 from dsv4.sizes import next_pow2
 from dsv4.kernels.cache_write import row_outputs, store_row
 from dsv4.kernels.fp4 import FP4_MAX_DIM, fp4_sim
 from dsv4.kernels.layer_front import ROPE, ROPE_DIM, _rotate
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, TL_DTYPES, round_to, widen
 
-RATIOS = {4: 2, 128: 1}            # ratio -> coff (ratio 4 pools two overlapping windows)
+RATIOS = {t.ratio: t.coff for t in LAYER_TYPES if t.compressed}      # ratio -> coff (dsv4/layer_types.py)
 ROWS_PER_CHUNK = 8
 
 

@@ -22,9 +22,7 @@ from dsv4.formats.row_format import RowFormat
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from dsv4.components.kv_pool import PagedCache
-    from dsv4.components.plan import QueryRuns
-    from dsv4.components.rope import RopeRows
+    from dsv4.seam import PagedCache, RopeRows, SparseKV
     from dsv4.device import DeviceInfo
 
 
@@ -58,32 +56,6 @@ class Needs:
     graphs: bool = True
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SparseKV:
-    """What one sparse-MQA call attends to: per query, rows of the SWA cache and of the extra
-    (compressed) cache, named by global slot ids (-1 = padding) with per-query lengths. An id past its
-    pool is padding too for the reference, our Triton kernels and the aiter and FlashInfer adapters
-    (`formats.index_lists.valid_entries`); FlashMLA's decode kernel reads the ids as given, so lists made outside
-    this package keep them in their pools.
-
-    This is the two-pool form of FlashMLA's decode API (docs/numerics.md §4.2, §5.5); kernels that want
-    another shape (one combined table, CSR) build it from these.
-
-    `runs` (StepPlan.runs) says which queries are consecutive positions of one request (a decode step's
-    MTP tokens): their SWA lists are then windows that overlap, and a kernel may read the rows they
-    share once (mqa_kernel=triton_sparse does, at 8 heads). `extra_nested`: the extra lists of a
-    run are prefixes of its last query's list (a dense ratio's every visible entry), not top-k lists.
-    Kernels that take each query alone ignore both.
-    """
-    swa: PagedCache
-    swa_indices: Tensor            # [T, W] int32 global slots into `swa`
-    swa_lens: Tensor               # [T] int32
-    extra: PagedCache | None = None
-    extra_indices: Tensor | None = None   # [T, K] int32 global slots into `extra`
-    extra_lens: Tensor | None = None      # [T] int32
-    layer_type: str = "swa"               # swa | c4a | c128a: calls of one type in one step share shapes
-    runs: QueryRuns | None = None         # StepPlan.runs
-    extra_nested: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -26,7 +26,8 @@ from dsv4.formats.index_lists import attended, distinct_rows, pad_columns
 from dsv4.formats.row_format import FP8_DS_MLA
 from dsv4.settings import at_least
 from dsv4.sizes import round_up
-from dsv4.strategies.protocols import Needs, SparseKV
+from dsv4.strategies.protocols import Needs
+from dsv4.seam import SparseKV
 
 
 WIDTH_MULTIPLE = 128          # index widths: multiples of B_TOPK (64 for h64, 128 for h128)

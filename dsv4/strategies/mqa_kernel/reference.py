@@ -7,7 +7,8 @@ from typing import ClassVar
 
 from dsv4.formats.index_lists import valid_entries
 from dsv4.settings import at_least
-from dsv4.strategies.protocols import Needs, SparseKV
+from dsv4.strategies.protocols import Needs
+from dsv4.seam import SparseKV
 
 
 def _gather(cache, indices, lens):

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, ClassVar
 from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
 from dsv4.kernels import TRITON_ARCHS
 from dsv4.kernels.sparse_plan import HOPPER_ARCHS, HOPPER_DTYPES, HOPPER_HEAD_DIM, VARIANTS
-from dsv4.strategies.protocols import Needs, SparseKV
+from dsv4.strategies.protocols import Needs
+from dsv4.seam import SparseKV
 
 if TYPE_CHECKING:
     from dsv4.kernels.target import Target
