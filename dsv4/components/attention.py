@@ -166,7 +166,7 @@ class DSV4Attention(torch.nn.Module):
         front_iq = idx is not None        # the front kernel applies every IndexerNumerics
         iq_dtype = idx.score_dtype(caches.indexer_keys) if idx is not None else None
         # a kernel that scores e4m3 queries gets them from the front, their scales in the head weights
-        fp8_iq = front_iq and idx.numerics.query_format is QueryFormat.E4M3 and kernels is not None
+        fp8_iq = front_iq and idx.strategy.query_format is QueryFormat.E4M3 and kernels is not None
         if fp8_iq:
             branch.wait_mark()
         front_faults = faults[:FAULT_ROWS - (0 if self.compressor is None else 1 if idx is None else 2)]
@@ -174,7 +174,7 @@ class DSV4Attention(torch.nn.Module):
                            plan.swa.write_slots, front_faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
                            dtype=self.dtype, iq=iq_raw if front_iq else None,
                            iq_dtype=torch.float8_e4m3fn if fp8_iq else iq_dtype,
-                           iq_fp4=front_iq and idx.numerics.numerics is IndexerNumerics.FP4,
+                           iq_fp4=front_iq and idx.strategy.numerics is IndexerNumerics.FP4,
                            iq_weights=scores[2] if fp8_iq else None, iq_w_scale=idx.weight_scale if fp8_iq else 1.0,
                            kernels=kernels)
 

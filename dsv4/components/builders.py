@@ -60,7 +60,7 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
         idx = Indexer(wq_b=w["indexer.wq_b.weight"], weights_proj=w["indexer.weights_proj.weight"].to(dev),
                       compressor=compressor("indexer.compressor.", spec.index_head_dim, 4),
                       n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk,
-                      numerics=strategies.indexer, device=device)
+                      strategy=strategies.indexer, device=device)
     wo_a = blocks.get("wo_a.weight")
     if spec.o_lora_rank % FP8_BLOCK:            # a group's rows cut its blocks: fp8 o_proj options quantize the values
         wo_a = None

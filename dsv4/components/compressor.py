@@ -145,20 +145,18 @@ class Compressor:
 @dataclass(frozen=True, slots=True)
 class CompressPart:
     """One compressor's share of a layer's compress step: its scores, state rows, faults row and cache; for
-    the indexer's compressor its numerics (an IndexerStrategy, and what its `prepare` made), which its keys
-    take before they are stored."""
+    the indexer's compressor the indexer's numerics, which its keys take before they are stored."""
     compressor: Compressor
     scores: Any
     state: Any
     fault_row: int
     cache: Any
-    numerics: Any = None
-    prepared: Any = None
+    numerics: IndexerNumerics | None = None
 
     @property
     def fp4(self) -> bool:
         """Whether its entries take the published FP4 numerics (which the compress kernel applies)."""
-        return self.numerics is not None and self.numerics.numerics is IndexerNumerics.FP4
+        return self.numerics is IndexerNumerics.FP4
 
     @property
     def kernel_stores(self) -> bool:
@@ -179,11 +177,11 @@ def compress_all(parts, plan, rot, faults, *, kernels: Target | None = None) -> 
                 rot, faults)
         return
     for p in parts:
-        if p.numerics is None or p.numerics.numerics is IndexerNumerics.EXACT:
+        if p.numerics in (None, IndexerNumerics.EXACT):
             p.compressor.compress(p.scores, plan, p.state, rot, faults, p.fault_row, p.cache, kernels=kernels)
             continue
         rows, store = p.compressor.entries(p.scores, plan, p.state, rot, faults, p.fault_row, kernels=kernels)
-        p.cache.write(store, p.numerics.numerics.apply(rows))
+        p.cache.write(store, p.numerics.apply(rows))
 
 
 def _launch(parts, plan, rot, faults) -> list:

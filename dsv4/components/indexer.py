@@ -9,7 +9,7 @@ exact float32 for float32 keys, a bf16 product for bf16 keys and records (the pu
 selection is the local entry indices of the top min(K, visible) scores, -1 padded to K, the valid ones
 first (so their count is the list's length); their order carries no meaning.
 What the queries and keys are before they are scored and stored is the `indexer` strategy's
-(`numerics`, dsv4/strategies/indexer/): as computed (`exact`), or Hadamard-rotated and FP4-simulated
+(`strategy.numerics`, dsv4/strategies/indexer/): as computed (`exact`), or Hadamard-rotated and FP4-simulated
 as the published code trains and runs them (`fp4_sim`).
 
 Scores are one call over the step and the top-k another: given `kernels` (the device's Target, which the
@@ -28,13 +28,13 @@ TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens a
 
 class Indexer:
     def __init__(self, *, wq_b, weights_proj, compressor, n_heads: int, head_dim: int, topk: int,
-                 numerics=None, device=None) -> None:
+                 strategy=None, device=None) -> None:
         from dsv4.strategies.indexer.exact import ExactIndexer
 
         self.wq_b, self.weights_proj, self.compressor = wq_b.float(), weights_proj.float(), compressor
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
-        self.numerics = numerics if numerics is not None else ExactIndexer()
-        self.prepared = self.numerics.prepare(head_dim=head_dim, device=device or wq_b.device)
+        self.strategy = strategy if strategy is not None else ExactIndexer()      # the `indexer` option
+        self.prepared = self.strategy.prepare(head_dim=head_dim, device=device or wq_b.device)
 
     @property
     def weight_scale(self) -> float:
@@ -47,9 +47,9 @@ class Indexer:
         from dsv4.components.front import rotate_rows
 
         q = q_raw.view(-1, self.n_heads, self.head_dim)
-        if self.numerics.numerics is IndexerNumerics.EXACT:
+        if self.strategy.numerics is IndexerNumerics.EXACT:
             return rotate_rows(q, rot, dtype, kernels=kernels)
-        q = self.numerics.numerics.apply(rotate_rows(q, rot, kernels=kernels))
+        q = self.strategy.numerics.apply(rotate_rows(q, rot, kernels=kernels))
         return q if dtype is None else q.to(dtype)
 
     @staticmethod
@@ -63,8 +63,7 @@ class Indexer:
     def key_part(self, scores, state, fault_row: int, cache):
         """Its compressor's part of the layer's compress step (`compressor.compress_all`), its keys taking
         the strategy's numerics."""
-        return CompressPart(self.compressor, scores, state, fault_row, cache, numerics=self.numerics,
-                            prepared=self.prepared)
+        return CompressPart(self.compressor, scores, state, fault_row, cache, numerics=self.strategy.numerics)
 
     def plan(self, plan, *, kernels: Target | None = None):
         """The strategy's per-step plan (IndexerStrategy.plan) from the step plan's, for its kernels (given
@@ -73,7 +72,7 @@ class Indexer:
         if kernels is None:
             return None
         ents = plan.entries[4]
-        return self.numerics.plan(token_request=plan.token_request, counts=ents.counts, pages=ents.table.pages,
+        return self.strategy.plan(token_request=plan.token_request, counts=ents.counts, pages=ents.table.pages,
                                   block_size=ents.table.block_size)
 
     def scores(self, q, w, keys, plan, index_plan=None, *, kernels: Target | None = None):
@@ -87,7 +86,7 @@ class Indexer:
         check_kernels(kernels, q, "Indexer.scores")
         ents = plan.entries[4]
         if kernels is not None:                 # the strategy's kernel
-            return self.numerics.scores(q, w, keys, ents.table.pages, plan.token_request, ents.counts,
+            return self.strategy.scores(q, w, keys, ents.table.pages, plan.token_request, ents.counts,
                                         width=ents.width, w_scale=self.weight_scale, plan=index_plan,
                                         prepared=self.prepared)
         import torch
@@ -117,7 +116,7 @@ class Indexer:
         check_kernels(kernels, scores, "Indexer.lists")
         ents = plan.entries[4]
         if kernels is not None:
-            return self.numerics.top_k(scores, ents.counts, ents.table.pages, plan.token_request,
+            return self.strategy.top_k(scores, ents.counts, ents.table.pages, plan.token_request,
                                        topk=self.topk, block_size=ents.table.block_size)
         local = self.select(scores)
         return local, ents.table.slots(plan.token_request, local), (local >= 0).sum(1, dtype=torch.int32)
