@@ -100,7 +100,7 @@ def oproj_breakdown(dev) -> None:
         rot = rope.at(pos)
         dg = DeepGemmFp8OProj().prepare(w, device=dev, dtype="bfloat16")
         x, xs = inverse_rope_fp8_quant(o, rot, 8)
-        wq, ws = dg["w"]
+        wq, ws = dg.weight, dg.scale
         z = torch.empty(T, 8, 1024, dtype=torch.bfloat16, device="cuda")
         og = o.view(T, 8, -1)
         wa = w.wo_a.cuda().bfloat16().view(8, 1024, -1)
@@ -109,7 +109,7 @@ def oproj_breakdown(dev) -> None:
         cells = [graph_time_us(lambda: inverse_rope_fp8_quant(o, rot, 8)),
                  f"{fused:.1f} ({moved / fused / 1e3:.0f})",
                  graph_time_us(lambda: deep_gemm.fp8_einsum("bhr,hdr->bhd", (x, xs), (wq, ws), z,
-                                                            recipe=dg["recipe"])),
+                                                            recipe=dg.recipe)),
                  graph_time_us(lambda: [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], wq[g], ws[g])
                                         for g in range(8)]),
                  graph_time_us(lambda: torch.einsum("tgd,grd->tgr", og, wa))]

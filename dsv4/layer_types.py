@@ -24,13 +24,6 @@ class LayerType:
         """Positions back from a closing one that its compressor reads (its windows: coff x ratio)."""
         return self.coff * self.ratio
 
-    def reads(self) -> str:
-        """What a token of this layer attends to, in words."""
-        if not self.compressed:
-            return "its sliding window"
-        which = "the indexer's top-k of" if self.indexed else "every visible one of"
-        return f"its sliding window and {which} the ratio-{self.ratio} compressed entries"
-
 
 LAYER_TYPES: tuple[LayerType, ...] = (
     LayerType(ratio=1, name="swa", coff=0, indexed=False),
@@ -38,6 +31,7 @@ LAYER_TYPES: tuple[LayerType, ...] = (
     LayerType(ratio=128, name="c128a", coff=1, indexed=False),
 )
 RATIOS = tuple(t.ratio for t in LAYER_TYPES)
+INDEXED = next(t for t in LAYER_TYPES if t.indexed)        # the layer type whose tokens the indexer serves
 
 
 def by_ratio(ratio: int) -> LayerType:
@@ -47,10 +41,3 @@ def by_ratio(ratio: int) -> LayerType:
             return t
     raise ValueError(f"compress ratio {ratio}: the layer types are those of ratios {', '.join(map(str, RATIOS))}")
 
-
-def by_name(name: str) -> LayerType:
-    """The layer type called `name` (swa, c4a, c128a)."""
-    for t in LAYER_TYPES:
-        if t.name == name:
-            return t
-    raise ValueError(f"layer type {name!r}: one of {', '.join(t.name for t in LAYER_TYPES)}")

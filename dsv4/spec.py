@@ -12,7 +12,6 @@ from dsv4.layer_types import RATIOS, by_ratio
 from dsv4.settings import above, at_least, parse
 
 
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class YarnScaling:
     factor: float = above(0)

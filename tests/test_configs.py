@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
-import torch
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf

@@ -260,7 +260,7 @@ def test_inverse_after_forward_is_identity_and_norm_is_preserved(ratio):
     assert float(((p1 - p0).abs() / p0.clamp_min(1e-3)).max()) <= 1e-5
 
 
-def test_inverse_sign_convention_spec_6_2():
+def test_inverse_sign_convention():
     """§2.3, the inverse negates the sine: o=[1,2,3,4] with 2 NoPE + 2 RoPE dims, cos=0, sin=1 -> inverse
     gives [1,2,4,-3]."""
     cos, sin = torch.ones(1, 32), torch.zeros(1, 32)

@@ -317,7 +317,7 @@ def layer_backends(job, layer: int, labels, indexers) -> list[Backend]:
     for b in backends(job):
         if labels is not None and b.label not in labels:
             continue
-        if indexers is None or job.spec.compress_ratio(layer) != 4:
+        if indexers is None or not by_ratio(job.spec.compress_ratio(layer)).indexed:
             out.append(b)
         else:
             top_k = job.combo.indexer.top_k

@@ -75,7 +75,8 @@ class DSV4Attention(torch.nn.Module):
         self.dtype, self.eps = torch_dtype(dtype), spec.rms_norm_eps
         dev = device.torch_device
         # which implementation the layer's own pieces (front, norms, compressors, indexer) run, chosen here once:
-        # our Triton kernels, planned by the device's Target, or (None, on the CPU) their torch code
+        # our Triton kernels (the value is the device's Target, its facts for kernels that plan by them), or
+        # (None, on the CPU) their torch code
         self.kernels: Target | None = layer_kernels(device)
         # the compressors' branch runs on the device's side stream beside the query path (`_Branch`)
         on_gpu = torch.device(dev).type == "cuda"
@@ -204,7 +205,7 @@ class DSV4Attention(torch.nn.Module):
 
 def layer_kernels(device: DeviceInfo) -> Target | None:
     """Which implementation the layer's own pieces run on `device`, chosen once when the layer is built: our
-    Triton kernels, planned by the device's Target, on a GPU; None on the CPU, where their torch code (the
+    Triton kernels on a GPU (the value: the device's Target); None on the CPU, where their torch code (the
     kernels' specification) runs."""
     if device.platform == "cpu":
         return None

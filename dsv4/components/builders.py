@@ -58,7 +58,7 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
     if kind.indexed:
         # wq_b stays where the weights are: the layer multiplies it through `linear`, as its own prepared copy
         idx = Indexer(wq_b=w["indexer.wq_b.weight"], weights_proj=w["indexer.weights_proj.weight"].to(dev),
-                      compressor=compressor("indexer.compressor.", spec.index_head_dim, 4),
+                      compressor=compressor("indexer.compressor.", spec.index_head_dim, ratio),
                       n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk,
                       strategy=strategies.indexer, device=device)
     wo_a = blocks.get("wo_a.weight")

@@ -111,7 +111,7 @@ class Compressor:
         span = torch.arange(-(self.coff - 1) * R, R, device=scores.device)
         q = first[:, None] + span[None, :]                            # [m, coff·R] positions pooled
         a, s = self._rows(scores, plan, state, tok, q)
-        if R == 4:                                                    # previous block: first halves
+        if self.coff == 2:                                            # overlapping: the previous block's first halves
             a = torch.cat((a[:, :R, :D], a[:, R:, D:]), 1)
             s = torch.cat((s[:, :R, :D], s[:, R:, D:]), 1)
         v = (a * torch.softmax(s, dim=1)).sum(1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dsv4.components.compressor import CompressPart
 from dsv4.kernels.target import Target, check_kernels
 from dsv4.formats.indexer_numerics import IndexerNumerics
+from dsv4.layer_types import INDEXED
 
 TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens at a time
 
@@ -71,7 +72,7 @@ class Indexer:
         check_kernels(kernels, plan.positions, "Indexer.plan")
         if kernels is None:
             return None
-        ents = plan.entries[4]
+        ents = plan.entries[INDEXED.ratio]
         return self.strategy.plan(token_request=plan.token_request, counts=ents.counts, pages=ents.table.pages,
                                   block_size=ents.table.block_size)
 
@@ -84,7 +85,7 @@ class Indexer:
         maybe wider than `width`; for a strategy whose `query_format` is E4M3, q and w may be what its kernel
         takes (e4m3 queries, their scales folded into w: the layer's front kernel makes them)."""
         check_kernels(kernels, q, "Indexer.scores")
-        ents = plan.entries[4]
+        ents = plan.entries[INDEXED.ratio]
         if kernels is not None:                 # the strategy's kernel
             return self.strategy.scores(q, w, keys, ents.table.pages, plan.token_request, ents.counts,
                                         width=ents.width, w_scale=self.weight_scale, plan=index_plan,
@@ -114,7 +115,7 @@ class Indexer:
         import torch
 
         check_kernels(kernels, scores, "Indexer.lists")
-        ents = plan.entries[4]
+        ents = plan.entries[INDEXED.ratio]
         if kernels is not None:
             return self.strategy.top_k(scores, ents.counts, ents.table.pages, plan.token_request,
                                        topk=self.topk, block_size=ents.table.block_size)

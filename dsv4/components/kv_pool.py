@@ -152,8 +152,6 @@ class PageGroup:
                 table[p] = -1
 
 
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CompressorState:
     """One compressor's rows on state pages: [slots, 2·width] float32, the candidate then the gate

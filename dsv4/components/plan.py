@@ -77,8 +77,6 @@ class EntryRows:
     visible: Any = None     # [T, width] int32 slots of every visible entry (-1 padded), for dense ratios
 
 
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlan:
     num_tokens: int                   # T: rows of the step's tensors (padding included)

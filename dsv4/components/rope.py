@@ -18,7 +18,6 @@ from dsv4.seam import ROPE_DIM, RopeRows
 from dsv4.spec import ModelSpec
 
 
-
 def rope_frequencies(spec: ModelSpec, ratio: int) -> list[float]:
     """The 32 pair frequencies (float32 values) of a layer with compress ratio `ratio` (1 = SWA-only),
     computed with the published code's float32 torch ops, so they round as the model's do."""
@@ -56,8 +55,6 @@ def _freq_tensor(freqs: tuple[float, ...], device):
     if key not in _FREQ_TENSORS:
         _FREQ_TENSORS[key] = torch.tensor(freqs, dtype=torch.float32, device=device)
     return _FREQ_TENSORS[key]
-
-
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -56,8 +56,6 @@ class Needs:
     graphs: bool = True
 
 
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinearWeight:
     """One rank's weight of a dense projection y = x·Wᵀ: its values [N, K] (float32) and, where the
