@@ -147,10 +147,10 @@ def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
     bytes are still the cost: 32- or 64-row tiles of 64 columns (128 from WIDE_N), the activation quantized
     by its own launch (a program's share of the quantizing would outweigh it), K split into the parts that
     bring the programs nearest to one per SM (more parts only add partial sums to write and read); a
-    product with a tile per SM already takes 128x64 tiles from 128 rows. More
-    rows: 64x256 tiles over the whole of K (64x128 on GPUs with ~100 KB of shared memory a program), or --
-    where those tiles would leave SMs idle -- 64x128 tiles with K split to fill them. The choices are the
-    fastest of a sweep on the H200 at DSV4-Flash's and DSV4-Pro's products (docs/notes/2026-12-04-fp8-products.md)."""
+    product with a tile per SM already takes 128x64 tiles from 128 rows. More rows: 64x256 tiles over the
+    whole of K (64x128 on GPUs with ~100 KB of shared memory a program), or -- where those tiles would leave
+    SMs idle -- 64x128 tiles with K split to fill them. The choices are the fastest of a sweep on the H200
+    at DSV4-Flash's and DSV4-Pro's products (docs/notes/2026-12-04-fp8-products.md)."""
     big = target.arch in BIG_SHARED
     stages = 4 if big else 3
     if M > SMALL_M:
