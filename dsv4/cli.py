@@ -5,8 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import os
+import sys
+
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+
+# `${dsv4.pid:}` in the run and sweep folders (configs/config.yaml): two runs started in the same second
+# (both `outputs/<time>/`) would write one folder, and one result would be lost
+OmegaConf.register_new_resolver("dsv4.pid", os.getpid, replace=True)
 
 
 def group_choices(choices: Mapping[str, Any]) -> dict[str, str]:
@@ -22,5 +29,11 @@ def main(cfg: DictConfig) -> float | None:
     from dsv4.app import cli   # heavy imports only after composition (hydra#934)
 
     hc = HydraConfig.get()
-    return cli(cfg, choices=group_choices(hc.runtime.choices), out_dir=hc.runtime.output_dir,
-               multirun=hc.mode == RunMode.MULTIRUN)
+    try:
+        return cli(cfg, choices=group_choices(hc.runtime.choices), out_dir=hc.runtime.output_dir,
+                   multirun=hc.mode == RunMode.MULTIRUN)
+    except BrokenPipeError:
+        # stdout was closed by its reader (`python run.py | head -1`): the job's row is written (and is
+        # never replaced); stop printing quietly, with the status of a process ended by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141) from None

@@ -78,7 +78,8 @@ def problems_for(job: Job, *, running: bool) -> list[Problem]:
 
 def workload_problems(job: Job) -> list[Problem]:
     """What `run` would find only after the work: layers the model lacks, a pool the workload cannot fit
-    in (pages its requests hold at their end, at least), a dump folder that cannot be written."""
+    in (pages its requests hold at their end, at least), a dump folder that cannot be written or already holds
+    files, and (for `run`) an output folder that already holds a job's result."""
     wl, spec = job.workload, job.spec
     out = []
     bad = [l for l in wl.layers or () if l >= spec.num_hidden_layers]
@@ -104,9 +105,18 @@ def workload_problems(job: Job) -> list[Problem]:
                                   f"{g.num_blocks}", fix=f"workload.kv_pool.{knob}={need + len(lengths)} "
                                   f"(or shorter prompts)"))
     if job.run.dump_dir:
-        reason = unwritable(Path(job.run.dump_dir))
+        dump = Path(job.run.dump_dir)
+        reason = unwritable(dump)
         if reason:
             out.append(Problem(group="dump_dir", value=job.run.dump_dir, reason=reason))
+        elif not job.run.dump_overwrite and dump.is_dir() and any(dump.iterdir()):
+            out.append(Problem(group="dump_dir", value=job.run.dump_dir,
+                               reason="already holds files, which the dump would replace",
+                               fix="dump_dir=<a new folder> (or dump_overwrite=true to replace them)"))
+    if job.run.mode == "run" and (job.out_dir / "result.json").exists():
+        out.append(Problem(group="hydra.run.dir", value=str(job.out_dir),
+                           reason="already holds a job's result.json, which this run would replace",
+                           fix="hydra.run.dir=<a new folder> (or leave it out: every run gets a folder of its own)"))
     return out
 
 

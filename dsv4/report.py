@@ -79,9 +79,22 @@ def result_row(*, status: str, problems: list, choices: dict, device, settings: 
 
 
 def write_row(out_dir: str | Path, row: dict[str, Any]) -> Path:
+    """The job's `result.json`, written once and whole: into a temporary file renamed into place (a reader
+    never sees half a row), and never over a row already there -- the first row a job writes is its result,
+    and what fails after it (a closed stdout, a late print) cannot replace it."""
+    import os
+    import tempfile
+
     path = Path(out_dir) / "result.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(row, indent=2, default=str) + "\n")
+    if path.exists():
+        print(f"note: {path} already holds this job's result; not replaced by a {row.get('status')} row",
+              file=sys.stderr)
+        return path
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".result-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(row, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
     return path
 
 

@@ -147,6 +147,7 @@ class RunSettings:
     tp_size: int = at_least(1, 1)
     dtype: str = one_of(("float32", "bfloat16"), "float32")
     dump_dir: str | None = None
+    dump_overwrite: bool = False         # dump_dir may already hold files (then replaced); else it is refused
     weights: str = one_of(WEIGHTS, "random")
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     sweep_dir: str | None = None         # mode=summarize: +sweep_dir=PATH
