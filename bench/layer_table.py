@@ -10,13 +10,15 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from hydra import compose, initialize_config_dir
 
 from dsv4.catalogue import CONFIG_DIR
-from dsv4.job import make_job
+from dsv4.errors import USER_ERRORS
+from dsv4.job import make_job, problems_for, raise_if
 from dsv4.benches.grid import bench_grid
-from dsv4.benches.layer import DECODE_CASES, bench_layer_step
+from dsv4.benches.layer import DECODE_CASES, ERROR, bench_layer_step
 from dsv4.benches.padding import TP_SIZES, bench_padding
 
 
@@ -51,12 +53,25 @@ def main() -> None:
         a.overrides.insert(0, "deployment=h200")
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         job = make_job(compose(config_name="config", overrides=a.overrides))
+    deployment = next(o.split("=", 1)[1] for o in a.overrides if o.startswith("deployment="))
+    job = replace(job, choices=job.choices | {"deployment": deployment})
+    try:                  # a deployment this machine is not (a GPU table on a CPU): refused, as mode=bench does
+        raise_if(job, problems_for(job, running=True))
+    except USER_ERRORS as e:
+        raise SystemExit(f"error: {e}") from None
+    failed: list[str] = []
+
+    def echo(line: str) -> None:
+        print("  row:", line, flush=True)
+        if ERROR in line:
+            failed.append(line)
+
     if a.grid:
         try:
             modes = tuple(m for m, off in (("decode", a.no_decode), ("prefill", a.no_prefill)) if not off)
             print(bench_grid(job, labels=a.backends, modes=modes,
                              **({"layer_types": a.layer_types} if a.layer_types else {}),
-                             echo=lambda line: print("  row:", line, flush=True)))
+                             echo=echo))
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         return
@@ -66,8 +81,9 @@ def main() -> None:
                   + bench_padding(job, step=step, layer_types=a.layer_types, tp_sizes=a.tp_sizes or TP_SIZES))
         return
     print(bench_layer_step(job, a.cases, labels=a.backends, indexers=a.indexers, layer_types=a.layer_types,
-                           prefill=not a.no_prefill,
-                           echo=lambda line: print("  row:", line, flush=True)))
+                           prefill=not a.no_prefill, echo=echo))
+    if failed:            # every row was still measured; the tracebacks are above
+        raise SystemExit(f"error: {len(failed)} of the table's rows failed: " + "; ".join(failed))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from dsv4.sizes import cdiv
 
 DECODE_CASES = [(64, 2, 8192), (64, 2, 65536), (1, 1, 8192), (16, 1, 8192), (64, 1, 8192), (128, 1, 8192)]
 PREFILL_TOKENS = 8192
+ERROR = "error: "            # how a row that failed begins its first measured cell (the tables' callers count them)
 EAGER_ROUNDS = 5
 
 
@@ -348,7 +349,7 @@ def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, indexers=None, lay
                 except Exception as e:                  # one failing case is a row, not the end of the table
                     traceback.print_exc()
                     row, parts = [job.spec.layer_type(layer), backend.label, nreq, tokens, context,
-                                  f"error: {type(e).__name__}: {str(e)[:80]}"] + [None] * 10, {}
+                                  f"{ERROR}{type(e).__name__}: {str(e)[:80]}"] + [None] * 10, {}
                     torch.cuda.empty_cache()
                 row.insert(2, ix)
                 rows.append(row)
@@ -362,9 +363,11 @@ def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, indexers=None, lay
                 except Exception as e:
                     traceback.print_exc()
                     row = [job.spec.layer_type(layer), backend.label, PREFILL_TOKENS, None,
-                           f"error: {type(e).__name__}: {str(e)[:80]}"]
+                           f"{ERROR}{type(e).__name__}: {str(e)[:80]}"]
                 row.insert(2, ix)
                 pre.append(row)
+                if echo is not None:
+                    echo(" | ".join(map(str, row)))
                 torch.cuda.empty_cache()
     return "\n\n".join([
         "decode step, CUDA-graph replay of the second layer of its type (median µs; the first also makes the "
