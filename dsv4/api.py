@@ -143,4 +143,35 @@ def _weights(job: Job, layers: Sequence[int], given: Mapping[int, Mapping[str, A
     missing = [l for l in layers if l not in given]
     if missing:
         raise ConfigError(f"weights: no weights for layers {missing} (given: {sorted(given)})")
+    for l in layers:
+        check_weights(job.spec, l, given[l])
     return {l: dict(given[l]) for l in layers}, {}
+
+
+def check_weights(spec, layer: int, weights: Mapping[str, Any]) -> None:
+    """A caller's weights for `layer`, judged before anything is built, as the checkpoint loader judges a
+    checkpoint's: every tensor the layer reads and no other, each a floating-point tensor of its shape with
+    only finite values (a NaN would give NaN or all-zero outputs without a word)."""
+    import torch
+
+    from dsv4.components.weights import weight_shapes
+
+    if not isinstance(weights, Mapping):
+        raise TypeError(f"weights[{layer}]: a mapping of tensor names to tensors, got {type(weights).__name__}")
+    want = weight_shapes(spec, spec.compress_ratio(layer))
+    missing, extra = sorted(set(want) - set(weights)), sorted(set(weights) - set(want))
+    if missing or extra:
+        raise ConfigError(f"weights[{layer}]: " + "; ".join(
+            ([f"missing {missing}"] if missing else []) + ([f"not read by this layer: {extra}"] if extra else []))
+            + " (names: dsv4.components.weights.weight_shapes)")
+    for name, shape in want.items():
+        t = weights[name]
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"weights[{layer}][{name!r}]: a floating-point tensor, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if tuple(t.shape) != tuple(shape):
+            raise ConfigError(f"weights[{layer}][{name!r}]: shape {tuple(t.shape)}, expected {tuple(shape)} "
+                              f"for model={spec.name}")
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ConfigError(f"weights[{layer}][{name!r}]: {bad} non-finite value(s)")

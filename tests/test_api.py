@@ -178,3 +178,27 @@ def test_a_device_of_ones_own_is_what_the_job_is_checked_for(no_alloc):
     msg = str(e.value)
     assert "on cuda/sm90 (H200):" in msg and "runs on cuda" not in msg
     assert "cache_layout=bf16: mqa_kernel=flashmla_sparse reads only ['fp8_ds_mla']" in msg
+
+
+def test_weights_handed_in_are_judged_before_the_build():
+    """The API's weights get the checkpoint loader's checks: names, shapes, floating dtypes, finite values;
+    each a one-line error naming the layer and the tensor (a NaN used to give NaN or all-zero outputs)."""
+    from dsv4.components.weights import random_layer_weights
+
+    job = dsv4.compose(["model=dsv4_tiny"])
+    good = random_layer_weights(job.spec, 2, 0)
+    assert dsv4.build_layer(job, 2, weights=good) is not None
+    nan = dict(good)
+    nan["wq_b.weight"] = good["wq_b.weight"].clone()
+    nan["wq_b.weight"][3, 5] = float("nan")
+    cases = [(nan, ValueError, "'wq_b.weight'.*1 non-finite"),
+             ({k: v for k, v in good.items() if k != "attn_sink"}, ValueError, r"missing \['attn_sink'\]"),
+             (good | {"wq_c.weight": good["wq_b.weight"]}, ValueError, "not read by this layer"),
+             (good | {"wkv.weight": good["wkv.weight"][:, :8]}, ValueError, r"'wkv.weight'.*shape"),
+             (good | {"wkv.weight": good["wkv.weight"].int()}, TypeError, "floating-point tensor, got torch.int32"),
+             (good | {"wkv.weight": [1.0]}, TypeError, "floating-point tensor, got list")]
+    for weights, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            dsv4.build_layer(job, 2, weights=weights)
+        with pytest.raises(kind, match=message):
+            dsv4.build_engine(job, weights={2: weights})
