@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -87,7 +88,8 @@ def _show(value: Any) -> str:
 def _describe(tp, meta, *, plural: bool = False) -> str:
     if "choices" in meta:
         return "one of " + ", ".join(str(c) for c in meta["choices"])
-    names = {int: ("a whole number", "whole numbers"), float: ("a number", "numbers"), bool: ("true or false",) * 2,
+    names = {int: ("a whole number", "whole numbers"), float: ("a finite number", "finite numbers"),
+             bool: ("true or false",) * 2,
              str: ("a string", "strings")}
     base = names.get(tp, (str(tp),) * 2)[plural]
     if "min" in meta:
@@ -116,7 +118,7 @@ def _value(key: str, value: Any, tp, meta: Mapping[str, Any]) -> Any:
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)                  # a name or path the command line parsed as a number (dump_dir=2024)
     ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
           bool: lambda v: isinstance(v, bool), str: lambda v: isinstance(v, str)}.get(tp, lambda v: True)
     if not ok(value) or ("choices" in meta and value not in meta["choices"]) \
             or ("min" in meta and value < meta["min"]) or ("gt" in meta and not value > meta["gt"]):

@@ -33,10 +33,10 @@ BAD = [
     ("mqa_kernel.chunk=0", "mqa_kernel.chunk=0: expected a whole number >= 1"),
     ("mqa_kernel.chunk=-1", "mqa_kernel.chunk=-1: expected a whole number >= 1"),
     ("model.hidden_size=0", "model.hidden_size=0: expected a whole number >= 1"),
-    ("model.rms_norm_eps=0", "model.rms_norm_eps=0: expected a number > 0"),
+    ("model.rms_norm_eps=0", "model.rms_norm_eps=0: expected a finite number > 0"),
     ("graph.max_context=0", "graph.max_context=0: expected a whole number >= 1"),
     ("graph.enabled=maybe", "graph.enabled=maybe: expected true or false"),
-    ("parallel.timeout_s=0", "parallel.timeout_s=0: expected a number > 0"),
+    ("parallel.timeout_s=0", "parallel.timeout_s=0: expected a finite number > 0"),
     ("device.platform=tpu", "device.platform=tpu: expected one of cpu, cuda, rocm"),
     ("mode=nosuch", "mode=nosuch: expected one of run, check, info, bench, summarize"),
     ("+mqa_kernal=x", "mqa_kernal: unknown setting (did you mean mqa_kernel?)"),
@@ -190,3 +190,16 @@ def test_a_string_setting_the_command_line_parsed_as_a_number_stays_a_string(com
     assert make_job(compose_cfg([*TINY, "dump_dir=2024"])).run.dump_dir == "2024"
     with pytest.raises(ConfigError, match="checkpoint=null: expected a group of settings"):
         make_job(compose_cfg([*TINY, "checkpoint=null"]))
+
+
+@pytest.mark.parametrize("override", ["model.rope_theta=inf", "model.rope_theta=1e400", "model.rms_norm_eps=-inf",
+                                      "parallel.timeout_s=nan", "model.rope_scaling.factor=inf",
+                                      "cache_layout=fp8_per_tensor cache_layout.kv_scale=inf"])
+def test_every_float_setting_is_finite(override):
+    """A float setting that is not a finite number (inf, nan, a literal past float range) is refused when it
+    is read, with the key, never accepted to fail (or quietly give inf) later."""
+    import dsv4
+    from dsv4.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"=(inf|-inf|nan).*finite number"):
+        dsv4.compose(["model=dsv4_tiny", *override.split()], running=False)

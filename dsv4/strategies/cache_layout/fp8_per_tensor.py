@@ -3,6 +3,8 @@ rows (docs/numerics.md §3.3). Its RowFormat carries `kv_scale` and `q_scale`, w
 these rows takes its query and its bmm scales from (dsv4/formats/fp8.py)."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -26,8 +28,9 @@ class Fp8PerTensorLayout:
     q_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (self.kv_scale > 0 and self.q_scale > 0):
-            raise ValueError(f"cache_layout={self.name}: kv_scale and q_scale must be > 0")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (self.kv_scale, self.q_scale)):
+            raise ValueError(f"cache_layout={self.name}: kv_scale and q_scale must be finite numbers > 0 "
+                             f"(got {self.kv_scale}, {self.q_scale})")
 
     @property
     def row_format(self) -> RowFormat:
