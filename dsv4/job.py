@@ -88,6 +88,14 @@ def workload_problems(job: Job) -> list[Problem]:
                         reason=f"model={spec.name} has layers 0..{spec.num_hidden_layers - 1}",
                         fix="workload.layers=null")]
     lengths = [wl.total_len(i) for i in range(len(wl.prompt_lens))]
+    if max(lengths, default=0) > spec.max_position_embeddings:
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        out.append(Problem(group="workload.prompt_lens", value=str(list(wl.prompt_lens)),
+                           reason=f"request {longest} reaches position {lengths[longest] - 1} with its decode steps; "
+                                  f"model={spec.name} has positions 0..{spec.max_position_embeddings - 1} "
+                                  f"(max_position_embeddings)",
+                           fix=f"shorter prompts (request {longest}: at most "
+                               f"{spec.max_position_embeddings - lengths[longest] + wl.prompt_lens[longest]} tokens)"))
     if len(lengths) > job.pool.max_requests:
         out.append(Problem(group="workload.kv_pool.max_requests", value=str(job.pool.max_requests),
                            reason=f"the workload holds {len(lengths)} requests at once",

@@ -231,3 +231,17 @@ def test_non_finite_rows_are_refused_naming_layer_and_token():
                                              r"closed at position 127\)"):
         step(eng, {"a": (torch.randn(100, spec.hidden_size), 40)})
     assert_rolled_back(before, rows0, eng)
+
+
+def test_a_prompt_past_the_models_positions_is_refused_before_the_work():
+    """A request whose prompt and decode steps reach past max_position_embeddings is refused by check (and so
+    before `run` allocates anything), naming the request and the longest prompt that fits."""
+    import dsv4
+    from dsv4.errors import IncompatibleCombination
+
+    fits = dsv4.compose(["model=dsv4_tiny", "workload.prompt_lens=[1048570,5]", "workload.kv_pool.swa_blocks=100000",
+                         "workload.kv_pool.compressed_blocks=100000"], running=False)
+    assert fits.workload.total_len(0) == 1048576
+    with pytest.raises(IncompatibleCombination, match=r"request 0 reaches position 1048576.*at most 1048570 tokens"):
+        dsv4.compose(["model=dsv4_tiny", "workload.prompt_lens=[1048571,5]", "workload.kv_pool.swa_blocks=100000",
+                      "workload.kv_pool.compressed_blocks=100000"], running=False)
