@@ -586,3 +586,16 @@ def test_single_file_checkpoint(tmp_path):
     got = ckpt.load_layers(root, sp, [2])
     assert all(torch.equal(got.weights[2][n], want[n]) for n in want)
     assert math.isclose(got.stats.bytes_read, sum(v.numel() * v.element_size() for v in t.values()))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_shard_is_named_with_what_is_wrong(checkpoint, damage):
+    """A shard cut short (an interrupted download) or overwritten is a one-line error that names the file,
+    not safetensors' own exception from inside the loader."""
+    root = checkpoint[0]
+    shard = root / "model-00003-of-00004.safetensors"                 # layer 2's attention
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"\x07" * len(data))
+    msg = load_error(root, layers=(2,))
+    assert "model-00003-of-00004.safetensors" in msg and "not a readable safetensors file" in msg
+    assert "truncated or corrupt" in msg and "\n" not in msg

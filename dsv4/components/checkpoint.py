@@ -117,6 +117,13 @@ class LoadedLayers:
 
 # ---- the checkpoint folder -------------------------------------------------------------------------
 
+
+def unreadable(file: Path, e: Exception) -> ConfigError:
+    """A shard safetensors cannot read, named with what is wrong (a truncated or corrupt download)."""
+    size = file.stat().st_size if file.exists() else 0
+    return ConfigError(f"{file}: not a readable safetensors file ({size} bytes; {type(e).__name__}: {e}); "
+                        f"a truncated or corrupt download? fetch the file again")
+
 class Checkpoint:
     """A checkpoint folder: its config.json and where each tensor lives (from the index)."""
 
@@ -145,8 +152,11 @@ class Checkpoint:
             self.weight_map: dict[str, str] = {str(k): str(v) for k, v in wm.items()}
         elif (self.path / SINGLE_FILE).is_file():
             self.index_name = SINGLE_FILE
-            with safe_open(str(self.path / SINGLE_FILE), framework="pt") as f:
-                self.weight_map = {k: SINGLE_FILE for k in f.keys()}  # noqa: SIM118 (a safe_open handle)
+            try:
+                with safe_open(str(self.path / SINGLE_FILE), framework="pt") as f:
+                    self.weight_map = {k: SINGLE_FILE for k in f.keys()}  # noqa: SIM118 (a safe_open handle)
+            except Exception as e:
+                raise unreadable(self.path / SINGLE_FILE, e) from e
         else:
             raise ConfigError(f"checkpoint.path={path}: neither {INDEX_FILE} nor {SINGLE_FILE} is there")
         self.shards = sorted(set(self.weight_map.values()))
@@ -326,19 +336,24 @@ def _read_layer(ck: Checkpoint, layer: int, ratio: int, wants: list[_Want], bloc
             raise ConfigError(f"{ck.path / ck.index_name} puts {names[0]} in {file}, which is not in {ck.path}")
         if file not in stats.files_opened:
             stats.files_opened.append(file)
-        with safe_open(str(fp), framework="pt") as f:
-            held = set(f.keys())
-            for n in names:
-                if n not in held:
-                    raise ConfigError(f"{n} is missing from {file} (where {ck.index_name} puts it)")
-                shape = _shape(f, n)
-                if n in shape_of and shape != shape_of[n]:
-                    raise ConfigError(f"{n} in {file}: shape {list(shape)}, expected {list(shape_of[n])} "
-                                      f"(model={spec.name}, layer {layer}, compress ratio {ratio})")
-                t = f.get_tensor(n)
-                raw[n], where[n] = t, file
-                stats.tensors_read.append(n)
-                stats.bytes_read += t.numel() * t.element_size()
+        try:
+            with safe_open(str(fp), framework="pt") as f:
+                held = set(f.keys())
+                for n in names:
+                    if n not in held:
+                        raise ConfigError(f"{n} is missing from {file} (where {ck.index_name} puts it)")
+                    shape = _shape(f, n)
+                    if n in shape_of and shape != shape_of[n]:
+                        raise ConfigError(f"{n} in {file}: shape {list(shape)}, expected {list(shape_of[n])} "
+                                          f"(model={spec.name}, layer {layer}, compress ratio {ratio})")
+                    t = f.get_tensor(n)
+                    raw[n], where[n] = t, file
+                    stats.tensors_read.append(n)
+                    stats.bytes_read += t.numel() * t.element_size()
+        except ConfigError:
+            raise
+        except Exception as e:         # safetensors' own errors: a truncated or corrupt download
+            raise unreadable(fp, e) from e
     out: dict[str, torch.Tensor] = {}
     stored: dict[str, Fp8Blocks] = {}
     notes = []
