@@ -121,15 +121,19 @@ def _fmt(v: Any) -> str:
 
 
 def tty_progress(stream=None):
-    """A progress printer for long runs (`run_workload`'s `progress`), or None when `stream` (default:
-    stderr) is not a terminal, so logs and pipes get nothing.
+    """A progress printer for long runs (`run_workload`'s `progress`), `show(step, steps, phase, layer=None)`.
 
-    `show(step, steps, phase, layer=None)` rewrites one line: the step and its phase, and while a
-    step runs, the layer it is in ("layer 2 (c4a) 2/3"); the line ends after the last step."""
+    On a terminal (`stream`, default stderr) it rewrites one line: the step and its phase, and while a step
+    runs, the layer it is in ("layer 2 (c4a) 2/3"); the line ends after the last step. Elsewhere (a log, a
+    pipe) it writes one line per finished step, flushed, so a reader sees the run advance."""
     stream = sys.stderr if stream is None else stream
     isatty = getattr(stream, "isatty", None)
     if isatty is None or not isatty():
-        return None
+        def line(step: int, steps: int, phase: str, layer: str | None = None) -> None:
+            if layer is None:
+                stream.write(f"  {phase} step {step}/{steps} done\n")
+                stream.flush()
+        return line
 
     def show(step: int, steps: int, phase: str, layer: str | None = None) -> None:
         where = f", {layer}" if layer else ""

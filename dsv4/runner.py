@@ -114,6 +114,18 @@ def verdict(metrics: dict[str, dict], *, budget: float, gap: float) -> list[str]
     return wrong
 
 
+def start_line(job, layers) -> str:
+    """What a run is about to do, in one line: the model and layers, the device, the combination, the workload."""
+    from dsv4.catalogue import GROUPS
+
+    wl, c = job.workload, job.combo
+    chosen = " ".join(f"{g}={job.choices[g]}" for g in GROUPS if g in job.choices)
+    return (f"run: model={job.spec.name} layers {list(layers)} on {job.device.describe()}, tp_size={c.tp_size} "
+            f"dtype={c.dtype}; {chosen}; {len(wl.prompt_lens)} requests of {list(wl.prompt_lens)} tokens "
+            f"(prefill chunks of {wl.prefill_chunk}), then {wl.decode_steps} decode steps of {wl.decode_tokens} "
+            f"token(s) each")
+
+
 def execute(job, ranks: Ranks | None = None) -> float | None:
     """Run the workload on this process's ranks; the main rank grades it, prints and writes result.json
     (other ranks return None)."""
@@ -124,6 +136,8 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     wl, pool = job.workload, job.pool
     layers = wl.layer_indices(spec)
     seed = job.run.seed
+    if ranks.is_main:               # before the work, flushed: a log or a pipe hears at once what runs
+        print(start_line(job, layers), flush=True)
     torch.manual_seed(seed)
     weights, fp8 = load_or_random(job, layers, seed)
     engine = build_engine(job, weights, pool, fp8, ranks)

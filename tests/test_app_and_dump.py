@@ -142,3 +142,15 @@ def test_a_dump_of_fp8_linears_carries_them_as_stored_and_recomputes(compose_cfg
     del spec["linear_numerics"]
     (dump / "spec.json").write_text(json.dumps(spec))
     assert max(rel_err(r["dumped"], r["out"]) for r in recompute(dump).values()) > 1e-2
+
+
+def test_a_run_says_what_it_runs_before_the_work_and_each_step_as_it_ends(tmp_path):
+    """Piped (not a terminal), the run's first line says what runs, before any work, and stderr gets one line
+    per finished step: a log shows the run advance instead of nothing until the end."""
+    r = run_py("model=dsv4_tiny", "workload.prompt_lens=[20,9]", "workload.decode_steps=1", run_dir=tmp_path)
+    assert r.returncode == 0, r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("run: model=dsv4_tiny layers [0, 1, 2] on cpu") and "indexer=fp4_sim" in first
+    assert "2 requests of [20, 9] tokens" in first
+    assert [line for line in r.stderr.splitlines() if line.endswith(" done")] == [
+        "  prefill step 1/2 done", "  decode step 2/2 done"]

@@ -471,18 +471,21 @@ class FakeTTY(io.StringIO):
         return True
 
 
-def test_progress_names_phase_step_and_layer_on_a_terminal_only():
+def test_progress_rewrites_one_line_on_a_terminal_and_writes_a_line_per_step_elsewhere():
     from dsv4.workload import Workload, run_workload
     from tests.conftest import make_engine, tiny_spec
 
-    assert tty_progress(io.StringIO()) is None                   # a pipe or a file: nothing at all
     spec = tiny_spec()
     engine, _ = make_engine(spec, layout="float32")
     wl = Workload(prompt_lens=(40, 20), prefill_chunk=16, decode_steps=2, decode_tokens=1)
+    log = io.StringIO()                                          # a pipe or a file: a line per finished step
+    run_workload(engine, wl, hidden_size=spec.hidden_size, seed=0, progress=tty_progress(log))
+    n = len(wl.steps())
+    assert log.getvalue().splitlines() == [f"  {phase} step {i + 1}/{n} done" for i, (phase, _) in enumerate(wl.steps())]
+    engine, _ = make_engine(spec, layout="float32")
     tty = FakeTTY()
     run_workload(engine, wl, hidden_size=spec.hidden_size, seed=0, progress=tty_progress(tty))
     text = tty.getvalue()
-    n = len(wl.steps())
     assert "prefill step 1/5, layer 0 (swa) 1/3" in text
     assert "prefill step 1/5, layer 1 (c4a) 2/3" in text
     assert f"decode step {n}/{n}, layer 2 (c128a) 3/3" in text
