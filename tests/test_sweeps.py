@@ -52,6 +52,8 @@ DEPLOYMENTS = options("deployment")
 
 
 def compose_with_hydra(overrides=()):
+    import dsv4.cli  # noqa: F401  (registers the ${dsv4.pid:} resolver of the run and sweep folders)
+
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONFIGS)):
@@ -112,7 +114,7 @@ def test_experiment_composes_as_a_multirun_and_every_cell_composes(compose_cfg, 
     assert any(verdicts), f"experiment={experiment}: no cell can run on a CPU"
 
 
-DATE_DIR = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
+DATE_DIR = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_\d+"          # the time and the process id
 
 
 def test_a_plain_sweep_goes_to_multirun_date():
@@ -258,7 +260,8 @@ def test_cache_by_kernel_sweep_writes_a_row_per_cell_and_a_summary(sweep, compos
         table = list(csv.DictReader(f))
     assert len(table) == len(rows)
     assert {row["status"] for row in table} == {"ok", "incompatible"}
-    assert "prefill step" not in r.stderr, "no progress lines when stderr is not a terminal"
+    # stderr is not a terminal: progress comes as whole lines, one per finished step, no terminal rewriting
+    assert "prefill step 1/5 done\n" in r.stderr and "\r" not in r.stderr and "\x1b[" not in r.stderr
 
 
 @on_cpu_host
