@@ -3,10 +3,10 @@ configs (dsv4/configs, found relative to this module, so an installed wheel work
 dsv4.app runs the job. Outputs go under the current folder (outputs/, multirun/), as Hydra's run dirs say."""
 from __future__ import annotations
 
-from typing import Any, Mapping
-
 import os
 import sys
+from pathlib import Path
+from typing import Any, Mapping
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -21,19 +21,70 @@ def group_choices(choices: Mapping[str, Any]) -> dict[str, str]:
     return {k: v for k, v in choices.items() if not k.startswith("hydra") and v is not None}
 
 
+# where the current job writes: the run's folder, and the sweep's in a multirun (for the Ctrl-C line)
+_WHERE: dict[str, str | None] = {}
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
-def main(cfg: DictConfig) -> float | None:
+def _job(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     from dsv4.app import cli   # heavy imports only after composition (hydra#934)
 
     hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    _WHERE.update(out=hc.runtime.output_dir, sweep=hc.sweep.dir if multirun else None)
+    return cli(cfg, choices=group_choices(hc.runtime.choices), out_dir=hc.runtime.output_dir, multirun=multirun)
+
+
+class QuietWhenClosed:
+    """stdout that a reader may close (`python run.py | head -1`): from then on what is printed goes nowhere,
+    and the run goes on to its result, instead of failing at its next print."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def write(self, text: str) -> int:
+        try:
+            return self.inner.write(text)
+        except BrokenPipeError:
+            self._closed()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.inner.flush()
+        except BrokenPipeError:
+            self._closed()
+
+    def _closed(self) -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.inner.fileno())     # what is left goes nowhere too
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def main() -> None:
+    """The command: Hydra composes and runs the job(s) (`_job`). A closed stdout does not stop it; Ctrl-C,
+    anywhere in a run or a sweep, ends it with one line that says what was kept and what to do next, and
+    SIGINT's status."""
+    sys.stdout = QuietWhenClosed(sys.stdout)
     try:
-        return cli(cfg, choices=group_choices(hc.runtime.choices), out_dir=hc.runtime.output_dir,
-                   multirun=hc.mode == RunMode.MULTIRUN)
-    except BrokenPipeError:
-        # stdout was closed by its reader (`python run.py | head -1`): the job's row is written (and is
-        # never replaced); stop printing quietly, with the status of a process ended by SIGPIPE
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise SystemExit(141) from None
+        _job()
+    except KeyboardInterrupt:
+        print(interrupted(_WHERE.get("out"), _WHERE.get("sweep")), file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def interrupted(out_dir: str | None, sweep_dir: str | None) -> str:
+    """What a run or sweep stopped by Ctrl-C kept, and how to go on."""
+    if sweep_dir is not None:
+        rows = len(list(Path(sweep_dir).glob("*/result.json")))
+        return (f"interrupted: the sweep stopped; the rows of its {rows} finished cell(s) are kept in {sweep_dir}; "
+                f"summarize them: python run.py mode=summarize +sweep_dir={sweep_dir} (run the sweep again for all)")
+    row = Path(out_dir) / "result.json" if out_dir else None
+    if row is not None and row.exists():
+        return f"interrupted: the run's result is kept in {row}"
+    return (f"interrupted: the run stopped before its result; nothing was kept"
+            f"{f' in {out_dir}' if out_dir else ''}; run it again")

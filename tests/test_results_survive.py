@@ -30,14 +30,14 @@ def test_two_runs_started_together_write_two_folders(tmp_path):
 
 
 def test_a_closed_stdout_leaves_the_result_as_it_was(tmp_path):
-    """`python run.py | head -1`: the reader goes away after one line; the run still finishes its row, ends
-    quietly (no traceback) with SIGPIPE's status, and the row says ok."""
+    """`python run.py | head -1`: the reader goes away after one line; the run still finishes, quietly (no
+    traceback, status 0), and its row says ok."""
     r = start(tmp_path, *TINY)
-    r.stdout.readline()
+    assert r.stdout.readline().startswith("run: ")
     r.stdout.close()
     err = r.stderr.read()
     r.wait(timeout=300)
-    assert r.returncode == 141 and "Traceback" not in err, err
+    assert r.returncode == 0 and "Traceback" not in err and "Exception ignored" not in err, err
     rows = list((tmp_path / "outputs").glob("*/result.json"))
     assert len(rows) == 1 and json.loads(rows[0].read_text())["status"] == "ok"
 

@@ -1,0 +1,47 @@
+"""Ctrl-C (SIGINT) ends a run or a sweep with one line saying what was kept and what to do next, and the
+status of SIGINT (130), not a page of traceback."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.conftest import ROOT
+
+
+def start(cwd, *args):
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def interrupt_when(proc, ready, timeout=240):
+    """SIGINT to proc once ready() holds; (returncode, stderr)."""
+    end = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < end, "never ready"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def test_ctrl_c_in_a_sweep_says_what_was_kept_and_how_to_summarize(tmp_path):
+    sweep = start(tmp_path, "-m", "model=dsv4_tiny", "workload=sweep", "mqa_kernel.chunk=16,32,64,128,256")
+    code, err = interrupt_when(sweep, lambda: any((tmp_path / "multirun").glob("*/*/result.json")))
+    last = err.strip().splitlines()[-1]
+    assert code == 130 and "Traceback" not in err, err
+    assert last.startswith("interrupted: the sweep stopped; the rows of its") and "mode=summarize +sweep_dir=" in last
+    sweep_dir = last.split("+sweep_dir=")[1].split()[0]
+    assert (tmp_path / sweep_dir).is_dir() and list((tmp_path / sweep_dir).glob("*/result.json"))
+
+
+def test_ctrl_c_in_a_run_says_nothing_was_kept(tmp_path):
+    run = start(tmp_path, "model=dsv4_tiny", "workload.decode_steps=50")
+    lines: list[str] = []
+    code, err = interrupt_when(run, lambda: lines.append(run.stdout.readline()) or lines[-1].startswith("run: "))
+    assert code == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("interrupted: the run stopped before its result")
