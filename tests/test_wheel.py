@@ -111,7 +111,7 @@ def test_installed_command_runs_a_tiny_workload(installed, tmp_path):
     r = run_installed(site, tmp_path, str(site / "bin" / "dsv4"), "model=dsv4_tiny", "workload=sweep",
                       "workload.prompt_lens=[40]", "workload.decode_steps=1", "cache_layout=float32", "hydra.run.dir=run")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.startswith("dsv4 run  model=dsv4_tiny on cpu (CPU)")
+    assert r.stdout.startswith("run: model=dsv4_tiny layers") and "\ndsv4 run  model=dsv4_tiny on cpu (CPU)" in r.stdout
     row = json.loads((tmp_path / "run" / "result.json").read_text())
     assert row["status"] == "ok" and row["metrics.max_rel_err"] <= 1e-5
 
