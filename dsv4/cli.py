@@ -11,9 +11,15 @@ from typing import Any, Mapping
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-# `${dsv4.pid:}` in the run and sweep folders (configs/config.yaml): two runs started in the same second
-# (both `outputs/<time>/`) would write one folder, and one result would be lost
-OmegaConf.register_new_resolver("dsv4.pid", os.getpid, replace=True)
+
+def run_id() -> int:
+    """`${dsv4.pid:}` in the run and sweep folders (configs/config.yaml): this process's id, so that two runs
+    started in the same second (both `outputs/<time>/`) do not write one folder and lose a result; under
+    torchrun the agent's, which every rank of one job shares, so the ranks keep one folder."""
+    return os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
+
+
+OmegaConf.register_new_resolver("dsv4.pid", run_id, replace=True)
 
 
 def group_choices(choices: Mapping[str, Any]) -> dict[str, str]:

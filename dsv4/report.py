@@ -120,7 +120,7 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def tty_progress(stream=None):
+def step_progress(stream=None):
     """A progress printer for long runs (`run_workload`'s `progress`), `show(step, steps, phase, layer=None)`.
 
     On a terminal (`stream`, default stderr) it rewrites one line: the step and its phase, and while a step

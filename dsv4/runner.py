@@ -23,7 +23,7 @@ from dsv4.dump import write_dump
 from dsv4.errors import ResultMismatch
 from dsv4.memory import GIB, indexer_kind, layer_memory, model_memory, summary_lines
 from dsv4.parallel import Ranks
-from dsv4.report import result_row, table, tty_progress, write_row
+from dsv4.report import result_row, table, step_progress, write_row
 from dsv4.workload import run_workload
 
 
@@ -145,7 +145,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     engine.warm_up(job.graphs.capture_sizes)
     warm_up_s = time.perf_counter() - t0
     rec_raw = run_workload(engine, wl, hidden_size=spec.hidden_size, seed=seed,
-                           progress=tty_progress() if ranks.is_main else None, record=ranks.is_main)
+                           progress=step_progress() if ranks.is_main else None, record=ranks.is_main)
     per_rank = [m for part in ranks.gather(rank_memory(engine, ranks, job.device)) for m in part]
     if not ranks.is_main:
         return None

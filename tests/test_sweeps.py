@@ -39,7 +39,7 @@ from dsv4.modes.info import info
 from dsv4.compat import check
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.errors import IncompatibleCombination
-from dsv4.report import result_row, tty_progress, write_row
+from dsv4.report import result_row, step_progress, write_row
 from dsv4.summarize import load_rows, summarize
 from dsv4.sweep_record import matrix
 from tests.conftest import CONFIGS, ROOT, options, run_py
@@ -482,12 +482,12 @@ def test_progress_rewrites_one_line_on_a_terminal_and_writes_a_line_per_step_els
     engine, _ = make_engine(spec, layout="float32")
     wl = Workload(prompt_lens=(40, 20), prefill_chunk=16, decode_steps=2, decode_tokens=1)
     log = io.StringIO()                                          # a pipe or a file: a line per finished step
-    run_workload(engine, wl, hidden_size=spec.hidden_size, seed=0, progress=tty_progress(log))
+    run_workload(engine, wl, hidden_size=spec.hidden_size, seed=0, progress=step_progress(log))
     n = len(wl.steps())
     assert log.getvalue().splitlines() == [f"  {phase} step {i + 1}/{n} done" for i, (phase, _) in enumerate(wl.steps())]
     engine, _ = make_engine(spec, layout="float32")
     tty = FakeTTY()
-    run_workload(engine, wl, hidden_size=spec.hidden_size, seed=0, progress=tty_progress(tty))
+    run_workload(engine, wl, hidden_size=spec.hidden_size, seed=0, progress=step_progress(tty))
     text = tty.getvalue()
     assert "prefill step 1/5, layer 0 (swa) 1/3" in text
     assert "prefill step 1/5, layer 1 (c4a) 2/3" in text
