@@ -484,7 +484,8 @@ def test_progress_rewrites_one_line_on_a_terminal_and_writes_a_line_per_step_els
     log = io.StringIO()                                          # a pipe or a file: a line per finished step
     run_workload(engine, wl, hidden_size=spec.hidden_size, seed=0, progress=step_progress(log))
     n = len(wl.steps())
-    assert log.getvalue().splitlines() == [f"  {phase} step {i + 1}/{n} done" for i, (phase, _) in enumerate(wl.steps())]
+    want = [f"  {phase} step {i + 1}/{n} done" for i, (phase, _) in enumerate(wl.steps())]
+    assert log.getvalue().splitlines() == want
     engine, _ = make_engine(spec, layout="float32")
     tty = FakeTTY()
     run_workload(engine, wl, hidden_size=spec.hidden_size, seed=0, progress=step_progress(tty))

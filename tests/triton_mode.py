@@ -28,7 +28,7 @@ else:
 if INTERPRET:
     KERNELS = None
 else:
-    from dsv4.components.attention import layer_kernels
     from dsv4.device import detect
+    from dsv4.kernels.launch import device_target
 
-    KERNELS = layer_kernels(detect())
+    KERNELS = device_target(detect())

@@ -22,15 +22,15 @@ from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
 from dsv4.components.plan import StepPlan
 from dsv4.components.rope import Rope
-from dsv4.device import DeviceInfo
 from dsv4.formats.fp8_blocks import LinearNumerics
-from dsv4.kernels.target import Target
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
+from dsv4.kernels.target import Target
 from dsv4.layer_types import by_ratio
+from dsv4.seam import SparseKV
 from dsv4.spec import ModelSpec
 from dsv4.strategies.linear.common import mm_f32
-from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, LinearStrategy, LinearWeight, MQAKernelStrategy, OProjStrategy, OProjWeights)
-from dsv4.seam import SparseKV
+from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, LinearStrategy, LinearWeight, MQAKernelStrategy,
+                                       OProjStrategy, OProjWeights)
 
 # rows of LayerStepResult.faults: which stored row of a token was not finite. The compressors write their
 # rows whole (FAULT_COMPRESSED last, then FAULT_INDEXER) and the front clears the rows before theirs, so the
@@ -77,9 +77,11 @@ class DSV4Attention(torch.nn.Module):
         # which implementation the layer's own pieces (front, norms, compressors, indexer) run, chosen here once:
         # our Triton kernels (the value is the device's Target, its facts for kernels that plan by them), or
         # (None, on the CPU) their torch code
-        self.kernels: Target | None = layer_kernels(device)
+        from dsv4.kernels.launch import device_target
+
+        self.kernels: Target | None = device_target(device)
         # the compressors' branch runs on the device's side stream beside the query path (`_Branch`)
-        on_gpu = torch.device(dev).type == "cuda"
+        on_gpu = self.kernels is not None
         self.side_stream = side_stream(str(torch.device(dev))) if overlap and on_gpu and kind.compressed else None
         self.mqa_prepared = mqa_kernel.prepare(device=device)
         self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype)
@@ -201,17 +203,6 @@ class DSV4Attention(torch.nn.Module):
         z = self.o_proj(out if self.padded_heads == H else out[:, :H], rot, prepared=self.o_proj_prepared)
         y = lin(z if z.dtype == self.dtype else z.to(self.dtype), self.out_proj)
         return LayerStepResult(out=y, topk=topk, faults=faults)
-
-
-def layer_kernels(device: DeviceInfo) -> Target | None:
-    """Which implementation the layer's own pieces run on `device`, chosen once when the layer is built: our
-    Triton kernels on a GPU (the value: the device's Target); None on the CPU, where their torch code (the
-    kernels' specification) runs."""
-    if device.platform == "cpu":
-        return None
-    from dsv4.kernels.launch import target
-
-    return target(platform=device.platform, arch=device.arch, torch_device=device.torch_device)
 
 
 @functools.cache

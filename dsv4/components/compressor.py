@@ -27,8 +27,8 @@ from typing import Any
 
 from dsv4.components.front import stored_badly
 from dsv4.components.norms import rms_norm
-from dsv4.kernels.target import Target, check_kernels
 from dsv4.formats.indexer_numerics import IndexerNumerics
+from dsv4.kernels.target import Target, check_kernels
 from dsv4.layer_types import by_ratio
 
 

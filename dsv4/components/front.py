@@ -13,8 +13,8 @@ for the cache layout to round as it stores them).
 from __future__ import annotations
 
 from dsv4.components.norms import rms_norm
-from dsv4.seam import RopeRows
 from dsv4.kernels.target import Target, check_kernels
+from dsv4.seam import RopeRows
 
 
 def q_rows(q, rot: RopeRows, *, padded_heads: int, eps: float, dtype, kernels: Target | None = None):

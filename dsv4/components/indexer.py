@@ -20,8 +20,8 @@ which is the CPU path and the kernels' specification.
 from __future__ import annotations
 
 from dsv4.components.compressor import CompressPart
-from dsv4.kernels.target import Target, check_kernels
 from dsv4.formats.indexer_numerics import IndexerNumerics
+from dsv4.kernels.target import Target, check_kernels
 from dsv4.layer_types import INDEXED
 
 TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens at a time

@@ -189,7 +189,8 @@ def nearest_split(tiles: int, k_blocks: int, want: int) -> int:
 
 def split_for(tiles: int, k_blocks: int, want: int) -> int:
     """The fewest parts of K's blocks (each at least 4 blocks) that give `want` programs, or the most there are."""
-    return next((s for s in _splits(k_blocks) if tiles * s >= want), _splits(k_blocks)[-1])
+    parts = _splits(k_blocks)
+    return next((s for s in parts if tiles * s >= want), parts[-1])
 
 
 def counters(N: int, device):

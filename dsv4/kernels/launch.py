@@ -90,6 +90,15 @@ def target(*, platform: str, arch: str, torch_device: str) -> Target:
                   processors=props.multi_processor_count, l2_bytes=props.L2_cache_size)
 
 
+def device_target(device) -> Target | None:
+    """`target` of a DeviceInfo's device, what a layer or an option resolves once when it is built; None for
+    the CPU (or anything that is not a DeviceInfo of a GPU), where the torch code runs (a kernel called there
+    anyway plans by its tensors' device)."""
+    if getattr(device, "platform", None) not in ("cuda", "rocm"):
+        return None
+    return target(platform=device.platform, arch=device.arch, torch_device=device.torch_device)
+
+
 @functools.lru_cache(maxsize=None)
 def target_of(device) -> Target:
     """`target` of a torch device, for calls made without a prepared one (the benches, direct callers)."""

@@ -2,7 +2,6 @@
 published FP4 numerics need of the model, and the check of an option's `top_k`."""
 from __future__ import annotations
 
-from typing import Any
 
 from dsv4.formats.fp4 import FP4_BLOCK
 from dsv4.strategies.protocols import Needs, TopKStrategy
@@ -11,21 +10,10 @@ from dsv4.strategies.protocols import Needs, TopKStrategy
 def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, prepared=None):
     """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): rows of the keys' dtype, FP4
     or fp8 records, or e4m3 queries with their scales in w (no per-step plan), planned by the device's
-    facts `triton_target` resolved."""
+    facts `prepare` resolved (`dsv4.kernels.launch.device_target`)."""
     from dsv4.kernels.indexer_logits import indexer_logits
 
     return indexer_logits(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale, target=prepared)
-
-
-def triton_target(device) -> Any:
-    """What an option scored by our Triton kernel prepares: on a GPU the device's facts the kernel's calls are
-    planned by (dsv4.kernels.launch.target), resolved once; None elsewhere (the torch path scores)."""
-    platform = getattr(device, "platform", None)
-    if platform not in ("cuda", "rocm"):
-        return None
-    from dsv4.kernels.launch import target
-
-    return target(platform=platform, arch=device.arch, torch_device=device.torch_device)
 
 
 # what the rotation and the FP4 blocks need of the model, and the fix where it has other shapes

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
-from dsv4.strategies.indexer.common import check_top_k, triton_scores, triton_target
+from dsv4.strategies.indexer.common import check_top_k, triton_scores
 from dsv4.strategies.indexer.top_k.triton import TritonTopK
 from dsv4.strategies.protocols import Needs, TopKStrategy
 
@@ -27,7 +27,9 @@ class ExactIndexer:
         return Needs()
 
     def prepare(self, *, head_dim: int, device):
-        return triton_target(device)
+        from dsv4.kernels.launch import device_target
+
+        return device_target(device)
 
     def key_layout(self, *, dtype: str, head_dim: int) -> None:
         """None: plain rows in the activation dtype (the pool's PlainRowLayout): float32 activations keep exact

@@ -42,14 +42,12 @@ def triton_blocks(weight: LinearWeight, device) -> Fp8Linear:
     from dataclasses import replace
 
     from dsv4.kernels.fp8_linear import counters
-    from dsv4.kernels.launch import target
+    from dsv4.kernels.launch import device_target
 
     blocks = fp8_blocks(weight, device)
     count = counters(blocks.weight.shape[0], device.torch_device)
-    if device.platform == "cpu":               # the tests' interpreted kernels plan by the tensors' device
-        return replace(blocks, count=count)
-    return replace(blocks, count=count, target=target(platform=device.platform, arch=device.arch,
-                                                      torch_device=device.torch_device))
+    # on the CPU none: the tests' interpreted kernels plan by the tensors' device
+    return replace(blocks, count=count, target=device_target(device))
 
 
 def triton_product(x, prepared: Fp8Linear, out_dtype=None):

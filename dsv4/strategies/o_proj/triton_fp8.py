@@ -31,13 +31,9 @@ class TritonFp8OProj:
 
     def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Fp8WoA:
         """The weights in blocks, and the device's facts the product's calls plan by (resolved once)."""
-        from dsv4.kernels.launch import target
+        from dsv4.kernels.launch import device_target
 
-        out = block_scaled_weights(weights, device)
-        if device.platform != "cpu":
-            out = replace(out, target=target(platform=device.platform, arch=device.arch,
-                                             torch_device=device.torch_device))
-        return out
+        return replace(block_scaled_weights(weights, device), target=device_target(device))
 
     def __call__(self, o, rot, *, prepared: Fp8WoA):
         from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
