@@ -8,6 +8,7 @@ naming each problem and its fix, before anything is allocated. compose() and val
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -15,6 +16,7 @@ from dsv4.catalogue import GROUPS
 from dsv4.job import Job, make_job, problems_for, raise_if
 from dsv4.device import DeviceInfo
 from dsv4.errors import ConfigError
+from dsv4.no_effect import inert_settings
 from dsv4.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -43,6 +45,14 @@ def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, dev
 
     from dsv4.cli import group_choices
 
+    if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
+        raise TypeError(f"overrides: a list of 'key=value' strings, got {overrides!r}")
+    if spec is not None and not isinstance(spec, ModelSpec):
+        raise TypeError(f"spec: a dsv4.spec.ModelSpec, got {type(spec).__name__}")
+    if device is not None and not isinstance(device, DeviceInfo):
+        raise TypeError(f"device: a dsv4.device.DeviceInfo, got {type(device).__name__}")
+    for group, strat in zip(GROUPS, (mqa_kernel, o_proj, head_padding, cache_layout, indexer, linear)):
+        _check_strategy(group, strat)
     outer = GlobalHydra.instance().hydra          # a Hydra app of the caller's keeps its own state
     GlobalHydra.instance().clear()
     try:
@@ -66,12 +76,16 @@ def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, dev
     if given:
         job = replace(job, combo=replace(job.combo, **given),
                       choices=job.choices | {g: getattr(s, "name", type(s).__name__) for g, s in given.items()})
+    for line in inert_settings(job, overrides):
+        warnings.warn(line, stacklevel=2)
     return validate(job, running=running)
 
 
 def validate(job: Job, *, running: bool = True) -> Job:
     """`job` if `check()` finds no problem with it (on this machine, unless `running=False`); otherwise
     IncompatibleCombination, whose message lists every problem with its fix."""
+    if not isinstance(job, Job):
+        raise TypeError(f"job: what dsv4.api.compose() returns (a dsv4.job.Job), got {type(job).__name__}")
     raise_if(job, problems_for(job, running=running))
     return job
 
@@ -83,7 +97,9 @@ def build_layer(job: Job, layer: int, *, weights: Mapping[str, Any] | None = Non
     from dsv4.components.builders import build_layer as build
 
     validate(job)
+    _check_int("layer", layer)
     job.spec.compress_ratio(layer)                # an unknown layer is a ConfigError before any weight is made
+    _check_int("rank", rank)
     if not 0 <= rank < job.combo.tp_size:
         raise ConfigError(f"rank={rank}: expected 0..{job.combo.tp_size - 1} (tp_size={job.combo.tp_size})")
     full, fp8 = _weights(job, [layer], None if weights is None else {layer: weights})
@@ -100,7 +116,7 @@ def build_pool(job: Job, layers: Sequence[int] | None = None, *, pool: PoolConfi
 
     validate(job)
     layers = _layers(job, layers)
-    return build(spec=job.spec, layers=list(layers), layout=job.combo.cache_layout, pool=pool or job.pool,
+    return build(spec=job.spec, layers=list(layers), layout=job.combo.cache_layout, pool=_pool(job, pool),
                  device=job.device, dtype=job.combo.dtype, indexer=job.combo.indexer)
 
 
@@ -112,11 +128,13 @@ def build_engine(job: Job, *, layers: Sequence[int] | None = None, weights: Mapp
     from dsv4.runner import build_engine as build
 
     validate(job)
+    if weights is not None and not isinstance(weights, Mapping):
+        raise TypeError(f"weights: a mapping {{layer: {{name: tensor}}}}, got {type(weights).__name__}")
     if layers is None and weights is not None:
         layers = list(weights)
     layers = _layers(job, layers)
     full, fp8 = _weights(job, layers, weights)
-    return build(job, {l: full[l] for l in layers}, pool or job.pool, fp8)
+    return build(job, {l: full[l] for l in layers}, _pool(job, pool), fp8)
 
 
 # ---- the job's defaults ---------------------------------------------------------------------------------
@@ -127,10 +145,53 @@ def _strategies(job: Job):
 
 
 def _layers(job: Job, layers: Sequence[int] | None) -> tuple[int, ...]:
-    layers = job.workload.layer_indices(job.spec) if layers is None else layers
+    if layers is None:
+        return tuple(job.workload.layer_indices(job.spec))
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence):
+        raise TypeError(f"layers: a list of decoder layer indices, got {type(layers).__name__}")
+    if not layers:
+        raise ValueError("layers: an empty list; give at least one decoder layer index (or None: the job's)")
     for l in layers:
+        _check_int("layers", l)
         job.spec.compress_ratio(l)                # ConfigError naming the model's layer count
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layers: {list(layers)} names a layer twice")
     return tuple(layers)
+
+
+def _pool(job: Job, pool: PoolConfig | Mapping[str, Any] | None) -> PoolConfig:
+    """The pool sizes: the job's, a PoolConfig, or a mapping of its fields (checked as the config's are)."""
+    from dsv4.components.kv_pool import PoolConfig
+
+    if pool is None:
+        return job.pool
+    if isinstance(pool, Mapping):
+        return PoolConfig.from_config(dict(pool))
+    if not isinstance(pool, PoolConfig):
+        raise TypeError(f"pool: a dsv4.components.kv_pool.PoolConfig or a mapping of its fields, got "
+                        f"{type(pool).__name__}")
+    return pool
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: an int, got {type(value).__name__} {value!r}")
+
+
+def _check_strategy(group: str, strat: Any) -> None:
+    """A strategy object given for `group` satisfies the group's Protocol; a name is an override's job."""
+    from dsv4.strategies import protocols
+
+    proto = {"mqa_kernel": protocols.MQAKernelStrategy, "o_proj": protocols.OProjStrategy,
+             "head_padding": protocols.HeadPaddingPolicy, "cache_layout": protocols.CacheLayout,
+             "indexer": protocols.IndexerStrategy, "linear": protocols.LinearStrategy}[group]
+    if strat is None or isinstance(strat, proto):
+        return
+    if isinstance(strat, str):
+        raise TypeError(f"{group}={strat!r}: a strategy object; to choose a shipped option by name, pass the "
+                        f"override: compose(['{group}={strat}'])")
+    raise TypeError(f"{group}: {type(strat).__name__} does not satisfy {proto.__name__} "
+                    f"(dsv4/strategies/protocols.py)")
 
 
 def _weights(job: Job, layers: Sequence[int], given: Mapping[int, Mapping[str, Any]] | None):

@@ -17,12 +17,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 from omegaconf import DictConfig
 
 from dsv4.errors import USER_ERRORS
 from dsv4.job import make_job, run_settings
 from dsv4.modes import JOB_MODES
+from dsv4.no_effect import inert_settings
 from dsv4.parallel import torchrun_world_size
 from dsv4.report import error_row, sweep_cell_failed
 
@@ -30,7 +32,9 @@ RANK_ERROR_GRACE_S = 5.0     # how long a torchrun rank other than 0 waits befor
 
 
 def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str | Path | None = None,
-         multirun: bool = False) -> float | None:
+         multirun: bool = False, overrides: Sequence[str] = ()) -> float | None:
+    """Run the mode of the composed `cfg`; `overrides` (the command line's) are named on stderr, once each,
+    where they have no effect in the job (dsv4/no_effect.py)."""
     mode = cfg.get("mode", "run")
     try:
         mode = run_settings(cfg).mode
@@ -40,6 +44,8 @@ def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str
             summarize_mode(cfg)
             return None
         job = make_job(cfg, choices=choices, out_dir=out_dir)
+        for line in inert_settings(job, overrides, multirun=multirun):
+            print(f"warning: {line}", file=sys.stderr, flush=True)
     except Exception as e:
         if mode != "run":
             raise
@@ -52,13 +58,14 @@ def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str
     return JOB_MODES[mode](job, multirun=multirun)
 
 
-def cli(cfg: DictConfig, *, choices: dict[str, str], out_dir: str, multirun: bool = False) -> float | None:
+def cli(cfg: DictConfig, *, choices: dict[str, str], out_dir: str, multirun: bool = False,
+        overrides: Sequence[str] = ()) -> float | None:
     """`main` for the command line: a user error becomes its message on stderr and exit status 1,
     without a traceback (the message says what to change; a traceback would bury it). In a multirun
     the message is printed and the job returns: SystemExit would end the whole sweep (Hydra's
     launcher catches only Exception), and the job's row, if it has one, is already written."""
     try:
-        return main(cfg, choices=choices, out_dir=out_dir, multirun=multirun)
+        return main(cfg, choices=choices, out_dir=out_dir, multirun=multirun, overrides=overrides)
     except USER_ERRORS as e:
         if multirun:
             print(f"error: {e}", file=sys.stderr)

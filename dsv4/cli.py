@@ -41,7 +41,8 @@ def _job(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     _WHERE.update(out=hc.runtime.output_dir, sweep=hc.sweep.dir if multirun else None)
-    return cli(cfg, choices=group_choices(hc.runtime.choices), out_dir=hc.runtime.output_dir, multirun=multirun)
+    return cli(cfg, choices=group_choices(hc.runtime.choices), out_dir=hc.runtime.output_dir, multirun=multirun,
+               overrides=list(hc.overrides.task))
 
 
 class QuietWhenClosed:

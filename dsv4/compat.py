@@ -157,7 +157,7 @@ def _graph_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
     if not c.graphs:
         return []
     if device.platform == "cpu":
-        return [Problem(group="graph", value="enabled=true", reason="CUDA graphs need a GPU; this device is "
+        return [Problem(group="graph.enabled", value="true", reason="CUDA graphs need a GPU; this device is "
                         f"{device.describe()}", supported=("false",), fix="graph.enabled=false")]
     out = []
     for group, strat in _needing(c):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from dsv4.errors import ConfigError
-from dsv4.settings import one_of, parse
+from dsv4.settings import above, one_of, parse
 
 PLATFORMS = ("cpu", "cuda", "rocm")
 
@@ -19,6 +19,8 @@ class DeviceInfo:
     platform: str = one_of(PLATFORMS)   # cpu | cuda | rocm
     arch: str = ""         # sm80, sm89, sm90, sm100, sm120, gfx942, gfx950; "" on cpu
     name: str = ""         # human name: "H200", "CPU"
+    memory_gib: float | None = above(0, None)   # the accelerator's memory as its driver reports it (None: on
+                                                # the CPU, what this machine has free; elsewhere unknown)
 
     def __post_init__(self) -> None:
         if self.platform not in PLATFORMS:
@@ -30,6 +32,7 @@ class DeviceInfo:
         for k in ("arch", "name"):
             if node.get(k) is None:
                 node[k] = ""
+        node.setdefault("memory_gib", None)
         return parse(cls, node, "device")
 
     @property
@@ -60,7 +63,8 @@ def detect() -> DeviceInfo:
     if not torch.cuda.is_available():
         return DeviceInfo(platform="cpu", name="CPU")
     props = torch.cuda.get_device_properties(0)
+    gib = props.total_memory / 2 ** 30
     if getattr(torch.version, "hip", None):
         arch = str(getattr(props, "gcnArchName", "")).split(":")[0]
-        return DeviceInfo(platform="rocm", arch=arch, name=props.name)
-    return DeviceInfo(platform="cuda", arch=f"sm{props.major}{props.minor}", name=props.name)
+        return DeviceInfo(platform="rocm", arch=arch, name=props.name, memory_gib=gib)
+    return DeviceInfo(platform="cuda", arch=f"sm{props.major}{props.minor}", name=props.name, memory_gib=gib)

@@ -52,7 +52,9 @@ def write_dump(path: str | Path, *, spec, layers: dict[int, dict], record: dict[
 def recompute(path: str | Path) -> dict[int, dict[str, Any]]:
     """Recompute each layer of a dump with the oracle over the dump's own selection.
 
-    Returns per layer: `out` (oracle), `dumped` (the run's), and for ratio-4 layers `scores`.
+    Returns per layer: `out` (oracle), `dumped` (the run's), `topk` (the run's selection) and, for ratio-4
+    layers, `grades`: that selection graded per request against the oracle's scores under each indexer
+    numerics (`oracle.grade_selection`; the dump's own numerics under `meta["indexer_numerics"]`).
     """
     from safetensors.torch import load_file
 
@@ -72,7 +74,8 @@ def recompute(path: str | Path) -> dict[int, dict[str, Any]]:
                            row_format=meta.get("row_format", meta.get("kv_row_dtype")),    # older dumps' name
                            topk=None if topk is None else topk.long(),
                            indexer_numerics=meta.get("indexer_numerics", "exact"),
-                           linear_numerics=meta.get("linear_numerics", "float"))
-        res[l] = {"out": o["out"], "dumped": t[f"layers.{l}.outputs.attn_out"], "scores": o["scores"],
+                           linear_numerics=meta.get("linear_numerics", "float"), keep_scores=False,
+                           grade=True)
+        res[l] = {"out": o["out"], "dumped": t[f"layers.{l}.outputs.attn_out"], "grades": o.get("grades"),
                   "topk": topk}
     return res

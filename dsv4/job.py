@@ -12,10 +12,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsv4.catalogue import GROUPS, instantiate_group
 from dsv4.compat import Combination, check
-from dsv4.components.kv_pool import PoolConfig, page_groups, shortfall
+from dsv4.components.kv_pool import PagePeak, PoolConfig, page_groups, peak_pages
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.errors import IncompatibleCombination, Problem
 from dsv4.graph import GraphConfig
+from dsv4.job_memory import GIB, JobMemory, estimate, host_available
 from dsv4.parallel import ParallelConfig, processes, torchrun_world_size
 from dsv4.settings import SECTIONS, RunSettings
 from dsv4.spec import ModelSpec
@@ -73,12 +74,14 @@ def problems_for(job: Job, *, running: bool) -> list[Problem]:
         problems.append(Problem(group="deployment", value=job.choices.get("deployment", "?"),
                                 reason=f"describes a {job.device.describe()} machine; this machine's platform is {here}",
                                 supported=tuple(sorted({"cpu", here})), fix="deployment=cpu"))
-    return problems + workload_problems(job)
+    problems += workload_problems(job)
+    return problems + (memory_problems(job, running=running) if not problems else [])
 
 
 def workload_problems(job: Job) -> list[Problem]:
     """What `run` would find only after the work: layers the model lacks, a pool the workload cannot fit
-    in (pages its requests hold at their end, at least), a dump folder that cannot be written or already holds
+    in (the pages its steps hold at once, found by a dry run of the pool's allocator), a dump folder that
+    cannot be written or already holds
     files, and (for `run`) an output folder that already holds a job's result."""
     wl, spec = job.workload, job.spec
     out = []
@@ -102,16 +105,21 @@ def workload_problems(job: Job) -> list[Problem]:
                            fix=f"workload.kv_pool.max_requests={len(lengths)}"))
     groups = page_groups(window=spec.sliding_window, ratios={spec.compress_ratio(l) for l in wl.layer_indices(spec)},
                          pool=job.pool)
-    short: dict[str, tuple] = {}           # knob -> (pages needed, group): the largest need of the groups it sizes
-    for g, need in shortfall(groups, lengths):
-        if g.knob != "max_requests" and need > short.get(g.knob, (0,))[0]:    # state pages: max_requests above
-            short[g.knob] = (need, g)
-    for knob, (need, g) in short.items():
+    steps = wl.steps()
+    short: dict[str, PagePeak] = {}        # knob -> the largest peak past its size among the groups it sizes
+    for peak in peak_pages(groups, steps):
+        g = peak.group
+        if g.knob == "max_requests":                 # state pages: sized by max_requests, checked above
+            continue
+        if peak.pages > g.num_blocks and peak.pages > getattr(short.get(g.knob), "pages", 0):
+            short[g.knob] = peak
+    for knob, peak in short.items():
+        g = peak.group
         out.append(Problem(group=f"workload.kv_pool.{knob}", value=str(getattr(job.pool, knob)),
-                           reason=f"the workload's requests ({max(lengths)} positions at most) hold at least {need} "
-                                  f"pages of {g.block_size} rows of the {g.name} cache at their end; the pool has "
-                                  f"{g.num_blocks}", fix=f"workload.kv_pool.{knob}={need + len(lengths)} "
-                                  f"(or shorter prompts)"))
+                           reason=f"the workload's steps hold up to {peak.pages} pages of {g.block_size} rows of the "
+                                  f"{g.name} cache at once (step {peak.step} of {len(steps)}, "
+                                  f"{steps[peak.step - 1][0]}); the pool has {g.num_blocks}",
+                           fix=f"workload.kv_pool.{knob}={peak.pages} (or shorter prompts or prefill chunks)"))
     if job.run.dump_dir:
         dump = Path(job.run.dump_dir)
         reason = unwritable(dump)
@@ -126,6 +134,68 @@ def workload_problems(job: Job) -> list[Problem]:
                            reason="already holds a job's result.json, which this run would replace",
                            fix="hydra.run.dir=<a new folder> (or leave it out: every run gets a folder of its own)"))
     return out
+
+
+def memory_budgets(job: Job, mem: JobMemory, *, running: bool) -> list[tuple[int, int, str, str]]:
+    """(need, have, what has it, which memory) for each memory the job's peak is judged against: the
+    host's -- this machine's free memory -- for a CPU deployment or a job about to run here, and the
+    device's (`device.memory_gib`) for an accelerator deployment."""
+    out = []
+    if job.device.platform == "cpu" or running:
+        have, source = host_available()
+        out.append((mem.device if mem.on_host else mem.host, have, f"this machine has {have / GIB:.1f} GiB free "
+                    f"({source})", "memory" if mem.on_host else "host memory"))
+    if not mem.on_host and job.device.memory_gib:
+        out.append((mem.device, int(job.device.memory_gib * GIB),
+                    f"the {job.device.describe()} has {job.device.memory_gib:g} GiB (device.memory_gib)",
+                    "device memory"))
+    return out
+
+
+def memory_line(job: Job, *, running: bool) -> str:
+    """The job's estimated peak and what it is judged against, in one line (check, info, run)."""
+    mem = estimate(job)
+    judged = "; ".join(f"{what}" for _, _, what, _ in memory_budgets(job, mem, running=running))
+    return f"memory: {mem.describe()}" + (f"; {judged}" if judged else "; the device's memory is not known "
+                                                                         "(device.memory_gib)")
+
+
+def memory_problems(job: Job, *, running: bool) -> list[Problem]:
+    """A job whose estimated peak (dsv4/job_memory.py) is more than a memory it is judged against
+    (`memory_budgets`). The fix names what to shrink: the largest part of that peak."""
+    mem = estimate(job)
+    return [Problem(group="memory", value=f"~{need / GIB:.1f} GiB",
+                    reason=f"the job's estimated {mem.describe()} is more than the {which} it has: {what}",
+                    fix=memory_fix(job, mem, host=which == "host memory"))
+            for need, have, what, which in memory_budgets(job, mem, running=running) if need > have]
+
+
+def memory_fix(job: Job, mem: JobMemory, *, host: bool) -> str:
+    """What to change to shrink the largest part of a peak that does not fit."""
+    parts = {"record": mem.record, "oracle": mem.oracle, "float_weights": mem.float_weights} if host else \
+        {k: v for k, v in mem.parts().items() if mem.on_host or k in ("kv_pools", "weights", "step")}
+    largest = max(parts, key=parts.__getitem__)
+    if largest == "kv_pools":
+        wl, spec = job.workload, job.spec
+        ratios = {spec.compress_ratio(l) for l in wl.layer_indices(spec)}
+        groups = page_groups(window=spec.sliding_window, ratios=ratios, pool=job.pool)
+        need: dict[str, int] = {}
+        for peak in peak_pages(groups, wl.steps()):
+            if peak.group.knob != "max_requests":
+                need[peak.group.knob] = max(need.get(peak.group.knob, 1), peak.pages)
+        knob = max(need, key=lambda k: getattr(job.pool, k) / need[k])     # the most oversized
+        if need[knob] < getattr(job.pool, knob):
+            return f"workload.kv_pool.{knob}={need[knob]} (the pages this workload's steps hold at most)"
+        return "shorter prompts or fewer requests"
+    if largest == "step":
+        return f"a smaller workload.prefill_chunk (now {job.workload.prefill_chunk}) or fewer requests per step"
+    if largest in ("weights", "float_weights"):
+        fewer = "fewer layers (workload.layers=[...])"
+        if largest == "weights" and not mem.on_host and job.combo.tp_size > 1 and processes(job) == 1:
+            return (f"{fewer}, or one GPU per rank: torchrun --nproc-per-node {job.combo.tp_size} "
+                    f"(the ranks now share this process's device)")
+        return fewer
+    return "shorter prompts (the grading keeps every token's rows: memory grows with the prompts' length)"
 
 
 def unwritable(path: Path) -> str | None:

@@ -14,7 +14,8 @@ The dense projections follow the run's `linear_numerics`: "float" (the weights' 
 `wo_b`. Weights given as e4m3 (`NAME.weight`) with block scales (`NAME.scale`, one per 128x128 block), as
 the checkpoint and an fp8 run's dump store them, are multiplied at their exact values.
 With random weights the indexer's top-k has near ties, so outputs can be recomputed over a given
-selection (`topk`) and the selection graded separately (`grade_selection`).
+selection (`topk`) and the selection graded separately (`grade_selection`). Queries are recomputed in
+chunks over the keys they can see, so a long history costs memory in proportion to its length.
 """
 from __future__ import annotations
 
@@ -161,14 +162,24 @@ def _compress(x, wkv, wgate, ape, norm, R, D, f, eps):
     return torch.stack(out) if out else torch.zeros(0, D)
 
 
+QUERY_CHUNK = 256        # queries recomputed at once, at most: memory grows with the history, not its square
+CHUNK_ELEMENTS = 2 ** 22  # and at most this many (query, head, key) scores of a chunk (16 MiB in float32)
+
+
 def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, *, row_format: str,
                  kv_scale: float | None = None, topk=None, indexer_numerics: str = "exact",
-                 linear_numerics: str = "float") -> dict[str, Any]:
+                 linear_numerics: str = "float", keep_scores: bool = True, grade: bool = False,
+                 query_chunk: int = QUERY_CHUNK) -> dict[str, Any]:
     """One request's whole history x [L, hidden] at positions 0..L-1.
 
-    Returns `out` [L, hidden]; for ratio 4 also `scores` [L, n] (the indexer's, -inf where not
-    visible), `scores_by` (those scores under each of INDEXER_NUMERICS, `scores` among them) and `topk`
-    [L, K] (the selection attended over: `topk` if given, else the oracle's own).
+    Returns `out` [L, hidden]; for ratio 4 also `topk` [L, K] (the selection attended over: `topk` if
+    given, else the oracle's own), `own_topk` [L, K] (the oracle's own), with `keep_scores` `scores`
+    [L, n] (the indexer's, -inf where not visible) and `scores_by` (those scores under each of
+    INDEXER_NUMERICS, `scores` among them), and with `grade` (and `topk` given) `grades`: the given
+    selection graded against the scores of each numerics (`grade_selection`).
+    Queries are recomputed at most `query_chunk` at a time (fewer where the keys are many: CHUNK_ELEMENTS),
+    each over the keys it can see (its window and the compressed entries), so nothing [L, L] is held and a
+    chunk's scores stay bounded; `keep_scores` is what holds [L, n].
     """
     if indexer_numerics not in INDEXER_NUMERICS:
         raise ValueError(f"indexer_numerics={indexer_numerics!r} is not one of {INDEXER_NUMERICS}")
@@ -179,67 +190,110 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
     x = x.float()
     L, D, W, eps = x.shape[0], model["head_dim"], model["sliding_window"], model["rms_norm_eps"]
     H = w["attn_sink"].shape[0]
-    G = model["o_groups"]
     f = _freqs(model, ratio)
     pos = torch.arange(L)
-    qr = _rms(lin(x) @ w["wq_a.weight"].T, w["q_norm.weight"], eps)
-    q = _rope(_rms((lin(qr) @ w["wq_b.weight"].T).view(L, H, D), None, eps), pos[:, None], f)
     raw = round_rows(_rope(_rms(lin(x) @ w["wkv.weight"].T, w["kv_norm.weight"], eps), pos, f), row_format, kv_scale)
-
-    keys, res = raw, {}
-    p_, i_ = pos[:, None], pos[None, :]
-    mask = (i_ <= p_) & (i_ > p_ - W)                              # the sliding window, [L, L]
+    comp, kidx = None, {}
     if ratio > 1:
         c = "compressor."
         comp = round_rows(_compress(x, w[c + "wkv.weight"], w[c + "wgate.weight"], w[c + "ape"],
                                     w[c + "norm.weight"], ratio, D, f, eps), row_format, kv_scale)
-        n = comp.shape[0]
-        j_ = torch.arange(n)[None, :]
-        visible = j_ < ((pos + 1) // ratio)[:, None]               # causally complete entries
+    if ratio == 4:
+        c = "indexer.compressor."
+        keys = _compress(x, w[c + "wkv.weight"], w[c + "wgate.weight"], w[c + "ape"], w[c + "norm.weight"], 4,
+                         model["index_head_dim"], f, eps)
+        kidx = {n: _fp4_indexer(keys) if n == IndexerNumerics.FP4.value else keys for n in INDEXER_NUMERICS}
+    given = None if topk is None else torch.as_tensor(topk).long()
+    out = torch.zeros(L, w["wo_b.weight"].shape[0])
+    K = model["index_topk"]              # the selections, filled chunk by chunk (ratio 4)
+    sel = {name: torch.full((L, K), -1, dtype=torch.int64) for name in ("topk", "own_topk")} if ratio == 4 else {}
+    parts: dict[str, list] = {"scores": [], "scores_by": []} if keep_scores else {}
+    graded: dict[str, list] = {numerics: [] for numerics in INDEXER_NUMERICS}
+    seen = W + (0 if comp is None else comp.shape[0])              # keys a query is scored against, at most
+    step = max(1, min(query_chunk, CHUNK_ELEMENTS // (max(H, model["index_n_heads"]) * (seen + query_chunk))))
+    for a in range(0, L, step):
+        b = min(L, a + step)
+        part = _queries(model, ratio, w, x, a, b, raw=raw, comp=comp, kidx=kidx, f=f, lin=lin, H=H,
+                        topk=None if given is None else given[a:b], indexer_numerics=indexer_numerics)
+        out[a:b] = part["out"]
         if ratio == 4:
-            c = "indexer.compressor."
+            for name, rows in sel.items():
+                rows[a:b] = part[name]
+            for name in parts:
+                parts[name].append(part[name])
+            if grade and given is not None:
+                for numerics, sc in part["scores_by"].items():
+                    graded[numerics].append(grade_selection(given[a:b], sc, K))
+    res: dict[str, Any] = {"out": out}
+    if ratio == 4:
+        res |= sel
+        if keep_scores:
+            res["scores"] = torch.cat(parts["scores"])
+            res["scores_by"] = {n: torch.cat([p[n] for p in parts["scores_by"]]) for n in INDEXER_NUMERICS}
+        if grade and given is not None:
+            res["grades"] = {n: merge_grades(g) for n, g in graded.items()}
+    return res
+
+
+def _queries(model, ratio, w, x, a, b, *, raw, comp, kidx, f, lin, H, topk, indexer_numerics):
+    """Queries a..b-1 of one request (docs/numerics.md §5), over the raw rows of their windows and the
+    compressed entries complete before them; `kidx`: the indexer keys under each numerics."""
+    D, W, eps, G = model["head_dim"], model["sliding_window"], model["rms_norm_eps"], model["o_groups"]
+    C, pos = b - a, torch.arange(a, b)
+    lo = max(0, a - W + 1)                                         # the first raw row the chunk's windows reach
+    qr = _rms(lin(x[a:b]) @ w["wq_a.weight"].T, w["q_norm.weight"], eps)
+    q = _rope(_rms((lin(qr) @ w["wq_b.weight"].T).view(C, H, D), None, eps), pos[:, None], f)
+    i_ = torch.arange(lo, b)[None, :]
+    keys, mask = raw[lo:b], (i_ <= pos[:, None]) & (i_ > pos[:, None] - W)       # the sliding window
+    res: dict[str, Any] = {}
+    if ratio > 1:
+        n = comp.shape[0]
+        visible = torch.arange(n)[None, :] < ((pos + 1) // ratio)[:, None]       # causally complete entries
+        if ratio == 4:
             Hi, Di, K = model["index_n_heads"], model["index_head_dim"], model["index_topk"]
-            kidx = _compress(x, w[c + "wkv.weight"], w[c + "wgate.weight"], w[c + "ape"],
-                             w[c + "norm.weight"], 4, Di, f, eps)
-            iq = _rope((lin(qr) @ w["indexer.wq_b.weight"].T).view(L, Hi, Di), pos[:, None], f)
-            hw = (x @ w["indexer.weights_proj.weight"].T) * Di ** -0.5 * Hi ** -0.5
+            iq = _rope((lin(qr) @ w["indexer.wq_b.weight"].T).view(C, Hi, Di), pos[:, None], f)
+            hw = (x[a:b] @ w["indexer.weights_proj.weight"].T) * Di ** -0.5 * Hi ** -0.5
             by = {}                     # the scores under each numerics the oracle offers (for grading)
             for numerics in INDEXER_NUMERICS:
-                qn, kn = (_fp4_indexer(iq), _fp4_indexer(kidx)) if numerics == IndexerNumerics.FP4.value else (iq, kidx)
-                sc = (torch.einsum("lhd,nd->lhn", qn, kn).relu() * hw[..., None]).sum(1)
+                qn = _fp4_indexer(iq) if numerics == IndexerNumerics.FP4.value else iq
+                sc = (torch.einsum("lhd,nd->lhn", qn, kidx[numerics]).relu() * hw[..., None]).sum(1)
                 by[numerics] = sc.masked_fill(~visible, -math.inf)
             scores = by[indexer_numerics]
-            topk = _own_topk(scores, K) if topk is None else torch.as_tensor(topk).long()
-            chosen = torch.zeros(L, n + 1, dtype=torch.bool)
+            own = _own_topk(scores, K)
+            topk = own if topk is None else topk
+            chosen = torch.zeros(C, n + 1, dtype=torch.bool)
             chosen.scatter_(1, torch.where(topk >= 0, topk, n), True)
             visible = chosen[:, :n]
-            res |= {"scores": scores, "scores_by": by, "topk": topk}
-        keys = torch.cat((raw, comp))
+            res |= {"scores": scores, "scores_by": by, "topk": topk, "own_topk": own}
+        keys = torch.cat((keys, comp))
         mask = torch.cat((mask, visible), 1)
     logits = torch.einsum("lhd,nd->lhn", q, keys) * D ** -0.5
     logits = logits.masked_fill(~mask[:, None, :], -math.inf)
-    sink = w["attn_sink"][None, :, None].expand(L, H, 1)
+    sink = w["attn_sink"][None, :, None].expand(C, H, 1)
     prob = torch.softmax(torch.cat((logits, sink), -1), -1)[..., :-1]     # the sink takes mass only
     o = _rope(torch.einsum("lhn,nd->lhd", prob, keys), pos[:, None], f, inverse=True)
     wa = w["wo_a.weight"].view(G, -1, (H // G) * D)
-    z = torch.einsum("lgd,grd->lgr", o.reshape(L, G, -1), wa)
+    z = torch.einsum("lgd,grd->lgr", o.reshape(C, G, -1), wa)
     res["out"] = lin(z.flatten(1)) @ w["wo_b.weight"].T
     return res
 
 
 def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], hidden, positions,
                    request_index, *, row_format: str, kv_scale: float | None = None, topk=None,
-                   indexer_numerics: str = "exact", linear_numerics: str = "float") -> dict[str, Any]:
+                   indexer_numerics: str = "exact", linear_numerics: str = "float", keep_scores: bool = True,
+                   grade: bool = False) -> dict[str, Any]:
     """Recompute every token of a run (tokens in any order, grouped by `request_index`).
 
     Each request's tokens must be its whole history 0..L-1. Returns `out` [T, hidden] aligned with
-    the inputs and, for ratio 4, `scores` ({request: (rows, scores)}), `scores_by` (the same under each
-    of INDEXER_NUMERICS) and the oracle's own `topk` [T, K].
+    the inputs and, for ratio 4, the oracle's own `topk` [T, K]; with `keep_scores` `scores` ({request:
+    (rows, scores)}) and `scores_by` (the same under each of INDEXER_NUMERICS); with `grade` (and `topk`)
+    `grades` ({numerics: {request: grade_selection of its tokens}}).
     """
     T = hidden.shape[0]
     out = torch.zeros(T, hidden.shape[1])
     own_topk = torch.full((T, model["index_topk"]), -1, dtype=torch.int64) if ratio == 4 else None
     scores, scores_by = {}, {numerics: {} for numerics in INDEXER_NUMERICS}
+    grades: dict[str, dict] = {numerics: {} for numerics in INDEXER_NUMERICS}
     for r in torch.unique(request_index).tolist():
         rows = torch.nonzero(request_index == r).squeeze(1)
         rows = rows[torch.argsort(positions[rows])]
@@ -247,14 +301,19 @@ def oracle_outputs(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], h
             raise ValueError(f"request {r}: tokens are not its whole history 0..L-1")
         given = None if topk is None else topk[rows]
         res = oracle_layer(model, ratio, w, hidden[rows], row_format=row_format, kv_scale=kv_scale, topk=given,
-                           indexer_numerics=indexer_numerics, linear_numerics=linear_numerics)
+                           indexer_numerics=indexer_numerics, linear_numerics=linear_numerics,
+                           keep_scores=keep_scores, grade=grade)
         out[rows] = res["out"]
         if ratio == 4:
-            scores[r] = (rows, res["scores"])
-            for numerics, sc in res["scores_by"].items():
-                scores_by[numerics][r] = (rows, sc)
-            own_topk[rows] = _own_topk(res["scores"], model["index_topk"])
-    return {"out": out, "scores": scores, "scores_by": scores_by, "topk": own_topk}
+            own_topk[rows] = res["own_topk"]
+            if keep_scores:
+                scores[r] = (rows, res["scores"])
+                for numerics, sc in res["scores_by"].items():
+                    scores_by[numerics][r] = (rows, sc)
+            for numerics, g in res.get("grades", {}).items():
+                grades[numerics][r] = g
+    return {"out": out, "topk": own_topk} | ({"scores": scores, "scores_by": scores_by} if keep_scores else {}) \
+        | ({"grades": grades} if grade and topk is not None and ratio == 4 else {})
 
 
 def _own_topk(scores, K: int):
@@ -298,7 +357,16 @@ def grade_selection(run_topk, scores, K: int) -> dict[str, float]:
         scale = float(s[torch.isfinite(s)].abs().max()) or 1.0
         gaps.append(float((kth - s[sel].min()).clamp(min=0)) / scale)
     return {"exact": exact / max(n_tok, 1), "recall": recall / max(n_tok, 1), "max_gap": max(gaps),
-            "count_ok": float(count_ok)}
+            "count_ok": float(count_ok), "tokens": n_tok}
+
+
+def merge_grades(parts) -> dict[str, float]:
+    """One grade of the tokens of several `grade_selection` results (e.g. one per query chunk)."""
+    n = sum(g["tokens"] for g in parts)
+    return {"exact": sum(g["exact"] * g["tokens"] for g in parts) / max(n, 1),
+            "recall": sum(g["recall"] * g["tokens"] for g in parts) / max(n, 1),
+            "max_gap": max((g["max_gap"] for g in parts), default=0.0),
+            "count_ok": min((g["count_ok"] for g in parts), default=1.0), "tokens": n}
 
 
 def rel_err(out, ref) -> float:

@@ -21,6 +21,8 @@ from dsv4.components.graphs import StepGraphs
 from dsv4.graph import GraphConfig
 from dsv4.dump import write_dump
 from dsv4.errors import ResultMismatch
+from dsv4.job import memory_line, settings
+from dsv4.job_memory import estimate
 from dsv4.memory import GIB, indexer_kind, layer_memory, model_memory, summary_lines
 from dsv4.parallel import Ranks
 from dsv4.report import result_row, table, step_progress, write_row
@@ -67,16 +69,37 @@ def tensor_bytes(obj) -> int:
     return 0
 
 
+def process_rss() -> int:
+    """The process's resident bytes now (Linux /proc/self/statm; 0 where there is none)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def peak_rss() -> int:
+    """The process's most resident bytes so far: VmHWM of /proc/self/status (getrusage's ru_maxrss survives
+    an exec, so a process started by a larger one would report its parent's peak)."""
+    import resource
+
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def rank_memory(engine: Engine, ranks: Ranks, device) -> list[dict[str, Any]]:
     """Bytes held by each of this process's ranks: its KV pools, its weights (module buffers and the
     o_proj's prepared tensors), and the process's peak (GPU allocator peak, or the CPU process's max RSS;
     shared by all ranks when they are simulated in one process)."""
-    import resource
-
-    if device.platform != "cpu":
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.cuda.max_memory_allocated() if device.platform != "cpu" else peak_rss()
     out = []
     for i, r in enumerate(ranks.local):
         kv = sum(tensor_bytes(list(c.tensors())) for c in engine.pools[i].layers.values())
@@ -129,8 +152,6 @@ def start_line(job, layers) -> str:
 def execute(job, ranks: Ranks | None = None) -> float | None:
     """Run the workload on this process's ranks; the main rank grades it, prints and writes result.json
     (other ranks return None)."""
-    from dsv4.job import settings
-
     ranks = ranks or Ranks(tp_size=job.combo.tp_size)
     spec, c = job.spec, job.combo
     wl, pool = job.workload, job.pool
@@ -138,6 +159,8 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     seed = job.run.seed
     if ranks.is_main:               # before the work, flushed: a log or a pipe hears at once what runs
         print(start_line(job, layers), flush=True)
+        print("  " + memory_line(job, running=True), flush=True)
+    rss_at_start = process_rss()
     torch.manual_seed(seed)
     weights, fp8 = load_or_random(job, layers, seed)
     engine = build_engine(job, weights, pool, fp8, ranks)
@@ -170,29 +193,28 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         given = None if topk is None else topk.long()
         args = (model, R, weights[l], rec["hidden"], rec["positions"], rec["request_index"])
         o = ref.oracle_outputs(*args, row_format=row_label, kv_scale=kv_scale, topk=given,
-                               indexer_numerics=indexer_numerics, linear_numerics=linear)
+                               indexer_numerics=indexer_numerics, linear_numerics=linear, keep_scores=False,
+                               grade=True)
         out = rec["outputs"][l]
         m: dict[str, Any] = {"layer": l, "compress_ratio": R, "rel_err": ref.rel_err(out, o["out"]),
                              "cosine": ref.cosine(out, o["out"])}
         if not row_format.exact:        # what the cache's rounding costs against exact float32 rows
             m["rel_err_vs_f32_kv"] = ref.rel_err(out, ref.oracle_outputs(
                 *args, row_format="float32", topk=given, indexer_numerics=indexer_numerics,
-                linear_numerics=linear)["out"])
+                linear_numerics=linear, keep_scores=False)["out"])
         if float_weights is not None:   # what the fp8 projections cost against float weights and products
             m["rel_err_vs_float_linear"] = ref.rel_err(out, ref.oracle_outputs(
                 model, R, float_weights[l], *args[3:], row_format=row_label, kv_scale=kv_scale, topk=given,
-                indexer_numerics=indexer_numerics)["out"])
+                indexer_numerics=indexer_numerics, keep_scores=False)["out"])
         if topk is not None:
-            g = [ref.grade_selection(topk[rows_], sc, spec.index_topk) for rows_, sc in o["scores"].values()]
+            g = list(o["grades"][indexer_numerics].values())        # one per request
             m["topk_exact"] = sum(x["exact"] for x in g) / len(g)
             m["topk_max_gap"] = max(x["max_gap"] for x in g)
             m["topk_count_ok"] = min(x["count_ok"] for x in g) == 1.0
             # the selection against each numerics the oracle offers: the model's weights as computed
             # (exact) and the published FP4 numerics
             for numerics in ref.INDEXER_NUMERICS:
-                grades = g if numerics == indexer_numerics else [
-                    ref.grade_selection(topk[rows_], sc, spec.index_topk) for rows_, sc in
-                    o["scores_by"][numerics].values()]
+                grades = list(o["grades"][numerics].values())
                 m[f"topk_recall_vs_{numerics}"] = sum(x["recall"] for x in grades) / len(grades)
         pre_s, dec_s = rec_raw.seconds.get(("prefill", l), 0.0), rec_raw.seconds.get(("decode", l), 0.0)
         m["prefill_tok_s"] = rec_raw.tokens.get("prefill", 0) / pre_s if pre_s else None
@@ -225,6 +247,15 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     metrics["kv_gib_per_1m_tokens"] = model_memory(spec, c.cache_layout,
                                                    indexer=indexer_kind(c.dtype, c.indexer))["total_bytes"] / GIB
     metrics["ranks"] = per_rank
+    # the job's peak (after the grading): estimated before it started, and measured -- the process's max RSS
+    # (every part, on a CPU deployment; the grading's, beside an accelerator) and the GPU allocator's peak
+    mem = estimate(job)
+    totals = mem.parts() | {"device": mem.device, "host": mem.host}
+    metrics["estimated_peak"] = {f"{k}_bytes": v for k, v in totals.items()}
+    metrics["peak_rss_bytes"] = peak_rss()
+    metrics["rss_at_start_bytes"] = rss_at_start
+    if job.device.platform != "cpu":
+        metrics["peak_device_bytes"] = torch.cuda.max_memory_allocated()
     metrics["warm_up_s"] = warm_up_s
     steps_ms = [1e3 * s for s in rec_raw.decode_step_s]
     metrics["decode_ms_first_step"] = steps_ms[0] if steps_ms else None
@@ -256,7 +287,12 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         print(f"  decode steps, every layer: first {steps_ms[0]:.2f} ms, median {metrics['decode_ms_median_step']:.2f} "
               f"ms of {len(steps_ms)}" + (f" (warm-up before them: {warm_up_s:.1f} s, {engine.graphs.describe()})"
                                          if engine.graphs is not None else ""))
-    print(f"  per rank ({per_rank[0]['peak_of']} peak): " + "; ".join(
+    measured = (f"process max RSS {metrics['peak_rss_bytes'] / 2**20:,.0f} MiB "
+                f"({rss_at_start / 2**20:,.0f} at the start)")
+    if "peak_device_bytes" in metrics:
+        measured += f", GPU allocator peak {metrics['peak_device_bytes'] / 2**20:,.0f} MiB"
+    print(f"  memory: estimated {mem.describe()}; measured {measured}")
+    print(f"  per rank ({per_rank[0]['peak_of']} peak, before the grading): " + "; ".join(
         f"rank {m['rank']}: KV pools {m['kv_pool_bytes'] / 2**20:.1f} MiB, weights {m['weight_bytes'] / 2**20:.1f} MiB, "
         f"peak {m['peak_bytes'] / 2**20:.0f} MiB" for m in per_rank))
     parts = ", ".join(f"{g}={getattr(c, g).name} {getattr(c, g).error_budget:.0e}"

@@ -55,12 +55,16 @@ class Workload:
 
 @dataclass(slots=True)
 class RunRecord:
-    """Every processed token in processing order, and what each layer produced for it."""
-    hidden: list = field(default_factory=list)          # chunks of [n, hidden]
-    positions: list = field(default_factory=list)
-    request_index: list = field(default_factory=list)
-    outputs: dict = field(default_factory=dict)         # layer -> list of [n, hidden]
-    topk: dict = field(default_factory=dict)            # layer -> list of [n, K]
+    """Every processed token in processing order, and what each layer produced for it: rows of tensors
+    made once for the whole workload and filled step by step (a step's copies kept in lists would sit between
+    the steps' large temporaries and keep the process's freed memory from being reused)."""
+    tokens_total: int = 0
+    filled: int = 0
+    hidden: Any = None                                  # [tokens, hidden] float32
+    positions: Any = None                               # [tokens] int64
+    request_index: Any = None                           # [tokens] int32
+    outputs: dict = field(default_factory=dict)         # layer -> [tokens, hidden] float32
+    topk: dict = field(default_factory=dict)            # ratio-4 layer -> [tokens, K] int32
     seconds: dict = field(default_factory=dict)         # (phase, layer) -> seconds
     reduce_seconds: dict = field(default_factory=dict)  # (phase, layer) -> of which in the all-reduce
     steps: dict = field(default_factory=dict)           # phase -> count
@@ -68,13 +72,32 @@ class RunRecord:
     pool_bytes: dict = field(default_factory=dict)      # layer -> KV bytes held at the end (rank 0)
     decode_step_s: list = field(default_factory=list)   # each decode step's seconds, its layers summed
 
-    def cat(self) -> dict[str, Any]:
+    def put(self, x, pos, rid, outputs=None, topk=None) -> None:
+        """One step's tokens (x [n, hidden], pos [n], rid [n]) and, when recorded, each layer's outputs and
+        selections, at the next n rows."""
         import torch
 
-        return {"hidden": torch.cat(self.hidden), "positions": torch.cat(self.positions),
-                "request_index": torch.cat(self.request_index),
-                "outputs": {l: torch.cat(v) for l, v in self.outputs.items()},
-                "topk": {l: torch.cat(v) for l, v in self.topk.items()}}
+        def rows(table, key, like, dtype):
+            if key not in table:
+                table[key] = torch.empty((self.tokens_total, *like.shape[1:]), dtype=dtype)
+            return table[key]
+
+        a, b = self.filled, self.filled + x.shape[0]
+        cols = {"hidden": (x, torch.float32), "positions": (pos, torch.int64), "request_index": (rid, torch.int32)}
+        for name, (v, dtype) in cols.items():
+            if getattr(self, name) is None:
+                setattr(self, name, torch.empty((self.tokens_total, *v.shape[1:]), dtype=dtype))
+            getattr(self, name)[a:b] = v
+        for layer, y in (outputs or {}).items():
+            rows(self.outputs, layer, y, torch.float32)[a:b] = y
+        for layer, t in (topk or {}).items():
+            rows(self.topk, layer, t, t.dtype)[a:b] = t
+        self.filled = b
+
+    def cat(self) -> dict[str, Any]:
+        n = self.filled
+        return {"hidden": self.hidden[:n], "positions": self.positions[:n], "request_index": self.request_index[:n],
+                "outputs": {l: v[:n] for l, v in self.outputs.items()}, "topk": {l: v[:n] for l, v in self.topk.items()}}
 
 
 def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, progress=None,
@@ -89,7 +112,7 @@ def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, pro
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(workload.total_len(i), hidden_size, generator=g) for i in range(len(workload.prompt_lens))]
     done = [0] * len(xs)
-    rec = RunRecord()
+    rec = RunRecord(tokens_total=sum(workload.total_len(i) for i in range(len(xs))))
     for i in range(len(xs)):
         engine.add_request(i)
     steps = workload.steps()
@@ -104,17 +127,12 @@ def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, pro
                 progress(_step, len(steps), _phase, f"layer {layer} ({engine.spec.layer_type(layer)}) "
                                                     f"{order[layer] + 1}/{len(order)}")
         out = engine.step(x, pos, rid, on_layer=on_layer, timer=timer_for(engine.device))
-        rec.hidden.append(x)
-        rec.positions.append(pos)
-        rec.request_index.append(torch.tensor(rid, dtype=torch.int32))
-        for layer, y in out.outputs.items():
-            if record:
-                rec.outputs.setdefault(layer, []).append(y.float().cpu())
+        rec.put(x, pos, torch.tensor(rid, dtype=torch.int32), out.outputs if record else None,
+                out.topk if record else None)
+        for layer in out.outputs:
             rec.seconds[(phase, layer)] = rec.seconds.get((phase, layer), 0.0) + out.seconds[layer]
             rec.reduce_seconds[(phase, layer)] = rec.reduce_seconds.get((phase, layer), 0.0) \
                 + out.reduce_seconds.get(layer, 0.0)
-        for layer, t in out.topk.items() if record else ():
-            rec.topk.setdefault(layer, []).append(t.cpu())
         rec.steps[phase] = rec.steps.get(phase, 0) + 1
         if phase == "decode":
             rec.decode_step_s.append(sum(out.seconds[layer] for layer in out.outputs))

@@ -202,3 +202,28 @@ def test_weights_handed_in_are_judged_before_the_build():
             dsv4.build_layer(job, 2, weights=weights)
         with pytest.raises(kind, match=message):
             dsv4.build_engine(job, weights={2: weights})
+
+
+def test_bad_arguments_are_named_before_any_work(no_alloc):
+    """Each argument of the API's builders and of compose() is judged first: a TypeError or ValueError that
+    names it, never an IndexError or AttributeError from inside."""
+    job = dsv4.compose(["model=dsv4_tiny"])
+    cases = [(lambda: dsv4.build_layer(job, "1"), TypeError, "layer: an int, got str"),
+             (lambda: dsv4.build_layer(job, 1.0), TypeError, "layer: an int, got float"),
+             (lambda: dsv4.build_layer(job, 1, rank="0"), TypeError, "rank: an int"),
+             (lambda: dsv4.build_layer(job, 9), ValueError, "layer 9 out of range"),
+             (lambda: dsv4.build_layer("job", 1), TypeError, r"job: what dsv4.api.compose\(\) returns"),
+             (lambda: dsv4.build_pool(job, 1), TypeError, "layers: a list of decoder layer indices, got int"),
+             (lambda: dsv4.build_pool(job, [1, 1]), ValueError, "names a layer twice"),
+             (lambda: dsv4.build_pool(job, []), ValueError, "layers: an empty list"),
+             (lambda: dsv4.build_pool(job, [1], pool=3), TypeError, "pool: a dsv4.components.kv_pool.PoolConfig"),
+             (lambda: dsv4.build_pool(job, [1], pool={"swa_blocks": 0}), ValueError, "swa_blocks"),
+             (lambda: dsv4.build_engine(job, weights=[1]), TypeError, "weights: a mapping"),
+             (lambda: dsv4.compose("model=dsv4_tiny"), TypeError, "overrides: a list of 'key=value' strings"),
+             (lambda: dsv4.compose([], spec={"name": "x"}), TypeError, "spec: a dsv4.spec.ModelSpec, got dict"),
+             (lambda: dsv4.compose([], device="cuda"), TypeError, "device: a dsv4.device.DeviceInfo, got str"),
+             (lambda: dsv4.compose([], mqa_kernel="reference"), TypeError, r"compose\(\['mqa_kernel=reference'\]\)"),
+             (lambda: dsv4.compose([], o_proj=object()), TypeError, "object does not satisfy OProjStrategy")]
+    for call, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            call()

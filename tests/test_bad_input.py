@@ -236,12 +236,17 @@ def test_non_finite_rows_are_refused_naming_layer_and_token():
 def test_a_prompt_past_the_models_positions_is_refused_before_the_work():
     """A request whose prompt and decode steps reach past max_position_embeddings is refused by check (and so
     before `run` allocates anything), naming the request and the longest prompt that fits."""
+    from dataclasses import replace
+
     import dsv4
     from dsv4.errors import IncompatibleCombination
+    from dsv4.job import workload_problems
 
-    fits = dsv4.compose(["model=dsv4_tiny", "workload.prompt_lens=[1048570,5]", "workload.kv_pool.swa_blocks=100000",
-                         "workload.kv_pool.compressed_blocks=100000"], running=False)
+    base = dsv4.compose(["model=dsv4_tiny", "workload.kv_pool.swa_blocks=100",
+                         "workload.kv_pool.compressed_blocks=4200"], running=False)
+    fits = replace(base, workload=replace(base.workload, prompt_lens=(1048570, 5)))
     assert fits.workload.total_len(0) == 1048576
+    assert workload_problems(fits) == []       # (a job this long is judged by its memory next: run's grading)
     with pytest.raises(IncompatibleCombination, match=r"request 0 reaches position 1048576.*at most 1048570 tokens"):
         dsv4.compose(["model=dsv4_tiny", "workload.prompt_lens=[1048571,5]", "workload.kv_pool.swa_blocks=100000",
                       "workload.kv_pool.compressed_blocks=100000"], running=False)

@@ -24,7 +24,9 @@ from dsv4.formats.indexer_numerics import IndexerNumerics
 from dsv4.kernels.target import Target, check_kernels
 from dsv4.layer_types import INDEXED
 
-TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens at a time
+TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens at a time, at most,
+READ_ELEMENTS = 2 ** 22     # and at most this many key values (16 MiB in float32): a step's memory stays
+                            # bounded however long its requests' histories
 
 
 class Indexer:
@@ -98,8 +100,9 @@ class Indexer:
         T, width = q.shape[0], ents.width
         cols = torch.arange(width, device=q.device, dtype=torch.int32)[None, :]
         out = torch.full((T, width), float("-inf"), dtype=torch.float32, device=q.device)
-        for t0 in range(0, T, TOKENS_PER_READ):
-            sl = slice(t0, t0 + TOKENS_PER_READ)
+        per_read = max(1, min(TOKENS_PER_READ, READ_ELEMENTS // max(1, width * self.head_dim)))
+        for t0 in range(0, T, per_read):
+            sl = slice(t0, t0 + per_read)
             visible = cols < ents.counts[sl, None]
             slots = ents.table.slots(plan.token_request[sl], torch.where(visible, cols, torch.full_like(cols, -1)))
             k = keys.read(slots)                                                     # [t, width, Di]

@@ -286,12 +286,38 @@ def held_pages(group: PageGroup, length: int) -> int:
     return max(0, cdiv(rule.rows(length), bs) - rule.first_kept(length) // bs)
 
 
-def shortfall(groups: dict[str, PageGroup], lengths) -> list[tuple[PageGroup, int]]:
-    """The groups too small for requests of `lengths` held at once, with the pages they hold at the end
-    at least (the peak of a step is higher still): a workload that cannot fit, found before any step."""
-    out = []
-    for g in groups.values():
-        need = sum(held_pages(g, n) for n in lengths)
-        if need > g.num_blocks:
-            out.append((g, need))
-    return out
+def step_pages(group: PageGroup, start: int, new_len: int) -> int:
+    """Pages a request holds in `group` while a step takes it from `start` to `new_len` positions: those
+    its last commit kept and those the step writes into (`PageGroup.missing`), freed only at the commit."""
+    bs, rule = group.block_size, group.rule
+    kept = (rule.first_kept(start) // bs, cdiv(rule.rows(start), bs))
+    wrote = (rule.first_written(start, new_len) // bs, cdiv(rule.rows(new_len), bs))
+    spans = [s for s in (kept, wrote) if s[1] > s[0]]
+    if len(spans) == 2 and max(kept[0], wrote[0]) <= min(kept[1], wrote[1]):      # they overlap or touch
+        return max(kept[1], wrote[1]) - min(kept[0], wrote[0])
+    return sum(hi - lo for lo, hi in spans)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PagePeak:
+    """The most pages one group holds at once over a workload's steps, and the first step (1-based) at which."""
+    group: PageGroup
+    pages: int
+    step: int
+
+
+def peak_pages(groups: dict[str, PageGroup], steps) -> list[PagePeak]:
+    """What the pool's allocator would hand out, step by step, for `steps` ([(phase, {request: new
+    tokens})], every request held from the first step to the last, as `run` holds them), without taking a
+    page: per group the peak, so a pool too small for a step is found before any step runs."""
+    length: dict = {}
+    best = {name: PagePeak(group=g, pages=0, step=0) for name, g in groups.items()}
+    for n, (_, chunk) in enumerate(steps, 1):
+        for name, g in groups.items():
+            held = sum(held_pages(g, length[r]) for r in length if r not in chunk)
+            held += sum(step_pages(g, length.get(r, 0), length.get(r, 0) + k) for r, k in chunk.items())
+            if held > best[name].pages:
+                best[name] = PagePeak(group=g, pages=held, step=n)
+        for r, k in chunk.items():
+            length[r] = length.get(r, 0) + k
+    return list(best.values())

@@ -94,6 +94,9 @@ def shard_fp8(stored: dict[str, Fp8Blocks], spec: ModelSpec, rank: int, tp_size:
     return out
 
 
+SHARDED = ("wq_b.weight", "attn_sink", "wo_a.weight", "wo_b.weight")    # cut by `shard`; the rest replicated
+
+
 def shard(weights: dict, spec: ModelSpec, rank: int, tp_size: int) -> dict:
     """Rank `rank`'s view: wq_b, attn_sink by heads; wo_a by groups (column-parallel); wo_b by its
     input columns (row-parallel: ranks' outputs sum to the layer's). Everything else is replicated."""

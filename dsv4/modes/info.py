@@ -5,7 +5,7 @@ from __future__ import annotations
 from dsv4.catalogue import GROUPS, NESTED_GROUPS, options
 from dsv4.compat import check
 from dsv4.device import local_platform
-from dsv4.job import Job
+from dsv4.job import Job, memory_line
 from dsv4.memory import indexer_kind, memory_table
 from dsv4.report import table
 
@@ -51,4 +51,5 @@ def info(job: Job) -> str:
     return (head + table(["option", "verdict", "packages", "why not"], rows, left=(0, 2, 3))
             + f"\n\nKV bytes per rank, model={job.spec.name} (B/tok: per context token, compressed rows + "
               f"{indexer_kind(job.combo.dtype, job.combo.indexer)} indexer keys):\n"
-            + memory_table(job.spec, layouts, job.combo.dtype, job.combo.indexer))
+            + memory_table(job.spec, layouts, job.combo.dtype, job.combo.indexer)
+            + f"\n\nThis job's {memory_line(job, running=False)}")

@@ -1,0 +1,150 @@
+"""Memory known before the work: the pages a workload's steps hold (a dry run of the pool's allocator), the
+job's peak by part (dsv4/job_memory.py) judged against what the machine has, and a grading whose memory
+grows with the prompt, not with its square (the oracle recomputes queries in bounded chunks)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from dsv4 import api
+from dsv4 import oracle as ref
+from dsv4.components.kv_pool import KVPool, PoolConfig, page_groups, peak_pages
+from dsv4.components.weights import random_layer_weights
+from dsv4.errors import IncompatibleCombination
+from dsv4.job_memory import estimate, pool_bytes
+from dsv4.runner import tensor_bytes
+from dsv4.spec import ModelSpec
+from dsv4.workload import Workload
+from tests.conftest import options, run_py
+
+TINY = ["model=dsv4_tiny"]
+
+
+def allocator_peaks(groups, steps) -> dict[str, int]:
+    """The most pages each group's allocator handed out at once, stepping a pool as the engine does."""
+    pool = KVPool(groups=groups, layers={}, window=0)
+    length: dict[int, int] = {}
+    peak = dict.fromkeys(groups, 0)
+    for _, chunk in steps:
+        for r in chunk:
+            if r not in length:
+                pool.add(r)
+                length[r] = 0
+        pool.reserve({r: (length[r], length[r] + k) for r, k in chunk.items()})
+        for name, g in groups.items():
+            peak[name] = max(peak[name], g.num_blocks - g.allocator.num_free)
+        for r, k in chunk.items():
+            length[r] += k
+        pool.commit(dict(length))
+    return peak
+
+
+def test_the_dry_run_finds_the_pages_the_allocator_hands_out():
+    """For random workloads and page sizes: peak_pages is, group by group, the allocator's own peak."""
+    rng = random.Random(0)
+    for _ in range(60):
+        wl = Workload(prompt_lens=tuple(rng.randint(1, 700) for _ in range(rng.randint(1, 5))),
+                      prefill_chunk=rng.choice([1, 7, 64, 128, 500]), decode_steps=rng.randint(0, 4),
+                      decode_tokens=rng.randint(1, 3))
+        pool = PoolConfig(swa_block_size=rng.choice([1, 16, 64]), compressed_block_tokens=rng.choice([4, 128, 256]),
+                          swa_blocks=10 ** 6, compressed_blocks=10 ** 6, max_requests=10 ** 5)
+        groups = page_groups(window=rng.choice([1, 16, 128]), ratios={1, 4, 128}, pool=pool)
+        steps = wl.steps()
+        want = allocator_peaks(groups, steps)
+        # the dry run on fresh groups (the allocator's run took their pages)
+        fresh = page_groups(window=next(iter(groups.values())).rule.keep, ratios={1, 4, 128}, pool=pool)
+        got = {p.group.name: p.pages for p in peak_pages(fresh, steps)}
+        assert got == {g.name: want[n] for n, g in groups.items()}, (wl, pool)
+
+
+def test_a_pool_too_small_for_a_step_is_refused_with_the_size_that_runs(compose_cfg, tmp_path):
+    """The default workload's second prefill step holds 6 SWA pages; the pages its requests keep at the end
+    are fewer, so only a dry run of the steps finds it before the work."""
+    from dsv4.app import main
+
+    with pytest.raises(IncompatibleCombination) as e:
+        api.compose(TINY + ["workload.kv_pool.swa_blocks=5"])
+    msg = str(e.value)
+    assert "hold up to 6 pages" in msg and "fix: workload.kv_pool.swa_blocks=6" in msg, msg
+    assert main(compose_cfg(TINY + ["workload.kv_pool.swa_blocks=6"]), out_dir=tmp_path) <= 1e-3
+
+
+@pytest.mark.parametrize("layout", options("cache_layout"))
+def test_pool_bytes_are_what_build_pool_allocates(layout):
+    for extra in ([], ["indexer=fp4_sim", "tp_size=2"], ["indexer=exact", "dtype=bfloat16"]):
+        job = api.compose(TINY + [f"cache_layout={layout}", "workload.kv_pool.compressed_blocks=9"] + extra,
+                          running=False)
+        ranks = range(job.combo.tp_size)
+        built = sum(sum(tensor_bytes(list(c.tensors())) for c in api.build_pool(job).layers.values()) for _ in ranks)
+        assert pool_bytes(job) == built, (layout, extra)
+
+
+def test_a_pool_larger_than_memory_is_refused_before_anything_is_allocated(no_alloc):
+    with pytest.raises(IncompatibleCombination) as e:
+        api.compose(TINY + ["workload.kv_pool.compressed_blocks=100000000"])
+    msg = str(e.value)
+    assert "- memory=~" in msg and "kv pools" in msg and "free" in msg, msg
+    assert "fix: workload.kv_pool.compressed_blocks=" in msg, msg
+
+
+def test_a_device_too_small_is_refused_and_check_states_the_peak(capsys):
+    """On a deployment's accelerator (checked from here: its memory_gib), the device part of the peak."""
+    with pytest.raises(IncompatibleCombination) as e:
+        api.compose(["model=dsv4_pro", "deployment=h200", "device.memory_gib=1"], running=False)
+    assert "more than the device memory it has" in str(e.value) and "(device.memory_gib)" in str(e.value)
+    p = run_py("model=dsv4_pro", "deployment=h200", "mode=check")
+    assert p.returncode == 0, p.stderr
+    line = [l for l in p.stdout.splitlines() if "memory:" in l]
+    assert line and "device peak ~" in line[0] and "H200) has 139.8 GiB" in line[0], p.stdout
+
+
+def test_the_estimate_grows_with_the_parts_it_names():
+    base = estimate(api.compose(TINY, running=False))
+    longer = estimate(api.compose(TINY + ["workload.prompt_lens=[20000]", "workload.kv_pool.compressed_blocks=79"],
+                                  running=False))
+    assert longer.record > 10 * base.record and longer.oracle > base.oracle and longer.kv_pools > base.kv_pools
+    assert longer.weights == base.weights
+
+
+def test_the_chunked_oracle_is_the_whole_sequence_one():
+    """Queries recomputed a few at a time give the outputs, scores (to rounding: the products are blocked
+    differently) and selections of one pass over all, and the grades of a selection made chunk by chunk are
+    those of the whole scores."""
+    spec = ModelSpec.from_config(json.loads(json.dumps(api.compose(TINY, running=False).spec.to_dump()))
+                                 | {"name": "t", "num_hidden_layers": 3, "compress_ratios": [0, 4, 128, 0],
+                                    "max_position_embeddings": 1 << 20})
+    x = torch.randn(150, spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    for layer in (0, 1, 2):
+        w, R = random_layer_weights(spec, layer, 1), spec.compress_ratio(layer)
+        whole = ref.oracle_layer(spec.to_dump(), R, w, x, row_format="bfloat16", query_chunk=150)
+        parts = ref.oracle_layer(spec.to_dump(), R, w, x, row_format="bfloat16", query_chunk=7,
+                                 topk=whole.get("topk"), grade=True)
+        assert ref.rel_err(parts["out"], whole["out"]) < 1e-6, layer
+        if R == 4:
+            assert torch.allclose(parts["scores"], whole["scores"], rtol=1e-5, atol=1e-6)      # -inf where alike
+            assert torch.equal(parts["own_topk"], whole["topk"])
+            for numerics, g in parts["grades"].items():
+                want = ref.grade_selection(whole["topk"], parts["scores_by"][numerics], spec.index_topk)
+                assert g["tokens"] == 150 and g["exact"] == pytest.approx(want["exact"])
+                assert g["recall"] == pytest.approx(want["recall"]) and g["max_gap"] == want["max_gap"]
+
+
+def test_a_long_prompt_runs_in_memory_that_grows_with_it_and_the_result_has_its_peak(tmp_path):
+    """A 6,000-token prompt of the tiny model (quadratic before: 2.7 GB at 4,000 tokens): the run is ok, its
+    peak is in the result, measured below the estimate stated before the work (an upper bound within 2x)
+    and within a few hundred MiB of the process's start."""
+    rows = {}
+    for n in (1500, 6000):
+        p = run_py(*TINY, f"workload.prompt_lens=[{n}]", "workload.kv_pool.compressed_blocks=30",
+                   run_dir=tmp_path / str(n), timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "memory: peak ~" in p.stdout.splitlines()[1], p.stdout      # stated before the work
+        rows[n] = json.loads((tmp_path / str(n) / "result.json").read_text())
+        assert rows[n]["status"] == "ok"
+    grew = {n: r["metrics.peak_rss_bytes"] - r["metrics.rss_at_start_bytes"] for n, r in rows.items()}
+    for n, r in rows.items():
+        assert 0 < grew[n] <= r["metrics.estimated_peak.device_bytes"] <= 2 * grew[n], (n, grew[n])
+    assert grew[6000] < 600 * 2 ** 20 and grew[6000] - grew[1500] < 4 * grew[1500], grew
