@@ -105,7 +105,7 @@ def build_layer(job: Job, layer: int, *, weights: Mapping[str, Any] | None = Non
     full, fp8 = _weights(job, [layer], None if weights is None else {layer: weights})
     return build(spec=job.spec, layer=layer, weights=full[layer], rank=rank, tp_size=job.combo.tp_size,
                  strategies=_strategies(job), device=job.device, dtype=job.combo.dtype, fp8=fp8.get(layer),
-                 overlap=job.run.overlap)
+                 overlap=job.run.overlap, batch_invariant=job.combo.batch_invariant)
 
 
 def build_pool(job: Job, layers: Sequence[int] | None = None, *, pool: PoolConfig | None = None) -> KVPool:

@@ -76,6 +76,7 @@ class Combination:
     dtype: str = "float32"
     world_size: int | None = None      # processes of a torchrun launch (one per rank); None: not launched so
     graphs: bool = False               # graph.enabled: decode steps replayed as CUDA graphs
+    batch_invariant: bool = False      # a request's results independent of the rest of its steps
     index_page_keys: int | None = None  # the pool's entries per ratio-4 page (its indexer keys'); None: unknown
 
     @property
@@ -167,8 +168,28 @@ def _graph_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
     return out
 
 
+def _invariance_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
+    """batch_invariant=true needs every strategy to be able to give it on the device (Needs.batch_invariant);
+    the fix names an option of the group that can, or turns the setting off."""
+    if not c.batch_invariant:
+        return []
+    from dsv4.catalogue import options
+
+    out = []
+    for group, strat in _needing(c):
+        needs = strat.needs(device)
+        if needs.batch_invariant:
+            continue
+        can = [n for n, o in options(group).items() if o.needs(device).batch_invariant
+               and not (o.needs(device).platforms and device.platform not in o.needs(device).platforms)]
+        out.append(Problem(group=group, value=strat.name, reason=f"cannot be batch-invariant on "
+                           f"{device.describe()} (batch_invariant=true): {needs.variance}",
+                           fix=f"{group}={can[0]}" if can else "batch_invariant=false"))
+    return out
+
+
 CROSS_RULES: tuple[Callable[[Combination, DeviceInfo], list[Problem]], ...] = (
-    _tp_rule, _world_rule, _padding_rule, _dtype_rule, _graph_rule)
+    _tp_rule, _world_rule, _padding_rule, _dtype_rule, _graph_rule, _invariance_rule)
 
 
 def safe_choice(group: str) -> str:

@@ -60,7 +60,7 @@ def make_job(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir:
         SummaryView.from_config(OmegaConf.to_container(cfg.summary, resolve=True))
     combo = Combination(spec=spec, tp_size=run.tp_size, dtype=run.dtype, **strategies,
                         world_size=torchrun_world_size() if par.launcher == "auto" else None, graphs=graphs.enabled,
-                        index_page_keys=pool.compressed_block_size(4))
+                        index_page_keys=pool.compressed_block_size(4), batch_invariant=run.batch_invariant)
     if choices is None:
         choices = {g: getattr(strategies[g], "name", "?") for g in GROUPS} | {"model": spec.name}
     return Job(spec=spec, device=device, combo=combo, choices=dict(choices), parallel=par, graphs=graphs,

@@ -39,7 +39,8 @@ def build_engine(job, weights: dict[int, dict], pool: PoolConfig, fp8: dict | No
     strategies = Strategies(mqa_kernel=c.mqa_kernel, o_proj=c.o_proj, head_padding=c.head_padding,
                             cache_layout=c.cache_layout, indexer=c.indexer, linear=c.linear)
     layers = {l: [build_layer(spec=spec, layer=l, weights=w, rank=r, tp_size=c.tp_size, strategies=strategies,
-                              device=dev, dtype=c.dtype, fp8=(fp8 or {}).get(l), overlap=job.run.overlap)
+                              device=dev, dtype=c.dtype, fp8=(fp8 or {}).get(l), overlap=job.run.overlap,
+                              batch_invariant=c.batch_invariant)
                   for r in ranks.local] for l, w in weights.items()}
     pools = [build_pool(spec=spec, layers=list(weights), layout=c.cache_layout, pool=pool, device=dev,
                          dtype=c.dtype, indexer=c.indexer)

@@ -154,6 +154,7 @@ class RunSettings:
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     sweep_dir: str | None = None         # mode=summarize: +sweep_dir=PATH
     overlap: bool = True                 # on a GPU, the compressors on a side stream beside the query path
+    batch_invariant: bool = False        # a request's results bit for bit independent of the rest of its steps
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "RunSettings":

@@ -51,10 +51,11 @@ class DSV4Attention(torch.nn.Module):
                  mqa_kernel: MQAKernelStrategy, o_proj: OProjStrategy, head_padding: HeadPaddingPolicy,
                  cache_layout: CacheLayout, linear: LinearStrategy, compressor: Compressor | None = None,
                  indexer: Indexer | None = None, fp8: dict | None = None, dtype: str, device,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, batch_invariant: bool = False) -> None:
         """`weights`: this rank's float values under our names; `fp8`: those the checkpoint stores as e4m3
         blocks (formats.fp8_blocks.Fp8Blocks), as stored, which fp8 `linear` and `o_proj` options use;
-        `overlap`: on a GPU, the compressors run on a side stream beside the query path."""
+        `overlap`: on a GPU, the compressors run on a side stream beside the query path; `batch_invariant`:
+        a request's results independent of the rest of its steps (its options prepared for it)."""
         super().__init__()
         from dsv4.dtypes import torch_dtype
 
@@ -83,8 +84,14 @@ class DSV4Attention(torch.nn.Module):
         # the compressors' branch runs on the device's side stream beside the query path (`_Branch`)
         on_gpu = self.kernels is not None
         self.side_stream = side_stream(str(torch.device(dev))) if overlap and on_gpu and kind.compressed else None
-        self.mqa_prepared = mqa_kernel.prepare(device=device)
-        self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:         # check() reports this with a fix; the module only refuses
+            cannot = [f"{s.name} ({s.needs(device).variance})" for s in (mqa_kernel, o_proj, cache_layout, linear)
+                      if not s.needs(device).batch_invariant]
+            if cannot:
+                raise ValueError(f"batch_invariant=true: {', '.join(cannot)} cannot give it on {device.describe()}")
+        self.mqa_prepared = mqa_kernel.prepare(device=device, **self._invariant())
+        self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype, **self._invariant())
         fp8 = fp8 or {}
 
         def weight(name: str, values) -> LinearWeight:
@@ -119,12 +126,16 @@ class DSV4Attention(torch.nn.Module):
         sink[:heads] = weights["attn_sink"].to(dev)
         self.register_buffer("attn_sink", sink)
 
+    def _invariant(self) -> dict:
+        """What an option's prepare() is asked for batch invariance: only an option that can is asked."""
+        return {"batch_invariant": True} if self.batch_invariant else {}
+
     def _prepare(self, name: str, weight: LinearWeight, device, dtype: str):
         """`linear`'s prepared product; its tensors are also this module's buffers (`name`, `name_scale`...),
         so that `buffers()` -- the memory report's weights -- holds them."""
         import dataclasses
 
-        prepared = self.linear.prepare(weight, device=device, dtype=dtype)
+        prepared = self.linear.prepare(weight, device=device, dtype=dtype, **self._invariant())
         for f in dataclasses.fields(prepared):
             value = getattr(prepared, f.name)
             if isinstance(value, torch.Tensor):

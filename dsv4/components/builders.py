@@ -37,11 +37,12 @@ class Strategies:
 
 def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_size: int,
                 strategies: Strategies, device: DeviceInfo, dtype: str, fp8: dict | None = None,
-                overlap: bool = True) -> DSV4Attention:
+                overlap: bool = True, batch_invariant: bool = False) -> DSV4Attention:
     """`weights`: the whole layer's float values; `fp8`: those stored as e4m3 blocks (a checkpoint's, or
     random weights made in that format: `weights.in_fp8_blocks`), which fp8 `linear` and `o_proj` options
     take as they are. Each is cut to rank `rank`'s shard. `overlap`: on a GPU, the compressors run on a
-    side stream beside the query path."""
+    side stream beside the query path; `batch_invariant`: a request's results independent of its steps'
+    other requests (every option able to, `Needs.batch_invariant`)."""
     ratio = spec.compress_ratio(layer)
     w = shard(weights, spec, rank, tp_size)
     blocks = shard_fp8(fp8 or {}, spec, rank, tp_size)
@@ -60,7 +61,7 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
         idx = Indexer(wq_b=w["indexer.wq_b.weight"], weights_proj=w["indexer.weights_proj.weight"].to(dev),
                       compressor=compressor("indexer.compressor.", spec.index_head_dim, ratio),
                       n_heads=spec.index_n_heads, head_dim=spec.index_head_dim, topk=spec.index_topk,
-                      strategy=strategies.indexer, device=device)
+                      strategy=strategies.indexer, device=device, batch_invariant=batch_invariant)
     wo_a = blocks.get("wo_a.weight")
     if spec.o_lora_rank % FP8_BLOCK:            # a group's rows cut its blocks: fp8 o_proj options quantize the values
         wo_a = None
@@ -71,7 +72,7 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
                          o_weights=o_weights, mqa_kernel=strategies.mqa_kernel, o_proj=strategies.o_proj,
                          head_padding=strategies.head_padding, cache_layout=strategies.cache_layout,
                          linear=strategies.linear, compressor=comp, indexer=idx, fp8=blocks, dtype=dtype,
-                         device=device, overlap=overlap)
+                         device=device, overlap=overlap, batch_invariant=batch_invariant)
 
 
 def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig, device: DeviceInfo,

@@ -20,6 +20,7 @@ which is the CPU path and the kernels' specification.
 from __future__ import annotations
 
 from dsv4.components.compressor import CompressPart
+from dsv4.fixed_order import KEY_BLOCK, pad_keys, stable_top
 from dsv4.formats.indexer_numerics import IndexerNumerics
 from dsv4.kernels.target import Target, check_kernels
 from dsv4.layer_types import INDEXED
@@ -31,11 +32,14 @@ READ_ELEMENTS = 2 ** 22     # and at most this many key values (16 MiB in float3
 
 class Indexer:
     def __init__(self, *, wq_b, weights_proj, compressor, n_heads: int, head_dim: int, topk: int,
-                 strategy=None, device=None) -> None:
+                 strategy=None, device=None, batch_invariant: bool = False) -> None:
+        """`batch_invariant`: the torch path scores keys in fixed blocks and selects among equal scores the
+        lower index first, so a token's scores and selection do not depend on the rest of its step."""
         from dsv4.strategies.indexer.exact import ExactIndexer
 
         self.wq_b, self.weights_proj, self.compressor = wq_b.float(), weights_proj.float(), compressor
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
+        self.batch_invariant = batch_invariant
         self.strategy = strategy if strategy is not None else ExactIndexer()      # the `indexer` option
         self.prepared = self.strategy.prepare(head_dim=head_dim, device=device or wq_b.device)
 
@@ -106,7 +110,13 @@ class Indexer:
             visible = cols < ents.counts[sl, None]
             slots = ents.table.slots(plan.token_request[sl], torch.where(visible, cols, torch.full_like(cols, -1)))
             k = keys.read(slots)                                                     # [t, width, Di]
-            logits = (torch.einsum("thd,tnd->thn", q[sl], k).relu() * w[sl, :, None]).sum(1)
+            if self.batch_invariant:            # products of fixed shape: blocks of KEY_BLOCK keys
+                k = pad_keys(k, 1)
+                dots = torch.cat([torch.einsum("thd,tnd->thn", q[sl], k[:, j:j + KEY_BLOCK])
+                                  for j in range(0, k.shape[1], KEY_BLOCK)], -1)[..., :width]
+            else:
+                dots = torch.einsum("thd,tnd->thn", q[sl], k)
+            logits = (dots.relu() * w[sl, :, None]).sum(1)
             out[sl] = logits.masked_fill(~visible, float("-inf"))
         return out
 
@@ -133,6 +143,6 @@ class Indexer:
         k = min(self.topk, n)
         out = torch.full((T, self.topk), -1, dtype=torch.int32, device=scores.device)
         if k:
-            val, idx = scores.topk(k, dim=-1)
+            val, idx = stable_top(scores, k) if self.batch_invariant else scores.topk(k, dim=-1)
             out[:, :k] = torch.where(torch.isinf(val), -1, idx).to(torch.int32)
         return out

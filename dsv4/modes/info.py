@@ -28,14 +28,17 @@ def info(job: Job) -> str:
         probs = check(combo, job.device, here=here)
         verdict = "ok" if not probs else "no"
         reason = "; ".join(f"{p.group}={p.value}: {p.reason}" for p in probs)
-        modules = [m for m, _ in strat.needs(job.device).modules] if hasattr(strat, "needs") else []
+        needs = strat.needs(job.device) if hasattr(strat, "needs") else None
+        modules = [m for m, _ in needs.modules] if needs is not None else []
+        # head paddings have no needs: they choose a count of heads, which no step changes
+        invariant = "yes" if needs is None or needs.batch_invariant else f"no: {needs.variance}"
         if not modules:
             packages = None
         elif local:
             packages = ", ".join(f"{m} {'found' if find_spec(m.partition('.')[0]) else 'missing'}" for m in modules)
         else:
             packages = ", ".join(f"{m} unknown" for m in modules)
-        return [f"{option}{'*' if current else ''}", verdict, packages, reason]
+        return [f"{option}{'*' if current else ''}", verdict, packages, invariant, reason]
 
     rows = []
     for group in GROUPS + NESTED_GROUPS:
@@ -48,7 +51,7 @@ def info(job: Job) -> str:
             f"device {job.device.describe()} (this machine: {here}; {where})\n"
             f"* = current choice\n")
     layouts = list(options("cache_layout").values())
-    return (head + table(["option", "verdict", "packages", "why not"], rows, left=(0, 2, 3))
+    return (head + table(["option", "verdict", "packages", "batch-invariant", "why not"], rows, left=(0, 2, 3, 4))
             + f"\n\nKV bytes per rank, model={job.spec.name} (B/tok: per context token, compressed rows + "
               f"{indexer_kind(job.combo.dtype, job.combo.indexer)} indexer keys):\n"
             + memory_table(job.spec, layouts, job.combo.dtype, job.combo.indexer)

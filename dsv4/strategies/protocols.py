@@ -54,6 +54,12 @@ class Needs:
     # whether its calls can be captured in a CUDA graph (no host sync, no allocation that depends on
     # values); check() refuses graph.enabled=true with one that cannot
     graphs: bool = True
+    # whether it can give a request's results bit for bit the same whatever else is in its steps, and how
+    # they are chunked (batch_invariant=true; docs/notes/2026-12-04-batch-invariance.md), and why not where
+    # it cannot: check() refuses it then, mode=info lists why. An option that can and whose arithmetic changes
+    # for it takes `prepare(..., batch_invariant=True)`.
+    batch_invariant: bool = False
+    variance: str = "its arithmetic has not been made independent of the step"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -38,7 +38,7 @@ class Fp8DsMlaLayout:
         return self.nope_dim // self.tile + 1                    # 7 exponents + 1 zero pad = 8
 
     def needs(self, device) -> Needs:
-        return Needs()
+        return Needs(batch_invariant=True)       # each row rounded by itself
 
     def bytes_per_token(self, head_dim: int) -> int:
         check_row_dim(self.name, head_dim, self.nope_dim, self.rope_dim)

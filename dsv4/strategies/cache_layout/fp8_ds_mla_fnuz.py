@@ -36,7 +36,7 @@ class Fp8DsMlaFnuzLayout:
         return FP8_DS_MLA_FNUZ
 
     def needs(self, device) -> Needs:
-        return Needs()
+        return Needs(batch_invariant=True)       # each row rounded by itself
 
     # the record's geometry is fp8_ds_mla's: same 584 bytes, same pages, same 576-aligned stride
     def bytes_per_token(self, head_dim: int) -> int:

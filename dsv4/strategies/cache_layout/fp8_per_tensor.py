@@ -37,7 +37,7 @@ class Fp8PerTensorLayout:
         return RowFormat(kind=RowKind.FP8_PER_TENSOR, fp8="ocp", kv_scale=self.kv_scale, q_scale=self.q_scale)
 
     def needs(self, device) -> Needs:
-        return Needs()
+        return Needs(batch_invariant=True)       # each row rounded by itself
 
     def bytes_per_token(self, head_dim: int) -> int:
         return head_dim

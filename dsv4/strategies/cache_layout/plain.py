@@ -33,7 +33,7 @@ class PlainRowLayout:
         return plain_rows(self.dtype)
 
     def needs(self, device) -> Needs:
-        return Needs()
+        return Needs(batch_invariant=True)       # each row rounded by itself
 
     def bytes_per_token(self, head_dim: int) -> int:
         return head_dim * _ROW_DTYPES[self.dtype]

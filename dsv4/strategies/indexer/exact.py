@@ -24,7 +24,9 @@ class ExactIndexer:
         check_top_k(self)
 
     def needs(self, device) -> Needs:
-        return Needs()
+        return Needs(batch_invariant=device.platform == "cpu",
+                     variance="on a GPU its scores and top-k run our Triton kernels, not yet made independent "
+                              "of the step")
 
     def prepare(self, *, head_dim: int, device):
         from dsv4.kernels.launch import device_target

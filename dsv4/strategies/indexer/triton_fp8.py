@@ -31,7 +31,10 @@ class TritonFp8Indexer:
         check_top_k(self)
 
     def needs(self, device) -> Needs:
-        return FP4_NEEDS
+        from dataclasses import replace
+
+        return replace(FP4_NEEDS, batch_invariant=device.platform == "cpu",
+                       variance="on a GPU its scores run our Triton kernels, not yet made independent of the step")
 
     def prepare(self, *, head_dim: int, device):
         from dsv4.kernels.launch import device_target

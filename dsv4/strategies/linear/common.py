@@ -12,8 +12,10 @@ from dsv4.strategies.protocols import LinearWeight, Needs
 
 @dataclass(frozen=True, slots=True)
 class FloatLinear:
-    """A projection's weight [N, K] in the activation dtype."""
+    """A projection's weight [N, K] in the activation dtype; `row_tile`: rows per product call where the
+    product must not depend on the step's size (batch_invariant=true), 0 for one call."""
     weight: Any
+    row_tile: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +88,11 @@ def fp8_needs(*, platforms=(), archs=(), modules=(), dtypes=()) -> Needs:
 
 def deepgemm_needs() -> Needs:
     """What an option multiplying through DeepGEMM needs (the activation quantized by our Triton kernel)."""
-    return fp8_needs(platforms={"cuda"}, archs={"sm90", "sm100"},
-                     modules=(("triton", "triton"), ("deep_gemm", "sgl-deep-gemm")), dtypes={"bfloat16"})
+    from dataclasses import replace
+
+    return replace(fp8_needs(platforms={"cuda"}, archs={"sm90", "sm100"},
+                             modules=(("triton", "triton"), ("deep_gemm", "sgl-deep-gemm")), dtypes={"bfloat16"}),
+                   variance="DeepGEMM's products (and ours, at few rows) choose their tiles by the row count")
 
 
 def mm_f32(x, w):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from dsv4.fixed_order import ROW_TILE, in_row_tiles
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.strategies.linear.common import FloatLinear, mm_f32
 from dsv4.strategies.protocols import LinearWeight, Needs
@@ -18,17 +19,24 @@ class ReferenceLinear:
     fp8_input: ClassVar[bool] = False
 
     def needs(self, device) -> Needs:
-        return Needs()
+        return Needs(batch_invariant=device.platform == "cpu", variance="shown on the CPU only")
 
-    def prepare(self, weight: LinearWeight, *, device, dtype: str) -> FloatLinear:
+    def prepare(self, weight: LinearWeight, *, device, dtype: str, batch_invariant: bool = False) -> FloatLinear:
         from dsv4.dtypes import torch_dtype
 
-        return FloatLinear(weight=weight.values.to(device=device.torch_device, dtype=torch_dtype(dtype)).contiguous())
+        weight = weight.values.to(device=device.torch_device, dtype=torch_dtype(dtype)).contiguous()
+        return FloatLinear(weight=weight, row_tile=ROW_TILE if batch_invariant else 0)
 
     def __call__(self, x, prepared: FloatLinear, *, out_dtype=None):
+        if prepared.row_tile:
+            return in_row_tiles(lambda rows: self._product(rows, prepared.weight, out_dtype), x, prepared.row_tile)
+        return self._product(x, prepared.weight, out_dtype)
+
+    @staticmethod
+    def _product(x, weight, out_dtype):
         import torch
 
         if out_dtype == torch.float32 and x.dtype != torch.float32:
-            return mm_f32(x, prepared.weight)
-        y = x @ prepared.weight.T
+            return mm_f32(x, weight)
+        y = x @ weight.T
         return y if out_dtype is None else y.to(out_dtype)

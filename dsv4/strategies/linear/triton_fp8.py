@@ -3,7 +3,7 @@ NVIDIA sm89+): the activation rows are quantized inside the product's own kernel
 one launch."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from dsv4.formats.fp8_blocks import LinearNumerics
@@ -21,7 +21,8 @@ class TritonFp8Linear:
     fp8_input: ClassVar[bool] = True
 
     def needs(self, device) -> Needs:
-        return fp8_needs(platforms={"cuda"}, archs=FP8_TRITON_ARCHS, modules=(("triton", "triton"),))
+        return replace(fp8_needs(platforms={"cuda"}, archs=FP8_TRITON_ARCHS, modules=(("triton", "triton"),)),
+                       variance="our fp8 product's tiles and K split are planned by the row count")
 
     def prepare(self, weight: LinearWeight, *, device, dtype: str) -> Fp8Linear:
         return triton_blocks(weight, device)

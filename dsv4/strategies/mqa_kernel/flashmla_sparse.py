@@ -86,7 +86,8 @@ class FlashMLASparse:
         return Needs(platforms=frozenset({"cuda"}), archs=frozenset({"sm90", "sm100"}),
                      row_formats=frozenset({FP8_DS_MLA}), padded_heads=frozenset({64, 128}),
                      dtypes=frozenset({"bfloat16"}), modules=(("flash_mla", "sgl-flash-mla"),),
-                     graphs=not self.prefill_gather_min_tokens)    # the gather path sizes its rows by torch.unique
+                     graphs=not self.prefill_gather_min_tokens,    # the gather path sizes its rows by torch.unique
+                     variance="FlashMLA's tile scheduler divides a step's work over SM parts by its batch")
 
     def prepare(self, *, device) -> FlashMLAPrepared:
         return FlashMLAPrepared(use_legacy=device.arch == "sm90")       # sm90 runs the package's legacy kernels

@@ -57,16 +57,18 @@ class TritonSparseMQA:
                                  f"setting: add variant=two_pass")
 
     def needs(self, device) -> Needs:
+        VARIANCE = ("splits a small step's lists over blocks and groups MTP tokens by the step's size "
+                    "(kernels/sparse_plan.py)")
         if self.variant == "hopper":
             return Needs(platforms=frozenset({"cuda"}), archs=HOPPER_ARCHS,
                          row_formats=frozenset({FP8_DS_MLA}), dtypes=HOPPER_DTYPES,
                          modules=(("triton", "triton>=3.6"),), fp8_formats=frozenset({"ocp"}),
                          model_values=(("head_dim", HOPPER_HEAD_DIM), ("qk_rope_head_dim", 64)),
-                         fix="mqa_kernel.variant=auto")
+                         fix="mqa_kernel.variant=auto", variance=VARIANCE)
         return Needs(platforms=frozenset({"cuda", "rocm"}), archs=TRITON_ARCHS, row_formats=READS,
                      dtypes=frozenset({"bfloat16"}), modules=(("triton", "triton"),),
                      fp8_formats=frozenset({"ocp", "fnuz"}),       # whichever the layout stores
-                     model_values=(("head_dim", 512), ("qk_rope_head_dim", 64)))
+                     model_values=(("head_dim", 512), ("qk_rope_head_dim", 64)), variance=VARIANCE)
 
     def prepare(self, *, device) -> Target:
         """The device's facts the calls are planned by (arch, e4m3 in hardware, processors), resolved once."""

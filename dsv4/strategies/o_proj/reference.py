@@ -14,8 +14,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class FloatWoA:
     """A layer's `wo_a` on its device, in the activation dtype, per output group [G, o_lora, hpg·D]: the einsum's
-    operand, made once at build."""
+    operand, made once at build; `row_tile`: tokens per einsum where it must not depend on the step's size
+    (batch_invariant=true), 0 for one."""
     wo_a: Tensor
+    row_tile: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,15 +27,16 @@ class ReferenceOProj:
     error_budget: ClassVar[float] = 0.0     # vs the oracle: the float32 projection
 
     def needs(self, device) -> Needs:
-        return Needs()
+        return Needs(batch_invariant=device.platform == "cpu", variance="shown on the CPU only")
 
-    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> FloatWoA:
+    def prepare(self, weights: OProjWeights, *, device, dtype: str, batch_invariant: bool = False) -> FloatWoA:
         from dsv4.dtypes import torch_dtype
+        from dsv4.fixed_order import ROW_TILE
 
         dt = torch_dtype(dtype)
         g = weights.groups
         wa = weights.wo_a.to(device=device.torch_device, dtype=dt)
-        return FloatWoA(wa.view(g, wa.shape[0] // g, wa.shape[1]))
+        return FloatWoA(wa.view(g, wa.shape[0] // g, wa.shape[1]), row_tile=ROW_TILE if batch_invariant else 0)
 
     def __call__(self, o, rot, *, prepared: FloatWoA):
         import torch
@@ -41,5 +44,10 @@ class ReferenceOProj:
         wa = prepared.wo_a
         o = rot.rotate(o, inverse=True).to(wa.dtype)                  # [T, H, D]
         og = o.reshape(o.shape[0], wa.shape[0], -1)                   # [T, G, hpg*D]
-        z = torch.einsum("tgd,grd->tgr", og, wa)                      # [T, G, o_lora]
+        if prepared.row_tile:
+            from dsv4.fixed_order import in_row_tiles
+
+            z = in_row_tiles(lambda rows: torch.einsum("tgd,grd->tgr", rows, wa), og, prepared.row_tile)
+        else:
+            z = torch.einsum("tgd,grd->tgr", og, wa)                  # [T, G, o_lora]
         return z.flatten(1)

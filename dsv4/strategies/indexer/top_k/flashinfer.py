@@ -15,7 +15,8 @@ class FlashInferTopK:
     name: str = "flashinfer"
 
     def needs(self, device) -> Needs:
-        return Needs(platforms=frozenset({"cuda"}), modules=(("flashinfer", "flashinfer-python"),))
+        return Needs(platforms=frozenset({"cuda"}), modules=(("flashinfer", "flashinfer-python"),),
+                     variance="FlashInfer's top-k has not been shown to choose among equal scores alike in any step")
 
     def __call__(self, scores, counts, pages, token_request, *, topk: int, block_size: int):
         """As TritonTopK's call (FlashInfer reads contiguous rows: DeepGEMM's padded ones are read whole,

@@ -11,7 +11,9 @@ class TritonTopK:
     name: str = "triton"
 
     def needs(self, device) -> Needs:
-        return Needs()
+        # on the CPU the indexer selects by a stable sort (the lower index first among equal scores)
+        return Needs(batch_invariant=device.platform == "cpu",
+                     variance="our radix select's choice among equal scores is not yet fixed")
 
     def __call__(self, scores, counts, pages, token_request, *, topk: int, block_size: int):
         """scores [T, >= width] float32 (row t visible below counts[t]) -> (local [T, topk], slots [T, topk],

@@ -1,0 +1,46 @@
+"""Torch arithmetic whose order does not depend on the step (batch_invariant=true on the torch path).
+
+A product's kernel, and so the order of its sums, is chosen by its shape: a row's result can change with the
+number of rows beside it, and a reduction over a token's keys changes with the width the step pads them to.
+Here products run on tiles of a fixed number of rows, and reductions over keys on blocks of a fixed width,
+added in order (a padding block adds exact zeros). docs/notes/2026-12-04-batch-invariance.md measures why.
+"""
+from __future__ import annotations
+
+ROW_TILE = 32       # rows per product call
+KEY_BLOCK = 64      # keys per reduction block
+
+
+def in_row_tiles(fn, x, tile: int = ROW_TILE):
+    """fn over x's rows in calls of exactly `tile` rows (the last tile zero-padded): row i of the result is
+    fn's value for row i alone, whatever the other rows. `fn` maps rows to rows (a product, an einsum)."""
+    import torch
+
+    T = x.shape[0]
+    pad = (-T) % tile
+    if T == 0:
+        return fn(x)
+    xp = torch.cat((x, x.new_zeros(pad, *x.shape[1:]))) if pad else x
+    return torch.cat([fn(xp[i:i + tile]) for i in range(0, T + pad, tile)])[:T]
+
+
+def pad_keys(t, dim: int, block: int = KEY_BLOCK, value=0):
+    """t padded along `dim` to a whole number of `block`s with `value`."""
+    import torch
+
+    n = t.shape[dim]
+    pad = (-n) % block
+    if not pad:
+        return t
+    shape = list(t.shape)
+    shape[dim] = pad
+    return torch.cat((t, torch.full(shape, value, dtype=t.dtype, device=t.device)), dim)
+
+
+def stable_top(scores, k: int):
+    """(values, indices) of the k largest of each row, the lower index first among equal values: the same
+    selection whatever the row's padding (torch.topk leaves the order of ties to its kernel)."""
+    import torch
+
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
