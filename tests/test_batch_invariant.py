@@ -43,10 +43,10 @@ def drive(job, *, others: int, chunk0: int, seed: int):
         res = engine.step(x, pos, rid)
         mine = torch.tensor(rid) == 0
         for layer, y in res.outputs.items():
-            for p, row in zip(pos[mine].tolist(), y[mine]):
+            for p, row in zip(pos[mine].tolist(), y.cpu()[mine]):
                 outs.setdefault(layer, {})[p] = row
         for layer, t in res.topk.items():
-            for p, row in zip(pos[mine].tolist(), t[mine]):
+            for p, row in zip(pos[mine].tolist(), t.cpu()[mine]):
                 lists.setdefault(layer, {})[p] = row
         for r, k in chunk.items():
             done[r] += k
@@ -77,7 +77,7 @@ def cache_rows(engine, rid, length) -> dict:
                 continue
             table, bs = group.tables[rid], group.block_size
             slots = torch.tensor([table[r // bs] * bs + r % bs for r in rows], dtype=torch.int64)
-            out[(layer, name)] = cache.read(slots)
+            out[(layer, name)] = cache.read(slots.to(cache.data.device)).cpu()
     return out
 
 
