@@ -12,11 +12,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsv4.catalogue import GROUPS, instantiate_group
 from dsv4.compat import Combination, check
-from dsv4.components.kv_pool import PagePeak, PoolConfig, page_groups, peak_pages
+from dsv4.components.kv_pool import PagePeak, PoolConfig, peak_pages
 from dsv4.device import DeviceInfo, local_platform
 from dsv4.errors import IncompatibleCombination, Problem
 from dsv4.graph import GraphConfig
-from dsv4.job_memory import GIB, JobMemory, estimate, host_available
+from dsv4.job_memory import GIB, JobMemory, estimate, host_available, job_page_groups
 from dsv4.parallel import ParallelConfig, processes, torchrun_world_size
 from dsv4.settings import SECTIONS, RunSettings
 from dsv4.spec import ModelSpec
@@ -103,8 +103,7 @@ def workload_problems(job: Job) -> list[Problem]:
         out.append(Problem(group="workload.kv_pool.max_requests", value=str(job.pool.max_requests),
                            reason=f"the workload holds {len(lengths)} requests at once",
                            fix=f"workload.kv_pool.max_requests={len(lengths)}"))
-    groups = page_groups(window=spec.sliding_window, ratios={spec.compress_ratio(l) for l in wl.layer_indices(spec)},
-                         pool=job.pool)
+    groups = job_page_groups(job)
     steps = wl.steps()
     short: dict[str, PagePeak] = {}        # knob -> the largest peak past its size among the groups it sizes
     for peak in peak_pages(groups, steps):
@@ -176,11 +175,8 @@ def memory_fix(job: Job, mem: JobMemory, *, host: bool) -> str:
         {k: v for k, v in mem.parts().items() if mem.on_host or k in ("kv_pools", "weights", "step")}
     largest = max(parts, key=parts.__getitem__)
     if largest == "kv_pools":
-        wl, spec = job.workload, job.spec
-        ratios = {spec.compress_ratio(l) for l in wl.layer_indices(spec)}
-        groups = page_groups(window=spec.sliding_window, ratios=ratios, pool=job.pool)
         need: dict[str, int] = {}
-        for peak in peak_pages(groups, wl.steps()):
+        for peak in peak_pages(job_page_groups(job), job.workload.steps()):
             if peak.group.knob != "max_requests":
                 need[peak.group.knob] = max(need.get(peak.group.knob, 1), peak.pages)
         knob = max(need, key=lambda k: getattr(job.pool, k) / need[k])     # the most oversized

@@ -83,12 +83,19 @@ def ranks_counted(job) -> int:
     return job.combo.tp_size if job.device.platform == "cpu" else job.combo.tp_size // processes(job)
 
 
+def job_page_groups(job) -> dict:
+    """The page groups of one rank's pool for the job's layers (`kv_pool.page_groups`), as `build_pool` makes them."""
+    spec = job.spec
+    ratios = {spec.compress_ratio(l) for l in job.workload.layer_indices(spec)}
+    return page_groups(window=spec.sliding_window, ratios=ratios, pool=job.pool)
+
+
 def pool_bytes(job) -> int:
     """The KV pools of `ranks_counted` ranks, as `build_pool` allocates them: each layer's SWA rows,
     compressed rows, indexer keys (ratio 4) and compressor state on its page groups."""
-    spec, c, pool = job.spec, job.combo, job.pool
+    spec, c = job.spec, job.combo
     layers = job.workload.layer_indices(spec)
-    groups = page_groups(window=spec.sliding_window, ratios={spec.compress_ratio(l) for l in layers}, pool=pool)
+    groups = job_page_groups(job)
     keys = indexer_keys_layout(c.indexer, dtype=c.dtype, head_dim=spec.index_head_dim)
     total = 0
     for l in layers:

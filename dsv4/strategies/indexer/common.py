@@ -2,6 +2,7 @@
 published FP4 numerics need of the model, and the check of an option's `top_k`."""
 from __future__ import annotations
 
+from dataclasses import replace
 
 from dsv4.formats.fp4 import FP4_BLOCK
 from dsv4.strategies.protocols import Needs, TopKStrategy
@@ -19,6 +20,14 @@ def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_sca
 # what the rotation and the FP4 blocks need of the model, and the fix where it has other shapes
 FP4_NEEDS = Needs(model_multiples=(("index_head_dim", FP4_BLOCK),), model_powers_of_two=("index_head_dim",),
                   fix="indexer=exact")
+
+
+def torch_path_invariance(needs: Needs, device) -> Needs:
+    """`needs` with what an option scored by the indexer's torch path on the CPU and by our Triton kernels on a
+    GPU can give: batch invariance on the CPU (the torch path's fixed order), not yet on a GPU."""
+    return replace(needs, batch_invariant=device.platform == "cpu",
+                   variance="on a GPU its scores and top-k run our Triton kernels, not yet made independent of the "
+                            "step")
 
 
 def check_top_k(option) -> None:

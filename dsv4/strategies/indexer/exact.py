@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
-from dsv4.strategies.indexer.common import check_top_k, triton_scores
+from dsv4.strategies.indexer.common import check_top_k, torch_path_invariance, triton_scores
 from dsv4.strategies.indexer.top_k.triton import TritonTopK
 from dsv4.strategies.protocols import Needs, TopKStrategy
 
@@ -24,9 +24,7 @@ class ExactIndexer:
         check_top_k(self)
 
     def needs(self, device) -> Needs:
-        return Needs(batch_invariant=device.platform == "cpu",
-                     variance="on a GPU its scores and top-k run our Triton kernels, not yet made independent "
-                              "of the step")
+        return torch_path_invariance(Needs(), device)
 
     def prepare(self, *, head_dim: int, device):
         from dsv4.kernels.launch import device_target

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
-from dsv4.strategies.indexer.common import FP4_NEEDS, check_top_k, triton_scores
+from dsv4.strategies.indexer.common import FP4_NEEDS, check_top_k, torch_path_invariance, triton_scores
 from dsv4.strategies.indexer.key_layouts import Mxfp4KeyLayout
 from dsv4.strategies.indexer.top_k.triton import TritonTopK
 from dsv4.strategies.protocols import Needs, TopKStrategy
@@ -29,10 +29,7 @@ class Mxfp4Indexer:
         check_top_k(self)
 
     def needs(self, device) -> Needs:
-        from dataclasses import replace
-
-        return replace(FP4_NEEDS, batch_invariant=device.platform == "cpu",
-                       variance="on a GPU its scores run our Triton kernels, not yet made independent of the step")
+        return torch_path_invariance(FP4_NEEDS, device)
 
     def prepare(self, *, head_dim: int, device):
         from dsv4.kernels.launch import device_target
