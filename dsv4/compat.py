@@ -170,7 +170,8 @@ def _graph_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
 
 def _invariance_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
     """batch_invariant=true needs every strategy to be able to give it on the device (Needs.batch_invariant);
-    the fix names an option of the group that can, or turns the setting off."""
+    the fix names an option of the group that can -- one of the same numerics first, then a kernel before the
+    reference -- or turns the setting off."""
     if not c.batch_invariant:
         return []
     from dsv4.catalogue import options
@@ -180,8 +181,10 @@ def _invariance_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
         needs = strat.needs(device)
         if needs.batch_invariant:
             continue
-        can = [n for n, o in options(group).items() if o.needs(device).batch_invariant
-               and not (o.needs(device).platforms and device.platform not in o.needs(device).platforms)]
+        can = sorted((n for n, o in options(group).items() if o.needs(device).batch_invariant
+                      and not (o.needs(device).platforms and device.platform not in o.needs(device).platforms)),
+                     key=lambda n: (*(getattr(options(group)[n], a, None) != getattr(strat, a, None)
+                                      for a in ("numerics", "query_format")), n == "reference"))
         out.append(Problem(group=group, value=strat.name, reason=f"cannot be batch-invariant on "
                            f"{device.describe()} (batch_invariant=true): {needs.variance}",
                            fix=f"{group}={can[0]}" if can else "batch_invariant=false"))

@@ -116,17 +116,38 @@ def test_without_it_the_same_comparison_finds_differences(extra):
     assert same(drive(job, others=0, chunk0=64, seed=1), drive(job, others=63, chunk0=17, seed=4))
 
 
-@pytest.mark.parametrize("overrides,group,why", [
-    (["linear=fp8_sim"], "linear=fp8_sim", "rows of a fixed count"),
-    (["deployment=h200", "backend=triton", "model=dsv4_flash"], "linear=triton_fp8", "planned by the row count"),
-    (["deployment=h200", "model=dsv4_flash"], "mqa_kernel=flashmla_sparse", "tile scheduler"),
-    (["deployment=h200", "model=dsv4_flash"], "indexer.top_k=triton", "equal scores"),
+H200 = ["deployment=h200", "model=dsv4_flash"]
+
+
+@pytest.mark.parametrize("overrides,group,why,fix", [
+    (["linear=fp8_sim"], "linear=fp8_sim", "rows of a fixed count", "linear=reference"),
+    (H200, "mqa_kernel=flashmla_sparse", "tile scheduler", "mqa_kernel=triton_sparse"),
+    (H200, "linear=deepgemm_triton_fp8", "tiles by the row count", "linear=triton_fp8"),
+    (H200, "indexer=deepgemm_fp8", "scoring kernel", "indexer=triton_fp8"),
+    (H200, "o_proj=deepgemm_fp8", "not been made independent", "o_proj=triton_fp8"),
+    ([*H200, "backend=triton", "indexer.top_k=flashinfer"], "indexer.top_k=flashinfer", "equal scores",
+     "indexer.top_k=triton"),
+    (["deployment=mi300x", "model=dsv4_flash", "backend=triton", "o_proj=reference", "linear=reference"],
+     "linear=reference", "ROCm", "batch_invariant=false"),
 ])
-def test_an_option_that_cannot_is_refused_with_why(overrides, group, why):
+def test_an_option_that_cannot_is_refused_with_why(overrides, group, why, fix):
+    """With why, and a fix: an option of the group that can (of the same numerics first, a kernel before the
+    reference), or the setting off."""
     with pytest.raises(IncompatibleCombination) as e:
         api.compose(["model=dsv4_tiny", "batch_invariant=true", *overrides], running=False)
     line = [l for l in str(e.value).splitlines() if l.strip().startswith(f"- {group}:")]
     assert line and "cannot be batch-invariant" in line[0] and why in line[0], str(e.value)
+    assert line[0].rstrip().endswith(f"fix: {fix}"), line[0]
+
+
+@pytest.mark.parametrize("deployment,preset", [("cpu", "reference"), ("h200", "triton"), ("b200", "triton"),
+                                               ("rtx_pro_6000", "triton")])
+def test_each_platform_has_a_batch_invariant_preset(deployment, preset):
+    """The CPU's reference preset and, on NVIDIA GPUs with fp8 tensor cores, the triton preset (our kernels
+    and products) are accepted with batch_invariant=true; the kernels are then prepared for it."""
+    job = api.compose([f"deployment={deployment}", "model=dsv4_flash", f"backend={preset}", "batch_invariant=true"],
+                      running=False)
+    assert job.combo.batch_invariant and job.choices["mqa_kernel"] == job.combo.mqa_kernel.name
 
 
 def test_info_lists_it_for_every_option():
@@ -136,3 +157,39 @@ def test_info_lists_it_for_every_option():
     assert "batch-invariant" in head
     rows = {l.split()[0]: l for l in p.stdout.splitlines() if l.startswith(("mqa_kernel=", "linear=", "indexer"))}
     assert "yes" in rows["mqa_kernel=reference*"] and "no: " in rows["mqa_kernel=flashmla_sparse"]
+
+
+# ---- on a GPU: the same property with the kernels (DSV4-Flash's shapes, bf16, decode steps in CUDA graphs) ----
+NO_GPU = not torch.cuda.is_available()
+GPU_STEPS = ((7, 64, 2), (63, 64, 3), (63, 17, 4), (0, 100, 5))
+
+
+def gpu_job(*extra):
+    from tests.conftest import gpu_device
+
+    dev = gpu_device()
+    name = {"sm90": "h200", "sm100": "b200", "sm120": "rtx_pro_6000"}.get(dev.arch if dev else "")
+    if name is None:
+        pytest.skip(f"no deployment for this GPU ({dev.arch if dev else 'none'})")
+    return api.compose([f"deployment={name}", "model=dsv4_flash", *POOL, *extra])
+
+
+@pytest.mark.parametrize("extra", [["backend=triton"], ["backend=triton", "graph.enabled=false"],
+                                   ["backend=triton", "mqa_kernel.variant=two_pass"],
+                                   ["backend=triton", "linear=reference", "o_proj=reference"]],
+                         ids=["triton", "triton-eager", "two_pass", "float-products"])
+@pytest.mark.gpu
+@pytest.mark.skipif(NO_GPU, reason="needs a CUDA GPU")
+def test_on_the_gpu_a_request_is_the_same_bits_in_any_step(extra):
+    job = gpu_job("batch_invariant=true", *extra)
+    alone = drive(job, others=0, chunk0=64, seed=1)
+    for others, chunk0, seed in GPU_STEPS:
+        assert same(alone, drive(job, others=others, chunk0=chunk0, seed=seed)) == [], (others, chunk0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NO_GPU, reason="needs a CUDA GPU")
+def test_on_the_gpu_without_it_the_comparison_finds_differences():
+    """The triton preset without the setting: its planned launches give request 0 other bits among 7 others."""
+    job = gpu_job("backend=triton")
+    assert same(drive(job, others=0, chunk0=64, seed=1), drive(job, others=7, chunk0=64, seed=2))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.benches.layer import backends, prefill_row, replayed_step, row_label
+from dsv4.benches.layer import INVARIANT, backends, base_label, prefill_row, replayed_step, row_label
 from dsv4.benches.peers import LAYER_TYPES, Point, faster, grid, published
 from dsv4.catalogue import backend_presets
 from dsv4.device import local_platform
@@ -15,6 +15,7 @@ from dsv4.report import table
 
 HEADERS = ["layer", "step", "fastest backend", "ours µs", "triton preset µs", "triton / ours", "vLLM µs",
            "SGLang µs", "ours / faster engine", "replay == eager"]
+INVARIANT_HEADERS = ["batch-invariant µs", "invariant / ours"]     # batch_invariant=true: the fastest such row
 
 
 def preset_label(preset: str) -> str:
@@ -30,14 +31,21 @@ def time_point(job, backend, layer: int, p: Point) -> tuple[float, bool | None]:
     return replayed_step(job, backend, layer, p.requests, 1, p.context)
 
 
-def grid_row(p: Point, times: dict[str, tuple[float, bool | None]], figures: dict[str, float]) -> list:
-    best = min(times, key=lambda label: times[label][0])
+def grid_row(p: Point, times: dict[str, tuple[float, bool | None]], figures: dict[str, float], *,
+             invariant: bool = False) -> list:
+    """A point's row: the fastest backend run by default, the triton preset beside it, the engines' figures;
+    with `invariant`, also the fastest batch-invariant row and its ratio to the fastest."""
+    best = min((label for label in times if not label.endswith(INVARIANT)), key=lambda label: times[label][0])
     checked = [same for _, same in times.values() if same is not None]
     ours = times[best][0]
     tri = times.get(preset_label("triton"), (None,))[0]
     _, peer = faster(figures)
-    return [p.layer, p.label(), best, ours, tri, None if tri is None else tri / ours, figures.get("vllm"),
-            figures.get("sglang"), ours / peer, all(checked) if checked else None]
+    row = [p.layer, p.label(), best, ours, tri, None if tri is None else tri / ours, figures.get("vllm"),
+           figures.get("sglang"), ours / peer, all(checked) if checked else None]
+    if invariant:
+        fixed = min((times[label][0] for label in times if label.endswith(INVARIANT)), default=None)
+        row[5:5] = [fixed, None if fixed is None else fixed / ours]          # after the triton preset's µs
+    return row
 
 
 def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "prefill"), echo=None) -> str:
@@ -52,10 +60,11 @@ def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "p
         raise ValueError(f"the grid times GPU steps: the deployment describes {job.device.describe()} and this "
                          f"machine's platform is {local_platform()}")
     here = backends(job)
-    runs = [b for b in here if labels is None or b.label in labels]
+    runs = [b for b in here if labels is None or base_label(b.label) in labels]
     if not runs:
         raise ValueError(f"none of the backends {labels} runs here; these do: {[b.label for b in here]}")
     first = {lt: next(l for l in spec.one_layer_per_type() if spec.layer_type(l) == lt) for lt in layer_types}
+    headers = HEADERS[:5] + INVARIANT_HEADERS + HEADERS[5:] if job.combo.batch_invariant else HEADERS
     rows = []
     for p in grid(spec.name, layer_types):
         if p.mode not in modes:
@@ -67,11 +76,11 @@ def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "p
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
         if not times:
-            rows.append([p.layer, p.label(), "out of memory"] + [None] * (len(HEADERS) - 3))
+            rows.append([p.layer, p.label(), "out of memory"] + [None] * (len(headers) - 3))
             continue
-        rows.append(grid_row(p, times, figures[p]))
+        rows.append(grid_row(p, times, figures[p], invariant=job.combo.batch_invariant))
         if echo is not None:
             echo(" | ".join(map(str, rows[-1])))
     return (f"{spec.name}: decode (one token per request, replay of the second layer of its type, median µs) and "
             f"prefill (one request, eager, µs) beside the engines' published latency (dsv4/benches/peers.py):\n"
-            + table(HEADERS, rows, left=(0, 1, 2)))
+            + table(headers, rows, left=(0, 1, 2)))

@@ -188,11 +188,20 @@ def row_label(mqa_kernel: str, o_proj: str, linear: str) -> str:
     return f"{mqa_kernel} + {o_proj} + {linear}"
 
 
+INVARIANT = " [batch-invariant]"      # the label's suffix of a row run with batch_invariant=true
+
+
+def base_label(label: str) -> str:
+    """A row's label without INVARIANT: the backend it runs."""
+    return label.removesuffix(INVARIANT)
+
+
 def backends(job) -> list[Backend]:
     """The shipped backend presets (catalogue.backend_presets) whose kernel is not the reference and that
     check() accepts on this machine, each as (label 'mqa_kernel + o_proj + linear', combination) with the
     preset's head padding and cache layout, bf16 activations, one rank; and the O_PROJ_SWAPS and
-    LINEAR_SWAPS of them."""
+    LINEAR_SWAPS of them. A job with batch_invariant=true has each also with it, where check() accepts that,
+    labelled with INVARIANT, beside the default."""
     from dsv4.compat import check
     from dsv4.device import local_platform
 
@@ -205,9 +214,14 @@ def backends(job) -> list[Backend]:
             for lin in dict.fromkeys((chosen["linear"], *swaps)):
                 groups = {g: option(g, n) for g, n in chosen.items() if g != "indexer"} | {
                     "o_proj": option("o_proj", o), "linear": option("linear", lin)}
-                c = replace(job.combo, **groups, dtype="bfloat16", tp_size=1, world_size=None)
-                if not check(c, job.device, here=local_platform()):
-                    out.append(Backend(label=row_label(chosen["mqa_kernel"], o, lin), combo=c))
+                c = replace(job.combo, **groups, dtype="bfloat16", tp_size=1, world_size=None, batch_invariant=False)
+                label = row_label(chosen["mqa_kernel"], o, lin)
+                if label in {b.label for b in out} or check(c, job.device, here=local_platform()):
+                    continue
+                out.append(Backend(label=label, combo=c))
+                fixed = replace(c, batch_invariant=True)
+                if job.combo.batch_invariant and not check(fixed, job.device, here=local_platform()):
+                    out.append(Backend(label=label + INVARIANT, combo=fixed))
     return out
 
 
@@ -316,7 +330,7 @@ def layer_backends(job, layer: int, labels, indexers) -> list[Backend]:
     the job's (it has no indexer)."""
     out = []
     for b in backends(job):
-        if labels is not None and b.label not in labels:
+        if labels is not None and base_label(b.label) not in labels:
             continue
         if indexers is None or not by_ratio(job.spec.compress_ratio(layer)).indexed:
             out.append(b)

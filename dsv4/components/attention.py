@@ -22,6 +22,7 @@ from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
 from dsv4.components.plan import StepPlan
 from dsv4.components.rope import Rope
+from dsv4.fixed_order import in_row_tiles
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
 from dsv4.kernels.target import Target
@@ -80,7 +81,7 @@ class DSV4Attention(torch.nn.Module):
         # (None, on the CPU) their torch code
         from dsv4.kernels.launch import device_target
 
-        self.kernels: Target | None = device_target(device)
+        self.kernels: Target | None = device_target(device, fixed_order=batch_invariant)
         # the compressors' branch runs on the device's side stream beside the query path (`_Branch`)
         on_gpu = self.kernels is not None
         self.side_stream = side_stream(str(torch.device(dev))) if overlap and on_gpu and kind.compressed else None
@@ -142,6 +143,13 @@ class DSV4Attention(torch.nn.Module):
                 self.register_buffer(name if f.name == "weight" else f"{name}_{f.name}", value, persistent=False)
         return prepared
 
+    def _tail(self, x):
+        """The compressors' rows (and the indexer's head weights) from the float tail weights, float32; under
+        batch_invariant in tiles of a fixed row count, since a product's kernel follows its rows."""
+        if self.batch_invariant:
+            return in_row_tiles(lambda rows: mm_f32(rows, self.w_tail), x)
+        return mm_f32(x, self.w_tail)
+
     def forward(self, x, plan: StepPlan, caches: LayerCaches) -> LayerStepResult:
         T, H = x.shape[0], self.heads
         if caches.swa.layout != self.cache_layout or caches.ratio != self.ratio:
@@ -160,7 +168,7 @@ class DSV4Attention(torch.nn.Module):
             qr_raw, kv_raw, *scores = lin(xa, self.x_proj, out_dtype=torch.float32).split_with_sizes(self.in_sizes, 1)
         else:
             with branch.side():      # the compressors' bf16 rows, beside the fp8 products of the query path
-                scores = mm_f32(xa, self.w_tail).split_with_sizes(self.in_sizes[2:], 1)
+                scores = self._tail(xa).split_with_sizes(self.in_sizes[2:], 1)
                 branch.mark()
             qr_raw, kv_raw = lin(xa, self.x_proj).split_with_sizes(self.in_sizes[:2], 1)
         idx = self.indexer

@@ -34,14 +34,16 @@ class Indexer:
     def __init__(self, *, wq_b, weights_proj, compressor, n_heads: int, head_dim: int, topk: int,
                  strategy=None, device=None, batch_invariant: bool = False) -> None:
         """`batch_invariant`: the torch path scores keys in fixed blocks and selects among equal scores the
-        lower index first, so a token's scores and selection do not depend on the rest of its step."""
+        lower index first, and the strategy is prepared for it (its kernels' fixed launches), so that a token's
+        scores and selection do not depend on the rest of its step."""
         from dsv4.strategies.indexer.exact import ExactIndexer
 
         self.wq_b, self.weights_proj, self.compressor = wq_b.float(), weights_proj.float(), compressor
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
         self.batch_invariant = batch_invariant
         self.strategy = strategy if strategy is not None else ExactIndexer()      # the `indexer` option
-        self.prepared = self.strategy.prepare(head_dim=head_dim, device=device or wq_b.device)
+        self.prepared = self.strategy.prepare(head_dim=head_dim, device=device or wq_b.device,
+                                              **({"batch_invariant": True} if batch_invariant else {}))
 
     @property
     def weight_scale(self) -> float:

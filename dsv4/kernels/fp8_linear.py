@@ -175,6 +175,23 @@ def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
     return LinearLaunch(block_m=bm, block_n=bn, split=split, num_warps=4, num_stages=stages, quantize_first=True)
 
 
+FIXED_M = 64       # rows per tile of the one launch every row count takes under Target.fixed_order
+
+
+@functools.lru_cache(maxsize=1024)
+def fixed_plan(N: int, K: int, target: Target) -> LinearLaunch:
+    """The one launch of an [N, K] weight for every row count (Target.fixed_order, batch_invariant=true),
+    so that a row's sums do not depend on the rows beside it: FIXED_M-row tiles, the activation quantized
+    by its own launch first, the columns as `plan` takes them for a few rows and K split into the parts that
+    bring one row tile's programs nearest to one per SM. The tile's rows and K's split fix the sums (the
+    H200 gives other bits at 16, 32 and 64 rows a tile); no one choice is the fastest at every row count:
+    16-row tiles are 2x faster at one row and 2-3x slower from 64 (docs/notes/2026-12-04-batch-invariance.md)."""
+    big = target.arch in BIG_SHARED
+    bn = 128 if N // 128 >= target.processors else (64 if N % 64 == 0 and N // 64 >= 8 else 32)
+    return LinearLaunch(block_m=FIXED_M, block_n=bn, split=nearest_split(N // bn, K // BLOCK, target.processors),
+                        num_warps=4, num_stages=4 if big else 3, quantize_first=True)
+
+
 def _splits(k_blocks: int):
     """K's possible parts: the divisors of its blocks that leave each part at least 4 blocks."""
     return [s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= 4] or [1]
@@ -219,7 +236,8 @@ def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = Non
     """x [M, K] (bf16/float32 activations; or e4m3 with its scales `xs` [M, K/128] float32, row- or
     block-major) times w [N, K] e4m3 with block scales ws [N/128, K/128] float32 -> y [M, N] in `out_dtype`
     (default: x's dtype; bf16 for e4m3 x): one launch, or two where the plan quantizes x first. `target`:
-    the device's facts (default: x's device's); `count`: the projection's `counters` (a split product's;
+    the device's facts (default: x's device's; with `fixed_order`, `fixed_plan`'s launch, in launches of as
+    many rows as its counters hold); `count`: the projection's `counters` (a split product's;
     made for the call when not given -- calls that may run at once on several streams need their own);
     the launch parameters override the plan."""
     import torch
@@ -243,7 +261,10 @@ def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = Non
     y = torch.empty(M, N, dtype=torch.float32 if tgt.interpret else out_dtype, device=x.device)
     if M == 0:
         return y.to(out_dtype)
-    p = plan(M, N, K, tgt)                       # a step's plan is computed once, then looked up
+    if tgt.fixed_order:          # one launch for every row count
+        p = fixed_plan(N, K, tgt)
+    else:
+        p = plan(M, N, K, tgt)                   # a step's plan is computed once, then looked up
     given = dict(block_m=block_m, block_n=block_n, split=split, num_warps=num_warps, num_stages=num_stages,
                  quantize_first=quantize_first)
     if any(v is not None for v in given.values()):
@@ -254,18 +275,26 @@ def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = Non
     if p.quantize_first and not fp8_x:
         x, xs = act_quant_fp8(x, target=tgt)
         fp8_x = True
-    part = count_buf = y
+    rows = M                     # rows per launch: all, unless a split launch has more tiles than counters
+    count_buf = y
     if sp > 1:
-        part = torch.empty(sp, M, N, dtype=torch.float32, device=x.device)
         count_buf = count if count is not None else counters(N, x.device)
-        if count_buf.numel() < (N // bn) * cdiv(M, bm):
+        rows = min(M, count_buf.numel() // (N // bn) * bm) if tgt.fixed_order else M
+        if rows < 1 or count_buf.numel() < (N // bn) * cdiv(rows, bm):
             raise ValueError(f"fp8 linear: {count_buf.numel()} counters for {(N // bn) * cdiv(M, bm)} tiles")
     if xs is not None and xs.dtype != torch.float32:
         xs = xs.float()
-    launch(_fp8_linear_kernel, (N // bn, sp, cdiv(M, bm)), as_dense(x), xs if xs is not None else x,
-           xs.stride(0) if xs is not None else 0, xs.stride(1) if xs is not None else 0,
-           as_dense(w), as_f32(ws), y, part, count_buf, M, N, K, BM=bm, BN=bn, SPLIT=sp, QUANT=not fp8_x,
-           DOT=tl.float32 if tgt.interpret else tl.float8e4nv, STAGES=p.num_stages, num_warps=p.num_warps)
+    x = as_dense(x)
+    part = torch.empty(sp, rows, N, dtype=torch.float32, device=x.device) if sp > 1 else y
+    for r0 in range(0, M, rows):     # each launch's rows start a tile: a row's tile is the same in any of them
+        r1 = min(M, r0 + rows)
+        xr = x[r0:r1]
+        xsr = xs[r0:r1] if xs is not None else xr
+        launch(_fp8_linear_kernel, (N // bn, sp, cdiv(r1 - r0, bm)), xr, xsr,
+               xs.stride(0) if xs is not None else 0, xs.stride(1) if xs is not None else 0,
+               as_dense(w), as_f32(ws), y[r0:r1], part, count_buf, r1 - r0, N, K, BM=bm, BN=bn, SPLIT=sp,
+               QUANT=not fp8_x, DOT=tl.float32 if tgt.interpret else tl.float8e4nv, STAGES=p.num_stages,
+               num_warps=p.num_warps)
     return y.to(out_dtype)
 
 

@@ -299,11 +299,14 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
     out = torch.empty(T, width, dtype=torch.float32, device=q.device)
     if not T or not width:
         return out
-    tg = TOKENS_PER_PROGRAM
-    plan = LAUNCH[str(key_dtype).removeprefix("torch."), "prefill" if T >= PREFILL_TOKENS else "decode"]
+    tgt = target or target_of(q.device)
+    # fixed_order (batch_invariant=true): the decode shape for every step, one token a program, so that a token's
+    # scores do not depend on the step's size or on the token beside it
+    tg = 1 if tgt.fixed_order else TOKENS_PER_PROGRAM
+    size = "prefill" if T >= PREFILL_TOKENS and not tgt.fixed_order else "decode"
+    plan = LAUNCH[str(key_dtype).removeprefix("torch."), size]
     block_n, blocks_per_program = block_n or plan.block_n, blocks_per_program or plan.blocks
     num_warps = num_warps or plan.num_warps
-    tgt = target or target_of(q.device)
     stages = stages or (plan.stages if pipelined(tgt) else 1)
     hp = max(next_pow2(H), 16 // tg)         # a dot needs >= 16 rows
     dp = max(next_pow2(DI), 16)

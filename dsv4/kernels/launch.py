@@ -78,25 +78,27 @@ def interpreted() -> bool:
     return not hasattr(_probe, "device_caches")
 
 
-def target(*, platform: str, arch: str, torch_device: str) -> Target:
+def target(*, platform: str, arch: str, torch_device: str, fixed_order: bool = False) -> Target:
     """A device (a DeviceInfo's platform, arch and torch device) as our kernels' calls are planned: its
     processors and L2 asked once; under Triton's interpreter the 'interpreter', with a few processors, so that
-    splitting is exercised. What a strategy's `prepare` resolves."""
+    splitting is exercised. What a strategy's `prepare` resolves; `fixed_order`: batch_invariant=true's
+    launches (Target.fixed_order)."""
     if interpreted():
-        return Target(arch="interpreter", native_e4m3=False, processors=4, interpret=True)
+        return Target(arch="interpreter", native_e4m3=False, processors=4, interpret=True, fixed_order=fixed_order)
     nvidia = platform == "cuda" and arch.startswith("sm")
     props = torch.cuda.get_device_properties(torch_device)
     return Target(arch=arch if nvidia else platform, native_e4m3=nvidia and arch_at_least(arch, E4M3_SM),
-                  processors=props.multi_processor_count, l2_bytes=props.L2_cache_size)
+                  processors=props.multi_processor_count, l2_bytes=props.L2_cache_size, fixed_order=fixed_order)
 
 
-def device_target(device) -> Target | None:
+def device_target(device, *, fixed_order: bool = False) -> Target | None:
     """`target` of a DeviceInfo's device, what a layer or an option resolves once when it is built; None for
     the CPU (or anything that is not a DeviceInfo of a GPU), where the torch code runs (a kernel called there
     anyway plans by its tensors' device)."""
     if getattr(device, "platform", None) not in ("cuda", "rocm"):
         return None
-    return target(platform=device.platform, arch=device.arch, torch_device=device.torch_device)
+    return target(platform=device.platform, arch=device.arch, torch_device=device.torch_device,
+                  fixed_order=fixed_order)
 
 
 @functools.lru_cache(maxsize=None)

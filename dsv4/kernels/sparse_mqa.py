@@ -46,7 +46,8 @@ import triton.language as tl
 from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, target_of
 from dsv4.sizes import cdiv
-from dsv4.kernels.sparse_plan import hopper_group, hopper_splits, plan_kernel, plan_launch
+from dsv4.kernels.sparse_plan import (FIXED_LAUNCH, FIXED_SPLITS, FIXED_WORKSPACE_BYTES, hopper_group, hopper_splits,
+                                     plan_kernel, plan_launch)
 from dsv4.kernels.split_combine import finish
 from dsv4.kernels.target import Target
 
@@ -223,19 +224,21 @@ def _pv_kernel(p_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr,
     t = tl.program_id(1)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
     hmask = heads < H
-    n_s = tl.minimum(tl.load(s_len + t), s_w)
+    n_s = tl.maximum(tl.minimum(tl.load(s_len + t), s_w), 0)         # a negative length: no row
     nb_s = tl.cdiv(n_s, BN)
     if HAS_EXTRA:
-        n_e = tl.minimum(tl.load(e_len + t), e_w)
+        n_e = tl.maximum(tl.minimum(tl.load(e_len + t), e_w), 0)
     else:
         n_e = 0
     nb_e = tl.cdiv(n_e, BN)
-    # the token's maximum and sum over the blocks the scores pass wrote, NBC blocks at a time
+    # the token's maximum and sum over the blocks the scores pass wrote, NBC of its own blocks at a time (its
+    # SWA blocks, then its compressed ones: the same sums whatever the step's list widths)
     M = tl.full([BH], float("-inf"), tl.float32)
     L = tl.zeros([BH], tl.float32)
-    for b0 in range(0, NB, NBC):
-        b = b0 + tl.arange(0, NBC)
-        written = (b < nb_s) | ((b >= NBS) & (b < NBS + nb_e))
+    for j0 in range(0, nb_s + nb_e, NBC):
+        j = j0 + tl.arange(0, NBC)
+        written = j < nb_s + nb_e
+        b = tl.where(j < nb_s, j, NBS + j - nb_s)          # its workspace block
         mrow = ((t.to(tl.int64) * NB + b)[:, None] * H + heads[None, :]) * 2
         mb = tl.load(ml_ptr + mrow, mask=written[:, None] & hmask[None, :], other=float("-inf"))
         lb = tl.load(ml_ptr + mrow + 1, mask=written[:, None] & hmask[None, :], other=0.0)
@@ -300,10 +303,11 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
     portable two-pass one, whose launch shapes left at 0 come from `plan_launch`; `splits`, the Hopper
     kernel's programs per (token, head block), from `hopper_splits` at 0. `native_fp8`: decode
     OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA sm89+). `target`: the
-    device's facts as the strategy prepared them (default: `target_of` q's device). `runs` (StepPlan's
-    QueryRuns; the SWA lists then windows, the extra lists `extra_nested` prefixes or not): the Hopper
-    kernel's programs of 8 heads take `group` tokens of a run each (0: `hopper_group`) and read the rows
-    they share once; the two-pass kernel reads each token's lists alone."""
+    device's facts as the strategy prepared them (default: `target_of` q's device; with `fixed_order`,
+    sparse_plan's FIXED_ launches whatever the step). `runs` (StepPlan's QueryRuns; the SWA lists then
+    windows, the extra lists `extra_nested` prefixes or not): the Hopper kernel's programs of 8 heads take
+    `group` tokens of a run each (0: `hopper_group`) and read the rows they share once; the two-pass kernel
+    reads each token's lists alone."""
     import torch
 
     T, H, D = q.shape
@@ -325,17 +329,27 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
     if kernel == "hopper":
         from dsv4.kernels.sparse_mqa_hopper import prefetched_pools, sparse_mqa_hopper
 
+        prefetch = prefetched_pools(swa, extra, tgt.l2_bytes)
+        if tgt.fixed_order:      # every token's blocks in FIXED_SPLITS runs, one token a program (sparse_plan)
+            splits = splits or FIXED_SPLITS
+            step = max(1, FIXED_WORKSPACE_BYTES // (splits * H * (D + 2) * 4))
+            parts = []
+            for t0 in range(0, max(T, 1), step):           # token chunks: the split partials stay bounded
+                sl = slice(t0, t0 + step)
+                e_lists = (e_idx[sl], e_len[sl]) if extra is not None else (None, None)
+                parts.append(sparse_mqa_hopper(q[sl], sink, scale * LOG2E, swa, s_idx[sl], s_len[sl], extra,
+                                               *e_lists, splits=splits, prefetch=prefetch, nested=extra_nested))
+            return parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
         group = 1 if runs is None else (group or hopper_group(T, H, sw + ew, tgt.processors))
         return sparse_mqa_hopper(q, sink, scale * LOG2E, swa, s_idx, s_len, extra, e_idx, e_len,
                                  splits=splits or hopper_splits(T, H, sw + ew, tgt.processors, group=group),
-                                 prefetch=prefetched_pools(swa, extra, tgt.l2_bytes),
-                                 groups=runs.groups(group) if group > 1 else None, nested=extra_nested,
-                                 group=group)
+                                 prefetch=prefetch, groups=runs.groups(group) if group > 1 else None,
+                                 nested=extra_nested, group=group)
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    plan = plan_launch(T, H, sw + ew, tgt.processors)
+    plan = FIXED_LAUNCH if tgt.fixed_order else plan_launch(T, H, sw + ew, tgt.processors)
     BN, BH, DB = block_n or plan.block_n, block_h or plan.block_h, block_d or plan.block_d
     nbs, nbe = cdiv(sw, BN), cdiv(ew, BN)
     NB, NC = nbs + nbe, (nbs + nbe) * BN

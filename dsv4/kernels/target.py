@@ -1,6 +1,7 @@
 """The device facts our kernels' calls are planned by, as one value (`Target`): resolved once from the device
 by a strategy's `prepare` (dsv4.kernels.launch.target), so that no call asks the GPU, or reads whether
-Triton interprets the kernels, again. Plain Python: the strategies' needs() may import what sits beside it."""
+Triton interprets the kernels, again; with them, whether a call may be planned by the step's size at all
+(`fixed_order`). Plain Python: the strategies' needs() may import what sits beside it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +16,9 @@ class Target:
     processors: int       # streaming multiprocessors (compute units): what a launch has to fill
     interpret: bool = False
     l2_bytes: int = 0     # its last-level cache: rows of a pool larger than this come from DRAM
+    # batch_invariant=true: every call of a shape takes one launch, planned without the step's size (its rows,
+    # its tokens, its lists' widths), so that a row's sums are the same whatever else is in the step
+    fixed_order: bool = False
 
 
 def check_kernels(kernels: Target | None, tensor, who: str) -> None:

@@ -2,32 +2,35 @@
 published FP4 numerics need of the model, and the check of an option's `top_k`."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 from dsv4.formats.fp4 import FP4_BLOCK
 from dsv4.strategies.protocols import Needs, TopKStrategy
+
+
+def triton_target(device, batch_invariant: bool = False):
+    """What an option scoring by our Triton kernel prepares: the device's facts its launches are planned by,
+    resolved once (`dsv4.kernels.launch.device_target`; None on the CPU, where the torch path runs), with
+    batch_invariant=true's fixed launches."""
+    from dsv4.kernels.launch import device_target
+
+    return device_target(device, fixed_order=batch_invariant)
 
 
 def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, prepared=None):
     """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): rows of the keys' dtype, FP4
     or fp8 records, or e4m3 queries with their scales in w (no per-step plan), planned by the device's
-    facts `prepare` resolved (`dsv4.kernels.launch.device_target`)."""
+    facts `prepare` resolved (`triton_target`)."""
     from dsv4.kernels.indexer_logits import indexer_logits
 
     return indexer_logits(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale, target=prepared)
 
 
-# what the rotation and the FP4 blocks need of the model, and the fix where it has other shapes
+# what the rotation and the FP4 blocks need of the model, and the fix where it has other shapes; what the
+# options scored by the torch path (the CPU) or our Triton kernels (a GPU) give: batch invariance (the torch
+# path's fixed blocks and stable selection, the kernels' fixed launches)
 FP4_NEEDS = Needs(model_multiples=(("index_head_dim", FP4_BLOCK),), model_powers_of_two=("index_head_dim",),
-                  fix="indexer=exact")
+                  fix="indexer=exact", batch_invariant=True)
 
 
-def torch_path_invariance(needs: Needs, device) -> Needs:
-    """`needs` with what an option scored by the indexer's torch path on the CPU and by our Triton kernels on a
-    GPU can give: batch invariance on the CPU (the torch path's fixed order), not yet on a GPU."""
-    return replace(needs, batch_invariant=device.platform == "cpu",
-                   variance="on a GPU its scores and top-k run our Triton kernels, not yet made independent of the "
-                            "step")
 
 
 def check_top_k(option) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
-from dsv4.strategies.indexer.common import FP4_NEEDS, check_top_k, torch_path_invariance, triton_scores
+from dsv4.strategies.indexer.common import FP4_NEEDS, check_top_k, triton_scores, triton_target
 from dsv4.strategies.indexer.key_layouts import Fp8KeyLayout, e4m3_queries
 from dsv4.strategies.indexer.top_k.triton import TritonTopK
 from dsv4.strategies.protocols import Needs, TopKStrategy
@@ -31,12 +31,10 @@ class TritonFp8Indexer:
         check_top_k(self)
 
     def needs(self, device) -> Needs:
-        return torch_path_invariance(FP4_NEEDS, device)
+        return FP4_NEEDS
 
-    def prepare(self, *, head_dim: int, device):
-        from dsv4.kernels.launch import device_target
-
-        return device_target(device)
+    def prepare(self, *, head_dim: int, device, batch_invariant: bool = False):
+        return triton_target(device, batch_invariant)
 
     def key_layout(self, *, dtype: str, head_dim: int) -> Fp8KeyLayout:
         return Fp8KeyLayout(head_dim=head_dim)

@@ -37,10 +37,10 @@ def fp8_blocks(weight: LinearWeight, device) -> Fp8Linear:
     return Fp8Linear(weight=blocks.weight.to(dev).contiguous(), scale=blocks.scale.to(dev).float().contiguous())
 
 
-def triton_blocks(weight: LinearWeight, device) -> Fp8Linear:
+def triton_blocks(weight: LinearWeight, device, *, fixed_order: bool = False) -> Fp8Linear:
     """The blocks on the device with what our Triton product keeps (dsv4/kernels/fp8_linear.py): this
     projection's own arrival counters (its split products' last program adds the partial sums) and the
-    device's facts its launch is planned by."""
+    device's facts its launch is planned by (`fixed_order`: one launch for every row count)."""
     from dataclasses import replace
 
     from dsv4.kernels.fp8_linear import counters
@@ -49,7 +49,7 @@ def triton_blocks(weight: LinearWeight, device) -> Fp8Linear:
     blocks = fp8_blocks(weight, device)
     count = counters(blocks.weight.shape[0], device.torch_device)
     # on the CPU none: the tests' interpreted kernels plan by the tensors' device
-    return replace(blocks, count=count, target=device_target(device))
+    return replace(blocks, count=count, target=device_target(device, fixed_order=fixed_order))
 
 
 def triton_product(x, prepared: Fp8Linear, out_dtype=None):

@@ -19,7 +19,9 @@ class ReferenceLinear:
     fp8_input: ClassVar[bool] = False
 
     def needs(self, device) -> Needs:
-        return Needs(batch_invariant=device.platform == "cpu", variance="shown on the CPU only")
+        # batch_invariant=true: products on tiles of a fixed row count (a fixed shape's BLAS call)
+        return Needs(batch_invariant=device.platform in ("cpu", "cuda"),
+                     variance="not shown on ROCm, whose BLAS libraries may add a product's K splits with atomics")
 
     def prepare(self, weight: LinearWeight, *, device, dtype: str, batch_invariant: bool = False) -> FloatLinear:
         from dsv4.dtypes import torch_dtype

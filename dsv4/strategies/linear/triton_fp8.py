@@ -14,18 +14,20 @@ from dsv4.strategies.protocols import LinearWeight, Needs
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TritonFp8Linear:
-    """Our Triton block-scaled e4m3 product, its launch planned from the step's rows and the device."""
+    """Our Triton block-scaled e4m3 product, its launch planned from the step's rows and the device (under
+    batch_invariant=true from the weight's shape alone)."""
     name: str = "triton_fp8"
     error_budget: ClassVar[float] = 3e-2        # vs the oracle with fp8 numerics: bf16 rounding moves e4m3 edges
     numerics: ClassVar[LinearNumerics] = LinearNumerics.FP8
     fp8_input: ClassVar[bool] = True
 
     def needs(self, device) -> Needs:
+        # batch_invariant=true: one launch for every row count (kernels/fp8_linear.py fixed_plan)
         return replace(fp8_needs(platforms={"cuda"}, archs=FP8_TRITON_ARCHS, modules=(("triton", "triton"),)),
-                       variance="our fp8 product's tiles and K split are planned by the row count")
+                       batch_invariant=True)
 
-    def prepare(self, weight: LinearWeight, *, device, dtype: str) -> Fp8Linear:
-        return triton_blocks(weight, device)
+    def prepare(self, weight: LinearWeight, *, device, dtype: str, batch_invariant: bool = False) -> Fp8Linear:
+        return triton_blocks(weight, device, fixed_order=batch_invariant)
 
     def __call__(self, x, prepared: Fp8Linear, *, out_dtype=None):
         return triton_product(x, prepared, out_dtype)

@@ -57,24 +57,25 @@ class TritonSparseMQA:
                                  f"setting: add variant=two_pass")
 
     def needs(self, device) -> Needs:
-        VARIANCE = ("splits a small step's lists over blocks and groups MTP tokens by the step's size "
-                    "(kernels/sparse_plan.py)")
+        # batch_invariant=true: launches fixed whatever the step (kernels/sparse_plan.py FIXED_*)
         if self.variant == "hopper":
             return Needs(platforms=frozenset({"cuda"}), archs=HOPPER_ARCHS,
                          row_formats=frozenset({FP8_DS_MLA}), dtypes=HOPPER_DTYPES,
                          modules=(("triton", "triton>=3.6"),), fp8_formats=frozenset({"ocp"}),
                          model_values=(("head_dim", HOPPER_HEAD_DIM), ("qk_rope_head_dim", 64)),
-                         fix="mqa_kernel.variant=auto", variance=VARIANCE)
+                         fix="mqa_kernel.variant=auto", batch_invariant=True)
         return Needs(platforms=frozenset({"cuda", "rocm"}), archs=TRITON_ARCHS, row_formats=READS,
                      dtypes=frozenset({"bfloat16"}), modules=(("triton", "triton"),),
                      fp8_formats=frozenset({"ocp", "fnuz"}),       # whichever the layout stores
-                     model_values=(("head_dim", 512), ("qk_rope_head_dim", 64)), variance=VARIANCE)
+                     model_values=(("head_dim", 512), ("qk_rope_head_dim", 64)), batch_invariant=True)
 
-    def prepare(self, *, device) -> Target:
-        """The device's facts the calls are planned by (arch, e4m3 in hardware, processors), resolved once."""
+    def prepare(self, *, device, batch_invariant: bool = False) -> Target:
+        """The device's facts the calls are planned by (arch, e4m3 in hardware, processors), resolved once;
+        with batch_invariant, launches that do not follow the step (Target.fixed_order)."""
         from dsv4.kernels.launch import target
 
-        return target(platform=device.platform, arch=device.arch, torch_device=device.torch_device)
+        return target(platform=device.platform, arch=device.arch, torch_device=device.torch_device,
+                      fixed_order=batch_invariant)
 
     def plan(self, *, tokens: int, layer_type: str, previous=None) -> None:
         return None

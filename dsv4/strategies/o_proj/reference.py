@@ -27,7 +27,9 @@ class ReferenceOProj:
     error_budget: ClassVar[float] = 0.0     # vs the oracle: the float32 projection
 
     def needs(self, device) -> Needs:
-        return Needs(batch_invariant=device.platform == "cpu", variance="shown on the CPU only")
+        # batch_invariant=true: products on tiles of a fixed row count (a fixed shape's BLAS call)
+        return Needs(batch_invariant=device.platform in ("cpu", "cuda"),
+                     variance="not shown on ROCm, whose BLAS libraries may add a product's K splits with atomics")
 
     def prepare(self, weights: OProjWeights, *, device, dtype: str, batch_invariant: bool = False) -> FloatWoA:
         from dsv4.dtypes import torch_dtype

@@ -27,9 +27,10 @@ class TritonFp8OProj:
                 raise ValueError(f"o_proj=triton_fp8: {key}={getattr(self, key)} is not one of {allowed}")
 
     def needs(self, device) -> Needs:
-        return fp8_needs(archs=FP8_TRITON_ARCHS)
+        # batch invariant: one launch shape (block_m rows, all of K) whatever the step's tokens
+        return replace(fp8_needs(archs=FP8_TRITON_ARCHS), batch_invariant=True)
 
-    def prepare(self, weights: OProjWeights, *, device, dtype: str) -> Fp8WoA:
+    def prepare(self, weights: OProjWeights, *, device, dtype: str, batch_invariant: bool = False) -> Fp8WoA:
         """The weights in blocks, and the device's facts the product's calls plan by (resolved once)."""
         from dsv4.kernels.launch import device_target
 

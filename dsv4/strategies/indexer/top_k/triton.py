@@ -11,9 +11,9 @@ class TritonTopK:
     name: str = "triton"
 
     def needs(self, device) -> Needs:
-        # on the CPU the indexer selects by a stable sort (the lower index first among equal scores)
-        return Needs(batch_invariant=device.platform == "cpu",
-                     variance="our radix select's choice among equal scores is not yet fixed")
+        # batch invariant: a token's list is its row's alone, the lower indices first among scores equal to
+        # the k-th (the torch path on the CPU: a stable sort)
+        return Needs(batch_invariant=True)
 
     def __call__(self, scores, counts, pages, token_request, *, topk: int, block_size: int):
         """scores [T, >= width] float32 (row t visible below counts[t]) -> (local [T, topk], slots [T, topk],
