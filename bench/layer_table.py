@@ -10,13 +10,8 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
-
-from hydra import compose, initialize_config_dir
-
-from dsv4.catalogue import CONFIG_DIR
+from dsv4 import api
 from dsv4.errors import USER_ERRORS
-from dsv4.job import make_job, problems_for, raise_if
 from dsv4.benches.grid import bench_grid
 from dsv4.benches.layer import DECODE_CASES, ERROR, bench_layer_step
 from dsv4.benches.padding import TP_SIZES, bench_padding
@@ -51,12 +46,8 @@ def main() -> None:
         setattr(a, key, [x for x in given if "=" not in x] or (None if getattr(a, key) is None else []))
     if not any(o.startswith("deployment=") for o in a.overrides):
         a.overrides.insert(0, "deployment=h200")
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
-        job = make_job(compose(config_name="config", overrides=a.overrides))
-    deployment = next(o.split("=", 1)[1] for o in a.overrides if o.startswith("deployment="))
-    job = replace(job, choices=job.choices | {"deployment": deployment})
     try:                  # a deployment this machine is not (a GPU table on a CPU): refused, as mode=bench does
-        raise_if(job, problems_for(job, running=True))
+        job = api.compose(a.overrides)
     except USER_ERRORS as e:
         raise SystemExit(f"error: {e}") from None
     failed: list[str] = []

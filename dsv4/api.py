@@ -51,7 +51,9 @@ def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, dev
         raise TypeError(f"spec: a dsv4.spec.ModelSpec, got {type(spec).__name__}")
     if device is not None and not isinstance(device, DeviceInfo):
         raise TypeError(f"device: a dsv4.device.DeviceInfo, got {type(device).__name__}")
-    for group, strat in zip(GROUPS, (mqa_kernel, o_proj, head_padding, cache_layout, indexer, linear)):
+    given = {g: s for g, s in zip(GROUPS, (mqa_kernel, o_proj, head_padding, cache_layout, indexer, linear))
+             if s is not None}
+    for group, strat in given.items():
         _check_strategy(group, strat)
     outer = GlobalHydra.instance().hydra          # a Hydra app of the caller's keeps its own state
     GlobalHydra.instance().clear()
@@ -66,8 +68,6 @@ def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, dev
     with open_dict(cfg):
         del cfg["hydra"]
     job = make_job(cfg, choices=choices)
-    given = {g: s for g, s in zip(GROUPS, (mqa_kernel, o_proj, head_padding, cache_layout, indexer, linear))
-             if s is not None}
     if spec is not None:
         spec.validate()
         job = replace(job, spec=spec, combo=replace(job.combo, spec=spec), choices=job.choices | {"model": spec.name})

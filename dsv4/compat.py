@@ -176,15 +176,22 @@ def _invariance_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
         return []
     from dsv4.catalogue import options
 
+    def able(option) -> bool:
+        needs = option.needs(device)
+        return needs.batch_invariant and (not needs.platforms or device.platform in needs.platforms)
+
+    def rank(strat, name: str, option) -> tuple:
+        """Options of the strategy's numerics (and query format) first, then a kernel before the reference."""
+        return (*(getattr(option, a, None) != getattr(strat, a, None) for a in ("numerics", "query_format")),
+                name == "reference")
+
     out = []
     for group, strat in _needing(c):
         needs = strat.needs(device)
         if needs.batch_invariant:
             continue
-        can = sorted((n for n, o in options(group).items() if o.needs(device).batch_invariant
-                      and not (o.needs(device).platforms and device.platform not in o.needs(device).platforms)),
-                     key=lambda n: (*(getattr(options(group)[n], a, None) != getattr(strat, a, None)
-                                      for a in ("numerics", "query_format")), n == "reference"))
+        ables = {n: o for n, o in options(group).items() if able(o)}
+        can = sorted(ables, key=lambda n: rank(strat, n, ables[n]))
         out.append(Problem(group=group, value=strat.name, reason=f"cannot be batch-invariant on "
                            f"{device.describe()} (batch_invariant=true): {needs.variance}",
                            fix=f"{group}={can[0]}" if can else "batch_invariant=false"))

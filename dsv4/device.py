@@ -32,7 +32,6 @@ class DeviceInfo:
         for k in ("arch", "name"):
             if node.get(k) is None:
                 node[k] = ""
-        node.setdefault("memory_gib", None)
         return parse(cls, node, "device")
 
     @property

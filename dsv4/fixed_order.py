@@ -11,6 +11,12 @@ ROW_TILE = 32       # rows per product call
 KEY_BLOCK = 64      # keys per reduction block
 
 
+def asked(batch_invariant: bool) -> dict:
+    """The keywords an option's prepare() gets for batch_invariant: only where it is asked for, so that an
+    option that cannot give it (check() refuses it then) need not take the keyword."""
+    return {"batch_invariant": True} if batch_invariant else {}
+
+
 def in_row_tiles(fn, x, tile: int = ROW_TILE):
     """fn over x's rows in calls of exactly `tile` rows (the last tile zero-padded): row i of the result is
     fn's value for row i alone, whatever the other rows. `fn` maps rows to rows (a product, an einsum)."""

@@ -103,15 +103,8 @@ def workload_problems(job: Job) -> list[Problem]:
         out.append(Problem(group="workload.kv_pool.max_requests", value=str(job.pool.max_requests),
                            reason=f"the workload holds {len(lengths)} requests at once",
                            fix=f"workload.kv_pool.max_requests={len(lengths)}"))
-    groups = job_page_groups(job)
     steps = wl.steps()
-    short: dict[str, PagePeak] = {}        # knob -> the largest peak past its size among the groups it sizes
-    for peak in peak_pages(groups, steps):
-        g = peak.group
-        if g.knob == "max_requests":                 # state pages: sized by max_requests, checked above
-            continue
-        if peak.pages > g.num_blocks and peak.pages > getattr(short.get(g.knob), "pages", 0):
-            short[g.knob] = peak
+    short = {knob: peak for knob, peak in knob_peaks(job).items() if peak.pages > peak.group.num_blocks}
     for knob, peak in short.items():
         g = peak.group
         out.append(Problem(group=f"workload.kv_pool.{knob}", value=str(getattr(job.pool, knob)),
@@ -151,9 +144,10 @@ def memory_budgets(job: Job, mem: JobMemory, *, running: bool) -> list[tuple[int
     return out
 
 
-def memory_line(job: Job, *, running: bool) -> str:
-    """The job's estimated peak and what it is judged against, in one line (check, info, run)."""
-    mem = estimate(job)
+def memory_line(job: Job, *, running: bool, mem: JobMemory | None = None) -> str:
+    """The job's estimated peak (`mem`, if the caller has it) and what it is judged against, in one line
+    (check, info, run)."""
+    mem = mem or estimate(job)
     judged = "; ".join(f"{what}" for _, _, what, _ in memory_budgets(job, mem, running=running))
     return f"memory: {mem.describe()}" + (f"; {judged}" if judged else "; the device's memory is not known "
                                                                          "(device.memory_gib)")
@@ -169,16 +163,24 @@ def memory_problems(job: Job, *, running: bool) -> list[Problem]:
             for need, have, what, which in memory_budgets(job, mem, running=running) if need > have]
 
 
+def knob_peaks(job: Job) -> dict[str, PagePeak]:
+    """Per size of the pool (`workload.kv_pool.<knob>`; the state pages' max_requests is checked apart) the
+    largest page peak of the groups it sizes over the workload's steps (the groups a knob sizes share it)."""
+    out: dict[str, PagePeak] = {}
+    for peak in peak_pages(job_page_groups(job), job.workload.steps()):
+        knob = peak.group.knob
+        if knob != "max_requests" and peak.pages > getattr(out.get(knob), "pages", -1):
+            out[knob] = peak
+    return out
+
+
 def memory_fix(job: Job, mem: JobMemory, *, host: bool) -> str:
     """What to change to shrink the largest part of a peak that does not fit."""
     parts = {"record": mem.record, "oracle": mem.oracle, "float_weights": mem.float_weights} if host else \
         {k: v for k, v in mem.parts().items() if mem.on_host or k in ("kv_pools", "weights", "step")}
     largest = max(parts, key=parts.__getitem__)
     if largest == "kv_pools":
-        need: dict[str, int] = {}
-        for peak in peak_pages(job_page_groups(job), job.workload.steps()):
-            if peak.group.knob != "max_requests":
-                need[peak.group.knob] = max(need.get(peak.group.knob, 1), peak.pages)
+        need = {knob: max(1, peak.pages) for knob, peak in knob_peaks(job).items()}
         knob = max(need, key=lambda k: getattr(job.pool, k) / need[k])     # the most oversized
         if need[knob] < getattr(job.pool, knob):
             return f"workload.kv_pool.{knob}={need[knob]} (the pages this workload's steps hold at most)"

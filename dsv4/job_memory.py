@@ -10,6 +10,7 @@ are on the device and the grading on the host. Pure Python: `mode=check` imports
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +19,11 @@ from dsv4.components.kv_pool import page_groups
 from dsv4.components.weights import SHARDED, weight_shapes
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.layer_types import by_ratio
+from dsv4.memory import GIB
 from dsv4.parallel import processes
 from dsv4.strategies import indexer_keys_layout
 
 MIB = 2 ** 20
-GIB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # per token of a step, per head-dim value of its (padded) heads: the activations the layer makes at once
 # (queries, their normed and rotated forms, the attention output and its inverse rotation, the o_proj's
@@ -119,8 +120,8 @@ def estimate(job) -> JobMemory:
     layers = wl.layer_indices(spec)
     itemsize = DTYPE_BYTES[c.dtype]
     shapes = {l: weight_shapes(spec, spec.compress_ratio(l)) for l in layers}
-    numel = {l: sum(_numel(s) for s in shapes[l].values()) for l in layers}
-    cut = sum(_numel(s) for l in layers for name, s in shapes[l].items() if name in SHARDED)
+    numel = {l: sum(math.prod(s) for s in shapes[l].values()) for l in layers}
+    cut = sum(math.prod(s) for l in layers for name, s in shapes[l].items() if name in SHARDED)
     float_weights = 4 * sum(numel.values())
     if c.linear.numerics is LinearNumerics.FP8:     # the fp8 blocks too, and the float values they were made
         float_weights = 2 * float_weights + sum(numel.values())    # from, for the float-linear comparison
@@ -153,13 +154,6 @@ def estimate(job) -> JobMemory:
     oracle += 4 * max(numel.values())
     return JobMemory(kv_pools=pool_bytes(job), weights=weights, float_weights=float_weights, step=step,
                      record=record, oracle=oracle, on_host=job.device.platform == "cpu")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def host_available() -> tuple[int, str]:

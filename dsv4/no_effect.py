@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from dsv4.layer_types import INDEXED
+from dsv4.layer_types import INDEXED, by_ratio
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -13,6 +13,14 @@ class Inert:
     """Keys (a key or a section's prefix) that have no effect while `why(job, multirun)` says so."""
     keys: tuple[str, ...]
     why: Callable[..., str | None]
+
+
+def _nothing_indexed(job) -> str | None:
+    """Why an `indexer` setting changes nothing: no ratio-4 layer among the job's layers (None if there is one)."""
+    layers = list(job.workload.layer_indices(job.spec))
+    if any(by_ratio(job.spec.compress_ratio(l)).indexed for l in layers):
+        return None
+    return f"no ratio-{INDEXED.ratio} layer among the job's layers {layers}: nothing is indexed"
 
 
 RULES = (
@@ -30,11 +38,7 @@ RULES = (
     Inert(keys=("checkpoint.",),
           why=lambda job, multirun: "weights=random: the layers' weights are seeded random"
           if job.run.weights == "random" else None),
-    Inert(keys=("indexer",),
-          why=lambda job, multirun: None if any(job.spec.compress_ratio(l) == INDEXED.ratio
-                                                for l in job.workload.layer_indices(job.spec))
-          else f"no ratio-{INDEXED.ratio} layer among the job's layers "
-               f"{list(job.workload.layer_indices(job.spec))}: nothing is indexed"),
+    Inert(keys=("indexer",), why=lambda job, multirun: _nothing_indexed(job)),
     Inert(keys=("indexer.top_k",),
           why=lambda job, multirun: "on the CPU the indexer selects with torch.topk"
           if job.device.platform == "cpu" else None),

@@ -202,7 +202,9 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
         c = "indexer.compressor."
         keys = _compress(x, w[c + "wkv.weight"], w[c + "wgate.weight"], w[c + "ape"], w[c + "norm.weight"], 4,
                          model["index_head_dim"], f, eps)
-        kidx = {n: _fp4_indexer(keys) if n == IndexerNumerics.FP4.value else keys for n in INDEXER_NUMERICS}
+        # every numerics the oracle offers where its scores are kept or graded; the run's own alone otherwise
+        kidx = {n: _fp4_indexer(keys) if n == IndexerNumerics.FP4.value else keys
+                for n in (INDEXER_NUMERICS if keep_scores or grade else (indexer_numerics,))}
     given = None if topk is None else torch.as_tensor(topk).long()
     out = torch.zeros(L, w["wo_b.weight"].shape[0])
     K = model["index_topk"]              # the selections, filled chunk by chunk (ratio 4)
@@ -237,7 +239,7 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
 
 def _queries(model, ratio, w, x, a, b, *, raw, comp, kidx, f, lin, H, topk, indexer_numerics):
     """Queries a..b-1 of one request (docs/numerics.md §5), over the raw rows of their windows and the
-    compressed entries complete before them; `kidx`: the indexer keys under each numerics."""
+    compressed entries complete before them; `kidx`: the indexer keys under each numerics scored."""
     D, W, eps, G = model["head_dim"], model["sliding_window"], model["rms_norm_eps"], model["o_groups"]
     C, pos = b - a, torch.arange(a, b)
     lo = max(0, a - W + 1)                                         # the first raw row the chunk's windows reach
@@ -253,8 +255,8 @@ def _queries(model, ratio, w, x, a, b, *, raw, comp, kidx, f, lin, H, topk, inde
             Hi, Di, K = model["index_n_heads"], model["index_head_dim"], model["index_topk"]
             iq = _rope((lin(qr) @ w["indexer.wq_b.weight"].T).view(C, Hi, Di), pos[:, None], f)
             hw = (x[a:b] @ w["indexer.weights_proj.weight"].T) * Di ** -0.5 * Hi ** -0.5
-            by = {}                     # the scores under each numerics the oracle offers (for grading)
-            for numerics in INDEXER_NUMERICS:
+            by = {}                     # the scores under each numerics in kidx (all of them for grading)
+            for numerics in kidx:
                 qn = _fp4_indexer(iq) if numerics == IndexerNumerics.FP4.value else iq
                 sc = (torch.einsum("lhd,nd->lhn", qn, kidx[numerics]).relu() * hw[..., None]).sum(1)
                 by[numerics] = sc.masked_fill(~visible, -math.inf)

@@ -158,9 +158,10 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     wl, pool = job.workload, job.pool
     layers = wl.layer_indices(spec)
     seed = job.run.seed
+    mem = estimate(job)             # the job's peak, estimated before the work
     if ranks.is_main:               # before the work, flushed: a log or a pipe hears at once what runs
         print(start_line(job, layers), flush=True)
-        print("  " + memory_line(job, running=True), flush=True)
+        print("  " + memory_line(job, running=True, mem=mem), flush=True)
     rss_at_start = process_rss()
     torch.manual_seed(seed)
     weights, fp8 = load_or_random(job, layers, seed)
@@ -250,7 +251,6 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
     metrics["ranks"] = per_rank
     # the job's peak (after the grading): estimated before it started, and measured -- the process's max RSS
     # (every part, on a CPU deployment; the grading's, beside an accelerator) and the GPU allocator's peak
-    mem = estimate(job)
     totals = mem.parts() | {"device": mem.device, "host": mem.host}
     metrics["estimated_peak"] = {f"{k}_bytes": v for k, v in totals.items()}
     metrics["peak_rss_bytes"] = peak_rss()

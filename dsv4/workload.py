@@ -97,7 +97,8 @@ class RunRecord:
     def cat(self) -> dict[str, Any]:
         n = self.filled
         return {"hidden": self.hidden[:n], "positions": self.positions[:n], "request_index": self.request_index[:n],
-                "outputs": {l: v[:n] for l, v in self.outputs.items()}, "topk": {l: v[:n] for l, v in self.topk.items()}}
+                "outputs": {l: v[:n] for l, v in self.outputs.items()},
+                "topk": {l: v[:n] for l, v in self.topk.items()}}
 
 
 def run_workload(engine, workload: Workload, *, hidden_size: int, seed: int, progress=None,

@@ -22,7 +22,7 @@ from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
 from dsv4.components.plan import StepPlan
 from dsv4.components.rope import Rope
-from dsv4.fixed_order import in_row_tiles
+from dsv4.fixed_order import asked, in_row_tiles
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
 from dsv4.kernels.target import Target
@@ -91,8 +91,8 @@ class DSV4Attention(torch.nn.Module):
                       if not s.needs(device).batch_invariant]
             if cannot:
                 raise ValueError(f"batch_invariant=true: {', '.join(cannot)} cannot give it on {device.describe()}")
-        self.mqa_prepared = mqa_kernel.prepare(device=device, **self._invariant())
-        self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype, **self._invariant())
+        self.mqa_prepared = mqa_kernel.prepare(device=device, **asked(self.batch_invariant))
+        self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype, **asked(self.batch_invariant))
         fp8 = fp8 or {}
 
         def weight(name: str, values) -> LinearWeight:
@@ -127,16 +127,12 @@ class DSV4Attention(torch.nn.Module):
         sink[:heads] = weights["attn_sink"].to(dev)
         self.register_buffer("attn_sink", sink)
 
-    def _invariant(self) -> dict:
-        """What an option's prepare() is asked for batch invariance: only an option that can is asked."""
-        return {"batch_invariant": True} if self.batch_invariant else {}
-
     def _prepare(self, name: str, weight: LinearWeight, device, dtype: str):
         """`linear`'s prepared product; its tensors are also this module's buffers (`name`, `name_scale`...),
         so that `buffers()` -- the memory report's weights -- holds them."""
         import dataclasses
 
-        prepared = self.linear.prepare(weight, device=device, dtype=dtype, **self._invariant())
+        prepared = self.linear.prepare(weight, device=device, dtype=dtype, **asked(self.batch_invariant))
         for f in dataclasses.fields(prepared):
             value = getattr(prepared, f.name)
             if isinstance(value, torch.Tensor):

@@ -20,7 +20,7 @@ which is the CPU path and the kernels' specification.
 from __future__ import annotations
 
 from dsv4.components.compressor import CompressPart
-from dsv4.fixed_order import KEY_BLOCK, pad_keys, stable_top
+from dsv4.fixed_order import KEY_BLOCK, asked, pad_keys, stable_top
 from dsv4.formats.indexer_numerics import IndexerNumerics
 from dsv4.kernels.target import Target, check_kernels
 from dsv4.layer_types import INDEXED
@@ -43,7 +43,7 @@ class Indexer:
         self.batch_invariant = batch_invariant
         self.strategy = strategy if strategy is not None else ExactIndexer()      # the `indexer` option
         self.prepared = self.strategy.prepare(head_dim=head_dim, device=device or wq_b.device,
-                                              **({"batch_invariant": True} if batch_invariant else {}))
+                                              **asked(batch_invariant))
 
     @property
     def weight_scale(self) -> float:

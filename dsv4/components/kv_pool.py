@@ -280,12 +280,6 @@ def page_groups(*, window: int, ratios, pool: PoolConfig) -> dict[str, PageGroup
     return groups
 
 
-def held_pages(group: PageGroup, length: int) -> int:
-    """Pages a request of `length` positions holds in `group` once its last step committed."""
-    bs, rule = group.block_size, group.rule
-    return max(0, cdiv(rule.rows(length), bs) - rule.first_kept(length) // bs)
-
-
 def step_pages(group: PageGroup, start: int, new_len: int) -> int:
     """Pages a request holds in `group` while a step takes it from `start` to `new_len` positions: those
     its last commit kept and those the step writes into (`PageGroup.missing`), freed only at the commit."""
@@ -314,8 +308,9 @@ def peak_pages(groups: dict[str, PageGroup], steps) -> list[PagePeak]:
     best = {name: PagePeak(group=g, pages=0, step=0) for name, g in groups.items()}
     for n, (_, chunk) in enumerate(steps, 1):
         for name, g in groups.items():
-            held = sum(held_pages(g, length[r]) for r in length if r not in chunk)
-            held += sum(step_pages(g, length.get(r, 0), length.get(r, 0) + k) for r, k in chunk.items())
+            # a request the step does not take holds what its last commit kept: step_pages from n to n
+            held = sum(step_pages(g, length.get(r, 0), length.get(r, 0) + chunk.get(r, 0))
+                       for r in length.keys() | chunk.keys())
             if held > best[name].pages:
                 best[name] = PagePeak(group=g, pages=held, step=n)
         for r, k in chunk.items():

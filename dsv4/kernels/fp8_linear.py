@@ -284,17 +284,16 @@ def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = Non
             raise ValueError(f"fp8 linear: {count_buf.numel()} counters for {(N // bn) * cdiv(M, bm)} tiles")
     if xs is not None and xs.dtype != torch.float32:
         xs = xs.float()
-    x = as_dense(x)
+    x, w, ws = as_dense(x), as_dense(w), as_f32(ws)
+    xs_strides = (xs.stride(0), xs.stride(1)) if xs is not None else (0, 0)
     part = torch.empty(sp, rows, N, dtype=torch.float32, device=x.device) if sp > 1 else y
     for r0 in range(0, M, rows):     # each launch's rows start a tile: a row's tile is the same in any of them
         r1 = min(M, r0 + rows)
-        xr = x[r0:r1]
-        xsr = xs[r0:r1] if xs is not None else xr
-        launch(_fp8_linear_kernel, (N // bn, sp, cdiv(r1 - r0, bm)), xr, xsr,
-               xs.stride(0) if xs is not None else 0, xs.stride(1) if xs is not None else 0,
-               as_dense(w), as_f32(ws), y[r0:r1], part, count_buf, r1 - r0, N, K, BM=bm, BN=bn, SPLIT=sp,
-               QUANT=not fp8_x, DOT=tl.float32 if tgt.interpret else tl.float8e4nv, STAGES=p.num_stages,
-               num_warps=p.num_warps)
+        xr, yr = (x, y) if rows == M else (x[r0:r1], y[r0:r1])
+        xsr = xr if xs is None else xs if rows == M else xs[r0:r1]
+        launch(_fp8_linear_kernel, (N // bn, sp, cdiv(r1 - r0, bm)), xr, xsr, *xs_strides, w, ws, yr, part,
+               count_buf, r1 - r0, N, K, BM=bm, BN=bn, SPLIT=sp, QUANT=not fp8_x,
+               DOT=tl.float32 if tgt.interpret else tl.float8e4nv, STAGES=p.num_stages, num_warps=p.num_warps)
     return y.to(out_dtype)
 
 

@@ -6,19 +6,10 @@ from dsv4.formats.fp4 import FP4_BLOCK
 from dsv4.strategies.protocols import Needs, TopKStrategy
 
 
-def triton_target(device, batch_invariant: bool = False):
-    """What an option scoring by our Triton kernel prepares: the device's facts its launches are planned by,
-    resolved once (`dsv4.kernels.launch.device_target`; None on the CPU, where the torch path runs), with
-    batch_invariant=true's fixed launches."""
-    from dsv4.kernels.launch import device_target
-
-    return device_target(device, fixed_order=batch_invariant)
-
-
 def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, prepared=None):
     """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): rows of the keys' dtype, FP4
     or fp8 records, or e4m3 queries with their scales in w (no per-step plan), planned by the device's
-    facts `prepare` resolved (`triton_target`)."""
+    facts `prepare` resolved (`dsv4.kernels.launch.device_target`)."""
     from dsv4.kernels.indexer_logits import indexer_logits
 
     return indexer_logits(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale, target=prepared)

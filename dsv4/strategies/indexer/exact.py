@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
-from dsv4.strategies.indexer.common import check_top_k, triton_scores, triton_target
+from dsv4.strategies.indexer.common import check_top_k, triton_scores
 from dsv4.strategies.indexer.top_k.triton import TritonTopK
 from dsv4.strategies.protocols import Needs, TopKStrategy
 
@@ -27,7 +27,9 @@ class ExactIndexer:
         return Needs(batch_invariant=True)       # the torch path's fixed order; our kernels' fixed launches
 
     def prepare(self, *, head_dim: int, device, batch_invariant: bool = False):
-        return triton_target(device, batch_invariant)
+        from dsv4.kernels.launch import device_target
+
+        return device_target(device, fixed_order=batch_invariant)
 
     def key_layout(self, *, dtype: str, head_dim: int) -> None:
         """None: plain rows in the activation dtype (the pool's PlainRowLayout): float32 activations keep exact

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
-from dsv4.strategies.indexer.common import FP4_NEEDS, check_top_k, triton_scores, triton_target
+from dsv4.strategies.indexer.common import FP4_NEEDS, check_top_k, triton_scores
 from dsv4.strategies.indexer.key_layouts import Mxfp4KeyLayout
 from dsv4.strategies.indexer.top_k.triton import TritonTopK
 from dsv4.strategies.protocols import Needs, TopKStrategy
@@ -32,7 +32,9 @@ class Mxfp4Indexer:
         return FP4_NEEDS
 
     def prepare(self, *, head_dim: int, device, batch_invariant: bool = False):
-        return triton_target(device, batch_invariant)
+        from dsv4.kernels.launch import device_target
+
+        return device_target(device, fixed_order=batch_invariant)
 
     def key_layout(self, *, dtype: str, head_dim: int) -> Mxfp4KeyLayout:
         return Mxfp4KeyLayout(head_dim=head_dim)

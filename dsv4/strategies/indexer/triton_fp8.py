@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
-from dsv4.strategies.indexer.common import FP4_NEEDS, check_top_k, triton_scores, triton_target
+from dsv4.strategies.indexer.common import FP4_NEEDS, check_top_k, triton_scores
 from dsv4.strategies.indexer.key_layouts import Fp8KeyLayout, e4m3_queries
 from dsv4.strategies.indexer.top_k.triton import TritonTopK
 from dsv4.strategies.protocols import Needs, TopKStrategy
@@ -34,7 +34,9 @@ class TritonFp8Indexer:
         return FP4_NEEDS
 
     def prepare(self, *, head_dim: int, device, batch_invariant: bool = False):
-        return triton_target(device, batch_invariant)
+        from dsv4.kernels.launch import device_target
+
+        return device_target(device, fixed_order=batch_invariant)
 
     def key_layout(self, *, dtype: str, head_dim: int) -> Fp8KeyLayout:
         return Fp8KeyLayout(head_dim=head_dim)
