@@ -8,6 +8,9 @@ added in order (a padding block adds exact zeros). docs/notes/2026-12-04-batch-i
 from __future__ import annotations
 
 ROW_TILE = 32       # rows per product call
+# rows per library product call on a GPU, where a call costs about the same from 1 row to this many (cuBLAS
+# on the H200, DSV4-Flash's float tail: 8-11 µs): a decode step of up to 256 requests is one call
+GPU_ROW_TILE = 256
 KEY_BLOCK = 64      # keys per reduction block
 
 

@@ -52,6 +52,50 @@ def test_a_product_row_is_the_same_in_any_step(N, K):
         assert torch.equal(got, want[rows.to(DEVICE)]), len(rows)
 
 
+@pytest.mark.skipif(not INTERPRET and not FP8, reason="needs NVIDIA fp8 tensor cores (sm89+)")
+def test_a_split_added_inside_the_programs_gives_the_split_launchs_sums():
+    """`inline` (where the tiles alone fill the GPU): each program adds the split's parts itself, in split
+    order -- the same bits as the parts spread over programs and added by the tile's last one."""
+    from dsv4.formats.fp8_blocks import quantize_blocks
+    from dsv4.kernels.fp8_linear import fp8_linear
+
+    g = torch.Generator().manual_seed(5)
+    b = quantize_blocks(torch.randn(256, 2048, generator=g) * 0.05)
+    w, ws = b.weight.to(DEVICE), b.scale.to(DEVICE)
+    x = (torch.randn(70, 2048, generator=g) * 3).bfloat16().to(DEVICE)
+    for split in (2, 4):
+        spread = fp8_linear(x, w, ws, target=fixed(), split=split, inline=False, out_dtype=torch.float32)
+        inline = fp8_linear(x, w, ws, target=fixed(), split=split, inline=True, out_dtype=torch.float32)
+        assert torch.equal(inline, spread), split
+
+
+def test_the_fixed_launch_keeps_its_split_and_takes_a_warpgroup_tile_only_on_hopper():
+    """The K split is the weight's alone at every row count; the tile follows the rows only where a row's
+    sums are the same in any tile (warpgroup MMAs of 64 rows and more, sm90)."""
+    from dsv4.kernels.fp8_linear import FIXED_M, fixed_launch, fixed_plan, plan
+    from dsv4.kernels.target import Target
+
+    for arch in ("sm90", "sm89", "sm100"):
+        tgt = Target(arch=arch, native_e4m3=True, processors=132, fixed_order=True)
+        for N, K in ((1536, 4096), (40960, 1024), (4096, 8192)):
+            for M in (1, 16, 64, 256, 8192):
+                p, q, fixed_p = fixed_launch(M, N, K, tgt), plan(M, N, K, tgt), fixed_plan(N, K, tgt)
+                assert p.split == fixed_p.split and p.quantize_first
+                tile = (q.block_m, q.block_n) if arch == "sm90" and q.block_m >= FIXED_M else \
+                    (fixed_p.block_m, fixed_p.block_n)
+                assert (p.block_m, p.block_n) == tile, (arch, N, K, M)
+
+
+def test_the_hopper_kernel_merges_inside_its_programs_only_where_the_spread_runs_overflow_the_gpu():
+    from dsv4.kernels.sparse_plan import FIXED_SPLITS, fixed_inline
+
+    assert FIXED_SPLITS == 2
+    assert fixed_inline(67, 64, FIXED_SPLITS, 132) and fixed_inline(34, 128, FIXED_SPLITS, 132)
+    assert not fixed_inline(66, 64, FIXED_SPLITS, 132)
+    assert not fixed_inline(512, 32, FIXED_SPLITS, 132)      # programs of 32 heads: the few-heads kernel
+    assert not fixed_inline(512, 64, 1, 132)
+
+
 # ---- the indexer's scores ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_tokens_scores_are_the_same_in_any_step(dtype):
@@ -88,8 +132,8 @@ VARIANTS = ["two_pass"] + (["hopper"] if GPU and torch.cuda.get_device_capabilit
 @pytest.mark.parametrize("H", [64] + ([8, 128] if BIG else []))
 def test_a_tokens_attention_is_the_same_in_any_step(variant, layer, H):
     """A token's output and lse, whatever tokens share its call, with its lists padded wider, in a step of
-    many tokens: the Hopper kernel's runs of blocks are its own lists' and are always merged; the two-pass
-    kernel takes one launch."""
+    many tokens: the Hopper kernel's runs of blocks are its own lists' and are always merged (by split_combine
+    in a small step, inside its programs in a large one); the two-pass kernel takes one launch."""
     from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
     from tests.test_triton_sparse import LAYER_TYPES, SCALE, case
 

@@ -22,7 +22,7 @@ from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
 from dsv4.components.plan import StepPlan
 from dsv4.components.rope import Rope
-from dsv4.fixed_order import asked, in_row_tiles
+from dsv4.fixed_order import GPU_ROW_TILE, ROW_TILE, asked, in_row_tiles
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
 from dsv4.kernels.target import Target
@@ -141,9 +141,11 @@ class DSV4Attention(torch.nn.Module):
 
     def _tail(self, x):
         """The compressors' rows (and the indexer's head weights) from the float tail weights, float32; under
-        batch_invariant in tiles of a fixed row count, since a product's kernel follows its rows."""
+        batch_invariant in tiles of a fixed row count, since a product's kernel follows its rows (on a GPU
+        GPU_ROW_TILE: one call up to a decode step of that many requests)."""
         if self.batch_invariant:
-            return in_row_tiles(lambda rows: mm_f32(rows, self.w_tail), x)
+            return in_row_tiles(lambda rows: mm_f32(rows, self.w_tail), x,
+                                GPU_ROW_TILE if self.kernels is not None else ROW_TILE)
         return mm_f32(x, self.w_tail)
 
     def forward(self, x, plan: StepPlan, caches: LayerCaches) -> LayerStepResult:

@@ -91,9 +91,9 @@ def compile_for(target: str, what: str) -> float:
             return {"acc_ptr": "*fp32", "groups_ptr": "*i32"}.get(a) or _arg_type(a, 1)
 
         ints = {"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"}
-        for split in (False, True):
+        for split, inline in ((False, False), (True, False), (False, True)):
             _compile(hop._hopper_kernel, dict(D=512, WG1_REGS=hop.WG1_REGS, PRODUCER_REGS=hop.PRODUCER_REGS,
-                                              SPLIT=split), types, ints, gpu, 4, maxnreg=hop.MAXNREG)
+                                              SPLIT=split, INLINE=inline), types, ints, gpu, 4, maxnreg=hop.MAXNREG)
             # per heads: one token per program, or a run's tokens up to 32 columns, compressed lists of
             # each token in turn or nested
             for nh, g, nested in ((8, 1, False), (16, 1, False), (32, 1, False), (8, 2, False), (8, 2, True),
@@ -120,17 +120,21 @@ def compile_for(target: str, what: str) -> float:
         for bm, warps in ((64, 4), (128, 8)):
             _compile(_grouped_fp8_kernel, dict(BM=bm, DOT=tl.float8e4nv, STAGES=4), lambda a: types.get(a, "i32"),
                      {"N", "K"}, gpu, warps)
-        # linear=triton_fp8: its planned launches for DSV4-Flash's products at decode and prefill row counts
-        from dsv4.kernels.fp8_linear import plan
+        # linear=triton_fp8: its planned launches for DSV4-Flash's products at decode and prefill row counts,
+        # and batch_invariant's fixed ones (split over programs or inside them)
+        from dsv4.kernels.fp8_linear import fixed_launch, plan
         from dsv4.kernels.target import Target
 
         lin = types | {"y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
         tgt = Target(arch=f"sm{gpu.arch}", native_e4m3=True, processors=132)
-        launches = {plan(M, N, K, tgt) for M in (1, 64, 8192) for N, K in ((1536, 4096), (40960, 1024), (4096, 8192))}
-        for p in sorted(launches, key=str):
+        shapes = ((1536, 4096), (40960, 1024), (4096, 8192))
+        launches = {(plan(M, N, K, tgt), False) for M in (1, 64, 8192) for N, K in shapes}
+        launches |= {(fixed_launch(M, N, K, tgt), inline) for M in (1, 256) for N, K in shapes
+                     for inline in (False, True)}
+        for p, inline in sorted(launches, key=str):
             for quant in {False, not p.quantize_first}:      # rows quantized elsewhere (the q_lora norm), or here
                 _compile(_fp8_linear_kernel, dict(BM=p.block_m, BN=p.block_n, SPLIT=p.split, QUANT=quant,
-                                                  DOT=tl.float8e4nv, STAGES=p.num_stages),
+                                                  DOT=tl.float8e4nv, STAGES=p.num_stages, INLINE=inline),
                          lambda a, q=quant: (lin | ({"x_ptr": "*bf16", "xs_ptr": "*bf16"} if q else {})).get(a, "i32"),
                          {"N", "K", "xs_row", "xs_col"}, gpu, p.num_warps)
         _compile(_act_quant_kernel, dict(BM=32, EMULATE=False), lambda a: {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv",

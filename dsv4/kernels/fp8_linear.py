@@ -66,25 +66,16 @@ def quantize_rows(a, EMULATE: tl.constexpr):
     return q, scale
 
 
-@triton.jit(do_not_specialize=["M", "xs_row", "xs_col"])      # step sizes: one compiled variant for all
-def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
-                       BM: tl.constexpr,
-                       BN: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, DOT: tl.constexpr,
-                       STAGES: tl.constexpr):
-    pid_n = tl.program_id(0)
-    split = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
+@triton.jit
+def _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, kb0, kb1, BM: tl.constexpr,
+               BN: tl.constexpr, QUANT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
+    """The tile's float32 sums over K blocks kb0..kb1-1 of 128, from zero: e4m3 dots scaled per block."""
     k = tl.arange(0, 128)
-    live = rows < M
-    KB = K // 128
-    per = KB // SPLIT
     x_row = rows.to(tl.int64) * K
     w_row = cols.to(tl.int64) * K
-    ws_row = (cols // 128) * KB
+    ws_row = (cols // 128) * (K // 128)
     acc = tl.zeros([BM, BN], tl.float32)
-    for kb in tl.range(split * per, split * per + per, num_stages=STAGES):
+    for kb in tl.range(kb0, kb1, num_stages=STAGES):
         if QUANT:
             a = tl.load(x_ptr + x_row[:, None] + kb * 128 + k[None, :], mask=live[:, None], other=0.0)
             q, sa = quantize_rows(a.to(tl.float32), DOT == tl.float32)
@@ -94,21 +85,48 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part
         b = tl.load(w_ptr + w_row[:, None] + kb * 128 + k[None, :])
         sb = tl.load(ws_ptr + ws_row + kb)
         acc += tl.dot(q.to(DOT), tl.trans(b.to(DOT))) * sa[:, None] * sb[None, :]
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "xs_row", "xs_col"])      # step sizes: one compiled variant for all
+def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
+                       BM: tl.constexpr,
+                       BN: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, DOT: tl.constexpr,
+                       STAGES: tl.constexpr, INLINE: tl.constexpr = False):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    live = rows < M
+    per = K // 128 // SPLIT
     out = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    if SPLIT > 1:
+    keep = live[:, None]
+    if SPLIT == 1:
+        acc = _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, 0, per, BM, BN, QUANT, DOT,
+                         STAGES)
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
+    elif INLINE:
+        # all SPLIT parts in this program, each from zero, added in split order: the split launch's sums
+        acc = tl.zeros([BM, BN], tl.float32)
+        for s in range(SPLIT):
+            acc += _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, s * per,
+                              s * per + per, BM, BN, QUANT, DOT, STAGES)
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
+    else:
         # each split's partial sums to the workspace; the tile's last program to finish adds them in split
         # order (the same order whoever finishes last) and resets the tile's counter for the next call
-        tl.store(part_ptr + split * M * N + out, acc, mask=live[:, None])
+        acc = _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, split * per,
+                         split * per + per, BM, BN, QUANT, DOT, STAGES)
+        tl.store(part_ptr + split * M * N + out, acc, mask=keep)
         tile = pid_m * tl.num_programs(0) + pid_n
         done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if done == SPLIT - 1:
             acc = tl.zeros([BM, BN], tl.float32)
             for s in range(SPLIT):
-                acc += tl.load(part_ptr + s * M * N + out, mask=live[:, None], other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=live[:, None])
+                acc += tl.load(part_ptr + s * M * N + out, mask=keep, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
             tl.atomic_xchg(count_ptr + tile, 0)
-    else:
-        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -192,6 +210,22 @@ def fixed_plan(N: int, K: int, target: Target) -> LinearLaunch:
                         num_warps=4, num_stages=4 if big else 3, quantize_first=True)
 
 
+WGMMA_ARCHS = frozenset({"sm90"})     # 64-row tiles and up are warpgroup MMAs: the same sums in any of them
+
+
+@functools.lru_cache(maxsize=1024)
+def fixed_launch(M: int, N: int, K: int, target: Target) -> LinearLaunch:
+    """`fixed_plan`'s K split for M rows, in `plan`'s tile where that is a warpgroup-MMA tile (64 rows or
+    more, on WGMMA_ARCHS): a row's sums there do not depend on the tile's rows or columns (the H200 gives the
+    same bits in 64x64, 64x128, 64x256, 128x64 and 128x128 tiles at a given split), only on the split."""
+    p = fixed_plan(N, K, target)
+    q = plan(M, N, K, target)
+    if target.arch in WGMMA_ARCHS and q.block_m >= FIXED_M:
+        return _launch_params(p, block_m=q.block_m, block_n=q.block_n, num_warps=q.num_warps,
+                              num_stages=q.num_stages)
+    return p
+
+
 def _splits(k_blocks: int):
     """K's possible parts: the divisors of its blocks that leave each part at least 4 blocks."""
     return [s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= 4] or [1]
@@ -232,14 +266,16 @@ def _launch_params(p: LinearLaunch, **given) -> LinearLaunch:
 
 def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = None, count=None,
                block_m: int | None = None, block_n: int | None = None, split: int | None = None,
-               num_warps: int | None = None, num_stages: int | None = None, quantize_first: bool | None = None):
+               num_warps: int | None = None, num_stages: int | None = None, quantize_first: bool | None = None,
+               inline: bool | None = None):
     """x [M, K] (bf16/float32 activations; or e4m3 with its scales `xs` [M, K/128] float32, row- or
     block-major) times w [N, K] e4m3 with block scales ws [N/128, K/128] float32 -> y [M, N] in `out_dtype`
     (default: x's dtype; bf16 for e4m3 x): one launch, or two where the plan quantizes x first. `target`:
-    the device's facts (default: x's device's; with `fixed_order`, `fixed_plan`'s launch, in launches of as
-    many rows as its counters hold); `count`: the projection's `counters` (a split product's;
+    the device's facts (default: x's device's; with `fixed_order`, `fixed_launch`'s, in launches of as many
+    rows as its counters hold); `count`: the projection's `counters` (a split product's;
     made for the call when not given -- calls that may run at once on several streams need their own);
-    the launch parameters override the plan."""
+    the launch parameters override the plan; `inline`: whether a split launch's programs add its parts
+    themselves, in split order (the same sums; None: under fixed_order where its tiles fill the GPU)."""
     import torch
 
     M, K = x.shape
@@ -261,23 +297,26 @@ def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = Non
     y = torch.empty(M, N, dtype=torch.float32 if tgt.interpret else out_dtype, device=x.device)
     if M == 0:
         return y.to(out_dtype)
-    if tgt.fixed_order:          # one launch for every row count
-        p = fixed_plan(N, K, tgt)
+    if tgt.fixed_order:          # one split of K for every row count
+        p = fixed_launch(M, N, K, tgt)
     else:
         p = plan(M, N, K, tgt)                   # a step's plan is computed once, then looked up
     given = dict(block_m=block_m, block_n=block_n, split=split, num_warps=num_warps, num_stages=num_stages,
                  quantize_first=quantize_first)
     if any(v is not None for v in given.values()):
         p = _launch_params(p, **given)
-    bm, bn, sp = p.block_m, p.block_n, p.split
-    if (K // BLOCK) % sp:
-        raise ValueError(f"fp8 linear: split={sp} does not divide K's {K // BLOCK} blocks")
+    if (K // BLOCK) % p.split:
+        raise ValueError(f"fp8 linear: split={p.split} does not divide K's {K // BLOCK} blocks")
     if p.quantize_first and not fp8_x:
         x, xs = act_quant_fp8(x, target=tgt)
         fp8_x = True
+    bm, bn, sp = p.block_m, p.block_n, p.split
+    if inline is None:           # a fixed launch whose tiles alone fill the GPU: the parts in each program
+        inline = tgt.fixed_order and cdiv(M, bm) * (N // bn) >= tgt.processors
+    inline = inline and sp > 1
     rows = M                     # rows per launch: all, unless a split launch has more tiles than counters
     count_buf = y
-    if sp > 1:
+    if sp > 1 and not inline:
         count_buf = count if count is not None else counters(N, x.device)
         rows = min(M, count_buf.numel() // (N // bn) * bm) if tgt.fixed_order else M
         if rows < 1 or count_buf.numel() < (N // bn) * cdiv(rows, bm):
@@ -286,14 +325,15 @@ def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = Non
         xs = xs.float()
     x, w, ws = as_dense(x), as_dense(w), as_f32(ws)
     xs_strides = (xs.stride(0), xs.stride(1)) if xs is not None else (0, 0)
-    part = torch.empty(sp, rows, N, dtype=torch.float32, device=x.device) if sp > 1 else y
+    part = torch.empty(sp, rows, N, dtype=torch.float32, device=x.device) if sp > 1 and not inline else y
     for r0 in range(0, M, rows):     # each launch's rows start a tile: a row's tile is the same in any of them
         r1 = min(M, r0 + rows)
         xr, yr = (x, y) if rows == M else (x[r0:r1], y[r0:r1])
         xsr = xr if xs is None else xs if rows == M else xs[r0:r1]
-        launch(_fp8_linear_kernel, (N // bn, sp, cdiv(r1 - r0, bm)), xr, xsr, *xs_strides, w, ws, yr, part,
-               count_buf, r1 - r0, N, K, BM=bm, BN=bn, SPLIT=sp, QUANT=not fp8_x,
-               DOT=tl.float32 if tgt.interpret else tl.float8e4nv, STAGES=p.num_stages, num_warps=p.num_warps)
+        launch(_fp8_linear_kernel, (N // bn, 1 if inline else sp, cdiv(r1 - r0, bm)), xr, xsr, *xs_strides, w, ws,
+               yr, part, count_buf, r1 - r0, N, K, BM=bm, BN=bn, SPLIT=sp, QUANT=not fp8_x,
+               DOT=tl.float32 if tgt.interpret else tl.float8e4nv, STAGES=p.num_stages, INLINE=inline,
+               num_warps=p.num_warps)
     return y.to(out_dtype)
 
 

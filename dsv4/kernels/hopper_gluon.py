@@ -6,11 +6,22 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.language.core import _unwrap_if_constexpr
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,  # noqa: F401
                                                             warpgroup_mma_wait)
 
 # Triton 3.6 (the H200's) calls the CTA barrier thread_barrier, 3.9 (CI's, for the compile check) barrier
 cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+@builtin
+def smem_view(desc, dtype, shape, layout, _semantic=None):
+    """Shared memory `desc`'s bytes as another dtype, shape and layout (what Triton 3.6 calls
+    `_reinterpret` and 3.9 `reinterpret`)."""
+    return _semantic.memdesc_reinterpret(desc, _unwrap_if_constexpr(dtype), [_unwrap_if_constexpr(n) for n in shape],
+                                         _unwrap_if_constexpr(layout))
+
 
 LOG2E_C = gl.constexpr(1.4426950408889634)     # log2(e)
 BN = gl.constexpr(64)                          # list rows per block

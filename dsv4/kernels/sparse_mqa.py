@@ -46,8 +46,8 @@ import triton.language as tl
 from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, target_of
 from dsv4.sizes import cdiv
-from dsv4.kernels.sparse_plan import (FIXED_LAUNCH, FIXED_SPLITS, FIXED_WORKSPACE_BYTES, hopper_group, hopper_splits,
-                                     plan_kernel, plan_launch)
+from dsv4.kernels.sparse_plan import (FIXED_LAUNCH, FIXED_SPLITS, FIXED_WORKSPACE_BYTES, fixed_inline, hopper_group,
+                                     hopper_splits, plan_kernel, plan_launch)
 from dsv4.kernels.split_combine import finish
 from dsv4.kernels.target import Target
 
@@ -295,7 +295,7 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
                extra_len=None, *, block_n: int = 0, block_h: int = 0, block_d: int = 0, num_warps: int = 4,
                num_warps_pv: int = 0, native_fp8: bool | None = None, variant: str = "auto",
                target: Target | None = None, splits: int = 0, runs=None, extra_nested: bool = False,
-               group: int = 0):
+               group: int = 0, inline: bool | None = None):
     """q [T, H, D] -> (out [T, H, D] in q's dtype, lse [T, H] float32, natural log, sink excluded).
 
     `swa`/`extra` are `pool_args(...)`; index lists [T, W] int32 with -1 padding and lengths [T].
@@ -304,7 +304,8 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
     kernel's programs per (token, head block), from `hopper_splits` at 0. `native_fp8`: decode
     OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA sm89+). `target`: the
     device's facts as the strategy prepared them (default: `target_of` q's device; with `fixed_order`,
-    sparse_plan's FIXED_ launches whatever the step). `runs` (StepPlan's QueryRuns; the SWA lists then
+    sparse_plan's FIXED_ launches whatever the step, their runs merged in the programs where `inline`, None:
+    `fixed_inline`). `runs` (StepPlan's QueryRuns; the SWA lists then
     windows, the extra lists `extra_nested` prefixes or not): the Hopper kernel's programs of 8 heads take
     `group` tokens of a run each (0: `hopper_group`) and read the rows they share once; the two-pass kernel
     reads each token's lists alone."""
@@ -337,8 +338,11 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
             for t0 in range(0, max(T, 1), step):           # token chunks: the split partials stay bounded
                 sl = slice(t0, t0 + step)
                 e_lists = (e_idx[sl], e_len[sl]) if extra is not None else (None, None)
+                n = min(T, t0 + step) - t0
                 parts.append(sparse_mqa_hopper(q[sl], sink, scale * LOG2E, swa, s_idx[sl], s_len[sl], extra,
-                                               *e_lists, splits=splits, prefetch=prefetch, nested=extra_nested))
+                                               *e_lists, splits=splits, prefetch=prefetch, nested=extra_nested,
+                                               inline=inline if inline is not None else
+                                               fixed_inline(n, H, splits, tgt.processors)))
             return parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
         group = 1 if runs is None else (group or hopper_group(T, H, sw + ew, tgt.processors))
         return sparse_mqa_hopper(q, sink, scale * LOG2E, swa, s_idx, s_len, extra, e_idx, e_len,

@@ -18,7 +18,10 @@ decode structure):
 Each row is read from memory once and decoded once. A step with fewer such programs than SMs (decode of
 a few requests) cuts each (token, 64 heads) into S programs over equal runs of its list blocks
 (sparse_plan.hopper_splits): each writes its unnormalized output and (max, sum) per head in float32,
-and split_combine.py merges them, sink and lse included (docs/notes/2026-12-02-hopper-splits.md).
+and split_combine.py merges them, sink and lse included (docs/notes/2026-12-02-hopper-splits.md). Under
+batch_invariant a large step takes the runs in turn in one program (`inline`): the runs but the last to the
+workspace, the last one's O to shared memory (Q's, and the K buffer its last block did not use), merged
+there in split_combine's order of operations, so that a token's bits do not depend on which way it ran.
 Shared memory: Q 64 KB + 2 x 64 KB of K + 2 x 8 KB of P. Registers (the SM's 64K over 384 threads): WG0
 192 (its half of O is 128 of them), WG1 160, producer 152; the producer loads four chunks before waiting
 for a free buffer and the rest while decoding (all seven at once spill). A single 8-warp instruction
@@ -37,8 +40,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dsv4.kernels import sparse_mqa_hopper_few as few
-from dsv4.kernels.hopper_gluon import (BN, block_slots, cta_barrier, fence_async_shared, finish_heads, load_q,
-                                       mbarrier, nblocks, warpgroup_mma, warpgroup_mma_wait)
+from dsv4.kernels.hopper_gluon import (BN, LOG2E_C, block_slots, cta_barrier, fence_async_shared, finish_heads,
+                                       load_q, mbarrier, nblocks, smem_view, warpgroup_mma, warpgroup_mma_wait)
 from dsv4.kernels.launch import launch, target_of
 from dsv4.kernels.sparse_plan import hopper_heads
 from dsv4.kernels.split_combine import combine_splits
@@ -101,16 +104,19 @@ def _put(kb, c: gl.constexpr, byte, words):
 
 
 @gluon.jit
-def _producer(a, s_pf, e_pf, D: gl.constexpr):
+def _producer(a, s_pf, e_pf, D: gl.constexpr, INLINE: gl.constexpr):
     """Worker, 4 warps: per block, gather the rows and decode them into K buffer j % 2 with the block's
     column bias (0, or -inf for an invalid row), then signal `full`. The first four 64-dim chunks are
     loaded before waiting for a free buffer; the rest are loaded while earlier ones are decoded (all
-    seven in registers at once spill)."""
+    seven in registers at once spill). INLINE: all the token's blocks, run after run."""
     (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
      out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
      e_stride, e_slots, e_bs, sp, S, T, acc_ptr) = a
     blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
+    if INLINE:
+        n_s, n_e, nb_s, j0, j1 = nblocks(t, 0, 1, s_len, e_len, s_w, e_w)
+    else:
+        n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
     pl: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [4, 1], [1, 0])       # [rows, 8 lines]
     # programs of PREFETCH_MIN_BLOCKS blocks or more ask L2 for block j + 1's rows while block j is decoded
     pf = (j1 - j0 >= PREFETCH_MIN_BLOCKS) & ((s_pf != 0) | (e_pf != 0))
@@ -160,16 +166,14 @@ def _producer(a, s_pf, e_pf, D: gl.constexpr):
 
 
 @gluon.jit
-def _second_half(a, D: gl.constexpr, SPLIT: gl.constexpr):
-    """Worker, 4 warps: output dims 256..511. Per block: wait for WG0's P (shared memory) and α, then
-    O = O·α + P·V[:, 256:]; at the end, WG0's 1/denominator."""
+def _wg1_blocks(a, i0, n, D: gl.constexpr):
+    """WG1 over n blocks, the first the program's i0-th: O = O·α + P·V[:, 256:] from zero."""
     (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
      out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
      e_stride, e_slots, e_bs, sp, S, T, acc_ptr) = a
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
     o = gl.zeros([BH, D // 2], gl.float32, o_l)
-    for i in range(j1 - j0):
+    for i in range(i0, i0 + n):
         b = i % 2
         mbarrier.wait(p_ready.index(b), (i // 2) & 1)
         o = o * alpha_smem.index(b).load(gl.SliceLayout(1, o_l))[:, None]
@@ -178,8 +182,86 @@ def _second_half(a, D: gl.constexpr, SPLIT: gl.constexpr):
         cta_barrier()
         mbarrier.arrive(empty.index(b), count=1)
         mbarrier.arrive(p_free.index(b), count=1)
-    mbarrier.wait(fin, 0)
-    _store_out(o, inv_smem.load(gl.SliceLayout(1, o_l)), out_ptr, acc_ptr, t, h0, H, sp, T, D // 2, D, o_l, SPLIT)
+    return o
+
+
+@gluon.jit
+def _second_half(a, sink_ptr, lse_ptr, ml_ptr, D: gl.constexpr, SPLIT: gl.constexpr, INLINE: gl.constexpr):
+    """Worker, 4 warps: output dims 256..511. Per block: wait for WG0's P (shared memory) and α, then
+    O = O·α + P·V[:, 256:]; at the end, WG0's 1/denominator. INLINE: each run's O to the workspace, the
+    last one's to shared memory, then (once WG0 has stored the runs' (max, sum)) these dims merged."""
+    (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
+     out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
+     e_stride, e_slots, e_bs, sp, S, T, acc_ptr) = a
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    if INLINE:
+        one = gl.full([BH], 1.0, gl.float32, gl.SliceLayout(1, o_l))
+        # the last run's O waits in the K buffer its last block did not use (the producer is done, WG0 on
+        # the other one)
+        n_s, n_e, nb_s, j0, nblk = nblocks(t, 0, 1, s_len, e_len, s_w, e_w)
+        park = smem_view(k_smem.index(nblk % 2), gl.float32, [BH, D // 2], PARK)
+        for r in range(S):
+            n_s, n_e, nb_s, j0, j1 = nblocks(t, r, S, s_len, e_len, s_w, e_w)
+            o = _wg1_blocks(a, j0, j1 - j0, D)
+            if r < S - 1:
+                _store_out(o, one, out_ptr, acc_ptr, t, h0, H, r, T, D // 2, D, o_l, True)
+            else:
+                park.store(o)
+        cta_barrier()
+        mbarrier.wait(fin, 0)                 # WG0 has stored every run's (max, sum)
+        _merge_runs(acc_ptr, ml_ptr, park, sink_ptr, out_ptr, lse_ptr, t, h0, H, T, S, D // 2, D, False)
+    else:
+        n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
+        o = _wg1_blocks(a, 0, j1 - j0, D)
+        mbarrier.wait(fin, 0)
+        _store_out(o, inv_smem.load(gl.SliceLayout(1, o_l)), out_ptr, acc_ptr, t, h0, H, sp, T, D // 2, D, o_l,
+                   SPLIT)
+
+
+MERGE_DIMS = gl.constexpr(32)     # output dims per step of the in-program merge
+PARK = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))   # a run's O [64, 256] float32 in shared memory
+
+
+@gluon.jit
+def _merge_runs(acc_ptr, ml_ptr, park, sink_ptr, out_ptr, lse_ptr, t, h0, H, T, S, d0, D: gl.constexpr,
+                LSE: gl.constexpr):
+    """Token t's heads h0.., dims d0..d0+255, from its S runs (the first S - 1 in the workspace, the last in
+    shared memory, `park`): split_combine's merge in its order of operations (the same bits as the split
+    launch and _combine_kernel), lse where LSE."""
+    ml_l: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    hl: gl.constexpr = gl.SliceLayout(1, ml_l)
+    heads = h0 + gl.arange(0, BH, layout=hl)
+    hmask = heads < H
+    M = gl.full([BH], float("-inf"), gl.float32, hl)
+    for s in range(0, S):
+        part = (s * T + t).to(gl.int64) * H + heads
+        M = gl.maximum(M, gl.load(ml_ptr + part * 2, mask=hmask, other=float("-inf")))
+    M_use = gl.where(M == float("-inf"), 0.0, M)
+    L = gl.zeros([BH], gl.float32, hl)
+    for s in range(0, S):
+        part = (s * T + t).to(gl.int64) * H + heads
+        w = gl.exp2(gl.load(ml_ptr + part * 2, mask=hmask, other=float("-inf")) - M_use)
+        L += gl.load(ml_ptr + part * 2 + 1, mask=hmask, other=0.0) * w
+    has = L > 0
+    m_fin = gl.where(has, M, 0.0)
+    sink_l2 = gl.load(sink_ptr + heads, mask=hmask, other=0.0) * LOG2E_C
+    denom = gl.where(has, L + gl.exp2(sink_l2 - m_fin), 1.0)
+    row = t.to(gl.int64) * H + heads
+    for c in gl.static_range(D // 2 // MERGE_DIMS):
+        dims = d0 + c * MERGE_DIMS + gl.arange(0, MERGE_DIMS, layout=gl.SliceLayout(0, ml_l))
+        acc = gl.zeros([BH, MERGE_DIMS], gl.float32, ml_l)
+        for s in range(0, S - 1):
+            part = (s * T + t).to(gl.int64) * H + heads
+            w = gl.exp2(gl.load(ml_ptr + part * 2, mask=hmask, other=float("-inf")) - M_use)
+            acc += gl.load(acc_ptr + part[:, None] * D + dims[None, :], mask=hmask[:, None], other=0.0) * w[:, None]
+        part = ((S - 1) * T + t).to(gl.int64) * H + heads
+        w = gl.exp2(gl.load(ml_ptr + part * 2, mask=hmask, other=float("-inf")) - M_use)
+        acc += park.slice(c * MERGE_DIMS, MERGE_DIMS, dim=1).load(ml_l) * w[:, None]
+        out = gl.where(has[:, None], acc / denom[:, None], 0.0)
+        gl.store(out_ptr + row[:, None] * D + dims[None, :], out.to(gl.bfloat16), mask=hmask[:, None])
+    if LSE:
+        gl.store(lse_ptr + row, gl.where(has, (m_fin + gl.log2(gl.where(has, L, 1.0))) * 0.6931471805599453,
+                                         float("inf")), mask=hmask)
 
 
 @gluon.jit
@@ -198,22 +280,18 @@ def _store_out(o, inv, out_ptr, acc_ptr, t, h0, H, sp, T, d0, D: gl.constexpr, o
 
 
 @gluon.jit
-def _first_half(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D: gl.constexpr, SPLIT: gl.constexpr):
-    """Default partition, 4 warps (WG0): Q into shared memory; per block S = Q·Kᵀ, online softmax, P and α
-    to WG1 through shared memory, O = O·α + P·V[:, :256]; then sink, lse, 1/denominator for both halves."""
+def _wg0_blocks(a, qk_scale, i0, n, D: gl.constexpr):
+    """WG0 over n blocks, the first the program's i0-th, from zero: S = Q·Kᵀ, the online softmax, P and α to
+    WG1 through shared memory, O = O·α + P·V[:, :256]; returns (max, sum, O)."""
     (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
      out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
      e_stride, e_slots, e_bs, sp, S, T, acc_ptr) = a
-    blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-    load_q(q_ptr, q_smem, t, 1, h0, H, BH, BH, D, blk)
-
-    n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
     m_i = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
     l_i = gl.zeros([BH], gl.float32, gl.SliceLayout(1, s_l))
     o = gl.zeros([BH, D // 2], gl.float32, o_l)
-    for i in range(j1 - j0):
+    for i in range(i0, i0 + n):
         b = i % 2
         ph = (i // 2) & 1
         mbarrier.wait(full.index(b), ph)
@@ -240,22 +318,54 @@ def _first_half(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D: gl.constexpr, 
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         cta_barrier()
         mbarrier.arrive(empty.index(b), count=1)
+    return m_i, l_i, o
 
+
+@gluon.jit
+def _first_half(q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D: gl.constexpr, SPLIT: gl.constexpr,
+                INLINE: gl.constexpr):
+    """Default partition, 4 warps (WG0): Q into shared memory; its blocks (_wg0_blocks); then sink, lse,
+    1/denominator for both halves. INLINE: each run's (max, sum) and O to the workspace (the last run's O
+    to Q's shared memory), then these dims of the runs merged."""
+    (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
+     out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
+     e_stride, e_slots, e_bs, sp, S, T, acc_ptr) = a
+    blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+    load_q(q_ptr, q_smem, t, 1, h0, H, BH, BH, D, blk)
     hs = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
-    inv = finish_heads(m_i, l_i, hs, t, hs < H, sp, T, H, sink_ptr, lse_ptr, ml_ptr, SPLIT)
-    inv_smem.store(inv)
-    cta_barrier()
-    mbarrier.arrive(fin, count=1)
-    _store_out(o, gl.convert_layout(inv, gl.SliceLayout(1, o_l)), out_ptr, acc_ptr, t, h0, H, sp, T, 0, D, o_l,
-               SPLIT)
+    if INLINE:
+        one = gl.full([BH], 1.0, gl.float32, gl.SliceLayout(1, o_l))
+        park = smem_view(q_smem, gl.float32, [BH, D // 2], PARK)      # the last run's O, once Q is read
+        for r in range(S):
+            n_s, n_e, nb_s, j0, j1 = nblocks(t, r, S, s_len, e_len, s_w, e_w)
+            m_i, l_i, o = _wg0_blocks(a, qk_scale, j0, j1 - j0, D)
+            finish_heads(m_i, l_i, hs, t, hs < H, r, T, H, sink_ptr, lse_ptr, ml_ptr, True)
+            if r < S - 1:
+                _store_out(o, one, out_ptr, acc_ptr, t, h0, H, r, T, 0, D, o_l, True)
+            else:
+                park.store(o)
+        cta_barrier()
+        mbarrier.arrive(fin, count=1)         # the runs' (max, sum) are stored: WG1 may merge
+        _merge_runs(acc_ptr, ml_ptr, park, sink_ptr, out_ptr, lse_ptr, t, h0, H, T, S, 0, D, True)
+    else:
+        n_s, n_e, nb_s, j0, j1 = nblocks(t, sp, S, s_len, e_len, s_w, e_w)
+        m_i, l_i, o = _wg0_blocks(a, qk_scale, 0, j1 - j0, D)
+        inv = finish_heads(m_i, l_i, hs, t, hs < H, sp, T, H, sink_ptr, lse_ptr, ml_ptr, SPLIT)
+        inv_smem.store(inv)
+        cta_barrier()
+        mbarrier.arrive(fin, count=1)
+        _store_out(o, gl.convert_layout(inv, gl.SliceLayout(1, o_l)), out_ptr, acc_ptr, t, h0, H, sp, T, 0, D, o_l,
+                   SPLIT)
 
 
-@gluon.jit(do_not_specialize=["T", "S", "s_pf", "e_pf"])  # one variant for each SPLIT
+@gluon.jit(do_not_specialize=["T", "S", "s_pf", "e_pf"])  # one variant for each SPLIT and INLINE
 def _hopper_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
                    s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs,
                    e_u8, e_bf, e_w64, e_idx, e_len, e_w, e_stride, e_slots, e_bs,
                    acc_ptr, ml_ptr, T, S, H, qk_scale, s_pf, e_pf, D: gl.constexpr, WG1_REGS: gl.constexpr,
-                   PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr):
+                   PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr, INLINE: gl.constexpr):
     gl.static_assert(D == 512)
     sh: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     vec: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
@@ -282,8 +392,9 @@ def _hopper_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
     a = (q_smem, k_smem, p_smem, bias_smem, alpha_smem, inv_smem, full, empty, p_ready, p_free, fin, t, h0, H,
          out_ptr, s_u8, s_bf, s_w64, s_idx, s_len, s_w, s_stride, s_slots, s_bs, e_u8, e_bf, e_w64, e_idx, e_len, e_w,
          e_stride, e_slots, e_bs, sp, S, T, acc_ptr)
-    gl.warp_specialize([(_first_half, (q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D, SPLIT)),
-                        (_second_half, (a, D, SPLIT)), (_producer, (a, s_pf, e_pf, D))],
+    gl.warp_specialize([(_first_half, (q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, D, SPLIT, INLINE)),
+                        (_second_half, (a, sink_ptr, lse_ptr, ml_ptr, D, SPLIT, INLINE)),
+                        (_producer, (a, s_pf, e_pf, D, INLINE))],
                        [4, 4], [WG1_REGS, PRODUCER_REGS])
 
 
@@ -296,14 +407,16 @@ def prefetched_pools(swa, extra, l2_bytes: int) -> tuple[bool, bool]:
 
 def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=None,
                       extra_idx=None, extra_len=None, *, splits: int = 1, buffers: int = 0, prefetch=None,
-                      groups=None, nested: bool = False, group: int = 1):
+                      groups=None, nested: bool = False, group: int = 1, inline: bool = False):
     """(out [T, H, 512], lse [T, H]) like sparse_mqa's, for fp8_ds_mla (OCP) pools given as `pool_args`.
     sink: the sinks, float32 [H], contiguous; scale_l2: softmax scale x log2(e). Lists int32, contiguous.
     Programs of sparse_plan.hopper_heads(H) heads: 64 here, 8 to 32 in sparse_mqa_hopper_few.py (buffers:
     its K buffers, 0 = its BUFFERS). splits > 1: each (token, head block) is that many programs over
     equal runs of its blocks, merged by split_combine (sparse_plan.hopper_splits says how many fill the
-    GPU). prefetch: (SWA, compressed) whether the 64-head programs of PREFETCH_MIN_BLOCKS blocks or more
-    ask L2 for the next block's rows of that pool; None: `prefetched_pools` on q's device.
+    GPU); `inline` (64-head programs): one program a (token, head block) takes its S runs in turn and merges
+    them itself, in split_combine's order (the same bits), where the split programs would not fit on the GPU
+    at once (sparse_plan.fixed_inline). prefetch: (SWA, compressed) whether the 64-head programs of
+    PREFETCH_MIN_BLOCKS blocks or more ask L2 for the next block's rows of that pool; None: `prefetched_pools` on q's device.
     group > 1 (programs of at most 32 heads): program p takes the tokens of group p (`groups` [T, 2] int32,
     QueryRuns.groups(group): its first token and how many) and reads the union of their lists once: their
     SWA lists must be windows of consecutive positions, their compressed lists prefixes of the last one's
@@ -317,23 +430,27 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
         return out, lse
     split = splits > 1
     acc = ml = lse                                  # unsplit: never written; split: one workspace for both
-    if split:
-        acc, ml = torch.empty(splits * T * H * (D + 2), dtype=torch.float32, device=q.device).split_with_sizes(
-            (splits * T * H * D, splits * T * H * 2))
+    if split:                                       # inline: the last run's O stays in shared memory
+        n_acc = (splits - int(inline)) * T * H * D
+        acc, ml = torch.empty(n_acc + splits * T * H * 2, dtype=torch.float32, device=q.device).split_with_sizes(
+            (n_acc, splits * T * H * 2))
     e, e_idx, e_len = (extra, extra_idx, extra_len) if extra is not None else (swa, swa_idx, swa_len)
     e_w = e_idx.shape[1] if extra is not None else 0
     nh = hopper_heads(H)
     if group > 1 and (groups is None or nh * group > few.MAX_COLUMNS):
         raise ValueError(f"sparse_mqa_hopper: group={group} takes the groups of the step's runs and at most "
                          f"{few.MAX_COLUMNS} heads x tokens per program, here {nh} x {group}")
+    if inline and (nh != BH or not split):
+        raise ValueError(f"sparse_mqa_hopper: inline merges the splits of 64-head programs; here {nh} heads a "
+                         f"program, splits={splits}")
     if nh == BH:
         if prefetch is None:
             prefetch = prefetched_pools(swa, e, target_of(q.device).l2_bytes)
-        launch(_hopper_kernel, (T, cdiv(H, BH), splits), q, sink, out, lse,
+        launch(_hopper_kernel, (T, cdiv(H, BH), 1 if inline else splits), q, sink, out, lse,
                *swa.args(), swa_idx, swa_len, swa_idx.shape[1], swa.page_stride, swa.num_slots, swa.block_size,
                *e.args(), e_idx, e_len, e_w, e.page_stride, e.num_slots, e.block_size,
                acc, ml, T, splits, H, scale_l2, int(prefetch[0]), int(prefetch[1]), D=D, WG1_REGS=WG1_REGS,
-               PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, num_warps=4, maxnreg=MAXNREG)
+               PRODUCER_REGS=PRODUCER_REGS, SPLIT=split and not inline, INLINE=inline, num_warps=4, maxnreg=MAXNREG)
     else:
         launch(few._few_heads_kernel, (T, cdiv(H, nh), splits), q, sink, out, lse,
                swa.words, swa_idx, swa_len, swa_idx.shape[1], swa.page_stride, swa.num_slots, swa.block_size,
@@ -341,6 +458,6 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
                acc, ml, swa_len if group == 1 else groups, T, splits, H, scale_l2, NH=nh, D=D,
                NBUF=buffers or few.BUFFERS, PRODUCER_REGS=few.PRODUCER_REGS, SPLIT=split, G=group,
                NESTED=bool(nested), num_warps=4, maxnreg=few.MAXNREG)
-    if split:
+    if split and not inline:
         combine_splits(acc, ml, sink, out, lse, splits)
     return out, lse

@@ -53,6 +53,14 @@ FIXED_LAUNCH = Launch(64, 16, 64, 8)
 FIXED_SPLITS = 2
 FIXED_WORKSPACE_BYTES = 1 << 28       # the split partials of one Hopper launch; longer steps go in token chunks
 
+def fixed_inline(tokens: int, heads: int, splits: int, processors: int) -> bool:
+    """Under FIXED_SPLITS, whether the 64-head programs take a token's runs in turn and merge them themselves
+    (sparse_mqa_hopper's `inline`, the same sums): where the runs spread over programs would not all run at
+    once. The H200, a ratio-4 layer: 48 against 57 µs at 128 tokens, 100 against 112 at 256; at 64 tokens,
+    spread, 28 against 44 (docs/notes/2026-12-04-batch-invariance.md)."""
+    return hopper_heads(heads) == 64 and splits > 1 and tokens * cdiv(heads, 64) * splits > processors
+
+
 RUN_GROUP = 2       # tokens of a run per program where hopper_group groups them
 
 
