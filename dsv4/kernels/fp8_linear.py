@@ -215,12 +215,13 @@ WGMMA_ARCHS = frozenset({"sm90"})     # 64-row tiles and up are warpgroup MMAs: 
 
 @functools.lru_cache(maxsize=1024)
 def fixed_launch(M: int, N: int, K: int, target: Target) -> LinearLaunch:
-    """`fixed_plan`'s K split for M rows, in `plan`'s tile where that is a warpgroup-MMA tile (64 rows or
-    more, on WGMMA_ARCHS): a row's sums there do not depend on the tile's rows or columns (the H200 gives the
-    same bits in 64x64, 64x128, 64x256, 128x64 and 128x128 tiles at a given split), only on the split."""
+    """`fixed_plan`'s K split for M rows, in `plan`'s tile where `plan` takes a warpgroup-MMA tile (64 rows or
+    more, on WGMMA_ARCHS) over the whole of K: a row's sums there do not depend on the tile's rows or columns
+    (the H200 gives the same bits in 64x64, 64x128, 64x256, 128x64 and 128x128 tiles at a given split), only
+    on the split; a tile `plan` would split K for has too few programs at fixed_plan's split."""
     p = fixed_plan(N, K, target)
     q = plan(M, N, K, target)
-    if target.arch in WGMMA_ARCHS and q.block_m >= FIXED_M:
+    if target.arch in WGMMA_ARCHS and q.block_m >= FIXED_M and q.split == 1:
         return _launch_params(p, block_m=q.block_m, block_n=q.block_n, num_warps=q.num_warps,
                               num_stages=q.num_stages)
     return p
