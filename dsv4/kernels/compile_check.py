@@ -9,9 +9,10 @@ checked on the H200 (tests marked gpu) and on the CPU under TRITON_INTERPRET=1.
 Each argument is TARGET/WHAT; TARGET is cuda:<sm> or hip:<gfx arch>; WHAT names a row format of
 LAYOUT_CODES (mqa_kernel=triton_sparse's two-pass kernels reading such pages; OCP e4m3 bytes take the hardware
 conversion where sparse_mqa would use it, NVIDIA sm89+), `o_proj` (o_proj=triton_fp8's grouped e4m3
-product and linear=triton_fp8's product and activation quantizer at their planned launches, NVIDIA sm89+
-only), `hopper` (triton_sparse's one-pass Gluon kernels, sm90 only) or `layer` (the layer's front, compressor, cache-writer and indexer kernels: layer_front, compress, cache_write,
-indexer_logits, topk_lists, fp8_queries). Exits non-zero if any kernel fails to compile.
+product and linear=triton_fp8's product and activation quantizer at their planned launches and
+batch_invariant's fixed ones, NVIDIA sm89+ only), `hopper` (triton_sparse's one-pass Gluon kernels, sm90
+only) or `layer` (the layer's front, compressor, cache-writer and indexer kernels: layer_front, compress,
+cache_write, indexer_logits, topk_lists, fp8_queries). Exits non-zero if any kernel fails to compile.
 """
 from __future__ import annotations
 

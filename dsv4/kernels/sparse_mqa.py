@@ -304,11 +304,10 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
     kernel's programs per (token, head block), from `hopper_splits` at 0. `native_fp8`: decode
     OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA sm89+). `target`: the
     device's facts as the strategy prepared them (default: `target_of` q's device; with `fixed_order`,
-    sparse_plan's FIXED_ launches whatever the step, their runs merged in the programs where `inline`, None:
-    `fixed_inline`). `runs` (StepPlan's QueryRuns; the SWA lists then
-    windows, the extra lists `extra_nested` prefixes or not): the Hopper kernel's programs of 8 heads take
-    `group` tokens of a run each (0: `hopper_group`) and read the rows they share once; the two-pass kernel
-    reads each token's lists alone."""
+    sparse_plan's FIXED_ launches whatever the step, a token's runs merged inside its program where `inline`
+    -- None: `fixed_inline`). `runs` (StepPlan's QueryRuns; the SWA lists then windows, the extra lists
+    `extra_nested` prefixes or not): the Hopper kernel's programs of 8 heads take `group` tokens of a run each
+    (0: `hopper_group`) and read the rows they share once; the two-pass kernel reads each token's lists alone."""
     import torch
 
     T, H, D = q.shape

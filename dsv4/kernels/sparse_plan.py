@@ -45,13 +45,15 @@ def hopper_heads(heads: int) -> int:
 
 # batch_invariant=true (Target.fixed_order): launches that give a token the same sums in any step. The
 # two-pass kernel takes one launch shape; the Hopper kernel cuts every token's blocks into FIXED_SPLITS runs
-# by its own lists' lengths (hopper_gluon.nblocks), one token a program, always merged by split_combine, so
-# that neither the step's size nor its width moves a run's bounds. 2 is the best single count on the H200
-# from 1 to 64 requests (1.5x the planned splits at one request, level at 64, 1.5x at 128 and more:
+# by its own lists' lengths (hopper_gluon.nblocks), always merged in split_combine's order (by its launch,
+# or in a large step inside the token's program: fixed_inline), so that neither the step's size nor its
+# width moves a run's bounds. 2 is the best single count on the H200 from 1 to 64 requests (1.5x the planned
+# splits at one request, level at 64; merged inside, 1.3x at 128 and 1.4x at 256:
 # docs/notes/2026-12-04-batch-invariance.md)
 FIXED_LAUNCH = Launch(64, 16, 64, 8)
 FIXED_SPLITS = 2
 FIXED_WORKSPACE_BYTES = 1 << 28       # the split partials of one Hopper launch; longer steps go in token chunks
+
 
 def fixed_inline(tokens: int, heads: int, splits: int, processors: int) -> bool:
     """Under FIXED_SPLITS, whether the 64-head programs take a token's runs in turn and merge them themselves
