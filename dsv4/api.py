@@ -45,8 +45,10 @@ def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, dev
 
     from dsv4.cli import group_choices
 
-    if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
+    listed = None if isinstance(overrides, str) else list(overrides)     # read once: an iterator is spent
+    if listed is None or not all(isinstance(o, str) for o in listed):
         raise TypeError(f"overrides: a list of 'key=value' strings, got {overrides!r}")
+    overrides = listed
     if spec is not None and not isinstance(spec, ModelSpec):
         raise TypeError(f"spec: a dsv4.spec.ModelSpec, got {type(spec).__name__}")
     if device is not None and not isinstance(device, DeviceInfo):
@@ -59,7 +61,7 @@ def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, dev
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="dsv4.configs", version_base="1.3"):
-            cfg = hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+            cfg = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(str(e)) from None
     finally:
@@ -114,9 +116,10 @@ def build_pool(job: Job, layers: Sequence[int] | None = None, *, pool: PoolConfi
     sizes and counts (default: the job's `workload.kv_pool`)."""
     from dsv4.components.builders import build_pool as build
 
+    job = _with_pool(job, pool)
     validate(job)
     layers = _layers(job, layers)
-    return build(spec=job.spec, layers=list(layers), layout=job.combo.cache_layout, pool=_pool(job, pool),
+    return build(spec=job.spec, layers=list(layers), layout=job.combo.cache_layout, pool=job.pool,
                  device=job.device, dtype=job.combo.dtype, indexer=job.combo.indexer)
 
 
@@ -127,6 +130,7 @@ def build_engine(job: Job, *, layers: Sequence[int] | None = None, weights: Mapp
     `graph.enabled=true`, CUDA-graph decode. `weights`: {layer: its whole weights}, default the job's."""
     from dsv4.runner import build_engine as build
 
+    job = _with_pool(job, pool)
     validate(job)
     if weights is not None and not isinstance(weights, Mapping):
         raise TypeError(f"weights: a mapping {{layer: {{name: tensor}}}}, got {type(weights).__name__}")
@@ -134,7 +138,7 @@ def build_engine(job: Job, *, layers: Sequence[int] | None = None, weights: Mapp
         layers = list(weights)
     layers = _layers(job, layers)
     full, fp8 = _weights(job, layers, weights)
-    return build(job, {l: full[l] for l in layers}, _pool(job, pool), fp8)
+    return build(job, {l: full[l] for l in layers}, job.pool, fp8)
 
 
 # ---- the job's defaults ---------------------------------------------------------------------------------
@@ -159,18 +163,21 @@ def _layers(job: Job, layers: Sequence[int] | None) -> tuple[int, ...]:
     return tuple(layers)
 
 
-def _pool(job: Job, pool: PoolConfig | Mapping[str, Any] | None) -> PoolConfig:
-    """The pool sizes: the job's, a PoolConfig, or a mapping of its fields (checked as the config's are)."""
+def _with_pool(job: Job, pool: PoolConfig | Mapping[str, Any] | None) -> Job:
+    """The job with the given pool sizes (a PoolConfig, or a mapping of its fields checked as the config's
+    are; None: its own), so that `validate` judges the pool that will be built."""
+    from dataclasses import replace
+
     from dsv4.components.kv_pool import PoolConfig
 
     if pool is None:
-        return job.pool
+        return job
     if isinstance(pool, Mapping):
-        return PoolConfig.from_config(dict(pool))
-    if not isinstance(pool, PoolConfig):
+        pool = PoolConfig.from_config(dict(pool))
+    elif not isinstance(pool, PoolConfig):
         raise TypeError(f"pool: a dsv4.components.kv_pool.PoolConfig or a mapping of its fields, got "
                         f"{type(pool).__name__}")
-    return pool
+    return replace(job, pool=pool)
 
 
 def _check_int(name: str, value: Any) -> None:

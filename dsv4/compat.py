@@ -176,9 +176,10 @@ def _invariance_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
         return []
     from dsv4.catalogue import options
 
-    def able(option) -> bool:
-        needs = option.needs(device)
-        return needs.batch_invariant and (not needs.platforms or device.platform in needs.platforms)
+    def able(group: str, option) -> bool:
+        """It can give the setting, and runs here in this combination (every rule of its needs)."""
+        return option.needs(device).batch_invariant and not _needs_rule(group, option, c.with_choice(group, option),
+                                                                         device, None)
 
     def rank(strat, name: str, option) -> tuple:
         """Options of the strategy's numerics (and query format) first, then a kernel before the reference."""
@@ -190,7 +191,7 @@ def _invariance_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
         needs = strat.needs(device)
         if needs.batch_invariant:
             continue
-        ables = {n: o for n, o in options(group).items() if able(o)}
+        ables = {n: o for n, o in options(group).items() if able(group, o)}
         can = sorted(ables, key=lambda n: rank(strat, n, ables[n]))
         out.append(Problem(group=group, value=strat.name, reason=f"cannot be batch-invariant on "
                            f"{device.describe()} (batch_invariant=true): {needs.variance}",

@@ -21,19 +21,34 @@ def asked(batch_invariant: bool) -> dict:
     return {"batch_invariant": True} if batch_invariant else {}
 
 
+def refuse_unable(options, device) -> None:
+    """batch_invariant=true with options (strategies) that cannot give it on `device` (a DeviceInfo): one
+    ValueError naming them and why, before any is prepared (check() reports the same with a fix)."""
+    cannot = []
+    for option in options:
+        needs = option.needs(device)
+        if not needs.batch_invariant:
+            cannot.append(f"{option.name} ({needs.variance})")
+    if cannot:
+        raise ValueError(f"batch_invariant=true: {', '.join(cannot)} cannot give it on {device.describe()}")
+
+
 def in_row_tiles(fn, x, tile: int = ROW_TILE):
     """fn over x's rows in calls of exactly `tile` rows (the last tile zero-padded): row i of the result is
     fn's value for row i alone, whatever the other rows. `fn` maps rows to rows (a product, an einsum)."""
     import torch
 
     T = x.shape[0]
-    pad = (-T) % tile
     if T == 0:
         return fn(x)
-    xp = torch.cat((x, x.new_zeros(pad, *x.shape[1:]))) if pad else x
-    if T + pad == tile:
-        return fn(xp)[:T]
-    return torch.cat([fn(xp[i:i + tile]) for i in range(0, T + pad, tile)])[:T]
+    x = x.contiguous()
+    rem = T % tile                   # whole tiles are views of x; only the last, partial one is copied, padded
+    tiles = [x[i:i + tile] for i in range(0, T - rem, tile)]
+    if rem:
+        tiles.append(torch.cat((x[T - rem:], x.new_zeros(tile - rem, *x.shape[1:]))))
+    if len(tiles) == 1:
+        return fn(tiles[0])[:T]
+    return torch.cat([fn(t) for t in tiles])[:T]
 
 
 def pad_keys(t, dim: int, block: int = KEY_BLOCK, value=0):

@@ -3,6 +3,7 @@ graphs, parallel and run settings -- and what judges it before anything runs. No
 modes sees the Hydra config (a job is a plain picklable value)."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,8 +104,8 @@ def workload_problems(job: Job) -> list[Problem]:
         out.append(Problem(group="workload.kv_pool.max_requests", value=str(job.pool.max_requests),
                            reason=f"the workload holds {len(lengths)} requests at once",
                            fix=f"workload.kv_pool.max_requests={len(lengths)}"))
-    steps = wl.steps()
     short = {knob: peak for knob, peak in knob_peaks(job).items() if peak.pages > peak.group.num_blocks}
+    steps = wl.steps() if short else []          # for the message
     for knob, peak in short.items():
         g = peak.group
         out.append(Problem(group=f"workload.kv_pool.{knob}", value=str(getattr(job.pool, knob)),
@@ -165,9 +166,16 @@ def memory_problems(job: Job, *, running: bool) -> list[Problem]:
 
 def knob_peaks(job: Job) -> dict[str, PagePeak]:
     """Per size of the pool (`workload.kv_pool.<knob>`; the state pages' max_requests is checked apart) the
-    largest page peak of the groups it sizes over the workload's steps (the groups a knob sizes share it)."""
+    largest page peak of the groups it sizes over the workload's steps (the groups a knob sizes share it).
+    The dry run is pure Python over every step and request: a job's checks ask it again (compose, then a
+    build; the memory fix), so it is kept per page groups and workload."""
+    return dict(_knob_peaks(tuple(job_page_groups(job).items()), job.workload))
+
+
+@functools.lru_cache(maxsize=8)
+def _knob_peaks(groups: tuple, workload: Workload) -> dict[str, PagePeak]:
     out: dict[str, PagePeak] = {}
-    for peak in peak_pages(job_page_groups(job), job.workload.steps()):
+    for peak in peak_pages(dict(groups), workload.steps()):
         knob = peak.group.knob
         if knob != "max_requests" and peak.pages > getattr(out.get(knob), "pages", -1):
             out[knob] = peak

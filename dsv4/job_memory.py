@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsv4.components.indexer import READ_ELEMENTS, TOKENS_PER_READ
 from dsv4.components.kv_pool import page_groups
 from dsv4.components.weights import SHARDED, weight_shapes
 from dsv4.formats.fp8_blocks import LinearNumerics
@@ -34,9 +35,10 @@ STEP_HIDDEN_VALUES = 8
 # allocator pools): measured at ~90 MiB on the CPU; beside an accelerator its runtime, libraries and compiled
 # kernels, measured at ~1.1-1.3 GiB on the H200 (CUDA 13, Triton, DeepGEMM). Counted once per process.
 RUNTIME_BYTES = {True: 128 * MIB, False: 3 * GIB // 2}
-# the indexer's and the oracle's reads are bounded in elements (components/indexer.py READ_ELEMENTS,
-# oracle.CHUNK_ELEMENTS, 2^22 each); at most this many float32 buffers of a read's size live at once
-READ_BOUND, READ_BUFFERS = 2 ** 22, 8
+# the oracle's chunks: oracle.QUERY_CHUNK queries and oracle.CHUNK_ELEMENTS scores at most (the indexer's
+# READ_ELEMENTS; a test holds them equal, the oracle imports torch); at most this many float32 buffers of a
+# read's or a chunk's size live at once
+ORACLE_QUERIES, READ_BUFFERS = 256, 8
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,7 +141,8 @@ def estimate(job) -> JobMemory:
     compressed = [r for r in (spec.compress_ratio(l) for l in layers) if by_ratio(r).compressed]
     entries = longest // min(compressed) if compressed else 0          # the most compressed entries a query sees
     indexed = sum(1 for l in layers if by_ratio(spec.compress_ratio(l)).indexed)
-    reads = 4 * READ_BUFFERS * min(READ_BOUND, 64 * (longest // 4) * spec.index_head_dim) if indexed else 0
+    reads = 4 * READ_BUFFERS * min(READ_ELEMENTS, TOKENS_PER_READ * (longest // 4) * spec.index_head_dim) \
+        if indexed else 0
     step = ranks * tokens * per_token + reads
 
     total = sum(lengths)
@@ -148,8 +151,8 @@ def estimate(job) -> JobMemory:
     # per position of the longest request: its compressor's candidates, gates and their APE (coff·D each,
     # float32), its raw KV row and output row; then the chunked scores; then a float32 copy of the layer's
     # weights when they are stored as fp8 blocks
-    chunk = min(READ_BOUND, min(256, longest) * max(spec.num_attention_heads, spec.index_n_heads)
-                * (spec.sliding_window + entries + 256))
+    chunk = min(READ_ELEMENTS, min(ORACLE_QUERIES, longest) * max(spec.num_attention_heads, spec.index_n_heads)
+                * (spec.sliding_window + entries + ORACLE_QUERIES))
     oracle = longest * 4 * (3 * widest * spec.head_dim + spec.head_dim + spec.hidden_size) + 4 * READ_BUFFERS * chunk
     oracle += 4 * max(numel.values())
     return JobMemory(kv_pools=pool_bytes(job), weights=weights, float_weights=float_weights, step=step,

@@ -109,6 +109,13 @@ def test_the_estimate_grows_with_the_parts_it_names():
     assert longer.weights == base.weights
 
 
+def test_the_estimate_counts_the_chunks_the_oracle_and_the_indexer_take():
+    from dsv4 import job_memory, oracle
+    from dsv4.components import indexer
+
+    assert (job_memory.ORACLE_QUERIES, indexer.READ_ELEMENTS) == (oracle.QUERY_CHUNK, oracle.CHUNK_ELEMENTS)
+
+
 def test_the_chunked_oracle_is_the_whole_sequence_one():
     """Queries recomputed a few at a time give the outputs, scores (to rounding: the products are blocked
     differently) and selections of one pass over all, and the grades of a selection made chunk by chunk are

@@ -326,8 +326,8 @@ def indexer_label(ix) -> str:
 
 def layer_backends(job, layer: int, labels, indexers) -> list[Backend]:
     """The backends to time `layer` with: those whose labels are in `labels` (None: all); at ratio 4 each
-    with every indexer option named in `indexers` (None: the job's) and the job's top-k, elsewhere with
-    the job's (it has no indexer)."""
+    with every indexer option named in `indexers` (None: the job's) and the job's top-k -- a batch-invariant
+    row only with those that can give it --, elsewhere with the job's (it has no indexer)."""
     out = []
     for b in backends(job):
         if labels is not None and base_label(b.label) not in labels:
@@ -336,9 +336,9 @@ def layer_backends(job, layer: int, labels, indexers) -> list[Backend]:
             out.append(b)
         else:
             top_k = job.combo.indexer.top_k
-            out += [Backend(label=b.label,
-                            combo=replace(b.combo, indexer=replace(option("indexer", name), top_k=top_k)))
-                    for name in indexers]
+            swaps = [replace(option("indexer", name), top_k=top_k) for name in indexers]
+            out += [Backend(label=b.label, combo=replace(b.combo, indexer=idx)) for idx in swaps
+                    if not b.combo.batch_invariant or idx.needs(job.device).batch_invariant]
     return out
 
 

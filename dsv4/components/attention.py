@@ -22,7 +22,7 @@ from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
 from dsv4.components.plan import StepPlan
 from dsv4.components.rope import Rope
-from dsv4.fixed_order import GPU_ROW_TILE, ROW_TILE, asked, in_row_tiles
+from dsv4.fixed_order import GPU_ROW_TILE, ROW_TILE, asked, in_row_tiles, refuse_unable
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
 from dsv4.kernels.target import Target
@@ -87,10 +87,7 @@ class DSV4Attention(torch.nn.Module):
         self.side_stream = side_stream(str(torch.device(dev))) if overlap and on_gpu and kind.compressed else None
         self.batch_invariant = batch_invariant
         if batch_invariant:         # check() reports this with a fix; the module only refuses
-            cannot = [f"{s.name} ({s.needs(device).variance})" for s in (mqa_kernel, o_proj, cache_layout, linear)
-                      if not s.needs(device).batch_invariant]
-            if cannot:
-                raise ValueError(f"batch_invariant=true: {', '.join(cannot)} cannot give it on {device.describe()}")
+            refuse_unable((mqa_kernel, o_proj, cache_layout, linear), device)
         self.mqa_prepared = mqa_kernel.prepare(device=device, **asked(self.batch_invariant))
         self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype, **asked(self.batch_invariant))
         fp8 = fp8 or {}

@@ -16,6 +16,7 @@ from dsv4.seam import PagedCache
 from dsv4.components.weights import shard, shard_fp8
 from dsv4.device import DeviceInfo
 from dsv4.dtypes import torch_dtype
+from dsv4.fixed_order import refuse_unable
 from dsv4.formats.fp8_blocks import BLOCK as FP8_BLOCK
 from dsv4.layer_types import by_ratio
 from dsv4.spec import ModelSpec
@@ -57,6 +58,8 @@ def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_siz
     comp = compressor("compressor.", spec.head_dim, ratio) if kind.compressed else None
     idx = None
     if kind.indexed:
+        if batch_invariant:       # before the indexer option is prepared for it (the layer refuses its own)
+            refuse_unable((strategies.indexer, strategies.indexer.top_k), device)
         # wq_b stays where the weights are: the layer multiplies it through `linear`, as its own prepared copy
         idx = Indexer(wq_b=w["indexer.wq_b.weight"], weights_proj=w["indexer.weights_proj.weight"].to(dev),
                       compressor=compressor("indexer.compressor.", spec.index_head_dim, ratio),

@@ -193,13 +193,13 @@ def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
     return LinearLaunch(block_m=bm, block_n=bn, split=split, num_warps=4, num_stages=stages, quantize_first=True)
 
 
-FIXED_M = 64       # rows per tile of the one launch every row count takes under Target.fixed_order
+FIXED_M = 64       # rows per tile of fixed_plan's launch, the least of any under Target.fixed_order
 
 
 @functools.lru_cache(maxsize=1024)
 def fixed_plan(N: int, K: int, target: Target) -> LinearLaunch:
-    """The one launch of an [N, K] weight for every row count (Target.fixed_order, batch_invariant=true),
-    so that a row's sums do not depend on the rows beside it: FIXED_M-row tiles, the activation quantized
+    """The launch of an [N, K] weight that fixes a row's sums for every row count (Target.fixed_order,
+    batch_invariant=true; `fixed_launch` may widen its tile): FIXED_M-row tiles, the activation quantized
     by its own launch first, the columns as `plan` takes them for a few rows and K split into the parts that
     bring one row tile's programs nearest to one per SM. The tile's rows and K's split fix the sums (the
     H200 gives other bits at 16, 32 and 64 rows a tile); no one choice is the fastest at every row count:

@@ -16,8 +16,8 @@ class Target:
     processors: int       # streaming multiprocessors (compute units): what a launch has to fill
     interpret: bool = False
     l2_bytes: int = 0     # its last-level cache: rows of a pool larger than this come from DRAM
-    # batch_invariant=true: every call of a shape takes one launch, planned without the step's size (its rows,
-    # its tokens, its lists' widths), so that a row's sums are the same whatever else is in the step
+    # batch_invariant=true: every call of a shape does the same sums in the same order, whatever the step's size
+    # (its rows, its tokens, its lists' widths); the launch may follow the size only where the sums do not
     fixed_order: bool = False
 
 
