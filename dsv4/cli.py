@@ -4,6 +4,7 @@ dsv4.app runs the job. Outputs go under the current folder (outputs/, multirun/)
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -31,6 +32,35 @@ def group_choices(choices: Mapping[str, Any]) -> dict[str, str]:
 _WHERE: dict[str, str | None] = {}
 
 
+class CtrlC:
+    """SIGINT's handler: inside a job Ctrl-C stops it at once; between jobs, while Hydra composes the next
+    config, it is held until the next job starts or the command returns, because a KeyboardInterrupt in the
+    middle of OmegaConf's bookkeeping leaves a broken node that Hydra then reports as an unrelated error
+    (exit 1). A second Ctrl-C while one is held stops at once."""
+
+    def __init__(self) -> None:
+        self.in_job = False
+        self.held = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.in_job or self.held:
+            raise KeyboardInterrupt
+        self.held = True
+
+    def job(self, run):
+        """run() as a job: a held Ctrl-C stops it before it starts, a new one while it runs."""
+        if self.held:
+            raise KeyboardInterrupt
+        self.in_job = True
+        try:
+            return run()
+        finally:
+            self.in_job = False
+
+
+_CTRL_C = CtrlC()
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def _job(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
@@ -41,8 +71,8 @@ def _job(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     _WHERE.update(out=hc.runtime.output_dir, sweep=hc.sweep.dir if multirun else None)
-    return cli(cfg, choices=group_choices(hc.runtime.choices), out_dir=hc.runtime.output_dir, multirun=multirun,
-               overrides=list(hc.overrides.task))
+    return _CTRL_C.job(lambda: cli(cfg, choices=group_choices(hc.runtime.choices), out_dir=hc.runtime.output_dir,
+                                   multirun=multirun, overrides=list(hc.overrides.task)))
 
 
 class QuietWhenClosed:
@@ -77,11 +107,19 @@ def main() -> None:
     anywhere in a run or a sweep, ends it with one line that says what was kept and what to do next, and
     SIGINT's status."""
     sys.stdout = QuietWhenClosed(sys.stdout)
+    ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler   # not where it is ignored (nohup, &)
+    if ours:
+        signal.signal(signal.SIGINT, _CTRL_C)
     try:
         _job()
+        if _CTRL_C.held:
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         print(interrupted(_WHERE.get("out"), _WHERE.get("sweep")), file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        if ours:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def interrupted(out_dir: str | None, sweep_dir: str | None) -> str:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -45,3 +47,27 @@ def test_ctrl_c_in_a_run_says_nothing_was_kept(tmp_path):
     code, err = interrupt_when(run, lambda: lines.append(run.stdout.readline()) or lines[-1].startswith("run: "))
     assert code == 130 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1].startswith("interrupted: the run stopped before its result")
+
+
+def test_ctrl_c_between_jobs_is_held_until_the_next_job_starts():
+    """Hydra composes a sweep's next config between jobs; a KeyboardInterrupt there would break an OmegaConf
+    node and surface as an unrelated error with exit 1, so it waits for the next job (or the command's end)."""
+    from dsv4.cli import CtrlC
+
+    ran: list[int] = []
+    between = CtrlC()
+    between(signal.SIGINT, None)                     # between jobs: held, nothing raised
+    assert between.held
+    with pytest.raises(KeyboardInterrupt):
+        between.job(lambda: ran.append(1))
+    assert ran == []
+
+    inside = CtrlC()
+
+    def job():
+        inside(signal.SIGINT, None)                  # inside a job: stops it at once
+        ran.append(1)
+
+    with pytest.raises(KeyboardInterrupt):
+        inside.job(job)
+    assert ran == [] and not inside.in_job and not inside.held
