@@ -42,6 +42,21 @@ def test_a_row_sets_the_fastest_backend_beside_the_faster_engine():
                     {"vllm": 7e3})[9] is None          # a prefill runs eagerly: nothing compared
 
 
+
+def test_a_batch_invariant_row_sets_its_fastest_beside_the_default():
+    """batch_invariant=true: the fastest `[batch-invariant]` row and its ratio go after the triton preset's
+    µs, and the fastest backend is chosen among the default rows (among all if only invariant ones ran)."""
+    from dsv4.benches.layer import INVARIANT
+
+    p = Point("dsv4_flash", "c128a", "decode", 1, 64, 4096)
+    tri = preset_label("triton")
+    fixed = {tri + INVARIANT: (117.0, True), "x" + INVARIANT: (108.0, True)}
+    row = grid_row(p, {"a + b + c": (90.0, True), tri: (99.0, True), **fixed}, {"vllm": 100.0}, invariant=True)
+    assert row[2:6] == ["a + b + c", 90.0, 99.0, 108.0]
+    assert row[6] == pytest.approx(1.2) and row[7] == pytest.approx(1.1)
+    alone = grid_row(p, fixed, {"vllm": 100.0}, invariant=True)          # the default rows ran out of memory
+    assert alone[2:7] == ["x" + INVARIANT, 108.0, None, 108.0, 1.0]
+
 def test_the_grid_refuses_what_it_cannot_compare(monkeypatch):
     """Before any work: a model the engines do not publish, a deployment this machine is not, backends
     that do not run here."""

@@ -35,7 +35,8 @@ def grid_row(p: Point, times: dict[str, tuple[float, bool | None]], figures: dic
              invariant: bool = False) -> list:
     """A point's row: the fastest backend run by default, the triton preset beside it, the engines' figures;
     with `invariant`, also the fastest batch-invariant row and its ratio to the fastest."""
-    best = min((label for label in times if not label.endswith(INVARIANT)), key=lambda label: times[label][0])
+    default = [label for label in times if not label.endswith(INVARIANT)] or list(times)   # all else out of memory
+    best = min(default, key=lambda label: times[label][0])
     checked = [same for _, same in times.values() if same is not None]
     ours = times[best][0]
     tri = times.get(preset_label("triton"), (None,))[0]
