@@ -41,8 +41,10 @@ class CtrlC:
     def __init__(self) -> None:
         self.in_job = False
         self.held = False
+        self.seen = False
 
     def __call__(self, signum: int, frame: Any) -> None:
+        self.seen = True
         if self.in_job or self.held:
             raise KeyboardInterrupt
         self.held = True
@@ -115,11 +117,20 @@ def main() -> None:
         if _CTRL_C.held:
             raise KeyboardInterrupt
     except KeyboardInterrupt:
-        print(interrupted(_WHERE.get("out"), _WHERE.get("sweep")), file=sys.stderr)
-        raise SystemExit(130) from None
+        stopped()
+    except BaseException:
+        if not _CTRL_C.seen:
+            raise
+        stopped()           # a Ctrl-C inside a library's bookkeeping in a job can come out as another error
     finally:
         if ours:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def stopped() -> None:
+    """The command's end after Ctrl-C: the one line, and SIGINT's status."""
+    print(interrupted(_WHERE.get("out"), _WHERE.get("sweep")), file=sys.stderr)
+    raise SystemExit(130) from None
 
 
 def interrupted(out_dir: str | None, sweep_dir: str | None) -> str:

@@ -71,3 +71,30 @@ def test_ctrl_c_between_jobs_is_held_until_the_next_job_starts():
     with pytest.raises(KeyboardInterrupt):
         inside.job(job)
     assert ran == [] and not inside.in_job and not inside.held
+
+
+def test_ctrl_c_that_a_library_turns_into_another_error_still_ends_as_interrupted(monkeypatch, capsys):
+    """A KeyboardInterrupt inside a library's bookkeeping can leave it broken and raise something else; the
+    command still ends with the one line and SIGINT's status, not that error."""
+    import dsv4.cli as cli
+
+    def broken():
+        try:
+            cli._CTRL_C(signal.SIGINT, None)
+        except KeyboardInterrupt:
+            raise AttributeError("'NoneType' object has no attribute '_invalidate_flags_cache'") from None
+
+    monkeypatch.setattr(cli, "_CTRL_C", cli.CtrlC())
+    monkeypatch.setattr(cli, "_WHERE", {})
+    monkeypatch.setattr(cli, "_job", lambda: cli._CTRL_C.job(broken))
+    monkeypatch.setattr(sys, "stdout", sys.stdout)              # main() wraps it
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 130
+    assert capsys.readouterr().err.strip().startswith("interrupted: the run stopped before its result")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    monkeypatch.setattr(cli, "_CTRL_C", cli.CtrlC())                # no Ctrl-C: the error is the error
+    monkeypatch.setattr(cli, "_job", lambda: cli._CTRL_C.job(lambda: 1 / 0))
+    with pytest.raises(ZeroDivisionError):
+        cli.main()
