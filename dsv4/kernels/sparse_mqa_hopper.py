@@ -416,7 +416,8 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
     GPU); `inline` (64-head programs): one program a (token, head block) takes its S runs in turn and merges
     them itself, in split_combine's order (the same bits), where the split programs would not fit on the GPU
     at once (sparse_plan.fixed_inline). prefetch: (SWA, compressed) whether the 64-head programs of
-    PREFETCH_MIN_BLOCKS blocks or more ask L2 for the next block's rows of that pool; None: `prefetched_pools` on q's device.
+    PREFETCH_MIN_BLOCKS blocks or more ask L2 for the next block's rows of that pool; None:
+    `prefetched_pools` on q's device.
     group > 1 (programs of at most 32 heads): program p takes the tokens of group p (`groups` [T, 2] int32,
     QueryRuns.groups(group): its first token and how many) and reads the union of their lists once: their
     SWA lists must be windows of consecutive positions, their compressed lists prefixes of the last one's

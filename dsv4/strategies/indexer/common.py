@@ -22,8 +22,6 @@ FP4_NEEDS = Needs(model_multiples=(("index_head_dim", FP4_BLOCK),), model_powers
                   fix="indexer=exact", batch_invariant=True)
 
 
-
-
 def check_top_k(option) -> None:
     """An option's `top_k` is a top-k option (configs/indexer/top_k/; the config names one by its name)."""
     if not isinstance(option.top_k, TopKStrategy):
