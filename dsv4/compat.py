@@ -334,11 +334,25 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
     return out
 
 
+# what the layer's own pieces (front, norms, compressors, indexer scores, cache writes) run on a GPU whatever the
+# options: our Triton kernels (on the CPU their torch code, which needs nothing beyond torch)
+LAYER_MODULES = {"cuda": (("triton", "triton"),), "rocm": (("triton", "triton"),)}
+
+
+def _layer_modules(device: DeviceInfo, here: str | None) -> list[Problem]:
+    if here is None or device.platform != here:
+        return []
+    return [Problem(group="device.platform", value=device.platform, reason=f"the layer's own kernels on a GPU are "
+                    f"Triton's: Python module '{module}' not found (pip package {dist})",
+                    fix=f"pip install {_shell_word(dist)}")
+            for module, dist in LAYER_MODULES.get(device.platform, ()) if importlib.util.find_spec(module) is None]
+
+
 def check(c: Combination, device: DeviceInfo, *, here: str | None = None) -> list[Problem]:
     """All problems of `c` on `device`. `here` is this machine's platform: packages are looked
     for only when `device` is of that platform (checking another machine's deployment cannot
     know what is installed there)."""
-    problems: list[Problem] = []
+    problems: list[Problem] = _layer_modules(device, here)
     for group, strat in _needing(c):
         problems += _needs_rule(group, strat, c, device, here)
     for rule in CROSS_RULES:

@@ -294,6 +294,18 @@ def test_missing_module_fix_quotes_a_version_bound():
     assert p.fix == "pip install 'no-such-pkg>=1.0'  (or mqa_kernel=reference)"
 
 
+@pytest.mark.parametrize("dev", [SM90, GFX942], ids=["sm90", "gfx942"])
+def test_a_gpu_needs_triton_for_the_layers_own_kernels_and_the_cpu_does_not(dev, monkeypatch):
+    """The front, compressors and cache writes are Triton kernels on a GPU whatever the options: without Triton
+    check() says so on a GPU of this machine's platform; the CPU (torch code) and another machine's device never."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    (p,) = check(combo(), dev, here=dev.platform)
+    assert (p.group, p.value, p.fix) == ("device.platform", dev.platform, "pip install triton"), p.line()
+    assert check(combo(), dev, here=None) == []
+    assert check(combo(), CPU, here="cpu") == []
+
+
 @needs_missing_kernel_libs
 @pytest.mark.parametrize("here", [None, "cpu", "rocm"])
 def test_missing_module_not_reported_for_another_platforms_device(here):

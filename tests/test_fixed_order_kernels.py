@@ -12,7 +12,7 @@ import torch
 
 from tests.triton_mode import BIG, DEVICE, GPU, INTERPRET, MARK  # first: sets TRITON_INTERPRET without a GPU
 
-from dsv4.kernels.launch import target_of  # noqa: E402
+from dsv4.kernels.target import target_of  # noqa: E402
 
 pytestmark = MARK
 

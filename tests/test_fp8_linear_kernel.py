@@ -11,7 +11,7 @@ from tests.triton_mode import BIG, DEVICE, INTERPRET, MARK
 
 from dsv4.formats.fp8_blocks import act_quant, block_product, quantize_blocks  # noqa: E402
 from dsv4.kernels.fp8_linear import act_quant_fp8, fp8_linear, plan  # noqa: E402
-from dsv4.kernels.launch import target_of  # noqa: E402
+from dsv4.kernels.target import target_of  # noqa: E402
 from dsv4.oracle import rel_err  # noqa: E402
 
 if not INTERPRET and (torch.version.hip or torch.cuda.get_device_capability() < (8, 9)):

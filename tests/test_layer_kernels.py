@@ -848,7 +848,8 @@ def test_indexer_scoring_is_planned_by_the_target_its_strategy_prepared():
     from dataclasses import replace
 
     from dsv4.device import DeviceInfo
-    from dsv4.kernels.launch import device_arch, observe, target_of
+    from dsv4.kernels.launch import observe
+    from dsv4.kernels.target import device_arch, target_of
     from dsv4.strategies import ExactIndexer
 
     dev_ = torch.device(DEVICE)

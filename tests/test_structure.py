@@ -94,7 +94,7 @@ def test_each_option_is_a_module_of_its_groups_folder_that_no_other_strategy_imp
 
 def test_the_components_choose_their_implementation_once_not_by_the_tensor():
     """The layer's own pieces run their kernels or their torch code as the `kernels` value resolved when the
-    layer is built says (dsv4.kernels.launch.device_target), never by asking a tensor where it lives."""
+    layer is built says (dsv4.kernels.target.device_target), never by asking a tensor where it lives."""
     bad = sorted(f"{p.name}:{node.lineno}" for p in (ROOT / "components").glob("*.py")
                  for node in ast.walk(ast.parse(p.read_text()))
                  if isinstance(node, ast.Attribute) and node.attr == "is_cuda")

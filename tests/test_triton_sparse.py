@@ -322,8 +322,7 @@ def test_a_call_is_planned_by_the_target_its_strategy_prepared(monkeypatch):
     by that prepared value (here one that says sm90 with 7 processors), not by asking the GPU again."""
     from dsv4.device import DeviceInfo
     from dsv4.kernels import sparse_mqa as mod
-    from dsv4.kernels.launch import device_arch, target_of
-    from dsv4.kernels.target import Target
+    from dsv4.kernels.target import Target, device_arch, target_of
 
     dev = torch.device(DEVICE)
     strat = TritonSparseMQA()

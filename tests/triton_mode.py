@@ -29,6 +29,6 @@ if INTERPRET:
     KERNELS = None
 else:
     from dsv4.device import detect
-    from dsv4.kernels.launch import device_target
+    from dsv4.kernels.target import device_target
 
     KERNELS = device_target(detect())

@@ -25,7 +25,7 @@ from dsv4.components.rope import Rope
 from dsv4.fixed_order import GPU_ROW_TILE, ROW_TILE, asked, in_row_tiles, refuse_unable
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
-from dsv4.kernels.target import Target
+from dsv4.kernels.target import Target, device_target
 from dsv4.layer_types import by_ratio
 from dsv4.seam import SparseKV
 from dsv4.spec import ModelSpec
@@ -79,8 +79,6 @@ class DSV4Attention(torch.nn.Module):
         # which implementation the layer's own pieces (front, norms, compressors, indexer) run, chosen here once:
         # our Triton kernels (the value is the device's Target, its facts for kernels that plan by them), or
         # (None, on the CPU) their torch code
-        from dsv4.kernels.launch import device_target
-
         self.kernels: Target | None = device_target(device, fixed_order=batch_invariant)
         # the compressors' branch runs on the device's side stream beside the query path (`_Branch`)
         on_gpu = self.kernels is not None

@@ -143,7 +143,7 @@ def compile_for(target: str, what: str) -> float:
                  {"K", "s_row", "s_col"}, gpu, 4)
         return time.perf_counter() - t0
     from dsv4.kernels import sparse_mqa as mod
-    from dsv4.kernels.launch import E4M3_SM
+    from dsv4.kernels.target import E4M3_SM
 
     code = {f.label: c for f, c in mod.LAYOUT_CODES.items()}[what]
     native = gpu.backend == "cuda" and gpu.arch >= E4M3_SM and code == 1
@@ -174,7 +174,7 @@ def _compile_layer(gpu) -> None:
     import triton.language as tl
 
     from dsv4.kernels import cache_write, compress, fp8_queries, indexer_logits, layer_front, topk_lists
-    from dsv4.kernels.launch import E4M3_SM
+    from dsv4.kernels.target import E4M3_SM
 
     def types(table):
         return lambda a: table.get(a, "fp32" if a in ("eps", "w_scale", "iw_scale") else "i32")

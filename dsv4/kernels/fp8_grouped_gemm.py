@@ -14,8 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, launch, target_of
-from dsv4.kernels.target import Target
+from dsv4.kernels.launch import as_dense, as_f32, launch
+from dsv4.kernels.target import Target, target_of
 from dsv4.sizes import cdiv
 
 BLOCK = 128
@@ -50,7 +50,7 @@ def grouped_fp8_gemm(x, xs, w, ws, *, block_m: int = 64, num_warps: int = 4, num
     """x [T, G, K] e4m3, xs [T, G, K/128] float32; w [G, N, K] e4m3, ws [G, N/128, K/128] float32 ->
     z [T, G, N] bf16. The default launch is the H200 sweep's (bench/tune_triton.py oproj;
     docs/notes/2026-12-04-fp8-products.md).
-    `target`: the device's facts as the strategy prepared them (default: `launch.target_of` x's device)."""
+    `target`: the device's facts as the strategy prepared them (default: `target.target_of` x's device)."""
     import torch
 
     T, G, K = x.shape

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, launch, target_of
-from dsv4.kernels.target import Target
+from dsv4.kernels.launch import as_dense, as_f32, launch
+from dsv4.kernels.target import Target, target_of
 from dsv4.sizes import cdiv
 
 BLOCK = 128

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from dsv4.formats.row_format import FP8_KEYS, MXFP4_KEYS
-from dsv4.kernels.launch import arch_at_least, as_dense, as_i32, launch, rows_dense, target_of
-from dsv4.kernels.target import Target
+from dsv4.kernels.launch import as_dense, as_i32, launch, rows_dense
+from dsv4.kernels.target import Target, arch_at_least, target_of
 from dsv4.sizes import cdiv, next_pow2
 
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
@@ -275,7 +275,7 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
     values (the module docstring: bf16 queries against FP4 records, bf16 or e4m3 ones against fp8 records).
     Sync-free; grid (T / TOKENS_PER_PROGRAM, width / (block_n · blocks_per_program)); launch shapes left at
     0 are the H200's best for the keys' dtype and the step's size (LAUNCH). `target`: the device's facts as
-    the strategy prepared them (default: `launch.target_of` q's device)."""
+    the strategy prepared them (default: `target.target_of` q's device)."""
     import torch
 
     e4m3 = q.dtype == torch.float8_e4m3fn

@@ -11,8 +11,8 @@ one whose launcher calling convention is known here (3.5 and 3.6) and the kernel
 through the compiled kernel's `run`.
 
 Kernels are looked up by identity (a JITFunction's own hash recomputes its cache key in Python); the
-grid arithmetic on the host is dsv4/sizes.py's. `device_arch` and `native_e4m3` are the device facts the
-kernels' wrappers plan by, asked once per device.
+grid arithmetic on the host is dsv4/sizes.py's; the device facts the kernels' wrappers plan by are
+dsv4/kernels/target.py's.
 
 Under the interpreter (`TRITON_INTERPRET=1`, the CPU tests) and while a launch hook is installed (a
 profiler such as proton), it is exactly `kernel[grid](*args, **meta)`.
@@ -20,13 +20,10 @@ profiler such as proton), it is exactly `kernel[grid](*args, **meta)`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 
 import torch
 import triton
-
-from dsv4.kernels.target import Target
 
 try:
     from triton import knobs
@@ -38,35 +35,6 @@ except Exception:             # a Triton without knobs (before 3.4): every launc
 _DIRECT_C_LAUNCH = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2]) in {(3, 5), (3, 6)}
 
 
-@functools.cache
-def device_arch(device) -> str:
-    """'sm90'-style name of a CUDA device ('rocm' on ROCm, 'cpu' otherwise): the arch plan_kernel sees."""
-    if device.type != "cuda":
-        return "cpu"
-    if getattr(torch.version, "hip", None):
-        return "rocm"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm{major}{minor}"
-
-
-def arch_at_least(arch: str, sm: int) -> bool:
-    """Whether `arch` ('sm90'-style) names an NVIDIA GPU of compute capability `sm` (e.g. 90) or newer."""
-    return arch.startswith("sm") and int(arch[2:]) >= sm
-
-
-def nvidia_at_least(device, sm: int) -> bool:
-    """Whether `device` is an NVIDIA GPU of compute capability `sm` (e.g. 90) or newer."""
-    return arch_at_least(device_arch(device), sm)
-
-
-E4M3_SM = 89          # NVIDIA GPUs from this compute capability on convert OCP e4m3 in hardware
-
-
-def native_e4m3(device) -> bool:
-    """Whether `device` converts OCP e4m3 in hardware (NVIDIA sm89 and newer; not ROCm's FNUZ-only gfx942)."""
-    return nvidia_at_least(device, E4M3_SM)
-
-
 @triton.jit
 def _probe(x_ptr):
     """A kernel of no work: whether Triton interprets this process's kernels (`interpreted`)."""
@@ -76,36 +44,6 @@ def _probe(x_ptr):
 def interpreted() -> bool:
     """Whether Triton interprets our kernels (TRITON_INTERPRET=1 when they were defined: the CPU tests)."""
     return not hasattr(_probe, "device_caches")
-
-
-def target(*, platform: str, arch: str, torch_device: str, fixed_order: bool = False) -> Target:
-    """A device (a DeviceInfo's platform, arch and torch device) as our kernels' calls are planned: its
-    processors and L2 asked once; under Triton's interpreter the 'interpreter', with a few processors, so that
-    splitting is exercised. What a strategy's `prepare` resolves; `fixed_order`: batch_invariant=true's
-    launches (Target.fixed_order)."""
-    if interpreted():
-        return Target(arch="interpreter", native_e4m3=False, processors=4, interpret=True, fixed_order=fixed_order)
-    nvidia = platform == "cuda" and arch.startswith("sm")
-    props = torch.cuda.get_device_properties(torch_device)
-    return Target(arch=arch if nvidia else platform, native_e4m3=nvidia and arch_at_least(arch, E4M3_SM),
-                  processors=props.multi_processor_count, l2_bytes=props.L2_cache_size, fixed_order=fixed_order)
-
-
-def device_target(device, *, fixed_order: bool = False) -> Target | None:
-    """`target` of a DeviceInfo's device, what a layer or an option resolves once when it is built; None for
-    the CPU (or anything that is not a DeviceInfo of a GPU), where the torch code runs (a kernel called there
-    anyway plans by its tensors' device)."""
-    if getattr(device, "platform", None) not in ("cuda", "rocm"):
-        return None
-    return target(platform=device.platform, arch=device.arch, torch_device=device.torch_device,
-                  fixed_order=fixed_order)
-
-
-@functools.lru_cache(maxsize=None)
-def target_of(device) -> Target:
-    """`target` of a torch device, for calls made without a prepared one (the benches, direct callers)."""
-    arch = device_arch(device)
-    return target(platform="rocm" if arch == "rocm" else device.type, arch=arch, torch_device=str(device))
 
 
 class _Kernel:

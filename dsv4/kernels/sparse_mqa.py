@@ -44,12 +44,12 @@ import triton
 import triton.language as tl
 
 from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
-from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, target_of
-from dsv4.sizes import cdiv
+from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch
 from dsv4.kernels.sparse_plan import (FIXED_LAUNCH, FIXED_SPLITS, FIXED_WORKSPACE_BYTES, fixed_inline, hopper_group,
                                      hopper_splits, plan_kernel, plan_launch)
 from dsv4.kernels.split_combine import finish
-from dsv4.kernels.target import Target
+from dsv4.kernels.target import Target, target_of
+from dsv4.sizes import cdiv
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)      # the same, inside kernels

@@ -42,7 +42,8 @@ from triton.experimental.gluon import language as gl
 from dsv4.kernels import sparse_mqa_hopper_few as few
 from dsv4.kernels.hopper_gluon import (BN, LOG2E_C, block_slots, cta_barrier, fence_async_shared, finish_heads,
                                        load_q, mbarrier, nblocks, smem_view, warpgroup_mma, warpgroup_mma_wait)
-from dsv4.kernels.launch import launch, target_of
+from dsv4.kernels.launch import launch
+from dsv4.kernels.target import target_of
 from dsv4.kernels.sparse_plan import hopper_heads
 from dsv4.kernels.split_combine import combine_splits
 from dsv4.sizes import cdiv

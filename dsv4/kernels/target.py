@@ -1,9 +1,13 @@
 """The device facts our kernels' calls are planned by, as one value (`Target`): resolved once from the device
-by a strategy's `prepare` (dsv4.kernels.launch.target), so that no call asks the GPU, or reads whether
-Triton interprets the kernels, again; with them, whether a call may be planned by the step's size at all
-(`fixed_order`). Plain Python: the strategies' needs() may import what sits beside it."""
+by a strategy's `prepare` (`device_target`), so that no call asks the GPU, or reads whether Triton interprets
+the kernels, again; with them, whether a call may be planned by the step's size at all (`fixed_order`).
+
+Plain Python, torch imported only where a GPU is asked and Triton only where its interpreter is: the
+strategies' needs() import what sits beside it, and the CPU path resolves its (absent) Target here without
+either kernel stack installed."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -27,3 +31,58 @@ def check_kernels(kernels: Target | None, tensor, who: str) -> None:
     if tensor.is_cuda != (kernels is not None):
         raise ValueError(f"{who}: GPU tensors need kernels=<the device's Target>, CPU tensors kernels=None; "
                          f"given {'a Target' if kernels is not None else 'None'} with {tensor.device.type} tensors")
+
+
+@functools.cache
+def device_arch(device) -> str:
+    """'sm90'-style name of a CUDA device ('rocm' on ROCm, 'cpu' otherwise): the arch plan_kernel sees."""
+    if device.type != "cuda":
+        return "cpu"
+    import torch
+
+    if getattr(torch.version, "hip", None):
+        return "rocm"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def arch_at_least(arch: str, sm: int) -> bool:
+    """Whether `arch` ('sm90'-style) names an NVIDIA GPU of compute capability `sm` (e.g. 90) or newer."""
+    return arch.startswith("sm") and int(arch[2:]) >= sm
+
+
+E4M3_SM = 89          # NVIDIA GPUs from this compute capability on convert OCP e4m3 in hardware
+
+
+def target(*, platform: str, arch: str, torch_device: str, fixed_order: bool = False) -> Target:
+    """A device (a DeviceInfo's platform, arch and torch device) as our kernels' calls are planned: its
+    processors and L2 asked once; under Triton's interpreter the 'interpreter', with a few processors, so that
+    splitting is exercised. What a strategy's `prepare` resolves; `fixed_order`: batch_invariant=true's
+    launches (Target.fixed_order)."""
+    from dsv4.kernels.launch import interpreted   # a GPU's kernels are Triton's: check() asked for it
+
+    if interpreted():
+        return Target(arch="interpreter", native_e4m3=False, processors=4, interpret=True, fixed_order=fixed_order)
+    import torch
+
+    nvidia = platform == "cuda" and arch.startswith("sm")
+    props = torch.cuda.get_device_properties(torch_device)
+    return Target(arch=arch if nvidia else platform, native_e4m3=nvidia and arch_at_least(arch, E4M3_SM),
+                  processors=props.multi_processor_count, l2_bytes=props.L2_cache_size, fixed_order=fixed_order)
+
+
+def device_target(device, *, fixed_order: bool = False) -> Target | None:
+    """`target` of a DeviceInfo's device, what a layer or an option resolves once when it is built; None for
+    the CPU (or anything that is not a DeviceInfo of a GPU), where the torch code runs (a kernel called there
+    anyway plans by its tensors' device)."""
+    if getattr(device, "platform", None) not in ("cuda", "rocm"):
+        return None
+    return target(platform=device.platform, arch=device.arch, torch_device=device.torch_device,
+                  fixed_order=fixed_order)
+
+
+@functools.lru_cache(maxsize=None)
+def target_of(device) -> Target:
+    """`target` of a torch device, for calls made without a prepared one (the benches, direct callers)."""
+    arch = device_arch(device)
+    return target(platform="rocm" if arch == "rocm" else device.type, arch=arch, torch_device=str(device))

@@ -27,7 +27,7 @@ class ExactIndexer:
         return Needs(batch_invariant=True)       # the torch path's fixed order; our kernels' fixed launches
 
     def prepare(self, *, head_dim: int, device, batch_invariant: bool = False):
-        from dsv4.kernels.launch import device_target
+        from dsv4.kernels.target import device_target
 
         return device_target(device, fixed_order=batch_invariant)
 

@@ -34,7 +34,7 @@ class Fp4SimIndexer:
         return FP4_NEEDS
 
     def prepare(self, *, head_dim: int, device, batch_invariant: bool = False):
-        from dsv4.kernels.launch import device_target
+        from dsv4.kernels.target import device_target
 
         return device_target(device, fixed_order=batch_invariant)
 

@@ -44,7 +44,7 @@ def triton_blocks(weight: LinearWeight, device, *, fixed_order: bool = False) ->
     from dataclasses import replace
 
     from dsv4.kernels.fp8_linear import counters
-    from dsv4.kernels.launch import device_target
+    from dsv4.kernels.target import device_target
 
     blocks = fp8_blocks(weight, device)
     count = counters(blocks.weight.shape[0], device.torch_device)

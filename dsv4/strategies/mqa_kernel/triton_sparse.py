@@ -72,7 +72,7 @@ class TritonSparseMQA:
     def prepare(self, *, device, batch_invariant: bool = False) -> Target:
         """The device's facts the calls are planned by (arch, e4m3 in hardware, processors), resolved once;
         with batch_invariant, launches that do not follow the step (Target.fixed_order)."""
-        from dsv4.kernels.launch import target
+        from dsv4.kernels.target import target
 
         return target(platform=device.platform, arch=device.arch, torch_device=device.torch_device,
                       fixed_order=batch_invariant)

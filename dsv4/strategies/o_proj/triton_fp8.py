@@ -32,7 +32,7 @@ class TritonFp8OProj:
 
     def prepare(self, weights: OProjWeights, *, device, dtype: str, batch_invariant: bool = False) -> Fp8WoA:
         """The weights in blocks, and the device's facts the product's calls plan by (resolved once)."""
-        from dsv4.kernels.launch import device_target
+        from dsv4.kernels.target import device_target
 
         return replace(block_scaled_weights(weights, device), target=device_target(device))
 
