@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 
@@ -16,11 +17,19 @@ from dsv4.device import detect
 from dsv4.oracle import rel_err
 from dsv4.strategies import DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, TorchFp8OProj
 from dsv4.benches.cases import POOL_BLOCKS, oproj_case, sparse_case
+from dsv4.benches.gpu import require_gpu
 from dsv4.benches.timing import graph_time_us
-from tests.conftest import tiny_spec
+from dsv4.catalogue import model_presets
+
+
+def tiny_spec():
+    """The small model whose RoPE tables the o_proj cases use (only its rotary settings matter here)."""
+    return model_presets()["dsv4_tiny"]
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    require_gpu("bench/bench_kernels.py")
     dev = detect()
     print(f"# {dev.describe()}  torch {torch.__version__}")
     scale = 512 ** -0.5

@@ -10,16 +10,18 @@ import argparse
 
 from hydra import compose, initialize_config_dir
 
+from dsv4.benches.gpu import require_gpu
 from dsv4.benches.kernels import bench_linear
 from dsv4.catalogue import CONFIG_DIR
 from dsv4.job import make_job
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="*", type=int, default=[1, 64, 128, 8192])
     ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
     a = ap.parse_args()
+    require_gpu("bench/bench_linear.py")
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         job = make_job(compose(config_name="config", overrides=a.overrides or ["deployment=h200"]))
     print(f"model={job.spec.name}, tp_size={job.combo.tp_size}:\n" + bench_linear(job, tuple(a.rows)))

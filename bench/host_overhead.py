@@ -7,21 +7,26 @@ one of the layer's Triton launchers, small torch ops and bf16 GEMMs of a decode 
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
 import torch
-import triton
-import triton.language as tl
 
-from dsv4.kernels.launch import launch
-from dsv4.kernels.layer_front import kv_rows_kernel
+from dsv4.benches.gpu import require_gpu
 
 
-@triton.jit
-def _tiny(x_ptr, n, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
-    tl.store(x_ptr + i, i, mask=i < n)
+def tiny_kernel():
+    """A Triton kernel of one pointer and one int (Triton imported here: only once the GPU is known)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _tiny(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, i, mask=i < n)
+
+    return _tiny
 
 
 def host_us(fn, calls: int = 200, repeats: int = 5) -> float:
@@ -39,6 +44,12 @@ def host_us(fn, calls: int = 200, repeats: int = 5) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    require_gpu("bench/host_overhead.py")
+    from dsv4.kernels.launch import launch
+    from dsv4.kernels.layer_front import kv_rows_kernel
+
+    _tiny = tiny_kernel()
     dev = "cuda"
     x = torch.zeros(1024, dtype=torch.int32, device=dev)
     bad = torch.zeros(128, dtype=torch.bool, device=dev)

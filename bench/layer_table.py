@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from dsv4 import api
 from dsv4.errors import USER_ERRORS
+from dsv4.benches.gpu import require_gpu
 from dsv4.benches.grid import bench_grid
 from dsv4.benches.layer import DECODE_CASES, ERROR, bench_layer_step
 from dsv4.benches.padding import TP_SIZES, bench_padding
@@ -25,7 +26,7 @@ def case(text: str) -> tuple[int, int, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="*", type=case, default=DECODE_CASES)
     ap.add_argument("--backends", nargs="*", default=None,
                     help="labels, e.g. 'flashmla_sparse + deepgemm_fp8 + deepgemm_fp8'")
@@ -39,6 +40,7 @@ def main() -> None:
                     help="peers: the points where vLLM and SGLang publish (dsv4/benches/peers.py) instead of --cases")
     ap.add_argument("overrides", nargs="*", default=[], help="Hydra overrides (deployment=h200 unless one is given)")
     a = ap.parse_args()
+    require_gpu("bench/layer_table.py")
     # Hydra overrides written after a list option (`--backends X model=dsv4_pro`) land in that list: move them
     for key in ("backends", "indexers", "layer_types"):
         given = getattr(a, key) or []

@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from dsv4.catalogue import CONFIG_DIR
 from dsv4.job import make_job
+from dsv4.benches.gpu import require_gpu
 from dsv4.benches.timing import replay_us
 from dsv4.benches.layer import backends, decode_step, engine_for, fill
 
@@ -129,7 +130,7 @@ def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="flashmla_sparse + deepgemm_fp8 + deepgemm_triton_fp8",
                     help="a label 'mqa_kernel + o_proj + linear' of dsv4/benches/layer.py's backends")
     ap.add_argument("--requests", type=int, default=64)
@@ -141,6 +142,7 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true", help="also one replay's kernels in order, with the gaps")
     ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
     a = ap.parse_args()
+    require_gpu("bench/profile_layer.py")
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
         job = make_job(compose(config_name="config", overrides=a.overrides))
     labels = {b.label: b for b in backends(job)}

@@ -21,10 +21,8 @@ import torch
 
 from dsv4.benches.timing import graph_time_us
 from dsv4.seam import PagedCache
+from dsv4.benches.gpu import require_gpu
 from dsv4.benches.indexer import as_bf16_rows, stored_keys
-from dsv4.kernels.fp8_queries import fp8_queries_kernel
-from dsv4.kernels.indexer_logits import indexer_logits
-from dsv4.kernels.topk_lists import topk_lists
 from dsv4.oracle import rel_err
 from dsv4.report import table
 from dsv4.sizes import cdiv
@@ -126,11 +124,16 @@ def flashinfer_topk_rows(context: int, scores, counts, pages, req, want) -> list
 def main() -> None:
     import argparse
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", nargs="*", type=int, default=[8192, 65536])
     ap.add_argument("--shipped", action="store_true", help="the shipped launch shapes only")
     ap.add_argument("--top-k-only", action="store_true", help="the top-k table alone (float32-key scores)")
     a = ap.parse_args()
+    require_gpu("bench/tune_indexer.py")
+    from dsv4.kernels.fp8_queries import fp8_queries_kernel       # Triton: only once the GPU is known
+    from dsv4.kernels.indexer_logits import indexer_logits
+    from dsv4.kernels.topk_lists import topk_lists
+
     shapes = SCORE_SHAPES[:1] if a.shipped else SCORE_SHAPES
     rows, topk_rows, step_rows = [], [], []
     for context in a.contexts:

@@ -35,7 +35,8 @@ from dsv4.components.rope import Rope
 from dsv4.oracle import rel_err
 from dsv4.strategies import FlashMLASparse, TritonSparseMQA
 from dsv4.device import detect
-from tests.conftest import tiny_spec
+from dsv4.benches.gpu import require_gpu
+from dsv4.catalogue import model_presets
 
 CASES = DECODE_CASES[:5] + [("h64 128+512", 64, 64, 512, 2048, 2)]
 # (the planner's large-step shape, its small-step shape, and the neighbours measured in the journal,
@@ -45,6 +46,11 @@ CONFIGS = [dict(block_n=128, block_h=64, block_d=128, num_warps_pv=4), dict(bloc
            dict(block_n=128, block_h=64, block_d=64, num_warps_pv=4), dict(block_n=128, block_h=64, block_d=256,
            num_warps_pv=8), dict(block_n=128, block_h=64, block_d=128, num_warps=8, num_warps_pv=4),
            dict(block_n=64, block_h=32, block_d=64, num_warps_pv=8)]
+
+
+def tiny_spec():
+    """The small model whose RoPE tables the o_proj cases use (only its rotary settings matter here)."""
+    return model_presets()["dsv4_tiny"]
 
 
 def _compiled_stats():
@@ -251,7 +257,7 @@ PREFETCH_CASES = [("128+512", 64, 512, 128, 2, POOL_BLOCKS, POOL_BLOCKS),
 def prefetch(cases=PREFETCH_CASES) -> None:
     """The 64-head Hopper kernel with its L2 prefetch of the next block's rows off, on (both pools) and as
     sparse_mqa picks it (`prefetched_pools`: pools larger than L2), FlashMLA beside; outputs compared."""
-    from dsv4.kernels.launch import target_of
+    from dsv4.kernels.target import target_of
     from dsv4.kernels.sparse_mqa import LOG2E, pool_args
     from dsv4.kernels.sparse_mqa_hopper import prefetched_pools, sparse_mqa_hopper
     from dsv4.kernels.sparse_plan import hopper_splits
@@ -400,7 +406,7 @@ def linear(rows=(1, 16, 64, 128, 1024, 8192)) -> None:
 
     from dsv4.formats.fp8_blocks import quantize_blocks
     from dsv4.kernels.fp8_linear import act_quant_fp8, fp8_linear, plan
-    from dsv4.kernels.launch import target_of
+    from dsv4.kernels.target import target_of
 
     tgt = target_of(torch.device("cuda"))
     print("\n| product | M | launch | µs | rel err |\n|---|---|---|---|---|")
@@ -446,25 +452,21 @@ def linear(rows=(1, 16, 64, 128, 1024, 8192)) -> None:
                       flush=True)
 
 
-if __name__ == "__main__":
-    import sys
+SWEEPS = {"decode": lambda: (decode(), prologue()), "quick": lambda: decode([CASES[0], CASES[3], CASES[4]]),
+          "planned": planned, "split": split, "few": few, "oproj": oproj, "linear": linear, "prefetch": prefetch,
+          "runs": runs}
 
-    if "planned" in sys.argv:
-        planned()
-    elif "split" in sys.argv:
-        split()
-    elif "few" in sys.argv:
-        few()
-    elif "oproj" in sys.argv:
-        oproj()
-    elif "linear" in sys.argv:
-        linear()
-    elif "prefetch" in sys.argv:
-        prefetch()
-    elif "runs" in sys.argv:
-        runs()
-    elif "quick" in sys.argv:
-        decode([CASES[0], CASES[3], CASES[4]])
-    else:
-        decode()
-        prologue()
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sweep", nargs="?", choices=list(SWEEPS), default="decode",
+                    help="which sweep (default: the launch parameters on the decode cases, then the o_proj prologue)")
+    sweep = ap.parse_args().sweep
+    require_gpu("bench/tune_triton.py")
+    SWEEPS[sweep]()
+
+
+if __name__ == "__main__":
+    main()

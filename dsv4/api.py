@@ -12,11 +12,12 @@ import warnings
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from dsv4.catalogue import GROUPS
+from dsv4.catalogue import GROUPS, null_group
 from dsv4.job import Job, make_job, problems_for, raise_if
 from dsv4.device import DeviceInfo
 from dsv4.errors import ConfigError
 from dsv4.no_effect import inert_settings
+from dsv4.settings import resolved
 from dsv4.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -57,6 +58,9 @@ def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, dev
              if s is not None}
     for group, strat in given.items():
         _check_strategy(group, strat)
+    null = null_group(overrides)                  # Hydra's composition fails on it with a traceback
+    if null:
+        raise ConfigError(null)
     outer = GlobalHydra.instance().hydra          # a Hydra app of the caller's keeps its own state
     GlobalHydra.instance().clear()
     try:
@@ -69,7 +73,7 @@ def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, dev
     choices = group_choices(cfg.hydra.runtime.choices)
     with open_dict(cfg):
         del cfg["hydra"]
-    job = make_job(cfg, choices=choices)
+    job = make_job(resolved(cfg), choices=choices)
     if spec is not None:
         spec.validate()
         job = replace(job, spec=spec, combo=replace(job.combo, spec=spec), choices=job.choices | {"model": spec.name})

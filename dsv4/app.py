@@ -27,6 +27,7 @@ from dsv4.modes import JOB_MODES
 from dsv4.no_effect import inert_settings
 from dsv4.parallel import torchrun_world_size
 from dsv4.report import error_row, sweep_cell_failed
+from dsv4.settings import resolved
 
 RANK_ERROR_GRACE_S = 5.0     # how long a torchrun rank other than 0 waits before exiting on a user error
 
@@ -35,7 +36,7 @@ def main(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir: str
          multirun: bool = False, overrides: Sequence[str] = ()) -> float | None:
     """Run the mode of the composed `cfg`; `overrides` (the command line's) are named on stderr, once each,
     where they have no effect in the job (dsv4/no_effect.py)."""
-    mode = cfg.get("mode", "run")
+    mode = resolved(cfg).get("mode", "run")
     try:
         mode = run_settings(cfg).mode
         if mode == "summarize":

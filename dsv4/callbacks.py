@@ -68,3 +68,68 @@ def _view(config: Any):
         return SummaryView.from_config(OmegaConf.to_container(node, resolve=True) if node is not None else None)
     except ConfigError as e:
         raise SystemExit(f"error: {e}") from None
+
+
+class FoldersCallback:
+    """Before Hydra makes a folder or writes in it, the folder a run or a sweep writes judged
+    (dsv4.targets): named (not empty: that is the current folder), a folder that can be made and written,
+    on a disk with room; a sweep's folder must not already hold a sweep (a second one would mix its rows
+    with the first's in one summary), and it is held (locked) from the sweep's start to its end, so that a
+    second sweep started on it at the same time is refused. Each failure ends the command with its one line
+    (SystemExit: Hydra's callback wrapper turns an Exception into a warning)."""
+
+    def __init__(self) -> None:
+        from contextlib import ExitStack
+
+        self._held = ExitStack()            # the sweep's folder, from its start to its end
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        _refuse_if(_folder_problem("hydra.run.dir", config.hydra.run.dir))
+
+    def on_run_end(self, config: Any, **kwargs: Any) -> None:
+        pass
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        from pathlib import Path
+
+        from dsv4.targets import FolderBusy, held_sweep, hold
+
+        value = config.hydra.sweep.dir
+        _refuse_if(_folder_problem("hydra.sweep.dir", value))
+        try:
+            self._held.enter_context(hold(Path(str(value)), what="hydra.sweep.dir"))
+        except FolderBusy as e:
+            raise SystemExit(f"error: {e}") from None
+        held = held_sweep(Path(str(value)))
+        if held:
+            raise SystemExit(f"error: hydra.sweep.dir={value} already holds a sweep ({held}): a second sweep "
+                             f"would mix its rows with those; fix: hydra.sweep.dir=<a new folder> (or leave it "
+                             f"out: every sweep gets a folder of its own), or summarize this one again: "
+                             f"python run.py mode=summarize +sweep_dir={value}")
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        pass
+
+    def on_job_end(self, config: Any, **kwargs: Any) -> None:
+        pass
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        self._held.close()
+
+
+def _folder_problem(key: str, value: Any) -> str | None:
+    """Why the folder `key`=`value` cannot take a job's outputs, or None."""
+    from pathlib import Path
+
+    from dsv4.targets import RUN_FOLDER_BYTES, judge
+
+    if value is None or not str(value).strip():
+        return (f"{key} is empty: the job's files would land in the current folder; fix: {key}=PATH (or leave it "
+                f"out: each run and sweep gets a folder of its own)")
+    reason = judge(Path(str(value)), RUN_FOLDER_BYTES)
+    return f"{key}={value}: {reason}; fix: {key}=<a writable folder>" if reason else None
+
+
+def _refuse_if(problem: str | None) -> None:
+    if problem:
+        raise SystemExit(f"error: {problem}")

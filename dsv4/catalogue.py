@@ -62,6 +62,42 @@ def option(group: str, name: str):
     return opts[name]
 
 
+def null_group(overrides) -> str | None:
+    """`model=null` (any config group set to null on the command line) or `=3` (no key): Hydra's composition
+    fails on them with a traceback; here, before it, one line (with the group's options). None when no
+    override does that."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    given = [o for o in overrides if isinstance(o, str) and "=" in o and not o.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(given)
+    except HydraException:           # Hydra says what is wrong with these itself
+        return None
+    for o in parsed:
+        group = o.key_or_group
+        if not group:
+            return f"{o.input_line}: no key before the '='; fix: KEY{o.input_line}, e.g. seed{o.input_line}"
+        if o.is_delete() or o.is_sweep_override() or o.value() is not None or not (CONFIG_DIR / group).is_dir():
+            continue
+        names = ", ".join(sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")))
+        fix = default_override(group) or f"drop {o.input_line}"
+        return f"{o.input_line}: the config group {group} takes one of its options ({names}); fix: {fix}"
+    return None
+
+
+def default_override(key: str) -> str | None:
+    """The override that gives a section of the config its default back: its group's option in
+    configs/config.yaml's defaults list (the device's: the deployment's); None if it has none."""
+    from omegaconf import OmegaConf
+
+    group = "deployment" if key == "device" else key
+    for entry in OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml"))["defaults"]:
+        if isinstance(entry, dict) and entry.get(group) is not None:
+            return f"{group}={entry[group]}"
+    return None
+
+
 @functools.cache
 def model_presets() -> dict[str, Any]:
     """The shipped model presets (configs/model/*.yaml) that build a ModelSpec, by name."""

@@ -12,6 +12,8 @@ from typing import Any, Mapping
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from dsv4.catalogue import null_group
+
 
 def run_id() -> int:
     """`${dsv4.pid:}` in the run and sweep folders (configs/config.yaml): this process's id, so that two runs
@@ -73,13 +75,15 @@ def _job(cfg: DictConfig) -> float | None:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     _WHERE.update(out=hc.runtime.output_dir, sweep=hc.sweep.dir if multirun else None)
+    task = OmegaConf.to_container(hc.overrides.task)      # as typed: a `${..}` in one is not resolved here
     return _CTRL_C.job(lambda: cli(cfg, choices=group_choices(hc.runtime.choices), out_dir=hc.runtime.output_dir,
-                                   multirun=multirun, overrides=list(hc.overrides.task)))
+                                   multirun=multirun, overrides=task))
 
 
 class QuietWhenClosed:
-    """stdout that a reader may close (`python run.py | head -1`): from then on what is printed goes nowhere,
-    and the run goes on to its result, instead of failing at its next print."""
+    """stdout or stderr that a reader may close (`python run.py 2>&1 | head -1`): from then on what is
+    printed there goes nowhere, and the run goes on to its result, instead of failing at its next print (a
+    progress line on stderr, as much as the table on stdout)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -105,10 +109,13 @@ class QuietWhenClosed:
 
 
 def main() -> None:
-    """The command: Hydra composes and runs the job(s) (`_job`). A closed stdout does not stop it; Ctrl-C,
-    anywhere in a run or a sweep, ends it with one line that says what was kept and what to do next, and
-    SIGINT's status."""
-    sys.stdout = QuietWhenClosed(sys.stdout)
+    """The command: Hydra composes and runs the job(s) (`_job`). A closed stdout or stderr does not stop it;
+    Ctrl-C, anywhere in a run or a sweep, ends it with one line that says what was kept and what to do next,
+    and SIGINT's status."""
+    sys.stdout, sys.stderr = QuietWhenClosed(sys.stdout), QuietWhenClosed(sys.stderr)
+    null = null_group(sys.argv[1:])         # Hydra's composition fails on it with a traceback
+    if null:
+        raise SystemExit(f"error: {null}")
     ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler   # not where it is ignored (nohup, &)
     if ours:
         signal.signal(signal.SIGINT, _CTRL_C)
@@ -128,8 +135,10 @@ def main() -> None:
 
 
 def stopped() -> None:
-    """The command's end after Ctrl-C: the one line, and SIGINT's status."""
-    print(interrupted(_WHERE.get("out"), _WHERE.get("sweep")), file=sys.stderr)
+    """The command's end after Ctrl-C: the one line (said by rank 0 alone under torchrun, where every rank
+    gets the Ctrl-C), and SIGINT's status."""
+    if os.environ.get("RANK", "0") == "0":
+        print(interrupted(_WHERE.get("out"), _WHERE.get("sweep")), file=sys.stderr)
     raise SystemExit(130) from None
 
 
@@ -138,7 +147,8 @@ def interrupted(out_dir: str | None, sweep_dir: str | None) -> str:
     if sweep_dir is not None:
         rows = len(list(Path(sweep_dir).glob("*/result.json")))
         return (f"interrupted: the sweep stopped; the rows of its {rows} finished cell(s) are kept in {sweep_dir}; "
-                f"summarize them: python run.py mode=summarize +sweep_dir={sweep_dir} (run the sweep again for all)")
+                f"summarize them: python run.py mode=summarize +sweep_dir={sweep_dir} (or run the sweep again, "
+                f"into a new folder, for every cell)")
     row = Path(out_dir) / "result.json" if out_dir else None
     if row is not None and row.exists():
         return f"interrupted: the run's result is kept in {row}"

@@ -8,7 +8,7 @@ override that fixes it.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from typing import Callable
 
 from dsv4.catalogue import NESTED_GROUPS
@@ -86,6 +86,12 @@ class Combination:
         return DTYPE_ERROR_BUDGET[self.dtype] + sum(
             getattr(s, "error_budget", 0.0)
             for s in (self.mqa_kernel, self.o_proj, self.cache_layout, self.indexer, self.linear))
+
+    @property
+    def f32_kv_budget(self) -> float:
+        """The relative error against the oracle with exact float32 rows a run may show: the error budget
+        plus what the cache layout's rounding may cost (its `rounding_budget`)."""
+        return self.error_budget + self.cache_layout.rounding_budget
 
     def choice(self, group: str):
         """The strategy chosen for `group`: a group's (`indexer`), or a nested group's (`indexer.top_k`)."""
@@ -318,6 +324,7 @@ def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str
             out.append(Problem(group=group, value=name, reason=f"stores each projection's weight in {m}x{m} blocks; "
                                f"on each of tp_size={c.tp_size} ranks of model={c.spec.name} "
                                f"{', '.join(cut)} (rows x columns) would cut a block", fix=fix))
+    out += _range_problems(group, strat, n)
     keys = c.index_page_keys
     if n.index_page_keys and keys is not None and keys not in n.index_page_keys:
         want = min(n.index_page_keys)
@@ -346,6 +353,22 @@ def _layer_modules(device: DeviceInfo, here: str | None) -> list[Problem]:
                     f"Triton's: Python module '{module}' not found (pip package {dist})",
                     fix=f"pip install {_shell_word(dist)}")
             for module, dist in LAYER_MODULES.get(device.platform, ()) if importlib.util.find_spec(module) is None]
+
+
+def _range_problems(group: str, strat, n) -> list[Problem]:
+    """A setting of the strategy's own outside the values it works with (`Needs.setting_ranges`); the fix is
+    the setting's default."""
+    out = []
+    for r in n.setting_ranges:
+        value = getattr(strat, r.setting)
+        if r.low <= value <= r.high:
+            continue
+        default = next((f.default for f in fields(strat) if f.name == r.setting), MISSING) \
+            if is_dataclass(strat) else MISSING
+        out.append(Problem(group=f"{group}.{r.setting}", value=f"{value:g}",
+                           reason=r.below if value < r.low else r.above, supported=(f"{r.low:.3g} to {r.high:.3g}",),
+                           fix=None if default is MISSING else f"{group}.{r.setting}={default}"))
+    return out
 
 
 def check(c: Combination, device: DeviceInfo, *, here: str | None = None) -> list[Problem]:

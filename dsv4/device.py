@@ -32,7 +32,11 @@ class DeviceInfo:
         for k in ("arch", "name"):
             if node.get(k) is None:
                 node[k] = ""
-        return parse(cls, node, "device")
+        dev = parse(cls, node, "device")
+        wrong = arch_problem(dev)
+        if wrong:
+            raise ConfigError(wrong)
+        return dev
 
     @property
     def torch_device(self) -> str:
@@ -44,6 +48,24 @@ class DeviceInfo:
         if self.name:
             parts.append(f"({self.name})")
         return " ".join(parts)
+
+
+# how each platform names its architectures, with an example (an empty arch: not said)
+ARCH_NAMES = {"cpu": None, "cuda": ("sm", "sm90"), "rocm": ("gfx", "gfx942")}
+
+
+def arch_problem(dev: DeviceInfo) -> str | None:
+    """A device whose arch is not one of its platform's (a CPU with `sm90`, a CUDA GPU with `gfx942`): what is
+    wrong and the fix; None if it is fine. Options choose their kernels by the arch, so it must be the
+    platform's own."""
+    names = ARCH_NAMES[dev.platform]
+    if not dev.arch or (names and dev.arch.startswith(names[0]) and dev.arch[len(names[0]):].isalnum()):
+        return None
+    if names is None:
+        return (f"device.arch={dev.arch}: a cpu device has no arch; fix: device.arch=null (or a GPU deployment, "
+                f"e.g. deployment=h200)")
+    return (f"device.arch={dev.arch}: not a {dev.platform} arch (those are named like {names[1]}); "
+            f"fix: device.arch={names[1]} (or device.arch=null)")
 
 
 def local_platform() -> str:

@@ -45,9 +45,15 @@ class InvalidRequest(ValueError):
 
 
 class ResultMismatch(ValueError):
-    """A run finished but a layer's outputs are further from the oracle than the combination's error
-    budget allows: the result is wrong (its row says `mismatch`)."""
+    """A run finished but a layer's outputs are degenerate (zero, constant, non-finite) or further from the
+    oracle, or from exact float32 rows, than the combination's budgets allow: the result is wrong (its row
+    says `mismatch`)."""
 
 
-# errors whose message says what to change: printed without a traceback
-USER_ERRORS = (ConfigError, IncompatibleCombination, InvalidRequest, ResultMismatch)
+class RankFailed(RuntimeError):
+    """A rank process of a job failed; that process said why (its message, or its traceback where the error
+    was not a user's), so this one only names the job."""
+
+
+# errors whose message says what to change (or, a failed rank, where it was said): printed without a traceback
+USER_ERRORS = (ConfigError, IncompatibleCombination, InvalidRequest, ResultMismatch, RankFailed)

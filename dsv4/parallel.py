@@ -25,21 +25,34 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
-from dsv4.settings import above, one_of, parse
+from dsv4.errors import ConfigError
+from dsv4.settings import at_least, one_of, parse
 
 LAUNCHERS = ("auto", "spawn", "simulated")
 BACKENDS = ("auto", "gloo", "nccl")
+MIN_TIMEOUT_S = 1.0       # joining the group alone takes a moment: a shorter wait fails every launch
+MAX_TIMEOUT_S = 1e9       # ~30 years: what the group's timeout (a timedelta) holds, with room
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelConfig:
     launcher: str = one_of(LAUNCHERS, "auto")
     backend: str = one_of(BACKENDS, "auto")
-    timeout_s: float = above(0, 60.0)
+    timeout_s: float = at_least(MIN_TIMEOUT_S, 60.0)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "ParallelConfig":
-        return parse(cls, cfg, "parallel")
+        config = parse(cls, cfg, "parallel")
+        if config.timeout_s > MAX_TIMEOUT_S:         # beyond what a timedelta (the group's timeout) holds
+            raise ConfigError(f"parallel.timeout_s={config.timeout_s:g}: expected at most {MAX_TIMEOUT_S:g} s; "
+                              f"fix: parallel.timeout_s=60")
+        world = torchrun_world_size()
+        if world is not None and world > 1 and config.launcher != "auto":
+            # each of torchrun's processes would start (spawn) or simulate every rank itself: the processes
+            # wait on each other's ports or write one folder twice
+            raise ConfigError(f"parallel.launcher={config.launcher}: this process is one of the {world} ranks torchrun "
+                              f"started; fix: parallel.launcher=auto (or run without torchrun)")
+        return config
 
 
 def torchrun_world_size() -> int | None:
@@ -124,18 +137,43 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def fail_rank(rank: int, e: BaseException) -> None:
+def fail_rank(rank: int, e: BaseException, *, timeout_s: float | None = None) -> None:
     """Say which rank failed and why, then leave at once (no atexit handlers, no collective teardown
-    that would wait for the others)."""
+    that would wait for the others). The traceback only where it helps: not for a user error, nor for a
+    failure of the process group itself (`group_failure`)."""
     import traceback
 
     from dsv4.errors import USER_ERRORS
 
+    group = group_failure(e, timeout_s)
+    if group is not None:
+        print(f"rank {rank} failed: {group}", file=sys.stderr, flush=True)
+        os._exit(1)
     if not isinstance(e, USER_ERRORS):
         traceback.print_exception(e)
     print(f"rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(1)
+
+
+def group_failure(e: BaseException, timeout_s: float | None) -> str | None:
+    """A rank's failure that is the process group's, not its own work's -- no answer from the other ranks within
+    parallel.timeout_s, or another rank gone -- in one line (its traceback would show only torch.distributed's
+    insides); None for any other failure."""
+    import re
+
+    import torch.distributed as dist
+
+    text = str(e).strip()
+    if not (isinstance(e, dist.DistError) or re.search(r"gloo|nccl|c10d|TCPStore", text, re.IGNORECASE)):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(e).__name__)  # less its C++ source
+    if "timed out" in text.lower():
+        wait = f"parallel.timeout_s={timeout_s:g} s" if timeout_s else "parallel.timeout_s"
+        more = f"parallel.timeout_s={max(60.0, 4 * timeout_s):g}" if timeout_s else "a larger parallel.timeout_s"
+        return (f"no answer from the other ranks within {wait} ({first}); fix: {more} if they were only slow, "
+                f"else another rank's message says why")
+    return f"lost the other ranks ({first}); another rank's message says why"
 
 
 def free_port() -> int:
@@ -166,13 +204,24 @@ def processes(job) -> int:
     return job.combo.tp_size if job.parallel.launcher == "spawn" and job.combo.tp_size > 1 else 1
 
 
+def backend_problems(job) -> list:
+    """NCCL for a job whose ranks are processes on the CPU: refused before any starts (NCCL joins GPUs)."""
+    from dsv4.errors import Problem
+
+    if processes(job) > 1 and job.device.platform == "cpu" and backend_for("cpu", job.parallel.backend) == "nccl":
+        return [Problem(group="parallel.backend", value="nccl", reason=f"NCCL joins ranks on GPUs; this job's "
+                        f"{processes(job)} rank processes run on the CPU ({job.device.describe()})",
+                        supported=("auto", "gloo"), fix="parallel.backend=auto")]
+    return []
+
+
 def run_ranks(job, execute: Callable) -> float | None:
     """`execute(job, ranks=None)` on this process's ranks: launched by torchrun, this process is one rank;
     with parallel.launcher=spawn and tp_size > 1 it starts the tp_size rank processes (each given the job)
     and waits for them; otherwise the ranks are simulated here."""
     import json
 
-    from dsv4.errors import ResultMismatch
+    from dsv4.errors import RankFailed, ResultMismatch
 
     if job.combo.world_size is not None:
         return _run_rank(job, execute)
@@ -184,7 +233,8 @@ def run_ranks(job, execute: Callable) -> float | None:
             if row.exists() and json.loads(row.read_text()).get("status") == "mismatch":   # rank 0 judged it
                 raise ResultMismatch(json.loads(row.read_text()).get("error") or "outputs outside the error "
                                      f"budget (row: {row})") from None
-            raise RuntimeError(f"a rank of the tp_size={job.combo.tp_size} job failed ({e}); its message is above") from None
+            raise RankFailed(f"a rank of the tp_size={job.combo.tp_size} job failed ({e}); its message is "
+                             f"above") from None
         row = job.out_dir / "result.json"
         return json.loads(row.read_text()).get("metrics.max_rel_err") if row.exists() else None
     return execute(job)
@@ -199,4 +249,4 @@ def _run_rank(job, execute: Callable) -> float | None:
         shutdown()                        # do not wait (under the group's timeout) while rank 0 grades
         return value
     except Exception as e:
-        fail_rank(int(os.environ["RANK"]), e)
+        fail_rank(int(os.environ["RANK"]), e, timeout_s=job.parallel.timeout_s)

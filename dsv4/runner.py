@@ -121,20 +121,51 @@ def padding_metrics(spec, combo) -> dict[str, int]:
             "padding_bytes_per_token": 2 * (padded - heads) * spec.head_dim * torch_dtype(combo.dtype).itemsize}
 
 
-def verdict(metrics: dict[str, dict], *, budget: float, gap: float) -> list[str]:
-    """What is wrong with a run's layers (empty: nothing): an error against the oracle past `budget` (NaN
-    included), a top-k list of the wrong size, or a selected entry scoring more than `gap` (relative) below
-    the oracle's k-th best -- more than a near-tie."""
+def output_stats(out) -> dict[str, Any]:
+    """What says whether a layer's output is degenerate, whatever an oracle rounding rows the same way says:
+    its count of non-finite values, its largest |value| (of the finite ones), and how far it is from constant
+    (the largest difference from the first token's row; with one token, from its first value)."""
+    finite = torch.isfinite(out)
+    vals = torch.where(finite, out.double(), 0.0)
+    if not vals.numel():
+        return {"out_nonfinite": 0, "out_max_abs": None, "out_spread": None}
+    first = vals[:1] if vals.shape[0] > 1 else vals[:1, :1]
+    return {"out_nonfinite": int((~finite).sum()), "out_max_abs": float(vals.abs().max()),
+            "out_spread": float((vals - first).abs().max())}
+
+
+def degenerate(m: dict[str, Any]) -> str | None:
+    """Why a layer's output (its `output_stats`) says it no longer computes attention, or None."""
+    if m.get("out_nonfinite"):
+        return f"{m['out_nonfinite']} outputs are not finite (NaN or inf)"
+    if m.get("out_max_abs") == 0:
+        return "every output is 0"
+    if m.get("out_spread") == 0:
+        return "its output is constant"
+    return None
+
+
+def verdict(metrics: dict[str, dict], *, budget: float, gap: float, f32_budget: float) -> list[str]:
+    """What is wrong with a run's layers (empty: nothing): an output that is degenerate (non-finite, all zero,
+    constant), an error against the oracle past `budget` (NaN included) or, where rows are rounded, against
+    exact float32 rows past `f32_budget` -- an oracle rounding as the cache does cannot see rows rounded
+    away --, a top-k list of the wrong size, or a selected entry scoring more than `gap` (relative) below the
+    oracle's k-th best -- more than a near-tie."""
     wrong = []
     for n, m in metrics.items():
-        where = f"layer {n} (idx {m['layer']})"
-        if not m["rel_err"] <= budget:
-            wrong.append(f"{where}: rel_err {m['rel_err']:.3g} > budget {budget:.3g}")
+        bad = [b] if (b := degenerate(m)) else []
+        if not m.get("out_nonfinite"):      # (a non-finite output's errors are NaN: said once already)
+            if not m["rel_err"] <= budget:
+                bad.append(f"rel_err {m['rel_err']:.3g} > budget {budget:.3g}")
+            f32 = m.get("rel_err_vs_f32_kv")
+            if f32 is not None and not f32 <= f32_budget:
+                bad.append(f"rel_err f32 KV {f32:.3g} > f32 KV budget {f32_budget:.3g}")
         if m.get("topk_count_ok") is False:
-            wrong.append(f"{where}: a top-k list of the wrong size")
+            bad.append("a top-k list of the wrong size")
         elif m.get("topk_max_gap") is not None and not m["topk_max_gap"] <= gap:
-            wrong.append(f"{where}: a top-k entry {m['topk_max_gap']:.3g} below the oracle's k-th score "
-                         f"(allowed: {gap:.0e})")
+            bad.append(f"a top-k entry {m['topk_max_gap']:.3g} below the oracle's k-th score (allowed: {gap:.0e})")
+        if bad:
+            wrong.append(f"layer {n} (idx {m['layer']}): {', '.join(bad)}")
     return wrong
 
 
@@ -199,7 +230,7 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
                                grade=True)
         out = rec["outputs"][l]
         m: dict[str, Any] = {"layer": l, "compress_ratio": R, "rel_err": ref.rel_err(out, o["out"]),
-                             "cosine": ref.cosine(out, o["out"])}
+                             "cosine": ref.cosine(out, o["out"])} | output_stats(out)
         if not row_format.exact:        # what the cache's rounding costs against exact float32 rows
             m["rel_err_vs_f32_kv"] = ref.rel_err(out, ref.oracle_outputs(
                 *args, row_format="float32", topk=given, indexer_numerics=indexer_numerics,
@@ -233,11 +264,12 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
                     + ([m["decode_allreduce_ms_step"]] if ranks.distributed else [])
                     + [m["kv_bytes_per_token"] + m["indexer_bytes_per_token"], m["swa_bytes_per_request"] / 1024])
     per_layer = list(metrics.values())
-    budget = c.error_budget
-    wrong = verdict(metrics, budget=budget, gap=selection_gap(c))
+    budget, f32_budget = c.error_budget, c.f32_kv_budget
+    wrong = verdict(metrics, budget=budget, gap=selection_gap(c), f32_budget=f32_budget)
     errs = [m["rel_err"] for m in per_layer]
     metrics["max_rel_err"] = float("nan") if any(e != e for e in errs) else max(errs)
     metrics["error_budget"] = budget
+    metrics["f32_kv_budget"] = f32_budget
     # against exact float32 rows: what the cache's rounding costs (a float32 cache's oracle is that already)
     metrics["max_rel_err_vs_f32_kv"] = max(m.get("rel_err_vs_f32_kv", m["rel_err"]) for m in per_layer)
     metrics["max_rel_err_vs_float_linear"] = max(m.get("rel_err_vs_float_linear", m["rel_err"]) for m in per_layer)
@@ -298,9 +330,11 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
         f"peak {m['peak_bytes'] / 2**20:.0f} MiB" for m in per_rank))
     parts = ", ".join(f"{g}={getattr(c, g).name} {getattr(c, g).error_budget:.0e}"
                       for g in ("cache_layout", "mqa_kernel", "o_proj", "linear"))
-    how_judged = f"error budget {budget:.3g} (dtype={c.dtype} {DTYPE_ERROR_BUDGET[c.dtype]:.0e}, {parts})"
+    how_judged = (f"error budget {budget:.3g} (dtype={c.dtype} {DTYPE_ERROR_BUDGET[c.dtype]:.0e}, {parts}); "
+                  f"f32 KV budget {f32_budget:.3g} (that + cache_layout={c.cache_layout.name}'s rounding budget "
+                  f"{c.cache_layout.rounding_budget:.0e})")
     print(f"  verdict: MISMATCH: {'; '.join(wrong)}; {how_judged}" if wrong
-          else f"  verdict: ok, every layer within the {how_judged}")
+          else f"  verdict: ok, no output zero, constant or non-finite; every layer within the {how_judged}")
     path = write_row(job.out_dir, result_row(status="mismatch" if wrong else "ok", problems=[], choices=job.choices,
                                              device=job.device, settings=settings(job), workload=wdict,
                                              metrics=metrics, error="; ".join(wrong) or None))
@@ -311,5 +345,5 @@ def execute(job, ranks: Ranks | None = None) -> float | None:
                           fp8=fp8, linear_numerics=linear)
         print(f"  dump written to {dump} (spec.json, tensors.safetensors)")
     if wrong:
-        raise ResultMismatch(f"outputs outside the combination's error budget: {'; '.join(wrong)} (row: {path})")
+        raise ResultMismatch(f"the layers' outputs failed the verdict: {'; '.join(wrong)} (row: {path})")
     return metrics["max_rel_err"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -51,6 +52,8 @@ def check_keys(node: Mapping[str, Any], known, key: str) -> None:
 
 def parse(cls, node: Mapping[str, Any] | None, key: str, *, skip: tuple[str, ...] = ()):
     """cls(**node), each field checked against its type and metadata; keys in `skip` are read elsewhere."""
+    if node is not None and not isinstance(node, Mapping):
+        raise ConfigError(f"{key}={_show(node)}: expected a group of settings")
     node = dict(node or {})
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
@@ -126,6 +129,58 @@ def _value(key: str, value: Any, tp, meta: Mapping[str, Any]) -> Any:
     return float(value) if tp is float else value
 
 
+def resolved(cfg: Any) -> Any:
+    """The composed config with every interpolation resolved in place; one that cannot be (`seed=${oops}`, a
+    resolver that fails) is refused in one line that names the key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        key = _unresolvable(cfg, OmegaConf.to_container(cfg, resolve=False)) or "the config"
+        raise ConfigError(f"{key}: {str(e).splitlines()[0]}; fix: {key}=<a value>") from None
+    return cfg
+
+
+def _unresolvable(cfg: Any, node: Any, key: str = "") -> str | None:
+    """The first key under `key` whose value does not resolve (found by selecting each value alone)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(node, (dict, list)):
+        for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+            bad = _unresolvable(cfg, v, f"{key}[{k}]" if isinstance(node, list) else _join(key, str(k)))
+            if bad is not None:
+                return bad
+        return None
+    try:
+        OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+    except OmegaConfBaseException:
+        return key
+    return None
+
+
+def section(cfg: Mapping[str, Any], key: str, *, needed: bool = True, fix: str | None = None) -> dict[str, Any] | None:
+    """The section `key` of the composed config as plain values. A section the job needs that the command line
+    removed (`~model`; `fix`: the override that gives it back), and any section set to null or to a single value
+    (`parallel=null`), is refused in one line; a section it can do without that is absent is None (its
+    defaults)."""
+    if key not in cfg:
+        if not needed:
+            return None
+        raise ConfigError(f"{key}: missing (a ~ on the command line removed it); the job needs it, fix: "
+                          f"{f'{fix} (or drop that ~)' if fix else 'drop that ~'}")
+    node = cfg[key]
+    if hasattr(node, "_get_node"):                      # an OmegaConf node
+        from omegaconf import OmegaConf
+
+        node = OmegaConf.to_container(node, resolve=True)
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"{key}={_show(node)}: expected a group of settings; fix: leave {key} out")
+    return dict(node)
+
+
 # ---- the run's own settings ------------------------------------------------------------------------
 MODES = ("run", "check", "info", "bench", "summarize")
 WEIGHTS = ("random", "checkpoint")
@@ -162,6 +217,10 @@ class RunSettings:
         if s.weights == "checkpoint" and not s.checkpoint.path:
             raise ConfigError("weights=checkpoint needs the checkpoint folder: checkpoint.path=DIR (config.json and "
                               "the safetensors index)")
+        if s.weights == "checkpoint" and not os.path.isdir(os.path.expanduser(s.checkpoint.path)):
+            what = "not a folder" if os.path.exists(os.path.expanduser(s.checkpoint.path)) else "no such folder"
+            raise ConfigError(f"checkpoint.path={s.checkpoint.path}: {what}; fix: checkpoint.path=DIR, the folder "
+                              f"that holds config.json and the safetensors index")
         return s
 
 

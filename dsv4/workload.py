@@ -27,6 +27,10 @@ class Workload:
     def from_config(cls, cfg: Any) -> "Workload":
         """The `workload:` section (its `kv_pool:` is kv_pool.PoolConfig's)."""
         w = parse(cls, cfg, "workload", skip=("kv_pool",))
+        pool = (cfg or {}).get("kv_pool", {})
+        if not isinstance(pool, dict):          # null would silently mean other pool sizes than the workload's
+            raise ConfigError(f"workload.kv_pool={'null' if pool is None else repr(pool)}: expected a group of pool "
+                              "sizes (e.g. workload.kv_pool.swa_blocks=64); fix: leave workload.kv_pool out")
         if not w.prompt_lens:
             raise ConfigError("workload.prompt_lens=[]: expected at least one request, e.g. [300,170]")
         if w.layers == ():
@@ -41,16 +45,28 @@ class Workload:
 
     def steps(self) -> list[tuple[str, dict[int, int]]]:
         """[(phase, {request: new tokens})] in order."""
+        return list(self.iter_steps())
+
+    def iter_steps(self):
+        """`steps` one at a time: what walks them once holds one step, not all of them."""
         done = [0] * len(self.prompt_lens)
-        out: list[tuple[str, dict[int, int]]] = []
         while any(d < n for d, n in zip(done, self.prompt_lens)):
             chunk = {i: min(self.prefill_chunk, n - d) for i, (d, n) in enumerate(zip(done, self.prompt_lens)) if d < n}
             for i, k in chunk.items():
                 done[i] += k
-            out.append(("prefill", chunk))
+            yield "prefill", chunk
         for _ in range(self.decode_steps):
-            out.append(("decode", {i: self.decode_tokens for i in range(len(self.prompt_lens))}))
-        return out
+            yield "decode", {i: self.decode_tokens for i in range(len(self.prompt_lens))}
+
+    def num_steps(self) -> int:
+        """How many `steps` there are, counted without making them."""
+        return -(-max(self.prompt_lens) // self.prefill_chunk) + self.decode_steps
+
+    def max_step_tokens(self) -> int:
+        """The most tokens one step holds, without making the steps: the first prefill step's (each later one
+        holds no more) or a decode step's."""
+        prefill = sum(min(self.prefill_chunk, n) for n in self.prompt_lens)
+        return max(prefill, len(self.prompt_lens) * self.decode_tokens if self.decode_steps else 0)
 
 
 @dataclass(slots=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -16,7 +17,7 @@ def snapshot(engine):
     """Every byte of every cache and compressor-state page, every block table, free list and length."""
     data = {(r, l, i): t.clone() for r, pool in enumerate(engine.pools) for l, c in pool.layers.items()
             for i, t in enumerate(c.tensors())}
-    free = {(r, n): sorted(g.allocator._free) for r, pool in enumerate(engine.pools) for n, g in pool.groups.items()}
+    free = {(r, n): sorted(g.allocator.free_pages()) for r, pool in enumerate(engine.pools) for n, g in pool.groups.items()}
     tables = {(r, n): copy.deepcopy(g.tables) for r, pool in enumerate(engine.pools) for n, g in pool.groups.items()}
     return data, free, tables, {}, dict(engine.lengths)
 
@@ -250,3 +251,154 @@ def test_a_prompt_past_the_models_positions_is_refused_before_the_work():
     with pytest.raises(IncompatibleCombination, match=r"request 0 reaches position 1048576.*at most 1048570 tokens"):
         dsv4.compose(["model=dsv4_tiny", "workload.prompt_lens=[1048571,5]", "workload.kv_pool.swa_blocks=100000",
                       "workload.kv_pool.compressed_blocks=100000"], running=False)
+
+
+# ---- the command line, the configs, the checkpoint: one line, never a traceback ------------------------------
+def cli_run(args: list[str], run_dir) -> tuple[int, str]:
+    """`python run.py *args` in this process: (exit status, what it printed on stderr)."""
+    import contextlib
+    import io
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from dsv4 import cli
+
+    GlobalHydra.instance().clear()
+    err, argv = io.StringIO(), sys.argv
+    sys.argv = ["run.py", *args, f"hydra.run.dir={run_dir}"]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (err.write(str(e.code)) and 1)
+    finally:
+        sys.argv = argv
+        GlobalHydra.instance().clear()
+    return code, err.getvalue()
+
+
+CHECK = ["mode=check", "model=dsv4_tiny"]
+# input -> the start of its one line (each a traceback, a hang or a silent acceptance before)
+BAD_CLI = [
+    (["model=null"], "error: model=null: the config group model takes one of its options (dsv4_flash, dsv4_pro, "
+                     "dsv4_tiny); fix: model=dsv4_flash"),
+    ([*CHECK, "experiment=null"], "error: experiment=null: the config group experiment takes one of its options"),
+    ([*CHECK, "=3"], "error: =3: no key before the '='; fix: KEY=3"),
+    (["~model"], "error: model: missing (a ~ on the command line removed it); the job needs it, fix: model=dsv4_flash"),
+    ([*CHECK, "~deployment"], "error: device: missing (a ~ on the command line removed it); the job needs it, "
+                              "fix: deployment=cpu"),
+    ([*CHECK, "~mqa_kernel"], "error: mqa_kernel: missing"),
+    ([*CHECK, "device.arch=sm90"], "error: device.arch=sm90: a cpu device has no arch; fix: device.arch=null"),
+    ([*CHECK, "deployment=h200", "device.arch=gfx942"], "error: device.arch=gfx942: not a cuda arch"),
+    ([*CHECK, "workload.kv_pool=null"], "error: workload.kv_pool=null: expected a group of pool sizes"),
+    ([*CHECK, "parallel=null"], "error: parallel=null: expected a group of settings; fix: leave parallel out"),
+    ([*CHECK, "graph=null"], "error: graph=null: expected a group of settings"),
+    ([*CHECK, "parallel.timeout_s=1e-9"], "error: parallel.timeout_s=1e-09: expected a finite number >= 1.0"),
+    ([*CHECK, "parallel.timeout_s=1e300"], "error: parallel.timeout_s=1e+300: expected at most 1e+09 s"),
+    ([*CHECK, "tp_size=2", "parallel.launcher=spawn", "parallel.backend=nccl"],
+     "- parallel.backend=nccl: NCCL joins ranks on GPUs; this job's 2 rank processes run on the CPU"),
+    ([*CHECK, "weights=checkpoint", "checkpoint.path=/nonexistent"],
+     "error: checkpoint.path=/nonexistent: no such folder; fix: checkpoint.path=DIR"),
+    ([*CHECK, "seed=${oops}"], "error: seed: Interpolation key 'oops' not found"),
+    (["model=dsv4_tiny", "mode=${oops}"], "error: mode: Interpolation key 'oops' not found"),
+]
+
+
+@pytest.mark.parametrize("args,line", BAD_CLI, ids=[" ".join(a) for a, _ in BAD_CLI])
+def test_bad_command_line_is_one_line_before_any_work(args, line, tmp_path):
+    code, err = cli_run(args, tmp_path / "run")
+    assert code == 1 and "Traceback" not in err and "HYDRA_FULL_ERROR" not in err, err[-3000:]
+    assert line in err, err
+    if line.startswith("error: "):
+        assert err.startswith(line) and err.count("\n") <= 1, err
+    assert not (tmp_path / "run" / "result.json").exists() or "mode=check" not in args
+
+
+def test_ctrl_c_under_torchrun_is_said_once(monkeypatch, capsys):
+    """Every rank gets the terminal's Ctrl-C: rank 0 alone says what was kept; all end with SIGINT's status."""
+    from dsv4 import cli
+
+    for rank, says in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as end:
+            cli.stopped()
+        assert end.value.code == 130 and ("interrupted:" in capsys.readouterr().err) == says
+
+
+def test_a_failed_process_group_is_one_line_per_rank(monkeypatch, capsys):
+    """No answer within parallel.timeout_s, or a rank gone: one line naming the setting, no traceback of
+    torch.distributed's insides; the launching process names the job in one line too (RankFailed)."""
+    from dsv4 import parallel
+    from dsv4.errors import USER_ERRORS, RankFailed
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                        "1000ms for recv operation to complete")
+    assert parallel.group_failure(gloo, 1.0) == (
+        "no answer from the other ranks within parallel.timeout_s=1 s (Timed out waiting 1000ms for recv operation "
+        "to complete); fix: parallel.timeout_s=60 if they were only slow, else another rank's message says why")
+    peer = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:37530")
+    assert parallel.group_failure(peer, 60.0).startswith("lost the other ranks (Connection closed by peer")
+    assert parallel.group_failure(RuntimeError("kernel exploded"), 60.0) is None
+    monkeypatch.setattr(parallel.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit):
+        parallel.fail_rank(1, gloo, timeout_s=1.0)
+    err = capsys.readouterr().err
+    assert err.startswith("rank 1 failed: no answer from the other ranks") and "Traceback" not in err
+    assert issubclass(RankFailed, USER_ERRORS)
+
+
+def test_torchrun_refuses_a_launcher_of_its_own(monkeypatch, compose_cfg, tmp_path):
+    """Under torchrun each process is a rank: parallel.launcher=spawn would start tp_size more per rank (which
+    waited on each other's ports for the whole timeout), simulated would run the job once per rank."""
+    from dsv4.app import main
+    from dsv4.errors import ConfigError
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for launcher in ("spawn", "simulated"):
+        with pytest.raises(ConfigError, match=rf"parallel.launcher={launcher}: this process is one of the 2 ranks "
+                                              r"torchrun started; fix: parallel.launcher=auto"):
+            main(compose_cfg([*CHECK, "tp_size=2", f"parallel.launcher={launcher}"]), out_dir=tmp_path)
+
+
+def _with_config(text: str):
+    return lambda root: (root / "config.json").write_text(text)
+
+
+def _with_index(text: str):
+    return lambda root: (root / "model.safetensors.index.json").write_text(text)
+
+
+BAD_CHECKPOINTS = [
+    ("config.json a list", _with_config("[1, 2]"), "config.json: holds a JSON list, expected an object with the "
+                                                   "model's settings"),
+    ("config.json null", _with_config("null"), "config.json: holds a JSON null"),
+    ("config.json not text", lambda root: (root / "config.json").write_bytes(b"\xff\xfe\x00"),
+     "config.json: not readable JSON (UnicodeDecodeError"),
+    ("config.json empty", _with_config(""), "config.json: not readable JSON (JSONDecodeError"),
+    ("index a list", _with_index("[]"), "model.safetensors.index.json: holds a JSON list"),
+    ("weight_map a list", _with_index('{"weight_map": [1]}'), 'not a safetensors index (needs a "weight_map": '
+                                                              '{tensor: file}, has list)'),
+    ("quantization_config a list", lambda root: (root / "config.json").write_text(json.dumps(
+        dict(json.loads((root / "config.json").read_text()), quantization_config=[1]))),
+     "quantization_config=[1] is not an object"),
+    ("compress_ratios of strings", lambda root: (root / "config.json").write_text(json.dumps(
+        dict(json.loads((root / "config.json").read_text()), compress_ratios=["a", "b", "c"]))),
+     "compress_ratios: config.json has ['a', 'b', 'c']"),
+]
+
+
+@pytest.mark.parametrize("edit,message", [c[1:] for c in BAD_CHECKPOINTS], ids=[c[0] for c in BAD_CHECKPOINTS])
+def test_a_bad_checkpoint_file_is_one_line(tmp_path, edit, message):
+    from dsv4.components.checkpoint import load_layers
+    from dsv4.errors import ConfigError
+    from tests.test_checkpoint import spec, write_checkpoint
+
+    root = tmp_path / "ck"
+    write_checkpoint(root)
+    edit(root)
+    with pytest.raises(ConfigError) as e:
+        load_layers(root, spec(), [1], model_choice="dsv4_tiny")
+    assert message in str(e.value), str(e.value)

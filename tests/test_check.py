@@ -78,6 +78,7 @@ class FakeLayout:
     name: str
     need: Needs = Needs()
     error_budget: ClassVar[float] = 0.0
+    rounding_budget: ClassVar[float] = 0.1
 
     @property
     def row_format(self) -> RowFormat:

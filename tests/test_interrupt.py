@@ -87,7 +87,8 @@ def test_ctrl_c_that_a_library_turns_into_another_error_still_ends_as_interrupte
     monkeypatch.setattr(cli, "_CTRL_C", cli.CtrlC())
     monkeypatch.setattr(cli, "_WHERE", {})
     monkeypatch.setattr(cli, "_job", lambda: cli._CTRL_C.job(broken))
-    monkeypatch.setattr(sys, "stdout", sys.stdout)              # main() wraps it
+    monkeypatch.setattr(sys, "stdout", sys.stdout)              # main() wraps both
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
     with pytest.raises(SystemExit) as stop:
         cli.main()
     assert stop.value.code == 130

@@ -100,7 +100,7 @@ def row_for(rid_no: int, p: int):
 
 
 def free_sets(pool: KVPool) -> dict:
-    return {n: sorted(g.allocator._free) for n, g in pool.groups.items()}
+    return {n: sorted(g.allocator.free_pages()) for n, g in pool.groups.items()}
 
 
 def tables(pool: KVPool) -> dict:
@@ -227,7 +227,7 @@ def _run_and_check_swa(d: Driver, schedule: list[dict], rid_no: dict) -> int:
         live = [p for t in g.tables.values() for p in t if p >= 0]
         assert len(live) == len(set(live))                            # no page shared between requests
         assert g.allocator.num_free == g.num_blocks - len(live)
-        assert not set(live) & set(g.allocator._free)
+        assert not set(live) & set(g.allocator.free_pages())
     return len(logical_pages)
 
 
@@ -264,7 +264,7 @@ def test_swa_pages_freed_on_commit_return_to_allocator():
     d.commit({"r": 12})                                              # future queries read >= 12-5+1 = 8
     assert d.pool.swa.tables["r"] == [-1, -1, pages[2]]
     assert d.pool.swa.allocator.num_free == 7
-    assert set(pages[:2]) <= set(d.pool.swa.allocator._free)
+    assert set(pages[:2]) <= set(d.pool.swa.allocator.free_pages())
     d.pool.commit({"r": 12})                                         # idempotent
     assert d.pool.swa.allocator.num_free == 7
 
@@ -383,7 +383,7 @@ def test_release_returns_every_page():
         assert g.allocator.num_free == g.num_blocks - sum(p >= 0 for p in g.tables["b"])
     d.pool.release("b")
     for g in d.pool.groups.values():
-        assert sorted(g.allocator._free) == list(range(g.num_blocks))
+        assert sorted(g.allocator.free_pages()) == list(range(g.num_blocks))
 
 
 def test_plan_validate_refuses_what_an_engine_got_wrong():

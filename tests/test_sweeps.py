@@ -367,14 +367,16 @@ def test_multirun_config_error_before_the_job_is_a_row(compose_cfg, tmp_path, ca
         cli(cfg, choices={}, out_dir=str(tmp_path / "single"))
 
 
-def test_summarize_callback_is_a_plain_class_with_the_six_hooks():
-    from dsv4.callbacks import SummarizeCallback
+@pytest.mark.parametrize("name, target", [("summarize", "SummarizeCallback"), ("folders", "FoldersCallback")])
+def test_each_callback_is_a_plain_class_with_the_six_hooks(name, target):
+    import dsv4.callbacks
 
     cfg = compose_with_hydra([])
-    assert cfg.hydra.callbacks.summarize._target_ == "dsv4.callbacks.SummarizeCallback"
-    assert SummarizeCallback.__mro__ == (SummarizeCallback, object)
+    assert cfg.hydra.callbacks[name]._target_ == f"dsv4.callbacks.{target}"
+    cls = getattr(dsv4.callbacks, target)
+    assert cls.__mro__ == (cls, object)
     for hook in ("on_run_start", "on_run_end", "on_multirun_start", "on_multirun_end", "on_job_start", "on_job_end"):
-        assert callable(getattr(SummarizeCallback(), hook))
+        assert callable(getattr(cls(), hook))
 
 
 def test_summarize_callback_summarizes_run_sweeps_and_exits_1_on_errors(tmp_path, capsys):

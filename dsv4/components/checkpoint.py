@@ -124,6 +124,18 @@ def unreadable(file: Path, e: Exception) -> ConfigError:
     return ConfigError(f"{file}: not a readable safetensors file ({size} bytes; {type(e).__name__}: {e}); "
                         f"a truncated or corrupt download? fetch the file again")
 
+def _json_object(file: Path, what: str) -> dict[str, Any]:
+    """A JSON file of the checkpoint that must hold one object, read; anything else is named in one line."""
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{file}: not readable JSON ({type(e).__name__}: {e}); fetch the file again") from None
+    if not isinstance(value, dict):
+        kind = "null" if value is None else {list: "list", str: "string", bool: "true/false"}.get(type(value), "number")
+        raise ConfigError(f"{file}: holds a JSON {kind}, expected an object with {what}; fetch the file again")
+    return value
+
+
 class Checkpoint:
     """A checkpoint folder: its config.json and where each tensor lives (from the index)."""
 
@@ -137,18 +149,14 @@ class Checkpoint:
         cfg = self.path / "config.json"
         if not cfg.is_file():
             raise ConfigError(f"checkpoint.path={path}: no config.json there")
-        try:
-            self.config: dict[str, Any] = json.loads(cfg.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg}: not valid JSON ({e})") from e
+        self.config: dict[str, Any] = _json_object(cfg, "the model's settings ({\"hidden_size\": ...})")
         index = self.path / INDEX_FILE
         if index.is_file():
             self.index_name = INDEX_FILE
-            try:
-                wm = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ConfigError(f"{index}: not a safetensors index (needs a \"weight_map\": "
-                                  f"{{tensor: file}}): {e}") from e
+            wm = _json_object(index, "a safetensors index ({\"weight_map\": {tensor: file}})").get("weight_map")
+            if not isinstance(wm, dict):
+                raise ConfigError(f"{index}: not a safetensors index (needs a \"weight_map\": {{tensor: file}}, "
+                                  f"has {type(wm).__name__ if wm is not None else 'none'}); fetch the file again")
             self.weight_map: dict[str, str] = {str(k): str(v) for k, v in wm.items()}
         elif (self.path / SINGLE_FILE).is_file():
             self.index_name = SINGLE_FILE
@@ -190,7 +198,9 @@ def config_mismatches(config: dict[str, Any], spec: ModelSpec) -> list[tuple[str
                 if k in got and not _same(got[k], getattr(mine, k)):
                     out.append((f"rope_scaling.{k}", got[k], getattr(mine, k)))
         elif f.name == "compress_ratios":
-            if not isinstance(got, list) or [int(r) for r in got] != list(mine):
+            numbers = isinstance(got, list) and all(isinstance(r, (int, float)) and not isinstance(r, bool)
+                                                    for r in got)
+            if not numbers or list(got) != list(mine):
                 out.append(("compress_ratios", got, list(mine)))
         elif not _same(got, mine):
             out.append((f.name, got, mine))
@@ -223,6 +233,9 @@ def check_config(ck: Checkpoint, spec: ModelSpec, model_choice: str) -> None:
             lines.append(f"  fix: {overrides}")
         raise ConfigError("\n".join(lines))
     q = ck.config.get("quantization_config")
+    if q is not None and not isinstance(q, dict):
+        raise ConfigError(f"checkpoint {ck.path}/config.json: quantization_config={json.dumps(q)[:80]} is not an "
+                          f"object (read: {{\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", ...}}); fetch the file again")
     if isinstance(q, dict) and (q.get("quant_method", "fp8") != "fp8" or q.get("fmt", "e4m3") != "e4m3"):
         raise ConfigError(f"checkpoint {ck.path}/config.json: quantization_config {q} is not supported "
                               f"(read: fp8 e4m3 with block scales, as DeepSeek-V4-Flash/-Pro publish)")

@@ -53,23 +53,34 @@ class PoolConfig:
 
 
 class BlockAllocator:
-    """A free list of page ids."""
+    """A free list of page ids: those given back (taken again first, the last given the first taken), then
+    those never handed out, in order -- counted, not listed, so a pool's size costs nothing until its
+    pages are taken (a check sizes page groups of any number of pages)."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._fresh = 0                  # pages _fresh..num_blocks-1 were never handed out
+        self._back: list[int] = []       # pages given back, the next to take last
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._back) + self.num_blocks - self._fresh
+
+    def free_pages(self) -> list[int]:
+        """Every free page id (a list as long as the free pages: for tests and small pools)."""
+        return self._back + list(range(self._fresh, self.num_blocks))
 
     def take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"internal: took {n} pages with {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise RuntimeError(f"internal: took {n} pages with {self.num_free} free")
+        back = min(n, len(self._back))
+        out = [self._back.pop() for _ in range(back)]
+        out += range(self._fresh, self._fresh + n - back)
+        self._fresh += n - back
+        return out
 
     def give(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        self._back.extend(reversed(pages))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -300,10 +311,29 @@ class PagePeak:
     step: int
 
 
+def page_bound(group: PageGroup, length: int, step: int) -> int:
+    """At most the pages a request holds in `group` at any of its steps, in closed form: one that reaches
+    `length` positions in steps of at most `step` tokens holds the pages of the rows a step keeps and writes,
+    within `keep + step - 1` positions (one page more where they straddle a page boundary), and never more than
+    the pages of all its rows."""
+    bs, rule = group.block_size, group.rule
+    every = cdiv(rule.rows(length), bs)
+    if rule.keep is None:
+        return every
+    return min(every, cdiv((rule.keep + step - 1) // rule.per + 1, bs) + 1)
+
+
+def bound_pages(groups: dict[str, PageGroup], requests) -> list[PagePeak]:
+    """An upper bound of `peak_pages` at a cost that does not grow with the steps: per group the sum over
+    `requests` ([(length, most tokens in one of its steps)]) of `page_bound` (step 0: not a step's)."""
+    return [PagePeak(group=g, pages=sum(page_bound(g, n, k) for n, k in requests), step=0) for g in groups.values()]
+
+
 def peak_pages(groups: dict[str, PageGroup], steps) -> list[PagePeak]:
     """What the pool's allocator would hand out, step by step, for `steps` ([(phase, {request: new
-    tokens})], every request held from the first step to the last, as `run` holds them), without taking a
-    page: per group the peak, so a pool too small for a step is found before any step runs."""
+    tokens})], an iterable, every request held from the first step to the last, as `run` holds them),
+    without taking a page: per group the peak, so a pool too small for a step is found before any step
+    runs. Its work grows with the steps and requests, not with the pool's pages."""
     length: dict = {}
     best = {name: PagePeak(group=g, pages=0, step=0) for name, g in groups.items()}
     for n, (_, chunk) in enumerate(steps, 1):

@@ -3,6 +3,7 @@ share (docs/numerics.md §3)."""
 from __future__ import annotations
 
 E4M3_MAX = 448.0          # OCP e4m3's largest finite value
+E4M3_MIN_SUBNORMAL = 2.0 ** -9   # OCP e4m3's smallest step: half of it and less is stored as 0
 FNUZ_NAN = 0x80           # e4m3fnuz's one NaN byte (and OCP e4m3's negative zero)
 
 

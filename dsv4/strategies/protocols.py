@@ -27,6 +27,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SettingRange:
+    """A numeric setting of the option's own and the values it can work with: outside [low, high] it computes
+    nothing useful (a scale against its format's range that rounds every value away). `below` and `above` say
+    what happens there; check() refuses such a value with that reason, its default as the fix."""
+    setting: str
+    low: float
+    high: float
+    below: str
+    above: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Needs:
     """What a strategy requires of the machine and of the other strategies. Empty = anything."""
     platforms: frozenset[str] = frozenset()        # {"cuda"}, {"rocm"}
@@ -60,6 +72,8 @@ class Needs:
     # for it takes `prepare(..., batch_invariant=True)`.
     batch_invariant: bool = False
     variance: str = "its arithmetic has not been made independent of the step"
+    # its own numeric settings and the values it works with (a scale against its format's range)
+    setting_ranges: tuple[SettingRange, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,6 +114,9 @@ class CacheLayout(Protocol):
     """Bytes of one cached KV row, and how rows are written to and read from paged storage."""
     name: str
     error_budget: float      # relative error vs the oracle (same cache rounding) this option may add
+    # relative error vs the oracle with exact float32 rows that storing rows this way may cost: a run's
+    # "rel_err f32 KV" must stay within the combination's error_budget plus this (0: rows kept exact)
+    rounding_budget: float
 
     @property
     def row_format(self) -> RowFormat: ...      # what a stored row is: kernels, check() and the oracle read it

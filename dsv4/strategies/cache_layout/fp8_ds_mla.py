@@ -11,6 +11,7 @@ from dsv4.formats.fp8_ds_mla import (NOPE_BYTES, check_row_dim, decode_records, 
                                      read_records, write_records)
 from dsv4.formats.row_format import FP8_DS_MLA, RowFormat
 from dsv4.settings import at_least
+from dsv4.strategies.cache_layout.common import FP8_ROWS_ROUNDING_BUDGET
 from dsv4.strategies.protocols import Needs
 
 
@@ -20,6 +21,7 @@ class Fp8DsMlaLayout:
     block*stride + B*576 + t*8 (scales)."""
     name: str = "fp8_ds_mla"
     error_budget: ClassVar[float] = 1e-4     # vs the oracle: the oracle rounds rows as stored
+    rounding_budget: ClassVar[float] = FP8_ROWS_ROUNDING_BUDGET     # vs exact float32 rows (common.py)
     nope_dim: int = at_least(1, 448)
     rope_dim: int = at_least(1, 64)
     tile: int = at_least(1, 64)          # NoPE dims per UE8M0 scale

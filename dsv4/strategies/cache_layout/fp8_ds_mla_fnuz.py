@@ -22,6 +22,7 @@ from typing import ClassVar
 from dsv4.formats.fp8_ds_mla import (DATA_BYTES, FNUZ_QUANT_MAX, SCALE_BYTES, check_row_dim, decode_records,
                                      encode_records, page_bytes, read_records, write_records)
 from dsv4.formats.row_format import FP8_DS_MLA_FNUZ, RowFormat
+from dsv4.strategies.cache_layout.common import FP8_ROWS_ROUNDING_BUDGET
 from dsv4.strategies.protocols import Needs
 
 
@@ -30,6 +31,7 @@ class Fp8DsMlaFnuzLayout:
     """uint8 pages [num_blocks, page_bytes], addressed like fp8_ds_mla; NoPE bytes in e4m3fnuz."""
     name: str = "fp8_ds_mla_fnuz"
     error_budget: ClassVar[float] = 1e-4     # vs the oracle: the oracle rounds rows as stored
+    rounding_budget: ClassVar[float] = FP8_ROWS_ROUNDING_BUDGET     # vs exact float32 rows (common.py)
 
     @property
     def row_format(self) -> RowFormat:

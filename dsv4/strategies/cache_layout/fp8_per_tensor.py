@@ -8,10 +8,32 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.formats.fp8 import e4m3_dtype, e4m3_over
+from dsv4.formats.fp8 import E4M3_MAX, E4M3_MIN_SUBNORMAL, e4m3_dtype, e4m3_over
 from dsv4.formats.row_format import RowFormat, RowKind
 from dsv4.formats.scatter import kept_rows
-from dsv4.strategies.protocols import Needs
+from dsv4.strategies.cache_layout.common import FP8_ROWS_ROUNDING_BUDGET
+from dsv4.strategies.protocols import Needs, SettingRange
+
+# Cached rows are RMS-normed (kv_norm, the compressors' norm) and queries too (per head): their values are
+# ~1 times the norm's weight. Over a scale below 1/448 a typical value passes e4m3's largest and saturates;
+# over one above 2^9 it falls to e4m3's smallest step, 2^-9, or to 0 (measured on dsv4_tiny's random
+# weights: the output's error against float32 rows is 0.5 at 1/448 and 0.4 at 512, 1 from 4096 up; 3.5e-2,
+# e4m3's own, from 0.1 to 16).
+TYPICAL_VALUE = 1.0
+
+
+def _scale_range(setting: str, what: str) -> SettingRange:
+    """The scales over which a typical value of `what` (RMS-normed) lands inside e4m3's range."""
+    low, high = TYPICAL_VALUE / E4M3_MAX, TYPICAL_VALUE / E4M3_MIN_SUBNORMAL
+    values = f"{what} are RMS-normed (values ~{TYPICAL_VALUE:g})"
+    return SettingRange(setting=setting, low=low, high=high,
+                        below=f"{values}: divided by a scale below {low:.3g} they pass e4m3's largest value "
+                              f"({E4M3_MAX:g}) and are stored as +-{E4M3_MAX:g}*{setting}",
+                        above=f"{values}: divided by a scale above {high:g} they fall to e4m3's smallest step "
+                              f"(2^{math.log2(E4M3_MIN_SUBNORMAL):.0f}) or to 0")
+
+
+SCALE_RANGES = (_scale_range("kv_scale", "cached rows"), _scale_range("q_scale", "queries"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -24,6 +46,7 @@ class Fp8PerTensorLayout:
     """
     name: str = "fp8_per_tensor"
     error_budget: ClassVar[float] = 1e-4     # vs the oracle: the oracle rounds rows as stored
+    rounding_budget: ClassVar[float] = FP8_ROWS_ROUNDING_BUDGET     # vs exact float32 rows (common.py)
     kv_scale: float = 1.0
     q_scale: float = 1.0
 
@@ -37,7 +60,7 @@ class Fp8PerTensorLayout:
         return RowFormat(kind=RowKind.FP8_PER_TENSOR, fp8="ocp", kv_scale=self.kv_scale, q_scale=self.q_scale)
 
     def needs(self, device) -> Needs:
-        return Needs(batch_invariant=True)       # each row rounded by itself
+        return Needs(batch_invariant=True, setting_ranges=SCALE_RANGES)       # each row rounded by itself
 
     def bytes_per_token(self, head_dim: int) -> int:
         return head_dim

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dsv4.formats.row_format import RowFormat, plain_rows
+from dsv4.strategies.cache_layout.common import BF16_ROWS_ROUNDING_BUDGET
 from dsv4.strategies.protocols import Needs
 
 
 _ROW_DTYPES = {"float32": 4, "bfloat16": 2}
+_ROUNDING_BUDGETS = {"float32": 0.0, "bfloat16": BF16_ROWS_ROUNDING_BUDGET}    # vs exact float32 rows
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,6 +29,10 @@ class PlainRowLayout:
     def __post_init__(self) -> None:
         if self.dtype not in _ROW_DTYPES:
             raise ValueError(f"cache_layout={self.name}: dtype must be one of {sorted(_ROW_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def rounding_budget(self) -> float:
+        return _ROUNDING_BUDGETS[self.dtype]
 
     @property
     def row_format(self) -> RowFormat:

@@ -74,6 +74,7 @@ class Fp8KeyLayout:
     """uint8 pages [num_blocks, B·(Di + 4)] of fp8 key records (the module docstring)."""
     name: str = "fp8"
     error_budget: ClassVar[float] = 0.0      # the values of FP4-simulated keys, exactly
+    rounding_budget: ClassVar[float] = 0.0   # nothing past the indexer's numerics, which grade its keys
     head_dim: int = 128
 
     @property
@@ -137,6 +138,7 @@ class Mxfp4KeyLayout:
     """uint8 pages [num_blocks, B·(Di/2 + Di/32)] of FP4 key records (the module docstring)."""
     name: str = "mxfp4"
     error_budget: ClassVar[float] = 0.0      # the values of fp4_sim's keys, exactly
+    rounding_budget: ClassVar[float] = 0.0   # nothing past the indexer's numerics, which grade its keys
     head_dim: int = 128
     block: int = FP4_BLOCK                   # dims per scale
 
