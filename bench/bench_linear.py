@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 
 from dsv4.benches.gpu import require_gpu
 from dsv4.benches.kernels import bench_linear
-from dsv4.catalogue import CONFIG_DIR
+from dsv4.catalogue import config_dir
 from dsv4.job import make_job
 
 
@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
     a = ap.parse_args()
     require_gpu("bench/bench_linear.py")
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
+    with initialize_config_dir(version_base="1.3", config_dir=str(config_dir())):
         job = make_job(compose(config_name="config", overrides=a.overrides or ["deployment=h200"]))
     print(f"model={job.spec.name}, tp_size={job.combo.tp_size}:\n" + bench_linear(job, tuple(a.rows)))
 

@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch
 from hydra import compose, initialize_config_dir
 
-from dsv4.catalogue import CONFIG_DIR
+from dsv4.catalogue import config_dir
 from dsv4.job import make_job
 from dsv4.benches.gpu import require_gpu
 from dsv4.benches.timing import replay_us
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
     a = ap.parse_args()
     require_gpu("bench/profile_layer.py")
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
+    with initialize_config_dir(version_base="1.3", config_dir=str(config_dir())):
         job = make_job(compose(config_name="config", overrides=a.overrides))
     labels = {b.label: b for b in backends(job)}
     if a.backend not in labels:

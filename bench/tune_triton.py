@@ -20,7 +20,7 @@
                                          # their windows): each token alone, two tokens of a run per program and
                                          # as planned, FlashMLA beside
 
-The shipped defaults (dsv4/configs/mqa_kernel/triton_sparse.yaml, dsv4/configs/o_proj/triton_fp8.yaml,
+The shipped defaults (configs/mqa_kernel/triton_sparse.yaml, configs/o_proj/triton_fp8.yaml,
 inv_rope_fp8_quant's) come from these sweeps.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The shipped options of each strategy group: the one reader of dsv4/configs/<group>/*.yaml.
+"""The shipped options of each strategy group: the one reader of configs/<group>/*.yaml.
 
 An option is its class and its YAML file. A group may nest one in an option's field (NESTED_GROUPS:
 `indexer.top_k`, configs/indexer/top_k/*.yaml): the option's YAML and the command line name the nested
@@ -16,7 +16,21 @@ from typing import Any
 from dsv4.errors import ConfigError
 from dsv4.settings import option as parse_option
 
-CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+@functools.cache
+def config_dir() -> Path:
+    """The Hydra config tree's folder: the package `dsv4.configs`, which is the repository's top-level configs/
+    mapped into the package (pyproject.toml), in a checkout installed with `pip install -e .` as in a wheel.
+    Found without importing it: nothing here imports torch."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("dsv4.configs")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the package dsv4.configs (the configs/ folder) is not importable: dsv4 runs installed; "
+                          "fix: pip install -e . in the checkout (or pip install the wheel)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
 GROUPS = ("mqa_kernel", "o_proj", "head_padding", "cache_layout", "indexer", "linear")
 # groups whose option is a field of a group's option (`parent.field`), their YAMLs in configs/<parent>/<field>/
 NESTED_GROUPS = ("indexer.top_k",)
@@ -24,7 +38,7 @@ NESTED_GROUPS = ("indexer.top_k",)
 
 def folder(group: str) -> Path:
     """The folder of a group's YAMLs (a nested group's inside its parent's)."""
-    return CONFIG_DIR.joinpath(*group.split("."))
+    return config_dir().joinpath(*group.split("."))
 
 
 def instantiate_group(node: Any, group: str = "strategy"):
@@ -78,9 +92,9 @@ def null_group(overrides) -> str | None:
         group = o.key_or_group
         if not group:
             return f"{o.input_line}: no key before the '='; fix: KEY{o.input_line}, e.g. seed{o.input_line}"
-        if o.is_delete() or o.is_sweep_override() or o.value() is not None or not (CONFIG_DIR / group).is_dir():
+        if o.is_delete() or o.is_sweep_override() or o.value() is not None or not (config_dir() / group).is_dir():
             continue
-        names = ", ".join(sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml")))
+        names = ", ".join(sorted(p.stem for p in (config_dir() / group).glob("*.yaml")))
         fix = default_override(group) or f"drop {o.input_line}"
         return f"{o.input_line}: the config group {group} takes one of its options ({names}); fix: {fix}"
     return None
@@ -92,7 +106,7 @@ def default_override(key: str) -> str | None:
     from omegaconf import OmegaConf
 
     group = "deployment" if key == "device" else key
-    for entry in OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml"))["defaults"]:
+    for entry in OmegaConf.to_container(OmegaConf.load(config_dir() / "config.yaml"))["defaults"]:
         if isinstance(entry, dict) and entry.get(group) is not None:
             return f"{group}={entry[group]}"
     return None
@@ -106,7 +120,7 @@ def model_presets() -> dict[str, Any]:
     from dsv4.spec import ModelSpec
 
     out = {}
-    for p in sorted((CONFIG_DIR / "model").glob("*.yaml")):
+    for p in sorted((config_dir() / "model").glob("*.yaml")):
         try:
             out[p.stem] = ModelSpec.from_config(OmegaConf.to_container(OmegaConf.load(p), resolve=True))
         except (ConfigError, TypeError, ValueError):     # a preset that does not build is no model
@@ -120,7 +134,7 @@ def backend_presets() -> dict[str, dict[str, str]]:
     from omegaconf import OmegaConf
 
     out = {}
-    for p in sorted((CONFIG_DIR / "backend").glob("*.yaml")):
+    for p in sorted((config_dir() / "backend").glob("*.yaml")):
         chosen = {}
         for entry in OmegaConf.to_container(OmegaConf.load(p)).get("defaults", []):
             if isinstance(entry, dict) and len(entry) == 1:
@@ -139,7 +153,7 @@ def defaults() -> dict[str, str]:
     from omegaconf import OmegaConf
 
     out = {}
-    for entry in OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml"))["defaults"]:
+    for entry in OmegaConf.to_container(OmegaConf.load(config_dir() / "config.yaml"))["defaults"]:
         if isinstance(entry, dict) and len(entry) == 1:
             (group, name), = entry.items()
             if group in GROUPS:

@@ -1,5 +1,5 @@
 """The `dsv4` command (`dsv4 [overrides]`, `python -m dsv4`, `python run.py`): Hydra composes the packaged
-configs (dsv4/configs, found relative to this module, so an installed wheel works from any folder), then
+configs (pkg://dsv4.configs: the repository's configs/ as the package installs it, from any folder), then
 dsv4.app runs the job. Outputs go under the current folder (outputs/, multirun/), as Hydra's run dirs say."""
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class CtrlC:
 _CTRL_C = CtrlC()
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+@hydra.main(version_base="1.3", config_path="pkg://dsv4.configs", config_name="config")
 def _job(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

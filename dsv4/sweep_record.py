@@ -82,7 +82,9 @@ def _config_dirs(hydra_cfg: dict) -> list[Path]:
             continue
         if path and Path(path).is_dir():
             dirs.append(Path(path))
-    return dirs or [Path(__file__).resolve().parent / "configs"]
+    from dsv4.catalogue import config_dir
+
+    return dirs or [config_dir()]
 
 
 def matrix(sweep_dir: Path) -> Matrix | None:

@@ -17,7 +17,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from dsv4.catalogue import CONFIG_DIR as CONFIGS      # the packaged config tree, dsv4/configs
+from dsv4.catalogue import config_dir
+
+CONFIGS = config_dir()      # the config tree: configs/, installed as the package dsv4.configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +52,7 @@ def no_alloc(monkeypatch):
 
 
 def options(group: str) -> list[str]:
-    """The options of config group `group`: the stems of dsv4/configs/<group>/*.yaml, sorted."""
+    """The options of config group `group`: the stems of configs/<group>/*.yaml, sorted."""
     return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 
 

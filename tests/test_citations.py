@@ -27,7 +27,7 @@ SECTION = re.compile(r"^#+ (\d+(?:\.\d+)*)\.? ", re.MULTILINE)
 
 def citing_files() -> list[Path]:
     """Every file that may cite, but this one, which spells the forms it looks for."""
-    files = {*ROOT.glob("dsv4/**/*.py"), *ROOT.glob("dsv4/configs/**/*.yaml"), *ROOT.glob("tests/*.py"),
+    files = {*ROOT.glob("dsv4/**/*.py"), *ROOT.glob("configs/**/*.yaml"), *ROOT.glob("tests/*.py"),
              *ROOT.glob("bench/*.py"), *ROOT.glob("bench/*.sh"), ROOT / "README.md", *ROOT.glob("docs/**/*.md")}
     return sorted(files - {Path(__file__).resolve()})
 

@@ -3,7 +3,7 @@ name public dsv4 objects and the strategy classes are frozen keyword-only datacl
 carry the real values; and the command line (`run.py`) reports user errors cleanly, with `mode=check`
 staying torch-free.
 
-Options are discovered from dsv4/configs/<group>/*.yaml, so a new YAML is tested with no edit here.
+Options are discovered from configs/<group>/*.yaml, so a new YAML is tested with no edit here.
 """
 from __future__ import annotations
 

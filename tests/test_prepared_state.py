@@ -16,7 +16,7 @@ from dsv4.catalogue import options
 from dsv4.device import DeviceInfo
 from dsv4.strategies.protocols import LinearWeight, OProjWeights
 
-# the CPU, then the deployments' GPUs (dsv4/configs/deployment/)
+# the CPU, then the deployments' GPUs (configs/deployment/)
 DEVICES = (DeviceInfo(platform="cpu"), DeviceInfo(platform="cuda", arch="sm90"),
            DeviceInfo(platform="cuda", arch="sm100"), DeviceInfo(platform="cuda", arch="sm120"),
            DeviceInfo(platform="rocm", arch="gfx942"), DeviceInfo(platform="rocm", arch="gfx950"))

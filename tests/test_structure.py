@@ -125,3 +125,21 @@ def test_strategies_never_import_components():
             bad = sorted(d for d in deps if d.startswith("dsv4.components"))
             assert not bad, f"{m} imports {bad}"
 
+
+
+def test_the_configs_are_a_top_level_folder_that_the_package_installs_as_its_own():
+    """configs/ at the repository's top level, one folder per group and preset kind, installed as the package
+    dsv4.configs (pyproject.toml maps the folder): a checkout installed with -e and the wheel read one tree."""
+    import importlib.util
+    import tomllib
+
+    repo = ROOT.parent
+    assert not (ROOT / "configs").exists()
+    groups = {p.name for p in (repo / "configs").iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert {"backend", "model", "deployment", "workload", "experiment", "mqa_kernel", "o_proj", "head_padding",
+            "cache_layout", "indexer", "linear"} == groups
+    assert Path(next(iter(importlib.util.find_spec("dsv4.configs").submodule_search_locations))) == repo / "configs"
+    setuptools = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"dsv4.configs": "configs"}
+    packages = {module_name(p.parent) for p in ROOT.rglob("__init__.py")} | {"dsv4.configs"}
+    assert set(setuptools["packages"]) == packages, sorted(set(setuptools["packages"]) ^ packages)
