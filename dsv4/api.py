@@ -132,7 +132,7 @@ def build_engine(job: Job, *, layers: Sequence[int] | None = None, weights: Mapp
     """An Engine over `layers` (default: those of `weights`, else the workload's) with every tensor-parallel
     rank of the job in this process (their outputs summed): requests, validated steps, rollback; with
     `graph.enabled=true`, CUDA-graph decode. `weights`: {layer: its whole weights}, default the job's."""
-    from dsv4.runner import build_engine as build
+    from dsv4.runner import job_engine
 
     job = _with_pool(job, pool)
     validate(job)
@@ -142,7 +142,7 @@ def build_engine(job: Job, *, layers: Sequence[int] | None = None, weights: Mapp
         layers = list(weights)
     layers = _layers(job, layers)
     full, fp8 = _weights(job, layers, weights)
-    return build(job, {l: full[l] for l in layers}, job.pool, fp8)
+    return job_engine(job, {l: full[l] for l in layers}, job.pool, fp8)
 
 
 # ---- the job's defaults ---------------------------------------------------------------------------------

@@ -162,17 +162,21 @@ def test_a_sweep_with_a_mismatch_cell_fails():
 
 
 def test_the_verdict_fails_nan_errors_and_wrong_selections():
-    from dsv4.runner import verdict
+    from dsv4.grades import LayerGrade, OutputStats, SelectionGrade, verdict
 
-    ok = {"swa": {"layer": 0, "rel_err": 1e-7}, "c4a": {"layer": 1, "rel_err": 2e-7, "topk_count_ok": True,
-                                                        "topk_max_gap": 3e-8}}
+    def grade(layer: int, rel_err: float, **selection) -> LayerGrade:
+        return LayerGrade(layer=layer, compress_ratio=4 if selection else 1, rel_err=rel_err, cosine=1.0,
+                          output=OutputStats(nonfinite=0, max_abs=1.0, spread=1.0),
+                          selection=SelectionGrade(exact=1.0, recall={}, **selection) if selection else None)
+
+    ok = {"swa": grade(0, 1e-7), "c4a": grade(1, 2e-7, count_ok=True, max_gap=3e-8)}
     assert verdict(ok, budget=1e-5, gap=1e-5, f32_budget=0.1) == []
-    nan = ok | {"swa": {"layer": 0, "rel_err": float("nan")}}
+    nan = ok | {"swa": grade(0, float("nan"))}
     assert verdict(nan, budget=1e-5, gap=1e-5, f32_budget=0.1) == ["layer swa (idx 0): rel_err nan > budget 1e-05"]
-    off = ok | {"c4a": ok["c4a"] | {"topk_max_gap": 0.3}}
+    off = ok | {"c4a": grade(1, 2e-7, count_ok=True, max_gap=0.3)}
     assert verdict(off, budget=1e-5, gap=1e-5, f32_budget=0.1) == [
         "layer c4a (idx 1): a top-k entry 0.3 below the oracle's k-th score (allowed: 1e-05)"]
-    short = ok | {"c4a": ok["c4a"] | {"topk_count_ok": False}}
+    short = ok | {"c4a": grade(1, 2e-7, count_ok=False, max_gap=3e-8)}
     assert verdict(short, budget=1e-5, gap=1e-5, f32_budget=0.1) == [
         "layer c4a (idx 1): a top-k list of the wrong size"]
 

@@ -68,14 +68,17 @@ def test_the_scales_inside_e4m3s_range_pass_and_the_fix_clears_the_problem():
 
 
 # ---- the verdict function, on crafted metrics ----------------------------------------------------------------
-def layer(**changes) -> dict:
-    """A healthy layer's metrics, with `changes`."""
-    return {"layer": 0, "rel_err": 1e-7, "rel_err_vs_f32_kv": 3e-2, "out_nonfinite": 0, "out_max_abs": 2.0,
-            "out_spread": 1.5} | changes
+def layer(*, out_nonfinite=0, out_max_abs=2.0, out_spread=1.5, **changes):
+    """A healthy layer's grade, with `changes` (its OutputStats' fields named as in the row: out_*)."""
+    from dsv4.grades import LayerGrade, OutputStats
+
+    output = OutputStats(nonfinite=out_nonfinite, max_abs=out_max_abs, spread=out_spread)
+    return LayerGrade(**{"layer": 0, "compress_ratio": 1, "rel_err": 1e-7, "cosine": 1.0, "rel_err_vs_f32_kv": 3e-2}
+                      | changes, output=output)
 
 
 def judge(**changes) -> list[str]:
-    from dsv4.runner import verdict
+    from dsv4.grades import verdict
 
     return verdict({"swa": layer(**changes)}, budget=1e-4, gap=1e-5, f32_budget=0.1)
 
@@ -102,7 +105,7 @@ def test_the_verdict_catches_a_degenerate_output_and_rows_rounded_past_their_bud
 
 
 def test_output_stats_see_zero_constant_and_non_finite_outputs():
-    from dsv4.runner import degenerate, output_stats
+    from dsv4.grades import degenerate, output_stats
 
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
     assert degenerate(output_stats(x)) is None

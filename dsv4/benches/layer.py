@@ -240,7 +240,7 @@ def engine_for(job, backend: Backend, layers, *, nreq: int, tokens: int, context
     from dsv4.components.kv_pool import PoolConfig
     from dsv4.components.weights import random_layer_weights
     from dsv4.graph import GraphConfig
-    from dsv4.runner import build_engine
+    from dsv4.runner import job_engine
 
     new = tokens * steps
     pool = PoolConfig(swa_block_size=64, compressed_block_tokens=256,
@@ -248,7 +248,7 @@ def engine_for(job, backend: Backend, layers, *, nreq: int, tokens: int, context
                       compressed_blocks=nreq * cdiv(context + new, 256) + 8, max_requests=nreq + 1)
     gc = GraphConfig(enabled=graphs, capture_sizes=(nreq * tokens,), max_context=context + new)
     weights = {l: random_layer_weights(job.spec, l, 0) for l in layers}
-    return build_engine(replace(job, combo=backend.combo), weights, pool, ranks=ranks, graphs=gc)
+    return job_engine(replace(job, combo=backend.combo), weights, pool, ranks=ranks, graphs=gc)
 
 
 def replayed_step(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int) -> tuple[float, bool]:

@@ -1,4 +1,4 @@
-"""Builders: stitch one rank's layer and its KV pool from the spec, weights and strategies.
+"""Builders: stitch one rank's layer and its KV pool, and an engine of ranks, from the spec, weights and strategies.
 
 The strategies arrive instantiated (one Hydra group each); this is the only place that knows how the
 pieces fit, so the module's constructor stays a list of injected parts (torchtune's component builders).
@@ -6,10 +6,12 @@ pieces fit, so the module's constructor stays a list of injected parts (torchtun
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from dsv4.components.attention import DSV4Attention
 from dsv4.components.compressor import Compressor
+from dsv4.components.engine import Engine
+from dsv4.components.graphs import StepGraphs
 from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import CompressorState, KVPool, LayerCaches, PageGroup, PoolConfig, page_groups
 from dsv4.seam import PagedCache
@@ -18,6 +20,7 @@ from dsv4.device import DeviceInfo
 from dsv4.dtypes import torch_dtype
 from dsv4.fixed_order import refuse_unable
 from dsv4.formats.fp8_blocks import BLOCK as FP8_BLOCK
+from dsv4.graph import GraphConfig
 from dsv4.layer_types import by_ratio
 from dsv4.spec import ModelSpec
 from dsv4.strategies import ExactIndexer, ReferenceLinear, indexer_keys_layout
@@ -111,3 +114,23 @@ def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig
                        indexer_state=state(groups[f"state{r}"], kind.coff * spec.index_head_dim))
         caches[l] = LayerCaches(ratio=r, swa=cache("swa", layout, groups["swa"], spec.head_dim), **kw)
     return KVPool(groups=groups, layers=caches, window=spec.sliding_window)
+
+
+def build_engine(*, spec: ModelSpec, weights: dict[int, dict], strategies: Strategies, pool: PoolConfig,
+                 device: DeviceInfo, dtype: str, tp_size: int, graphs: GraphConfig, fp8: dict | None = None,
+                 overlap: bool = True, batch_invariant: bool = False, ranks: Sequence[int] | None = None,
+                 all_reduce: Callable | None = None) -> Engine:
+    """An engine over the layers of `weights` ({layer: its whole weights}): each layer built for each of
+    `ranks` (default: all tp_size of them, simulated in this process and summed locally) and one pool per
+    rank. `all_reduce`: sums the ranks' partial outputs across processes (distributed ranks, one each);
+    `fp8`: per layer the linears stored as fp8 blocks; `graphs`: CUDA-graph decode when enabled."""
+    ranks = range(tp_size) if ranks is None else ranks
+    layers = {l: [build_layer(spec=spec, layer=l, weights=w, rank=r, tp_size=tp_size, strategies=strategies,
+                              device=device, dtype=dtype, fp8=(fp8 or {}).get(l), overlap=overlap,
+                              batch_invariant=batch_invariant)
+                  for r in ranks] for l, w in weights.items()}
+    pools = [build_pool(spec=spec, layers=list(weights), layout=strategies.cache_layout, pool=pool, device=device,
+                        dtype=dtype, indexer=strategies.indexer)
+             for _ in ranks]
+    return Engine(spec=spec, layers=layers, pools=pools, device=device.torch_device, all_reduce=all_reduce,
+                  graphs=StepGraphs(graphs) if graphs.enabled else None)
