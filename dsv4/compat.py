@@ -257,88 +257,138 @@ def _shell_word(spec: str) -> str:
     return f"'{spec}'" if any(ch in spec for ch in "<>=!~ ") else spec
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Asker:
+    """The strategy whose Needs are read, as its problems name it: `group=value`, and the fixes they offer --
+    `fix_self` another option (the group's default), `fix_machine` what the strategy says fixes the machine."""
+    group: str
+    value: str
+    fix_self: str
+    fix_machine: str
+
+    def problem(self, reason: str, fix: str | None, supported: tuple[str, ...] = ()) -> Problem:
+        return Problem(group=self.group, value=self.value, reason=reason, supported=supported, fix=fix)
+
+
 def _needs_rule(group: str, strat, c: Combination, device: DeviceInfo, here: str | None) -> list[Problem]:
+    """Every problem of one strategy's Needs in `c` on `device`, a rule per family of Needs fields, in the
+    order the problems are reported."""
     n = strat.needs(device)
-    name, out = strat.name, []
     fix_self = safe_choice(group)
-    fix_machine = n.fix or fix_self
+    who = _Asker(group=group, value=strat.name, fix_self=fix_self, fix_machine=n.fix or fix_self)
+    return (_machine_needs(who, n, device) + _cache_needs(who, n, c, device) + _head_needs(who, n, c)
+            + _dtype_needs(who, n, c) + _model_needs(who, n, c) + _projection_needs(who, n, c)
+            + _range_problems(group, strat, n) + _page_needs(who, n, c) + _package_needs(who, n, device, here))
+
+
+def _machine_needs(who: _Asker, n, device: DeviceInfo) -> list[Problem]:
+    """The platform the strategy runs on, then (on one it runs on) the GPU architecture."""
     if n.platforms and device.platform not in n.platforms:
-        out.append(Problem(group=group, value=name, reason=f"runs on {'/'.join(sorted(n.platforms))}, "
-                           f"this device is {device.describe()}", supported=tuple(sorted(n.platforms)),
-                           fix=fix_machine))
-    elif n.archs and device.arch not in n.archs:
-        out.append(Problem(group=group, value=name, reason=f"needs arch in {sorted(n.archs)}, "
-                           f"this device is {device.describe()}", supported=tuple(sorted(n.archs)), fix=fix_machine))
+        return [who.problem(f"runs on {'/'.join(sorted(n.platforms))}, this device is {device.describe()}",
+                            who.fix_machine, tuple(sorted(n.platforms)))]
+    if n.archs and device.arch not in n.archs:
+        return [who.problem(f"needs arch in {sorted(n.archs)}, this device is {device.describe()}",
+                            who.fix_machine, tuple(sorted(n.archs)))]
+    return []
+
+
+def _cache_needs(who: _Asker, n, c: Combination, device: DeviceInfo) -> list[Problem]:
+    """The cache layout's row format the strategy reads, then the fp8 flavour of its bytes."""
     layout, fmt = c.cache_layout.name, c.cache_layout.row_format
     stored = frozenset({fmt.fp8}) if fmt.fp8 else frozenset()
     if n.row_formats and fmt not in n.row_formats:
         readable = _layouts_storing(n.row_formats)
-        out.append(Problem(group="cache_layout", value=layout, reason=f"{group}={name} reads only "
-                           f"{readable}" + _fp8_note(n.fp8_formats, stored, layout, device),
-                           supported=tuple(readable), fix=f"cache_layout={readable[0]}" if readable else None))
-    elif n.fp8_formats and stored and not (n.fp8_formats & stored):
+        return [Problem(group="cache_layout", value=layout, reason=f"{who.group}={who.value} reads only "
+                        f"{readable}" + _fp8_note(n.fp8_formats, stored, layout, device),
+                        supported=tuple(readable), fix=f"cache_layout={readable[0]}" if readable else None)]
+    if n.fp8_formats and stored and not (n.fp8_formats & stored):
         others = [other for other in _layouts_storing(n.row_formats) if other != layout]
-        out.append(Problem(group="cache_layout", value=layout, reason=f"{group}={name} reads the cache"
-                           + _fp8_note(n.fp8_formats, stored, layout, device),
-                           supported=tuple(others), fix=f"cache_layout={others[0]}" if others else None))
+        return [Problem(group="cache_layout", value=layout, reason=f"{who.group}={who.value} reads the cache"
+                        + _fp8_note(n.fp8_formats, stored, layout, device),
+                        supported=tuple(others), fix=f"cache_layout={others[0]}" if others else None)]
+    return []
+
+
+def _head_needs(who: _Asker, n, c: Combination) -> list[Problem]:
+    """The padded head counts the strategy takes."""
     h = c.local_heads
     hp = c.head_padding.padded_heads(h) if h is not None else None
-    if n.padded_heads and hp is not None and hp not in n.padded_heads:
-        fits = _paddings_for(h, n.padded_heads)
-        out.append(Problem(group="head_padding", value=c.head_padding.name,
-                           reason=f"{group}={name} needs padded heads in {sorted(n.padded_heads)}; "
-                                  f"got {hp} ({h} heads per rank)",
-                           supported=tuple(map(str, sorted(n.padded_heads))),
-                           fix=f"head_padding={fits[0]}" if fits else None))
-    if n.dtypes and c.dtype in ACTIVATION_DTYPES and c.dtype not in n.dtypes:
-        out.append(Problem(group="dtype", value=c.dtype, reason=f"{group}={name} takes activations in "
-                           f"{sorted(n.dtypes)}", supported=tuple(sorted(n.dtypes)), fix=f"dtype={sorted(n.dtypes)[0]}"))
+    if not n.padded_heads or hp is None or hp in n.padded_heads:
+        return []
+    fits = _paddings_for(h, n.padded_heads)
+    return [Problem(group="head_padding", value=c.head_padding.name,
+                    reason=f"{who.group}={who.value} needs padded heads in {sorted(n.padded_heads)}; "
+                           f"got {hp} ({h} heads per rank)",
+                    supported=tuple(map(str, sorted(n.padded_heads))),
+                    fix=f"head_padding={fits[0]}" if fits else None)]
+
+
+def _dtype_needs(who: _Asker, n, c: Combination) -> list[Problem]:
+    """The activation dtypes the strategy takes (an unknown dtype is _dtype_rule's)."""
+    if not n.dtypes or c.dtype not in ACTIVATION_DTYPES or c.dtype in n.dtypes:
+        return []
+    return [Problem(group="dtype", value=c.dtype, reason=f"{who.group}={who.value} takes activations in "
+                    f"{sorted(n.dtypes)}", supported=tuple(sorted(n.dtypes)), fix=f"dtype={sorted(n.dtypes)[0]}")]
+
+
+def _model_needs(who: _Asker, n, c: Combination) -> list[Problem]:
+    """The model's sizes the strategy needs: multiples, powers of two, exact values, one of a set."""
+    spec, out = c.spec, []
     for field_name, m in n.model_multiples:
-        value = getattr(c.spec, field_name)
-        if value % m:
-            out.append(Problem(group=group, value=name, reason=f"needs model.{field_name} to be a multiple of {m}; "
-                               f"model={c.spec.name} has {value}", fix=fix_self))
+        if (value := getattr(spec, field_name)) % m:
+            out.append(who.problem(f"needs model.{field_name} to be a multiple of {m}; model={spec.name} has "
+                                   f"{value}", who.fix_self))
     for field_name in n.model_powers_of_two:
-        value = getattr(c.spec, field_name)
-        if value < 1 or value & (value - 1):
-            out.append(Problem(group=group, value=name, reason=f"needs model.{field_name} to be a power of two; "
-                               f"model={c.spec.name} has {value}", fix=fix_machine))
+        if (value := getattr(spec, field_name)) < 1 or value & (value - 1):
+            out.append(who.problem(f"needs model.{field_name} to be a power of two; model={spec.name} has "
+                                   f"{value}", who.fix_machine))
     for field_name, want in n.model_values:
-        value = getattr(c.spec, field_name)
-        if value != want:
-            out.append(Problem(group=group, value=name, reason=f"needs model.{field_name} = {want}; "
-                               f"model={c.spec.name} has {value}", supported=(str(want),), fix=fix_self))
+        if (value := getattr(spec, field_name)) != want:
+            out.append(who.problem(f"needs model.{field_name} = {want}; model={spec.name} has {value}",
+                                   who.fix_self, (str(want),)))
     for field_name, allowed in n.model_choices:
-        value = getattr(c.spec, field_name)
-        if value not in allowed:
-            out.append(Problem(group=group, value=name, reason=f"needs model.{field_name} in {list(allowed)}; "
-                               f"model={c.spec.name} has {value}", supported=tuple(map(str, allowed)), fix=fix_self))
-    if n.projection_multiple and c.local_heads is not None and c.spec.o_groups % c.tp_size == 0:
-        m = n.projection_multiple
-        cut = [f"{p} N={N} K={K}" for p, (N, K) in c.spec.projections(c.tp_size).items() if N % m or K % m]
-        if cut:
-            fits = [d for d in _divisors(c.spec.num_attention_heads) if c.spec.o_groups % d == 0
-                    and all(N % m == 0 and K % m == 0 for N, K in c.spec.projections(d).values())]
-            smaller = [d for d in fits if d < c.tp_size]
-            fix = f"tp_size={max(smaller)} (or {fix_self})" if smaller else fix_self
-            out.append(Problem(group=group, value=name, reason=f"stores each projection's weight in {m}x{m} blocks; "
-                               f"on each of tp_size={c.tp_size} ranks of model={c.spec.name} "
-                               f"{', '.join(cut)} (rows x columns) would cut a block", fix=fix))
-    out += _range_problems(group, strat, n)
-    keys = c.index_page_keys
-    if n.index_page_keys and keys is not None and keys not in n.index_page_keys:
-        want = min(n.index_page_keys)
-        pages = sorted(n.index_page_keys)
-        out.append(Problem(group=group, value=name, reason=f"reads indexer key pages of {pages} keys; the "
-                           f"pool's ratio-4 pages hold {keys}", supported=tuple(map(str, pages)),
-                           fix=f"workload.kv_pool.compressed_block_tokens={4 * want}"))
-    if here is not None and device.platform == here:
-        for module, dist in n.modules:
-            # the top-level name only: find_spec("a.b") would import package "a"
-            if importlib.util.find_spec(module.partition(".")[0]) is None:
-                out.append(Problem(group=group, value=name, reason=f"Python module '{module}' not found "
-                                   f"(pip package {dist})", fix=f"pip install {_shell_word(dist)}  (or {fix_self})"))
+        if (value := getattr(spec, field_name)) not in allowed:
+            out.append(who.problem(f"needs model.{field_name} in {list(allowed)}; model={spec.name} has {value}",
+                                   who.fix_self, tuple(map(str, allowed))))
     return out
+
+
+def _projection_needs(who: _Asker, n, c: Combination) -> list[Problem]:
+    """Each rank's projection weights in whole blocks of `projection_multiple` rows and columns; the fix is a
+    smaller tp_size whose cut keeps them whole, where there is one."""
+    if not n.projection_multiple or c.local_heads is None or c.spec.o_groups % c.tp_size:
+        return []
+    m, spec = n.projection_multiple, c.spec
+    cut = [f"{p} N={N} K={K}" for p, (N, K) in spec.projections(c.tp_size).items() if N % m or K % m]
+    if not cut:
+        return []
+    fits = [d for d in _divisors(spec.num_attention_heads) if spec.o_groups % d == 0
+            and all(N % m == 0 and K % m == 0 for N, K in spec.projections(d).values())]
+    smaller = [d for d in fits if d < c.tp_size]
+    fix = f"tp_size={max(smaller)} (or {who.fix_self})" if smaller else who.fix_self
+    return [who.problem(f"stores each projection's weight in {m}x{m} blocks; on each of tp_size={c.tp_size} ranks "
+                        f"of model={spec.name} {', '.join(cut)} (rows x columns) would cut a block", fix)]
+
+
+def _page_needs(who: _Asker, n, c: Combination) -> list[Problem]:
+    """The pool's indexer key pages the strategy reads."""
+    keys = c.index_page_keys
+    if not n.index_page_keys or keys is None or keys in n.index_page_keys:
+        return []
+    pages = sorted(n.index_page_keys)
+    return [who.problem(f"reads indexer key pages of {pages} keys; the pool's ratio-4 pages hold {keys}",
+                        f"workload.kv_pool.compressed_block_tokens={4 * min(n.index_page_keys)}",
+                        tuple(map(str, pages)))]
+
+
+def _package_needs(who: _Asker, n, device: DeviceInfo, here: str | None) -> list[Problem]:
+    """The Python modules the strategy imports, looked for only on a device of this machine's platform."""
+    if here is None or device.platform != here:
+        return []
+    # the top-level name only: find_spec("a.b") would import package "a"
+    return [who.problem(f"Python module '{module}' not found (pip package {dist})",
+                        f"pip install {_shell_word(dist)}  (or {who.fix_self})")
+            for module, dist in n.modules if importlib.util.find_spec(module.partition(".")[0]) is None]
 
 
 # what the layer's own pieces (front, norms, compressors, indexer scores, cache writes) run on a GPU whatever the

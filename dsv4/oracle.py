@@ -181,17 +181,39 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
     each over the keys it can see (its window and the compressed entries), so nothing [L, L] is held and a
     chunk's scores stay bounded; `keep_scores` is what holds [L, n].
     """
+    _check_numerics(indexer_numerics, linear_numerics)
+    w = _weight_values(w)
+    lin = _fp8_rows if linear_numerics == "fp8" else (lambda a: a)    # what the dense projections read
+    x = x.float()
+    L, H, f = x.shape[0], w["attn_sink"].shape[0], _freqs(model, ratio)
+    # every numerics the oracle offers where its scores are kept or graded; the run's own alone otherwise
+    scored = INDEXER_NUMERICS if keep_scores or grade else (indexer_numerics,)
+    raw, comp, kidx = _history_keys(model, ratio, w, x, f, lin, row_format=row_format, kv_scale=kv_scale,
+                                    scored=scored)
+    given = None if topk is None else torch.as_tensor(topk).long()
+    gathered = _Gathered(L, w["wo_b.weight"].shape[0], model["index_topk"], ratio == 4, given,
+                         keep_scores=keep_scores, grade=grade)
+    seen = model["sliding_window"] + (0 if comp is None else comp.shape[0])  # keys a query is scored against
+    step = max(1, min(query_chunk, CHUNK_ELEMENTS // (max(H, model["index_n_heads"]) * (seen + query_chunk))))
+    for a in range(0, L, step):
+        b = min(L, a + step)
+        gathered.add(a, b, _queries(model, ratio, w, x, a, b, raw=raw, comp=comp, kidx=kidx, f=f, lin=lin, H=H,
+                                    topk=None if given is None else given[a:b], indexer_numerics=indexer_numerics))
+    return gathered.result()
+
+
+def _check_numerics(indexer_numerics: str, linear_numerics: str) -> None:
     if indexer_numerics not in INDEXER_NUMERICS:
         raise ValueError(f"indexer_numerics={indexer_numerics!r} is not one of {INDEXER_NUMERICS}")
     if linear_numerics not in LINEAR_NUMERICS:
         raise ValueError(f"linear_numerics={linear_numerics!r} is not one of {LINEAR_NUMERICS}")
-    w = _weight_values(w)
-    lin = _fp8_rows if linear_numerics == "fp8" else (lambda a: a)    # what the dense projections read
-    x = x.float()
-    L, D, W, eps = x.shape[0], model["head_dim"], model["sliding_window"], model["rms_norm_eps"]
-    H = w["attn_sink"].shape[0]
-    f = _freqs(model, ratio)
-    pos = torch.arange(L)
+
+
+def _history_keys(model, ratio, w, x, f, lin, *, row_format, kv_scale, scored):
+    """The keys of the request's whole history: its raw rows and (ratio > 1) compressed entries, each
+    rounded as the cache stores it, and (ratio 4) the indexer's keys under each numerics in `scored`."""
+    D, eps = model["head_dim"], model["rms_norm_eps"]
+    pos = torch.arange(x.shape[0])
     raw = round_rows(_rope(_rms(lin(x) @ w["wkv.weight"].T, w["kv_norm.weight"], eps), pos, f), row_format, kv_scale)
     comp, kidx = None, {}
     if ratio > 1:
@@ -202,39 +224,49 @@ def oracle_layer(model: Mapping[str, Any], ratio: int, w: Mapping[str, Any], x, 
         c = "indexer.compressor."
         keys = _compress(x, w[c + "wkv.weight"], w[c + "wgate.weight"], w[c + "ape"], w[c + "norm.weight"], 4,
                          model["index_head_dim"], f, eps)
-        # every numerics the oracle offers where its scores are kept or graded; the run's own alone otherwise
-        kidx = {n: _fp4_indexer(keys) if n == IndexerNumerics.FP4.value else keys
-                for n in (INDEXER_NUMERICS if keep_scores or grade else (indexer_numerics,))}
-    given = None if topk is None else torch.as_tensor(topk).long()
-    out = torch.zeros(L, w["wo_b.weight"].shape[0])
-    K = model["index_topk"]              # the selections, filled chunk by chunk (ratio 4)
-    sel = {name: torch.full((L, K), -1, dtype=torch.int64) for name in ("topk", "own_topk")} if ratio == 4 else {}
-    parts: dict[str, list] = {"scores": [], "scores_by": []} if keep_scores else {}
-    graded: dict[str, list] = {numerics: [] for numerics in INDEXER_NUMERICS}
-    seen = W + (0 if comp is None else comp.shape[0])              # keys a query is scored against, at most
-    step = max(1, min(query_chunk, CHUNK_ELEMENTS // (max(H, model["index_n_heads"]) * (seen + query_chunk))))
-    for a in range(0, L, step):
-        b = min(L, a + step)
-        part = _queries(model, ratio, w, x, a, b, raw=raw, comp=comp, kidx=kidx, f=f, lin=lin, H=H,
-                        topk=None if given is None else given[a:b], indexer_numerics=indexer_numerics)
-        out[a:b] = part["out"]
-        if ratio == 4:
-            for name, rows in sel.items():
-                rows[a:b] = part[name]
-            for name in parts:
-                parts[name].append(part[name])
-            if grade and given is not None:
-                for numerics, sc in part["scores_by"].items():
-                    graded[numerics].append(grade_selection(given[a:b], sc, K))
-    res: dict[str, Any] = {"out": out}
-    if ratio == 4:
-        res |= sel
-        if keep_scores:
-            res["scores"] = torch.cat(parts["scores"])
-            res["scores_by"] = {n: torch.cat([p[n] for p in parts["scores_by"]]) for n in INDEXER_NUMERICS}
-        if grade and given is not None:
-            res["grades"] = {n: merge_grades(g) for n, g in graded.items()}
-    return res
+        kidx = {n: _fp4_indexer(keys) if n == IndexerNumerics.FP4.value else keys for n in scored}
+    return raw, comp, kidx
+
+
+class _Gathered:
+    """oracle_layer's result, filled in chunk by chunk: the outputs, (ratio 4) the selections, the scores
+    where kept and the grades of the given selection where asked."""
+    __slots__ = ("out", "sel", "parts", "graded", "given", "K", "indexed")
+
+    def __init__(self, L: int, hidden: int, K: int, indexed: bool, given, *, keep_scores: bool,
+                 grade: bool) -> None:
+        self.out = torch.zeros(L, hidden)
+        self.sel = {name: torch.full((L, K), -1, dtype=torch.int64) for name in ("topk", "own_topk")} \
+            if indexed else {}
+        self.parts: dict[str, list] = {"scores": [], "scores_by": []} if keep_scores else {}
+        self.graded: dict[str, list] | None = {numerics: [] for numerics in INDEXER_NUMERICS} \
+            if grade and given is not None else None
+        self.given, self.K, self.indexed = given, K, indexed
+
+    def add(self, a: int, b: int, part: dict[str, Any]) -> None:
+        """Queries a..b-1's results."""
+        self.out[a:b] = part["out"]
+        if not self.indexed:
+            return
+        for name, rows in self.sel.items():
+            rows[a:b] = part[name]
+        for name in self.parts:
+            self.parts[name].append(part[name])
+        if self.graded is not None:
+            for numerics, sc in part["scores_by"].items():
+                self.graded[numerics].append(grade_selection(self.given[a:b], sc, self.K))
+
+    def result(self) -> dict[str, Any]:
+        res: dict[str, Any] = {"out": self.out}
+        if not self.indexed:
+            return res
+        res |= self.sel
+        if self.parts:
+            res["scores"] = torch.cat(self.parts["scores"])
+            res["scores_by"] = {n: torch.cat([p[n] for p in self.parts["scores_by"]]) for n in INDEXER_NUMERICS}
+        if self.graded is not None:
+            res["grades"] = {n: merge_grades(g) for n, g in self.graded.items()}
+        return res
 
 
 def _queries(model, ratio, w, x, a, b, *, raw, comp, kidx, f, lin, H, topk, indexer_numerics):

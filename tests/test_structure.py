@@ -143,3 +143,21 @@ def test_the_configs_are_a_top_level_folder_that_the_package_installs_as_its_own
     assert setuptools["package-dir"] == {"dsv4.configs": "configs"}
     packages = {module_name(p.parent) for p in ROOT.rglob("__init__.py")} | {"dsv4.configs"}
     assert set(setuptools["packages"]) == packages, sorted(set(setuptools["packages"]) ^ packages)
+
+
+LONGEST_FUNCTION = 60       # lines, from `def` to its last line, docstring included
+
+
+def test_no_function_outside_the_kernels_is_longer_than_a_screen():
+    """Every function and method of dsv4/ but the kernels (whose launch wrappers follow their kernels'
+    arguments) fits a screen: a longer one does several jobs, each of which wants a name."""
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.relative_to(ROOT).parts[0] == "kernels":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST_FUNCTION:
+                    long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, f"functions over {LONGEST_FUNCTION} lines: {long}"

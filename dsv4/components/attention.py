@@ -60,19 +60,12 @@ class DSV4Attention(torch.nn.Module):
         super().__init__()
         from dsv4.dtypes import torch_dtype
 
-        ratio = spec.compress_ratio(layer)
-        padded = head_padding.padded_heads(heads)
-        if padded is None or padded < heads:       # check() reports this with a fix; the module only refuses
-            raise ValueError(f"head_padding={head_padding.name} cannot hold {heads} heads")
-        kind = by_ratio(ratio)
-        if (compressor is None) == kind.compressed or (indexer is None) == kind.indexed:
-            raise ValueError(f"ratio {ratio} ({kind.name}): a compressor {'is' if kind.compressed else 'is not'} "
-                             f"expected, an indexer {'is' if kind.indexed else 'is not'}")
+        ratio, padded, kind = _layer_kind(spec, layer, heads, head_padding, compressor, indexer)
         self.spec, self.layer, self.ratio, self.heads, self.padded_heads = spec, layer, ratio, heads, padded
         self.layer_type = kind.name
         self.rope = Rope.for_layer(spec, ratio)
-        self.mqa_kernel, self.o_proj, self.head_padding, self.cache_layout = mqa_kernel, o_proj, head_padding, cache_layout
-        self.linear = linear
+        self.mqa_kernel, self.o_proj, self.head_padding = mqa_kernel, o_proj, head_padding
+        self.cache_layout, self.linear = cache_layout, linear
         self.compressor, self.indexer = compressor, indexer
         self.dtype, self.eps = torch_dtype(dtype), spec.rms_norm_eps
         dev = device.torch_device
@@ -88,39 +81,54 @@ class DSV4Attention(torch.nn.Module):
             refuse_unable((mqa_kernel, o_proj, cache_layout, linear), device)
         self.mqa_prepared = mqa_kernel.prepare(device=device, **asked(self.batch_invariant))
         self.o_proj_prepared = o_proj.prepare(o_weights, device=device, dtype=dtype, **asked(self.batch_invariant))
-        fp8 = fp8 or {}
-
-        def weight(name: str, values) -> LinearWeight:
-            return LinearWeight(values=values, fp8=fp8.get(name))
-
-        # x -> [qr | kv] through `linear`, and in compressed layers [compressor a | s | indexer compressor
-        # a | s | indexer head weights], which the checkpoint stores in bf16: accumulated in float32 (the
-        # compressors pool in float32; the front kernels round qr and kv to the activation dtype as a
-        # product in that dtype would). With float linears all of it is one product (`x_proj`, its weight the
-        # buffer `w_in`); with fp8 ones the float rows are a product of their own (`w_tail`).
-        parts = [weight("wq_a.weight", weights["wq_a.weight"]), weight("wkv.weight", weights["wkv.weight"])]
-        tail = ([compressor.weights()] if compressor is not None else []) \
-            + ([indexer.compressor.weights(), indexer.weights_proj] if indexer is not None else [])
-        self.fused_tail = linear.numerics is LinearNumerics.FLOAT
-        if self.fused_tail:
-            parts += [LinearWeight(values=t) for t in tail]
-        elif tail:
-            self.register_buffer("w_tail", torch.cat([t.to(dev, self.dtype) for t in tail]))
-        self.in_sizes = tuple(p.values.shape[0] for p in parts) + (() if self.fused_tail else
-                                                                   tuple(t.shape[0] for t in tail))
-        self.x_proj = self._prepare("w_in", LinearWeight.cat(parts), device, dtype)
-        # One product of qr: the query heads and, in ratio-4 layers, the indexer's query heads (both the
-        # published code's linears of the same normalised qr)
-        q_parts = [weight("wq_b.weight", weights["wq_b.weight"])] + (
-            [weight("indexer.wq_b.weight", indexer.wq_b)] if indexer is not None else [])
-        self.q_proj = self._prepare("wq_b", LinearWeight.cat(q_parts), device, dtype)
-        self.q_sizes = tuple(p.values.shape[0] for p in q_parts)      # the row blocks of wq_b, in that order
-        self.out_proj = self._prepare("wo_b", weight("wo_b.weight", weights["wo_b.weight"]), device, dtype)
+        self._prepare_products(weights, fp8 or {}, device, dtype)
         for name in ("q_norm.weight", "kv_norm.weight"):
             self.register_buffer(name.split(".")[0], weights[name].to(device=dev, dtype=torch.float32))
         sink = torch.full((padded,), float("-inf"), device=dev)    # padded heads: no effect
         sink[:heads] = weights["attn_sink"].to(dev)
         self.register_buffer("attn_sink", sink)
+        self._front_facts()
+
+    def _prepare_products(self, weights: dict, fp8: dict, device, dtype: str) -> None:
+        """The dense products, each prepared by `linear` once: x -> [qr | kv] through `linear`, and in
+        compressed layers [compressor a | s | indexer compressor a | s | indexer head weights], which the
+        checkpoint stores in bf16: accumulated in float32 (the compressors pool in float32; the front kernels
+        round qr and kv to the activation dtype as a product in that dtype would). With float linears all of
+        it is one product (`x_proj`, its weight the buffer `w_in`); with fp8 ones the float rows are a product
+        of their own (`w_tail`). Then qr -> the query heads and, in ratio-4 layers, the indexer's query heads
+        (both the published code's linears of the same normalised qr), and z -> the output (`wo_b`)."""
+        compressor, indexer = self.compressor, self.indexer
+
+        def weight(name: str, values) -> LinearWeight:
+            return LinearWeight(values=values, fp8=fp8.get(name))
+
+        parts = [weight("wq_a.weight", weights["wq_a.weight"]), weight("wkv.weight", weights["wkv.weight"])]
+        tail = ([compressor.weights()] if compressor is not None else []) \
+            + ([indexer.compressor.weights(), indexer.weights_proj] if indexer is not None else [])
+        self.fused_tail = self.linear.numerics is LinearNumerics.FLOAT
+        if self.fused_tail:
+            parts += [LinearWeight(values=t) for t in tail]
+        elif tail:
+            self.register_buffer("w_tail", torch.cat([t.to(device.torch_device, self.dtype) for t in tail]))
+        self.in_sizes = tuple(p.values.shape[0] for p in parts) + (() if self.fused_tail else
+                                                                   tuple(t.shape[0] for t in tail))
+        self.x_proj = self._prepare("w_in", LinearWeight.cat(parts), device, dtype)
+        q_parts = [weight("wq_b.weight", weights["wq_b.weight"])] + (
+            [weight("indexer.wq_b.weight", indexer.wq_b)] if indexer is not None else [])
+        self.q_proj = self._prepare("wq_b", LinearWeight.cat(q_parts), device, dtype)
+        self.q_sizes = tuple(p.values.shape[0] for p in q_parts)      # the row blocks of wq_b, in that order
+        self.out_proj = self._prepare("wo_b", weight("wo_b.weight", weights["wo_b.weight"]), device, dtype)
+
+    def _front_facts(self) -> None:
+        """What the front makes of the indexer's queries, fixed by the layer's pieces (read once, not per call):
+        the front kernel applies every IndexerNumerics; a kernel that scores e4m3 queries gets them from the
+        front, their scales folded into the head weights. And the fault rows the front clears: those before
+        the compressors' (which write theirs whole)."""
+        idx = self.indexer
+        self.fp8_iq = idx is not None and idx.strategy.query_format is QueryFormat.E4M3 and self.kernels is not None
+        self.iq_fp4 = idx is not None and idx.strategy.numerics is IndexerNumerics.FP4
+        self.iq_w_scale = idx.weight_scale if self.fp8_iq else 1.0
+        self.front_faults = FAULT_ROWS - (0 if self.compressor is None else 1 if idx is None else 2)
 
     def _prepare(self, name: str, weight: LinearWeight, device, dtype: str):
         """`linear`'s prepared product; its tensors are also this module's buffers (`name`, `name_scale`...),
@@ -144,77 +152,122 @@ class DSV4Attention(torch.nn.Module):
         return mm_f32(x, self.w_tail)
 
     def forward(self, x, plan: StepPlan, caches: LayerCaches) -> LayerStepResult:
-        T, H = x.shape[0], self.heads
+        """One step's rows x [T, hidden] through the layer, phase by phase: the input products, the
+        compressors' branch (on the side stream beside the query path, on a GPU), the front, the indexer's
+        selection, the sparse attention and the output projection."""
         if caches.swa.layout != self.cache_layout or caches.ratio != self.ratio:
             raise ValueError(f"layer {self.layer}: caches of a ratio-{caches.ratio} layer in cache_layout="
                              f"{caches.swa.layout.name}, built for ratio {self.ratio} and {self.cache_layout.name}")
         xa = x if x.dtype == self.dtype else x.to(self.dtype)
         rot = plan.rope_rows(self.rope)
-        lin, kernels = self.linear, self.kernels
-        faults = torch.empty(FAULT_ROWS, T, dtype=torch.bool, device=x.device)
-        branch = _Branch(self.side_stream if self.compressor is not None else None)
-        if self.compressor is not None:
-            entry_rot = plan.rope_rows(self.rope, shift=self.ratio)
-        if self.compressor is None:
-            qr_raw, kv_raw = lin(xa, self.x_proj).split_with_sizes(self.in_sizes, 1)
-        elif self.fused_tail:
-            qr_raw, kv_raw, *scores = lin(xa, self.x_proj, out_dtype=torch.float32).split_with_sizes(self.in_sizes, 1)
+        faults = torch.empty(FAULT_ROWS, x.shape[0], dtype=torch.bool, device=x.device)
+        if self.compressor is None:      # the sliding window alone: one product, no branch, no selection
+            qr_raw, kv_raw = self.linear(xa, self.x_proj).split_with_sizes(self.in_sizes, 1)
+            q, _ = self._front(qr_raw, kv_raw, None, rot, plan, caches, faults, None)
+            kv = SparseKV(swa=caches.swa, swa_indices=plan.swa.indices, swa_lens=plan.swa.lens,
+                          layer_type=self.layer_type, runs=plan.runs)
+            return LayerStepResult(out=self._output(self._attention(q, kv, plan), rot), topk=None, faults=faults)
+        branch = _Branch(self.side_stream)
+        entry_rot = plan.rope_rows(self.rope, shift=self.ratio)
+        qr_raw, kv_raw, scores = self._project(xa, branch)
+        self._compress(scores, entry_rot, plan, caches, faults, branch)
+        q, iq = self._front(qr_raw, kv_raw, scores, rot, plan, caches, faults, branch)
+        if self.indexer is not None:
+            topk, lists, lens = self._select(iq, scores[2], plan, caches, branch)
         else:
-            with branch.side():      # the compressors' bf16 rows, beside the fp8 products of the query path
-                scores = self._tail(xa).split_with_sizes(self.in_sizes[2:], 1)
-                branch.mark()
-            qr_raw, kv_raw = lin(xa, self.x_proj).split_with_sizes(self.in_sizes[:2], 1)
+            topk, ents = None, plan.entries[self.ratio]
+            lists, lens = ents.visible, ents.counts
+        branch.join()                # the compressed entries are stored
+        kv = SparseKV(swa=caches.swa, swa_indices=plan.swa.indices, swa_lens=plan.swa.lens,
+                      layer_type=self.layer_type, runs=plan.runs, extra=caches.compressed, extra_indices=lists,
+                      extra_lens=lens, extra_nested=self.indexer is None)
+        return LayerStepResult(out=self._output(self._attention(q, kv, plan), rot), topk=topk, faults=faults)
+
+    def _project(self, xa, branch: _Branch):
+        """A compressed layer's input products: -> qr, kv and the float32 rows of the compressors (and the
+        indexer's head weights); with fp8 linears those rows on the side stream, beside the query path's."""
+        if self.fused_tail:
+            qr_raw, kv_raw, *scores = self.linear(xa, self.x_proj, out_dtype=torch.float32).split_with_sizes(
+                self.in_sizes, 1)
+            return qr_raw, kv_raw, scores
+        with branch.side():          # the compressors' bf16 rows, beside the fp8 products of the query path
+            scores = self._tail(xa).split_with_sizes(self.in_sizes[2:], 1)
+            branch.mark()
+        qr_raw, kv_raw = self.linear(xa, self.x_proj).split_with_sizes(self.in_sizes[:2], 1)
+        return qr_raw, kv_raw, scores
+
+    def _compress(self, scores, entry_rot, plan: StepPlan, caches: LayerCaches, faults, branch: _Branch) -> None:
+        """The compressors' branch: they pool and store their entries (and the indexer's keys) on the side
+        stream while the query path runs."""
         idx = self.indexer
-        if self.compressor is not None:
-            with branch.side():      # the compressors pool and store while the query path runs
-                parts = [CompressPart(self.compressor, scores[0], caches.state, FAULT_COMPRESSED, caches.compressed)]
-                if idx is not None:
-                    parts.append(idx.key_part(scores[1], caches.indexer_state, FAULT_INDEXER, caches.indexer_keys))
-                compress_all(parts, plan, entry_rot, faults, kernels=kernels)
+        with branch.side():
+            parts = [CompressPart(self.compressor, scores[0], caches.state, FAULT_COMPRESSED, caches.compressed)]
+            if idx is not None:
+                parts.append(idx.key_part(scores[1], caches.indexer_state, FAULT_INDEXER, caches.indexer_keys))
+            compress_all(parts, plan, entry_rot, faults, kernels=self.kernels)
+
+    def _front(self, qr_raw, kv_raw, scores, rot, plan: StepPlan, caches: LayerCaches, faults, branch):
+        """The query path's front: qr normed, its product with wq_b (and the indexer's), the query rows made
+        and the KV rows stored (`front_rows`); -> (q, the indexer's queries: the front kernel's, else
+        `Indexer.queries`'; None in a layer without an indexer). `branch`: None in a window-only layer."""
+        T, idx, lin, kernels = qr_raw.shape[0], self.indexer, self.linear, self.kernels
         qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype, fp8=lin.fp8_input, kernels=kernels)
-        iq_raw = None
         q_raw = lin(qr, self.q_proj)
+        iq_raw = iq_dtype = None
         if idx is not None:
             # in the activation dtype, as the published code's projection returns it (then RoPE, FP4)
             q_raw, iq_raw = q_raw.split_with_sizes(self.q_sizes, 1)
             iq_raw = iq_raw.view(T, idx.n_heads, idx.head_dim)
-        front_iq = idx is not None        # the front kernel applies every IndexerNumerics
-        iq_dtype = idx.score_dtype(caches.indexer_keys) if idx is not None else None
-        # a kernel that scores e4m3 queries gets them from the front, their scales in the head weights
-        fp8_iq = front_iq and idx.strategy.query_format is QueryFormat.E4M3 and kernels is not None
+            iq_dtype = idx.score_dtype(caches.indexer_keys)
+        fp8_iq = self.fp8_iq
         if fp8_iq:
             branch.wait_mark()
-        front_faults = faults[:FAULT_ROWS - (0 if self.compressor is None else 1 if idx is None else 2)]
-        q, iq = front_rows(q_raw.view(T, H, self.spec.head_dim), kv_raw, self.kv_norm, rot,
-                           plan.swa.write_slots, front_faults, caches.swa, padded_heads=self.padded_heads, eps=self.eps,
-                           dtype=self.dtype, iq=iq_raw if front_iq else None,
-                           iq_dtype=torch.float8_e4m3fn if fp8_iq else iq_dtype,
-                           iq_fp4=front_iq and idx.strategy.numerics is IndexerNumerics.FP4,
-                           iq_weights=scores[2] if fp8_iq else None, iq_w_scale=idx.weight_scale if fp8_iq else 1.0,
-                           kernels=kernels)
+        q, iq = front_rows(q_raw.view(T, self.heads, self.spec.head_dim), kv_raw, self.kv_norm, rot,
+                           plan.swa.write_slots, faults[:self.front_faults], caches.swa, padded_heads=self.padded_heads,
+                           eps=self.eps, dtype=self.dtype, iq=iq_raw,
+                           iq_dtype=torch.float8_e4m3fn if fp8_iq else iq_dtype, iq_fp4=self.iq_fp4,
+                           iq_weights=scores[2] if fp8_iq else None, iq_w_scale=self.iq_w_scale, kernels=kernels)
+        if iq is None and idx is not None:
+            iq = idx.queries(iq_raw.flatten(1), rot, iq_dtype, kernels=kernels)
+        return q, iq
 
-        topk, extra = None, {}
-        if self.compressor is not None:
-            if idx is not None:
-                if iq is None:
-                    iq = idx.queries(iq_raw.flatten(1), rot, iq_dtype, kernels=kernels)
-                branch.join()        # the indexer's keys are stored
-                iq, iw = iq if fp8_iq else (iq, scores[2])
-                ip = plan.indexer_plans.get(self.layer_type)
-                index_scores = idx.scores(iq, iw, caches.indexer_keys, plan, ip, kernels=kernels)
-                topk, lists, lens = idx.lists(index_scores, plan, kernels=kernels)
-            else:
-                ents = plan.entries[self.ratio]
-                lists, lens = ents.visible, ents.counts
-            extra = dict(extra=caches.compressed, extra_indices=lists, extra_lens=lens, extra_nested=idx is None)
-        branch.join()                # the compressed entries are stored
-        kv = SparseKV(swa=caches.swa, swa_indices=plan.swa.indices, swa_lens=plan.swa.lens,
-                      layer_type=self.layer_type, runs=plan.runs, **extra)
+    def _select(self, iq, head_weights, plan: StepPlan, caches: LayerCaches, branch: _Branch):
+        """The indexer's selection, once its keys are stored: scores over them, then each token's top-k;
+        -> (topk, lists, lens). With e4m3 queries `iq` is the front's (queries, head weights)."""
+        idx, kernels = self.indexer, self.kernels
+        branch.join()                # the indexer's keys are stored
+        if self.fp8_iq:
+            iq, head_weights = iq
+        index_scores = idx.scores(iq, head_weights, caches.indexer_keys, plan,
+                                  plan.indexer_plans.get(self.layer_type), kernels=kernels)
+        return idx.lists(index_scores, plan, kernels=kernels)
+
+    def _attention(self, q, kv: SparseKV, plan: StepPlan):
+        """The sparse MQA over the rows `kv` names, with the sink; -> its output (the log-sum-exp unused)."""
         out, _lse = self.mqa_kernel(q, kv, sink=self.attn_sink, scale=self.spec.softmax_scale,
                                     prepared=self.mqa_prepared, plan=plan.kernel_plans.get(self.layer_type))
-        z = self.o_proj(out if self.padded_heads == H else out[:, :H], rot, prepared=self.o_proj_prepared)
-        y = lin(z if z.dtype == self.dtype else z.to(self.dtype), self.out_proj)
-        return LayerStepResult(out=y, topk=topk, faults=faults)
+        return out
+
+    def _output(self, out, rot):
+        """The output projection: the real heads through `o_proj` (its inverse RoPE and wo_a), then wo_b."""
+        z = self.o_proj(out if self.padded_heads == self.heads else out[:, :self.heads], rot,
+                        prepared=self.o_proj_prepared)
+        return self.linear(z if z.dtype == self.dtype else z.to(self.dtype), self.out_proj)
+
+
+def _layer_kind(spec: ModelSpec, layer: int, heads: int, head_padding: HeadPaddingPolicy,
+                compressor: Compressor | None, indexer: Indexer | None):
+    """The layer's compress ratio, padded head count and LayerType, refusing pieces that do not fit them
+    (check() reports these with a fix; the module only refuses)."""
+    ratio = spec.compress_ratio(layer)
+    padded = head_padding.padded_heads(heads)
+    if padded is None or padded < heads:
+        raise ValueError(f"head_padding={head_padding.name} cannot hold {heads} heads")
+    kind = by_ratio(ratio)
+    if (compressor is None) == kind.compressed or (indexer is None) == kind.indexed:
+        raise ValueError(f"ratio {ratio} ({kind.name}): a compressor {'is' if kind.compressed else 'is not'} "
+                         f"expected, an indexer {'is' if kind.indexed else 'is not'}")
+    return ratio, padded, kind
 
 
 @functools.cache

@@ -335,6 +335,23 @@ def _check_scale(name: str, file: str, s: torch.Tensor) -> torch.Tensor:
 
 def _read_layer(ck: Checkpoint, layer: int, ratio: int, wants: list[_Want], block: tuple[int, int],
                 spec: ModelSpec, stats: LoadStats) -> tuple[dict[str, torch.Tensor], dict[str, Fp8Blocks], list[str]]:
+    """The layer's tensors read as stored, then each made float32 under our name; the e4m3 ones in whole
+    128x128 blocks also kept as stored, with a note for each linear the fp8 options cannot take as stored."""
+    raw, where = _read_stored(ck, wants, stats, f"model={spec.name}, layer {layer}, compress ratio {ratio}")
+    out: dict[str, torch.Tensor] = {}
+    stored: dict[str, Fp8Blocks] = {}
+    notes: list[str] = []
+    for w in wants:
+        out[w.ours], kept, said = _as_float32(ck, w, raw, where, block, layer, spec)
+        if kept is not None:
+            stored[w.ours] = kept
+        notes += said
+    return out, stored, notes
+
+
+def _read_stored(ck: Checkpoint, wants: list[_Want], stats: LoadStats,
+                 what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every wanted tensor and block scale as stored, a shard at a time; and the shard each came from."""
     by_file: dict[str, list[str]] = {}
     for w in wants:
         for n in (w.name, w.scale):
@@ -344,69 +361,97 @@ def _read_layer(ck: Checkpoint, layer: int, ratio: int, wants: list[_Want], bloc
     where: dict[str, str] = {}
     shape_of = {w.name: w.shape for w in wants}
     for file, names in by_file.items():
-        fp = ck.path / file
-        if not fp.is_file():
-            raise ConfigError(f"{ck.path / ck.index_name} puts {names[0]} in {file}, which is not in {ck.path}")
-        if file not in stats.files_opened:
-            stats.files_opened.append(file)
-        try:
-            with safe_open(str(fp), framework="pt") as f:
-                held = set(f.keys())
-                for n in names:
-                    if n not in held:
-                        raise ConfigError(f"{n} is missing from {file} (where {ck.index_name} puts it)")
-                    shape = _shape(f, n)
-                    if n in shape_of and shape != shape_of[n]:
-                        raise ConfigError(f"{n} in {file}: shape {list(shape)}, expected {list(shape_of[n])} "
-                                          f"(model={spec.name}, layer {layer}, compress ratio {ratio})")
-                    t = f.get_tensor(n)
-                    raw[n], where[n] = t, file
-                    stats.tensors_read.append(n)
-                    stats.bytes_read += t.numel() * t.element_size()
-        except ConfigError:
-            raise
-        except Exception as e:         # safetensors' own errors: a truncated or corrupt download
-            raise unreadable(fp, e) from e
-    out: dict[str, torch.Tensor] = {}
-    stored: dict[str, Fp8Blocks] = {}
+        got = _read_shard(ck, file, names, shape_of, stats, what)
+        raw |= got
+        where |= dict.fromkeys(got, file)
+    return raw, where
+
+
+def _read_shard(ck: Checkpoint, file: str, names: list[str], shape_of: dict[str, tuple[int, ...]],
+                stats: LoadStats, what: str) -> dict[str, torch.Tensor]:
+    """`names` from one shard, each shape checked against `shape_of` from the header before its bytes are
+    read (`what`: the model, layer and ratio the shapes are for)."""
+    fp = ck.path / file
+    if not fp.is_file():
+        raise ConfigError(f"{ck.path / ck.index_name} puts {names[0]} in {file}, which is not in {ck.path}")
+    if file not in stats.files_opened:
+        stats.files_opened.append(file)
+    got: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(fp), framework="pt") as f:
+            held = set(f.keys())
+            for n in names:
+                if n not in held:
+                    raise ConfigError(f"{n} is missing from {file} (where {ck.index_name} puts it)")
+                shape = _shape(f, n)
+                if n in shape_of and shape != shape_of[n]:
+                    raise ConfigError(f"{n} in {file}: shape {list(shape)}, expected {list(shape_of[n])} ({what})")
+                t = got[n] = f.get_tensor(n)
+                stats.tensors_read.append(n)
+                stats.bytes_read += t.numel() * t.element_size()
+    except ConfigError:
+        raise
+    except Exception as e:         # safetensors' own errors: a truncated or corrupt download
+        raise unreadable(fp, e) from e
+    return got
+
+
+def _as_float32(ck: Checkpoint, w: _Want, raw: dict[str, torch.Tensor], where: dict[str, str],
+                block: tuple[int, int], layer: int,
+                spec: ModelSpec) -> tuple[torch.Tensor, Fp8Blocks | None, list[str]]:
+    """One wanted tensor as float32 (e4m3 dequantized by its block scales, a float one converted), the e4m3
+    blocks as stored where the fp8 options can take them, and the notes on what they cannot."""
+    t, file = raw[w.name], where[w.name]
+    kept, notes = None, []
+    if t.dtype == torch.float8_e4m3fn:
+        s = _block_scale(ck, w, raw, where, block)
+        f32 = dequantize(t, s, block)
+        whole = block == (FP8_BLOCK, FP8_BLOCK) and w.shape[0] % FP8_BLOCK == 0 and w.shape[1] % FP8_BLOCK == 0
+        if whole:
+            kept = Fp8Blocks(weight=t, scale=s)
+        notes = _fp8_notes(w, whole, block, layer, spec)
+    elif t.dtype in _FLOAT:
+        f32 = t.float()
+        if w.ours in FP8_STORED:
+            notes.append(f"layer {layer}: {w.name} is stored as {t.dtype} (not e4m3): the fp8 linear and o_proj "
+                         f"options quantize it at build time")
+    else:
+        raise ConfigError(f"{w.name} in {file}: dtype {t.dtype} is not read here (fp8 e4m3 with block scales, "
+                          f"bf16, fp16 or fp32)")
+    bad = ~torch.isfinite(f32)
+    if bool(bad.any()):
+        raise ConfigError(f"{w.name} in {file}: {int(bad.sum())} non-finite value(s)")
+    return f32, kept, notes
+
+
+def _block_scale(ck: Checkpoint, w: _Want, raw: dict[str, torch.Tensor], where: dict[str, str],
+                 block: tuple[int, int]) -> torch.Tensor:
+    """An e4m3 tensor's block scales, checked: present, of a scale dtype, finite and positive, one a block."""
+    if w.scale is None:
+        names = " nor ".join(w.name[: -len(".weight")] + s for s in SCALE_SUFFIXES)
+        raise ConfigError(f"{w.name} in {where[w.name]} is float8_e4m3fn but its block scale is missing: neither "
+                          f"{names} is in {ck.index_name}")
+    s = _check_scale(w.scale, where[w.scale], raw[w.scale])
+    want_s = (math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1]))
+    if tuple(s.shape) != want_s:
+        raise ConfigError(f"{w.scale} in {where[w.scale]}: shape {list(s.shape)}, expected {list(want_s)} "
+                          f"(one scale per {block[0]}x{block[1]} block of {w.name} {list(w.shape)})")
+    return s
+
+
+def _fp8_notes(w: _Want, whole: bool, block: tuple[int, int], layer: int, spec: ModelSpec) -> list[str]:
+    """Why the fp8 options would quantize an e4m3 linear again: blocks not whole 128x128 ones, or (wo_a)
+    output groups that split a block."""
     notes = []
-    for w in wants:
-        t, file = raw[w.name], where[w.name]
-        if t.dtype == torch.float8_e4m3fn:
-            if w.scale is None:
-                names = " nor ".join(w.name[: -len(".weight")] + s for s in SCALE_SUFFIXES)
-                raise ConfigError(f"{w.name} in {file} is float8_e4m3fn but its block scale is missing: neither "
-                                  f"{names} is in {ck.index_name}")
-            s = _check_scale(w.scale, where[w.scale], raw[w.scale])
-            want_s = (math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1]))
-            if tuple(s.shape) != want_s:
-                raise ConfigError(f"{w.scale} in {where[w.scale]}: shape {list(s.shape)}, expected {list(want_s)} "
-                                  f"(one scale per {block[0]}x{block[1]} block of {w.name} {list(w.shape)})")
-            f32 = dequantize(t, s, block)
-            whole = block == (FP8_BLOCK, FP8_BLOCK) and w.shape[0] % FP8_BLOCK == 0 and w.shape[1] % FP8_BLOCK == 0
-            if whole:
-                stored[w.ours] = Fp8Blocks(weight=t, scale=s)
-            else:
-                notes.append(f"layer {layer}: {w.name} is stored in {block[0]}x{block[1]} blocks of a "
-                             f"{list(w.shape)} weight; the fp8 options take whole 128x128 blocks, so they would "
-                             f"quantize the dequantized weight again")
-            if w.ours == "wo_a.weight" and whole and (w.shape[0] // spec.o_groups) % FP8_BLOCK:
-                notes.append(f"layer {layer}: {w.name} has {w.shape[0] // spec.o_groups} rows per output group; "
-                             f"fp8 o_proj strategies need each group's rows in whole 128x128 blocks, so they would "
-                             f"quantize the dequantized weight again")
-        elif t.dtype in _FLOAT:
-            f32 = t.float()
-            if w.ours in FP8_STORED:
-                notes.append(f"layer {layer}: {w.name} is stored as {t.dtype} (not e4m3): the fp8 linear and o_proj "
-                             f"options quantize it at build time")
-        else:
-            raise ConfigError(f"{w.name} in {file}: dtype {t.dtype} is not read here (fp8 e4m3 with block scales, "
-                              f"bf16, fp16 or fp32)")
-        bad = ~torch.isfinite(f32)
-        if bool(bad.any()):
-            raise ConfigError(f"{w.name} in {file}: {int(bad.sum())} non-finite value(s)")
-        out[w.ours] = f32
-    return out, stored, notes
+    if not whole:
+        notes.append(f"layer {layer}: {w.name} is stored in {block[0]}x{block[1]} blocks of a "
+                     f"{list(w.shape)} weight; the fp8 options take whole 128x128 blocks, so they would "
+                     f"quantize the dequantized weight again")
+    if w.ours == "wo_a.weight" and whole and (w.shape[0] // spec.o_groups) % FP8_BLOCK:
+        notes.append(f"layer {layer}: {w.name} has {w.shape[0] // spec.o_groups} rows per output group; "
+                     f"fp8 o_proj strategies need each group's rows in whole 128x128 blocks, so they would "
+                     f"quantize the dequantized weight again")
+    return notes
 
 
 def load_layers(path: str | Path, spec: ModelSpec, layers, *, model_choice: str | None = None) -> LoadedLayers:
