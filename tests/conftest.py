@@ -2,7 +2,10 @@
 composition), the `no_alloc` fixture (any tensor allocated fails the test), `options(group)` (a config
 group's option names), `run_py` (run.py in a subprocess), the RoPE frequencies of docs/numerics.md §2.3 and
 the published float32 RoPE tables, a tiny spec and engine with helpers to drive it (`tiny_spec`, `make_engine`,
-`hidden_for`, `drive`, `chunked`), and `through` (slot ids through block tables)."""
+`hidden_for`, `drive`, `chunked`), and `through` (slot ids through block tables).
+
+Without a GPU the Triton kernels' tests run interpreted: TRITON_INTERPRET=1 is set here, on import, since
+triton.jit reads it when a kernel is defined and pytest imports this module before any test module."""
 from __future__ import annotations
 
 import math
@@ -22,6 +25,15 @@ from dsv4.catalogue import config_dir
 CONFIGS = config_dir()      # the config tree: configs/, installed as the package dsv4.configs
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def interpret_without_gpu() -> None:
+    """TRITON_INTERPRET=1 where no CUDA GPU is seen, unless already set; a GPU machine is left as it is."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+interpret_without_gpu()     # before any test module is collected (nothing imported above defines a kernel)
 
 
 def pytest_addoption(parser):

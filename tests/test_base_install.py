@@ -15,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONAL = ("triton", "deep_gemm", "flash_mla", "flashinfer", "aiter")
 
+pytestmark = pytest.mark.slow
+
 # the options of every group that check() accepts on this CPU with dsv4_tiny and the defaults (one swapped),
 # each combination once (a group's default is the defaults' combination)
 ACCEPTED = r"""

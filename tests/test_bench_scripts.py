@@ -47,6 +47,7 @@ def run_scripts(cases: list[tuple[str, list[str]]]) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")
 def test_gpu_bench_scripts_refuse_a_cpu_in_one_line_and_answer_help_and_bad_arguments(tmp_path):
     dump = tmp_path / "dump"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-# not imported here: Triton reads TRITON_INTERPRET once, and test_triton_sparse sets it for this process
+# not imported here: Triton reads TRITON_INTERPRET once, and tests/conftest.py sets it for this process
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton>=3.7)")
 

@@ -10,9 +10,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.triton_mode import BIG, DEVICE, GPU, INTERPRET, MARK  # first: sets TRITON_INTERPRET without a GPU
+from tests.triton_mode import BIG, DEVICE, GPU, INTERPRET, MARK
 
-from dsv4.kernels.target import target_of  # noqa: E402
+from dsv4.kernels.target import target_of
 
 pytestmark = MARK
 

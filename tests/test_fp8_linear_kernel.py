@@ -9,10 +9,10 @@ import torch
 
 from tests.triton_mode import BIG, DEVICE, INTERPRET, MARK
 
-from dsv4.formats.fp8_blocks import act_quant, block_product, quantize_blocks  # noqa: E402
-from dsv4.kernels.fp8_linear import act_quant_fp8, fp8_linear, plan  # noqa: E402
-from dsv4.kernels.target import target_of  # noqa: E402
-from dsv4.oracle import rel_err  # noqa: E402
+from dsv4.formats.fp8_blocks import act_quant, block_product, quantize_blocks
+from dsv4.kernels.fp8_linear import act_quant_fp8, fp8_linear, plan
+from dsv4.kernels.target import target_of
+from dsv4.oracle import rel_err
 
 if not INTERPRET and (torch.version.hip or torch.cuda.get_device_capability() < (8, 9)):
     pytestmark = pytest.mark.skip(reason="needs NVIDIA fp8 tensor cores (sm89+)")

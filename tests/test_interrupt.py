@@ -31,6 +31,7 @@ def interrupt_when(proc, ready, timeout=240):
     return proc.returncode, err
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_sweep_says_what_was_kept_and_how_to_summarize(tmp_path):
     sweep = start(tmp_path, "-m", "model=dsv4_tiny", "workload=sweep", "mqa_kernel.chunk=16,32,64,128,256")
     code, err = interrupt_when(sweep, lambda: any((tmp_path / "multirun").glob("*/*/result.json")))
@@ -41,6 +42,7 @@ def test_ctrl_c_in_a_sweep_says_what_was_kept_and_how_to_summarize(tmp_path):
     assert (tmp_path / sweep_dir).is_dir() and list((tmp_path / sweep_dir).glob("*/result.json"))
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_run_says_nothing_was_kept(tmp_path):
     run = start(tmp_path, "model=dsv4_tiny", "workload.decode_steps=50")
     lines: list[str] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_mode import DEVICE, INTERPRET, MARK  # first: sets TRITON_INTERPRET without a GPU
+from tests.triton_mode import DEVICE, INTERPRET, MARK
 
 import triton
 import triton.language as tl

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.triton_mode import BIG, DEVICE, KERNELS, MARK  # first: sets TRITON_INTERPRET without a GPU
+from tests.triton_mode import BIG, DEVICE, KERNELS, MARK
 
 from dsv4.components.compressor import Compressor
 from dsv4.components.front import kv_rows, q_rows

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_mode import GPU, INTERPRET, VERSION  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
+from tests.triton_mode import INTERPRET, VERSION
 
 from dsv4 import oracle as ref
 from dsv4.compat import Combination, check

@@ -29,6 +29,7 @@ def start(cwd, *args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+@pytest.mark.slow
 def test_two_runs_started_together_write_two_folders(tmp_path):
     runs = [start(tmp_path, *TINY) for _ in range(2)]
     for r in runs:
@@ -38,6 +39,7 @@ def test_two_runs_started_together_write_two_folders(tmp_path):
     assert len(rows) == 2 and all(json.loads(p.read_text())["status"] == "ok" for p in rows)
 
 
+@pytest.mark.slow
 def test_a_closed_stdout_leaves_the_result_as_it_was(tmp_path):
     """`python run.py | head -1`: the reader goes away after one line; the run still finishes, quietly (no
     traceback, status 0), and its row says ok."""
@@ -51,6 +53,7 @@ def test_a_closed_stdout_leaves_the_result_as_it_was(tmp_path):
     assert len(rows) == 1 and json.loads(rows[0].read_text())["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_a_folder_that_holds_a_result_is_refused_before_the_work(tmp_path):
     first = run_py(*TINY, run_dir=tmp_path, timeout=300)
     assert first.returncode == 0, first.stderr
@@ -61,6 +64,7 @@ def test_a_folder_that_holds_a_result_is_refused_before_the_work(tmp_path):
     assert (tmp_path / "result.json").read_text() == row
 
 
+@pytest.mark.slow
 def test_a_dump_folder_with_files_is_refused_unless_overwrite_is_said(tmp_path):
     dump = tmp_path / "dump"
     dump.mkdir()
@@ -81,6 +85,7 @@ def test_a_row_is_written_whole_and_once(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]     # no temporary file left behind
 
 
+@pytest.mark.slow
 def test_a_closed_stderr_leaves_the_result_as_it_was(tmp_path):
     """`python run.py 2>&1 | head -1`: the progress lines on stderr meet the closed pipe as the table does."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
@@ -95,6 +100,7 @@ def test_a_closed_stderr_leaves_the_result_as_it_was(tmp_path):
     assert row["status"] == "ok" and r.returncode == 0, row.get("error")
 
 
+@pytest.mark.slow
 def test_a_run_folder_another_run_writes_into_is_refused_before_the_work(tmp_path):
     """Two runs on one hydra.run.dir at the same time: the one that comes second (here: while this process
     holds the folder, as a running run does) is refused with one line, and writes nothing there."""
@@ -127,6 +133,7 @@ def test_a_folder_is_held_for_the_run_and_let_go_after(tmp_path):
     assert not list(tmp_path.iterdir())                 # a lock leaves nothing in the folder
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path):
     code = ("import sys, time; from pathlib import Path; from dsv4.targets import hold\n"
             "with hold(Path(sys.argv[1]), what='hydra.run.dir'):\n"
@@ -150,6 +157,7 @@ def a_sweep_folder(path):
     return {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_second_sweep_into_a_sweeps_folder_is_refused_before_any_cell(tmp_path):
     """Not a mix of both sweeps' rows under one summary: refused before any cell, nothing in it changed."""
     before = a_sweep_folder(tmp_path)

@@ -119,6 +119,7 @@ def test_a_run_row_has_the_error_against_exact_float32_rows_for_every_layout(com
     assert f32["metrics.max_rel_err_vs_f32_kv"] == f32["metrics.max_rel_err"], "float32 rows are the exact rows"
 
 
+@pytest.mark.slow
 @on_cpu_host
 def test_padding_by_tp_reports_padded_heads_their_bytes_and_time_against_no_padding(tmp_path):
     out = tmp_path / "sweep"
@@ -142,6 +143,7 @@ def test_padding_by_tp_reports_padded_heads_their_bytes_and_time_against_no_padd
 
 
 # ---- a sweep where nothing ran -------------------------------------------------------------------------
+@pytest.mark.slow
 @on_cpu_host
 def test_a_sweep_in_which_every_cell_is_incompatible_says_so_and_exits_1(tmp_path):
     out = tmp_path / "sweep"
@@ -171,6 +173,7 @@ def test_the_callback_fails_a_sweep_without_one_ok_row(tmp_path):
 
 
 # ---- every override in every row -----------------------------------------------------------------------
+@pytest.mark.slow
 @on_cpu_host
 def test_cells_that_differ_only_in_a_field_override_read_apart(tmp_path):
     out = tmp_path / "sweep"
@@ -246,6 +249,7 @@ def test_a_bad_summary_setting_is_named(node, message):
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_bad_summary_setting_stops_the_sweep_before_any_job(tmp_path):
     out = tmp_path / "sweep"
     r = run_py("-m", "experiment=cache_by_kernel", "summary.tables=[max_rel_err,nosuch]", f"hydra.sweep.dir={out}")

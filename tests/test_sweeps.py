@@ -159,6 +159,7 @@ def test_config_yaml_summary_is_the_default_view():
     assert SummaryView.from_config(OmegaConf.to_container(node)) == DEFAULT_VIEW
 
 
+@pytest.mark.slow
 @on_cpu_host
 def test_sweeps_write_where_the_readme_says_without_a_sweep_dir_override(tmp_path):
     """`python run.py -m experiment=NAME` from a folder: multirun/NAME/<date_time>/ there; a plain `-m`
@@ -222,6 +223,7 @@ def sweep(tmp_path_factory):
     return out, r
 
 
+@pytest.mark.slow
 @on_cpu_host
 def test_cache_by_kernel_sweep_writes_a_row_per_cell_and_a_summary(sweep, compose_cfg):
     out, r = sweep
@@ -264,6 +266,7 @@ def test_cache_by_kernel_sweep_writes_a_row_per_cell_and_a_summary(sweep, compos
     assert "prefill step 1/5 done\n" in r.stderr and "\r" not in r.stderr and "\x1b[" not in r.stderr
 
 
+@pytest.mark.slow
 @on_cpu_host
 def test_an_interrupted_sweep_summarizes_every_cell_of_its_matrix(sweep, tmp_path):
     """Jobs that started without a row and cells that never started are all `missing` rows: the
@@ -303,6 +306,7 @@ def test_an_interrupted_sweep_summarizes_every_cell_of_its_matrix(sweep, tmp_pat
             gone["choices.mqa_kernel"], gone["choices.cache_layout"])
 
 
+@pytest.mark.slow
 @on_cpu_host
 def test_the_recorded_matrix_numbers_cells_as_hydra_numbers_jobs(sweep):
     out, _ = sweep
@@ -313,6 +317,7 @@ def test_the_recorded_matrix_numbers_cells_as_hydra_numbers_jobs(sweep):
         assert list(cell.overrides) == OmegaConf.to_container(OmegaConf.create(recorded)), cell
 
 
+@pytest.mark.slow
 @on_cpu_host
 def test_a_sweep_with_an_error_runs_every_cell_summarizes_and_exits_1(tmp_path):
     """A cell that cannot even be made into a job (an option's invalid field) is an error row; the other
@@ -434,6 +439,7 @@ def test_summarize_on_rows_written_by_hand(tmp_path):
 
 
 # ---- readable errors -----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_unknown_experiment_lists_the_experiments(tmp_path):
     r = run_py("-m", "experiment=nosuch", f"hydra.sweep.dir={tmp_path}")
     assert r.returncode != 0 and "Traceback" not in r.stderr
@@ -443,6 +449,7 @@ def test_unknown_experiment_lists_the_experiments(tmp_path):
     assert not list(tmp_path.iterdir()), "nothing ran"
 
 
+@pytest.mark.slow
 def test_override_typo_in_a_sweep_is_named(tmp_path):
     r = run_py("-m", "experiment=cache_by_kernel", "mqa_kernal=reference", f"hydra.sweep.dir={tmp_path}")
     assert r.returncode != 0 and "Traceback" not in r.stderr
@@ -450,6 +457,7 @@ def test_override_typo_in_a_sweep_is_named(tmp_path):
     assert not list(tmp_path.iterdir()), "nothing ran"
 
 
+@pytest.mark.slow
 @on_cpu_host
 def test_sweep_on_a_deployment_whose_device_is_absent_is_incompatible_rows(tmp_path):
     r = run_py("-m", "model=dsv4_tiny", "deployment=h200", "mqa_kernel=reference", f"hydra.sweep.dir={tmp_path}")
@@ -462,6 +470,7 @@ def test_sweep_on_a_deployment_whose_device_is_absent_is_incompatible_rows(tmp_p
     assert "deployment=h200" in r.stderr and "fix: deployment=cpu" in r.stderr
 
 
+@pytest.mark.slow
 def test_summarize_without_a_folder_says_what_to_give(tmp_path):
     r = run_py("mode=summarize", f"hydra.run.dir={tmp_path}")
     assert r.returncode != 0 and "Traceback" not in r.stderr

@@ -40,6 +40,7 @@ def tp1():
     return drive(eng, hidden_for(TOTAL, eng.spec.hidden_size), SCHEDULE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_processes_per_rank_match_one_process(tp, tp1, tmp_path):
     out = tmp_path / "out.pt"
@@ -66,6 +67,7 @@ def torchrun(n: int, *args: str, cwd, script: str | None = None, timeout: float 
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_writes_one_result_with_per_rank_memory(tmp_path):
     r = torchrun(2, *SMALL, "tp_size=2", "hydra.run.dir=out", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -81,6 +83,7 @@ def test_torchrun_two_ranks_writes_one_result_with_per_rank_memory(tmp_path):
         assert row[f"metrics.{name}.decode_allreduce_ms_step"] >= 0
 
 
+@pytest.mark.slow
 def test_torchrun_world_size_must_equal_tp_size(tmp_path):
     r = torchrun(2, *SMALL, "tp_size=1", cwd=tmp_path)
     assert r.returncode != 0
@@ -113,6 +116,7 @@ runpy.run_path({run!r}, run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_one_failing_rank_ends_the_job_with_its_message(tmp_path):
     script = tmp_path / "failing_run.py"
     script.write_text(FAILING.format(run=str(ROOT / "run.py")))
@@ -125,6 +129,7 @@ def test_one_failing_rank_ends_the_job_with_its_message(tmp_path):
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("result.json"))
 
 
+@pytest.mark.slow
 def test_spawn_launcher_in_a_multirun_over_tp_size(tmp_path):
     """What a Hydra sweep over tp_size uses: each job starts its own rank processes."""
     cmd = [sys.executable, str(ROOT / "run.py"), "-m", *SMALL, "tp_size=1,2", "parallel.launcher=spawn",
@@ -151,6 +156,7 @@ def _bench_worker(tp: int, out_path: str) -> None:
     parallel.shutdown()
 
 
+@pytest.mark.slow
 def test_tp_step_bench_times_each_layer_and_its_all_reduce(tmp_path):
     """The table `torchrun ... mode=bench tp_size=N` prints (timed on GPUs; here its rows on gloo): a row per
     layer type with both tp sizes' step times and a non-zero all-reduce, and each rank's memory, the

@@ -9,15 +9,12 @@ import os
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")     # read when the kernel module is imported
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton>=3.7)")
+from dsv4.device import DeviceInfo
+from dsv4.oracle import rel_err
+from dsv4.strategies import TritonFp8OProj
+from tests.conftest import fp8_block_product
 
-from dsv4.device import DeviceInfo  # noqa: E402
-from dsv4.oracle import rel_err  # noqa: E402
-from dsv4.strategies import TritonFp8OProj  # noqa: E402
-from tests.conftest import fp8_block_product  # noqa: E402
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton>=3.7)")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET:

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from tests.triton_mode import BIG, DEVICE, GPU, MARK  # first: sets TRITON_INTERPRET without a GPU
+from tests.triton_mode import BIG, DEVICE, GPU, MARK
 
 from dsv4.benches.cases import sparse_case
 from dsv4.oracle import rel_err

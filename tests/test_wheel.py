@@ -28,7 +28,8 @@ def _can_build() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_can_build() is not None, reason=f"cannot build the wheel offline: {_can_build()}")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(_can_build() is not None, reason=f"cannot build the wheel offline: {_can_build()}")]
 
 
 def pip(*args: str, cwd: Path) -> None:

@@ -1,6 +1,5 @@
 """How the Triton kernel tests run on this machine: compiled on a GPU (the tests are marked gpu), else
-interpreted. Without a GPU this sets TRITON_INTERPRET=1, which triton.jit reads when a kernel module is
-imported, so a test module imports this before any kernel."""
+interpreted (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU, before any test module is imported)."""
 from __future__ import annotations
 
 import os
@@ -9,8 +8,6 @@ import pytest
 import torch
 
 GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton>=3.7)")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
