@@ -13,13 +13,13 @@ import sys
 import torch
 
 from dsv4.components.rope import Rope
-from dsv4.device import detect
+from dsv4.values.device import detect
 from dsv4.oracle import rel_err
 from dsv4.strategies import DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, TorchFp8OProj
-from dsv4.benches.cases import POOL_BLOCKS, oproj_case, sparse_case
-from dsv4.benches.gpu import require_gpu
-from dsv4.benches.timing import graph_time_us
-from dsv4.catalogue import model_presets
+from dsv4.speed.cases import POOL_BLOCKS, oproj_case, sparse_case
+from dsv4.speed.gpu import require_gpu
+from dsv4.speed.timing import graph_time_us
+from dsv4.checks.catalogue import model_presets
 
 
 def tiny_spec():

@@ -10,10 +10,10 @@ import argparse
 
 from hydra import compose, initialize_config_dir
 
-from dsv4.benches.gpu import require_gpu
-from dsv4.benches.kernels import bench_linear
-from dsv4.catalogue import config_dir
-from dsv4.job import make_job
+from dsv4.speed.gpu import require_gpu
+from dsv4.speed.kernels import bench_linear
+from dsv4.checks.catalogue import config_dir
+from dsv4.app.job import make_job
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from dsv4.benches.gpu import require_gpu
+from dsv4.speed.gpu import require_gpu
 
 
 def tiny_kernel():
@@ -47,7 +47,7 @@ def main() -> None:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     require_gpu("bench/host_overhead.py")
     from dsv4.kernels.launch import launch
-    from dsv4.kernels.layer_front import kv_rows_kernel
+    from dsv4.kernels.front.layer_front import kv_rows_kernel
 
     _tiny = tiny_kernel()
     dev = "cuda"

@@ -1,4 +1,4 @@
-"""Chosen rows of `mode=bench`'s whole-layer table (dsv4/benches/layer.py), for a run with little time.
+"""Chosen rows of `mode=bench`'s whole-layer table (dsv4/speed/layer.py), for a run with little time.
 
   python bench/layer_table.py --cases 64x2@8192 64x2@65536 --backends "flashmla_sparse + deepgemm_fp8 + deepgemm_fp8"
   python bench/layer_table.py --no-prefill deployment=h200 model=dsv4_pro
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 from dsv4 import api
-from dsv4.errors import USER_ERRORS
-from dsv4.benches.gpu import require_gpu
-from dsv4.benches.grid import bench_grid
-from dsv4.benches.layer import DECODE_CASES, ERROR, bench_layer_step
-from dsv4.benches.padding import TP_SIZES, bench_padding
+from dsv4.values.errors import USER_ERRORS
+from dsv4.speed.gpu import require_gpu
+from dsv4.speed.grid import bench_grid
+from dsv4.speed.layer import DECODE_CASES, ERROR, bench_layer_step
+from dsv4.speed.padding import TP_SIZES, bench_padding
 
 
 def case(text: str) -> tuple[int, int, int]:
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--padding", action="store_true", help="mode=bench's head-padding table at each case instead")
     ap.add_argument("--tp-sizes", nargs="*", type=int, default=None, help="the padding table's (default: 1 2 4 8)")
     ap.add_argument("--grid", choices=["peers"], default=None,
-                    help="peers: the points where vLLM and SGLang publish (dsv4/benches/peers.py) instead of --cases")
+                    help="peers: the points where vLLM and SGLang publish (dsv4/speed/peers.py) instead of --cases")
     ap.add_argument("overrides", nargs="*", default=[], help="Hydra overrides (deployment=h200 unless one is given)")
     a = ap.parse_args()
     require_gpu("bench/layer_table.py")

@@ -3,7 +3,7 @@ import argparse
 
 import torch
 
-from dsv4.benches.gpu import require_gpu
+from dsv4.speed.gpu import require_gpu
 from dsv4.oracle import rel_err
 from dsv4.strategies.linear.common import blockwise_scaled_mm
 from dsv4.strategies.o_proj.fp8_common import pow2_scale, quantize_weight_blocks

@@ -15,11 +15,11 @@ from collections import defaultdict
 import torch
 from hydra import compose, initialize_config_dir
 
-from dsv4.catalogue import config_dir
-from dsv4.job import make_job
-from dsv4.benches.gpu import require_gpu
-from dsv4.benches.timing import replay_us
-from dsv4.benches.layer import backends, decode_step, engine_for, fill
+from dsv4.checks.catalogue import config_dir
+from dsv4.app.job import make_job
+from dsv4.speed.gpu import require_gpu
+from dsv4.speed.timing import replay_us
+from dsv4.speed.layer import backends, decode_step, engine_for, fill
 
 
 def traced(fn, calls: int = 10, *, host: bool = False):
@@ -132,7 +132,7 @@ def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="flashmla_sparse + deepgemm_fp8 + deepgemm_triton_fp8",
-                    help="a label 'mqa_kernel + o_proj + linear' of dsv4/benches/layer.py's backends")
+                    help="a label 'mqa_kernel + o_proj + linear' of dsv4/speed/layer.py's backends")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=2)
     ap.add_argument("--context", type=int, default=8192)

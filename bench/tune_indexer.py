@@ -13,19 +13,19 @@ FP4-simulated; DeepGEMM's: their relative error is shown).
   python bench/tune_indexer.py --contexts 8192 131072 --shipped     # the shipped launch shapes only
   python bench/tune_indexer.py --contexts 8192 65536 131072 --shipped --top-k-only
 
-The shipped launch shapes (dsv4/kernels/indexer_logits.py, dsv4/kernels/topk_lists.py) come from this sweep.
+The shipped launch shapes (dsv4/kernels/indexer/indexer_logits.py, dsv4/kernels/indexer/topk_lists.py) come from this sweep.
 """
 from __future__ import annotations
 
 import torch
 
-from dsv4.benches.timing import graph_time_us
-from dsv4.seam import PagedCache
-from dsv4.benches.gpu import require_gpu
-from dsv4.benches.indexer import as_bf16_rows, stored_keys
+from dsv4.speed.timing import graph_time_us
+from dsv4.values.seam import PagedCache
+from dsv4.speed.gpu import require_gpu
+from dsv4.speed.scorers import as_bf16_rows, stored_keys
 from dsv4.oracle import rel_err
-from dsv4.report import table
-from dsv4.sizes import cdiv
+from dsv4.reports.report import table
+from dsv4.values.sizes import cdiv
 from dsv4.strategies import Fp8KeyLayout, Mxfp4KeyLayout, PlainRowLayout
 
 NREQ, TOKENS, HEADS, DIM, K, BS = 64, 2, 64, 128, 512, 64
@@ -130,9 +130,9 @@ def main() -> None:
     ap.add_argument("--top-k-only", action="store_true", help="the top-k table alone (float32-key scores)")
     a = ap.parse_args()
     require_gpu("bench/tune_indexer.py")
-    from dsv4.kernels.fp8_queries import fp8_queries_kernel       # Triton: only once the GPU is known
-    from dsv4.kernels.indexer_logits import indexer_logits
-    from dsv4.kernels.topk_lists import topk_lists
+    from dsv4.kernels.indexer.fp8_queries import fp8_queries_kernel       # Triton: only once the GPU is known
+    from dsv4.kernels.indexer.indexer_logits import indexer_logits
+    from dsv4.kernels.indexer.topk_lists import topk_lists
 
     shapes = SCORE_SHAPES[:1] if a.shipped else SCORE_SHAPES
     rows, topk_rows, step_rows = [], [], []

@@ -29,14 +29,14 @@ import functools
 
 import torch
 
-from dsv4.benches.cases import DECODE_CASES, POOL_BLOCKS, oproj_case, pad_heads, runs_case, sparse_case
-from dsv4.benches.timing import graph_time_us
+from dsv4.speed.cases import DECODE_CASES, POOL_BLOCKS, oproj_case, pad_heads, runs_case, sparse_case
+from dsv4.speed.timing import graph_time_us
 from dsv4.components.rope import Rope
 from dsv4.oracle import rel_err
 from dsv4.strategies import FlashMLASparse, TritonSparseMQA
-from dsv4.device import detect
-from dsv4.benches.gpu import require_gpu
-from dsv4.catalogue import model_presets
+from dsv4.values.device import detect
+from dsv4.speed.gpu import require_gpu
+from dsv4.checks.catalogue import model_presets
 
 CASES = DECODE_CASES[:5] + [("h64 128+512", 64, 64, 512, 2048, 2)]
 # (the planner's large-step shape, its small-step shape, and the neighbours measured in the journal,
@@ -55,7 +55,7 @@ def tiny_spec():
 
 def _compiled_stats():
     """Registers and spills of the last compiled scores and P·V kernels launched (Triton returns them from run)."""
-    from dsv4.kernels import sparse_mqa as mod
+    from dsv4.kernels.mqa import sparse_mqa as mod
 
     seen = {}
     for key, kernel in (("s", mod._scores_kernel), ("v", mod._pv_kernel)):
@@ -83,7 +83,7 @@ def flashmla():
 
 
 def decode(cases=CASES) -> None:
-    from dsv4.kernels import sparse_mqa as mod
+    from dsv4.kernels.mqa import sparse_mqa as mod
 
     scale = SCALE
     fm, fprep = flashmla()
@@ -160,7 +160,7 @@ def padded_case(fm, prep, H, eb, ew, T, scale):
     """A case's pages and queries, those padded to 64 heads (as head_padding pads them), FlashMLA's output and
     time on the padded ones (`flashmla_steady`), and the compressed pool as sparse_mqa's keywords ({} without
     one). -> (q, kv, sink, padded q, padded sink, FlashMLA's output, its µs, extra keywords)."""
-    from dsv4.kernels.sparse_mqa import pool_args
+    from dsv4.kernels.mqa.sparse_mqa import pool_args
 
     q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
                               extra_blocks=POOL_BLOCKS, full=True)
@@ -174,7 +174,7 @@ def split(cases=SPLIT_CASES) -> None:
     """The Hopper kernel at several splits per (token, 64 heads) (0: planned, sparse_plan.hopper_splits)
     beside FlashMLA (its heads padded to 64, as the head_padding policy pads them; `flashmla_steady`), the
     two-pass kernel and auto, on the same pages."""
-    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
 
     fm, prep = flashmla()
     scale = SCALE
@@ -210,9 +210,9 @@ def few(cases=FEW_CASES) -> None:
     """The few-heads Hopper kernel (sparse_mqa_hopper_few.py) at two and three K buffers beside FlashMLA
     and the 64-head Hopper kernel, both given the queries padded to 64 heads (what head_padding=
     buckets_64_128 does), on the same pages; the error against FlashMLA's output."""
-    from dsv4.kernels import sparse_mqa_hopper_few as few_mod
-    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
-    from dsv4.kernels.sparse_plan import hopper_heads
+    from dsv4.kernels.mqa import sparse_mqa_hopper_few as few_mod
+    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_plan import hopper_heads
 
     fm, prep = flashmla()
     scale = SCALE
@@ -258,9 +258,9 @@ def prefetch(cases=PREFETCH_CASES) -> None:
     """The 64-head Hopper kernel with its L2 prefetch of the next block's rows off, on (both pools) and as
     sparse_mqa picks it (`prefetched_pools`: pools larger than L2), FlashMLA beside; outputs compared."""
     from dsv4.kernels.target import target_of
-    from dsv4.kernels.sparse_mqa import LOG2E, pool_args
-    from dsv4.kernels.sparse_mqa_hopper import prefetched_pools, sparse_mqa_hopper
-    from dsv4.kernels.sparse_plan import hopper_splits
+    from dsv4.kernels.mqa.sparse_mqa import LOG2E, pool_args
+    from dsv4.kernels.mqa.sparse_mqa_hopper import prefetched_pools, sparse_mqa_hopper
+    from dsv4.kernels.mqa.sparse_plan import hopper_splits
 
     fm, prep = flashmla()
     scale = SCALE
@@ -309,7 +309,7 @@ def runs(cases=RUNS_CASES) -> None:
     request's tokens share their windows' rows): each token alone, a run's tokens two per program reading
     the union of their lists once, and as planned (sparse_plan.hopper_group), FlashMLA beside (padded to
     64 heads); the differences to the lone kernel's output and to FlashMLA's."""
-    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
 
     fm, prep = flashmla()
     print("| case | FlashMLA (padded) µs | each token alone µs | 2 tokens per program µs | planned µs | "
@@ -334,7 +334,7 @@ def runs(cases=RUNS_CASES) -> None:
 
 
 def prologue() -> None:
-    from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
+    from dsv4.kernels.products.inv_rope_fp8 import inv_rope_fp8_quant
 
     rope = Rope.for_layer(tiny_spec(), 4)
     w, o, pos = oproj_case(4096, 8)
@@ -356,7 +356,7 @@ def oproj() -> None:
     the bf16 einsum) on the same fp8 bytes, then each whole fp8 o_proj strategy; DSV4-Flash shapes."""
     import deep_gemm
 
-    from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
+    from dsv4.kernels.products.fp8_grouped_gemm import grouped_fp8_gemm
     from dsv4.strategies import DeepGemmFp8OProj, ReferenceOProj, TorchFp8OProj, TritonFp8OProj
     from dsv4.strategies.o_proj.fp8_common import fused_inverse_rope_fp8_quant, quantize_weight_blocks
     from dsv4.strategies.linear.common import blockwise_scaled_mm
@@ -405,7 +405,7 @@ def linear(rows=(1, 16, 64, 128, 1024, 8192)) -> None:
     import deep_gemm
 
     from dsv4.formats.fp8_blocks import quantize_blocks
-    from dsv4.kernels.fp8_linear import act_quant_fp8, fp8_linear, plan
+    from dsv4.kernels.products.fp8_linear import act_quant_fp8, fp8_linear, plan
     from dsv4.kernels.target import target_of
 
     tgt = target_of(torch.device("cuda"))

@@ -17,10 +17,10 @@ __all__ = [
 ]
 _HOMES = {       # where each public name lives; imported on first use
     "dsv4.api": ("compose", "validate", "build_layer", "build_pool", "build_engine"),
-    "dsv4.job": ("Job",),
-    "dsv4.spec": ("ModelSpec",),
-    "dsv4.device": ("DeviceInfo", "detect"),
-    "dsv4.errors": ("Problem", "ConfigError", "IncompatibleCombination", "InvalidRequest"),
+    "dsv4.app.job": ("Job",),
+    "dsv4.values.spec": ("ModelSpec",),
+    "dsv4.values.device": ("DeviceInfo", "detect"),
+    "dsv4.values.errors": ("Problem", "ConfigError", "IncompatibleCombination", "InvalidRequest"),
     "dsv4.components.attention": ("DSV4Attention",),
     "dsv4.components.kv_pool": ("KVPool", "LayerCaches", "PoolConfig"),
     "dsv4.components.plan": ("PageTable", "StepPlan"),
@@ -45,12 +45,12 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from dsv4.api import build_engine, build_layer, build_pool, compose, validate
-    from dsv4.job import Job
+    from dsv4.app.job import Job
     from dsv4.components.attention import DSV4Attention
     from dsv4.components.engine import Engine
     from dsv4.components.kv_pool import KVPool, LayerCaches, PoolConfig
     from dsv4.components.plan import PageTable, StepPlan
     from dsv4.components.weights import random_layer_weights
-    from dsv4.device import DeviceInfo, detect
-    from dsv4.errors import ConfigError, IncompatibleCombination, InvalidRequest, Problem
-    from dsv4.spec import ModelSpec
+    from dsv4.values.device import DeviceInfo, detect
+    from dsv4.values.errors import ConfigError, IncompatibleCombination, InvalidRequest, Problem
+    from dsv4.values.spec import ModelSpec

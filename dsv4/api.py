@@ -12,13 +12,13 @@ import warnings
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from dsv4.catalogue import GROUPS, null_group
-from dsv4.job import Job, make_job, problems_for, raise_if
-from dsv4.device import DeviceInfo
-from dsv4.errors import ConfigError
-from dsv4.no_effect import inert_settings
-from dsv4.settings import resolved
-from dsv4.spec import ModelSpec
+from dsv4.checks.catalogue import GROUPS, null_group
+from dsv4.app.job import Job, make_job, problems_for, raise_if
+from dsv4.values.device import DeviceInfo
+from dsv4.values.errors import ConfigError
+from dsv4.checks.no_effect import inert_settings
+from dsv4.values.settings import resolved
+from dsv4.values.spec import ModelSpec
 
 if TYPE_CHECKING:
     from dsv4.components.attention import DSV4Attention
@@ -44,16 +44,16 @@ def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, dev
     from omegaconf import open_dict
     from omegaconf.errors import OmegaConfBaseException
 
-    from dsv4.cli import group_choices
+    from dsv4.app.cli import group_choices
 
     listed = None if isinstance(overrides, str) else list(overrides)     # read once: an iterator is spent
     if listed is None or not all(isinstance(o, str) for o in listed):
         raise TypeError(f"overrides: a list of 'key=value' strings, got {overrides!r}")
     overrides = listed
     if spec is not None and not isinstance(spec, ModelSpec):
-        raise TypeError(f"spec: a dsv4.spec.ModelSpec, got {type(spec).__name__}")
+        raise TypeError(f"spec: a dsv4.values.spec.ModelSpec, got {type(spec).__name__}")
     if device is not None and not isinstance(device, DeviceInfo):
-        raise TypeError(f"device: a dsv4.device.DeviceInfo, got {type(device).__name__}")
+        raise TypeError(f"device: a dsv4.values.device.DeviceInfo, got {type(device).__name__}")
     given = {g: s for g, s in zip(GROUPS, (mqa_kernel, o_proj, head_padding, cache_layout, indexer, linear))
              if s is not None}
     for group, strat in given.items():
@@ -91,7 +91,7 @@ def validate(job: Job, *, running: bool = True) -> Job:
     """`job` if `check()` finds no problem with it (on this machine, unless `running=False`); otherwise
     IncompatibleCombination, whose message lists every problem with its fix."""
     if not isinstance(job, Job):
-        raise TypeError(f"job: what dsv4.api.compose() returns (a dsv4.job.Job), got {type(job).__name__}")
+        raise TypeError(f"job: what dsv4.api.compose() returns (a dsv4.app.job.Job), got {type(job).__name__}")
     raise_if(job, problems_for(job, running=running))
     return job
 
@@ -132,7 +132,7 @@ def build_engine(job: Job, *, layers: Sequence[int] | None = None, weights: Mapp
     """An Engine over `layers` (default: those of `weights`, else the workload's) with every tensor-parallel
     rank of the job in this process (their outputs summed): requests, validated steps, rollback; with
     `graph.enabled=true`, CUDA-graph decode. `weights`: {layer: its whole weights}, default the job's."""
-    from dsv4.runner import job_engine
+    from dsv4.app.runner import job_engine
 
     job = _with_pool(job, pool)
     validate(job)

@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from dsv4.catalogue import config_dir
+from dsv4.checks.catalogue import config_dir
 
 CONFIGS = config_dir()      # the config tree: configs/, installed as the package dsv4.configs
 
@@ -149,7 +149,7 @@ def fp8_block_product(x, xs, w, ws):
 
 def gpu_device():
     """The first CUDA GPU as a DeviceInfo (sm<major><minor>), or None without one."""
-    from dsv4.device import DeviceInfo
+    from dsv4.values.device import DeviceInfo
 
     if not torch.cuda.is_available():
         return None
@@ -158,7 +158,7 @@ def gpu_device():
 
 
 def tiny_spec(**changes):
-    from dsv4.spec import ModelSpec
+    from dsv4.values.spec import ModelSpec
 
     cfg = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "dsv4_tiny.yaml"))
     cfg.update(changes)
@@ -177,7 +177,7 @@ def make_engine(spec, *, layers=(0, 1, 2), layout="float32", tp_size=1, dtype="f
     from dsv4.components.kv_pool import PoolConfig
     from dsv4.components.engine import Engine
     from dsv4.components.weights import random_layer_weights
-    from dsv4.device import DeviceInfo
+    from dsv4.values.device import DeviceInfo
     from dsv4.strategies import (ExactIndexer, NoHeadPadding, PlainRowLayout, ReferenceLinear, ReferenceMQA,
                                  ReferenceOProj)
 

@@ -33,13 +33,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from dsv4.benches.cases import random_pages
-from dsv4.compat import Combination, check
+from dsv4.speed.cases import random_pages
+from dsv4.checks.compat import Combination, check
 from dsv4.components.rope import Rope
-from dsv4.device import DeviceInfo
+from dsv4.values.device import DeviceInfo
 from dsv4.formats.fp8_ds_mla import fnuz_to_ocp_pages, ocp_to_fnuz_pages
 from dsv4.oracle import rel_err, round_rows
-from dsv4.spec import ModelSpec
+from dsv4.values.spec import ModelSpec
 from dsv4.strategies import (AiterSparseMQA, BucketHeadPadding, FlashInferSparse, FlashMLASparse,
                              Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, OProjWeights, PlainRowLayout,
                              ReferenceMQA, ReferenceOProj, RocmBf16OProj, SparseKV)
@@ -719,7 +719,7 @@ def load_spec(name: str) -> ModelSpec:
 
 
 def option(group: str, name: str):
-    from dsv4.catalogue import instantiate_group
+    from dsv4.checks.catalogue import instantiate_group
 
     return instantiate_group(OmegaConf.load(CONFIGS / group / f"{name}.yaml"))
 
@@ -834,7 +834,7 @@ def test_missing_package_is_named_when_checking_this_machine():
 
 # ---- the presets and deployments, composed ------------------------------------------------------------
 def test_backend_preset_on_the_rocm_deployments(compose_cfg):
-    from dsv4.job import make_job
+    from dsv4.app.job import make_job
 
     job = make_job(compose_cfg(["backend=aiter", "deployment=mi355x"]))
     assert [getattr(job.combo, g).name for g in ("mqa_kernel", "o_proj", "head_padding", "cache_layout")] == \
@@ -857,7 +857,7 @@ def test_backend_preset_on_the_rocm_deployments(compose_cfg):
 
 def test_check_imports_neither_torch_nor_aiter():
     code = ("import sys\n"
-            "from dsv4.device import DeviceInfo\n"
+            "from dsv4.values.device import DeviceInfo\n"
             "from dsv4.strategies import AiterSparseMQA, RocmBf16OProj, Fp8DsMlaFnuzLayout\n"
             "for arch in ('gfx942', 'gfx950', 'sm90'):\n"
             "    d = DeviceInfo(platform='rocm', arch=arch)\n"
@@ -887,7 +887,7 @@ REAL_WRAPPER_PROBE = r'''
 import importlib.util, math, sys, types
 import torch
 import tests.test_aiter_marshalling as T       # before the stubs below go into sys.modules
-from dsv4.device import DeviceInfo
+from dsv4.values.device import DeviceInfo
 from dsv4.oracle import rel_err
 from dsv4.strategies import AiterSparseMQA, ReferenceMQA
 

@@ -19,7 +19,7 @@ import dsv4
 from dsv4 import oracle
 from dsv4.components.attention import DSV4Attention
 from dsv4.components.engine import Engine
-from dsv4.device import DeviceInfo, local_platform
+from dsv4.values.device import DeviceInfo, local_platform
 from dsv4.strategies import FlashMLASparse
 from tests.conftest import ROOT, tiny_spec
 
@@ -220,8 +220,8 @@ def test_bad_arguments_are_named_before_any_work(no_alloc):
              (lambda: dsv4.build_pool(job, [1], pool={"swa_blocks": 0}), ValueError, "swa_blocks"),
              (lambda: dsv4.build_engine(job, weights=[1]), TypeError, "weights: a mapping"),
              (lambda: dsv4.compose("model=dsv4_tiny"), TypeError, "overrides: a list of 'key=value' strings"),
-             (lambda: dsv4.compose([], spec={"name": "x"}), TypeError, "spec: a dsv4.spec.ModelSpec, got dict"),
-             (lambda: dsv4.compose([], device="cuda"), TypeError, "device: a dsv4.device.DeviceInfo, got str"),
+             (lambda: dsv4.compose([], spec={"name": "x"}), TypeError, "spec: a dsv4.values.spec.ModelSpec, got dict"),
+             (lambda: dsv4.compose([], device="cuda"), TypeError, "device: a dsv4.values.device.DeviceInfo, got str"),
              (lambda: dsv4.compose([], mqa_kernel="reference"), TypeError, r"compose\(\['mqa_kernel=reference'\]\)"),
              (lambda: dsv4.compose([], o_proj=object()), TypeError, "object does not satisfy OProjStrategy")]
     for call, kind, message in cases:

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dsv4.app import main
-from dsv4.dump import recompute
+from dsv4.app.dispatch import run_config
+from dsv4.app.dump import recompute
 from dsv4.oracle import rel_err
 from tests.conftest import run_py
 
@@ -24,7 +24,7 @@ ROW_DTYPE = {"float32": "float32", "bf16": "bfloat16", "fp8_ds_mla": "fp8_ds_mla
 def test_run_writes_result_and_a_dump_that_recomputes(compose_cfg, tmp_path, layout, tol):
     dump = tmp_path / "dump"
     cfg = compose_cfg(TINY + [f"cache_layout={layout}", f"dump_dir={dump}"])
-    worst = main(cfg, out_dir=tmp_path)
+    worst = run_config(cfg, out_dir=tmp_path)
     assert worst <= tol
     row = json.loads((tmp_path / "result.json").read_text())
     assert row["status"] == "ok" and row["schema"] == 1
@@ -83,12 +83,12 @@ def test_run_writes_result_and_a_dump_that_recomputes(compose_cfg, tmp_path, lay
 
 
 def test_run_bfloat16_activations(compose_cfg, tmp_path):
-    worst = main(compose_cfg(TINY[1:] + ["model=dsv4_tiny", "dtype=bfloat16"]), out_dir=tmp_path)
+    worst = run_config(compose_cfg(TINY[1:] + ["model=dsv4_tiny", "dtype=bfloat16"]), out_dir=tmp_path)
     assert 1e-4 < worst < 3e-2        # bf16 activations cost accuracy, visibly but boundedly
 
 
 def test_tp_size_two_matches_tp_one(compose_cfg, tmp_path):
-    a = main(compose_cfg(TINY + ["cache_layout=float32", "tp_size=2"]), out_dir=tmp_path / "tp2")
+    a = run_config(compose_cfg(TINY + ["cache_layout=float32", "tp_size=2"]), out_dir=tmp_path / "tp2")
     assert a <= 1e-5
     row = json.loads((tmp_path / "tp2" / "result.json").read_text())
     assert row["settings.tp_size"] == 2
@@ -110,7 +110,7 @@ def test_a_dump_of_fp4_sim_recomputes_with_its_numerics(compose_cfg, tmp_path):
     """indexer=fp4_sim: the dump says so, and its recomputation scores with those numerics: the oracle's own
     selection is the run's, token for token."""
     dump = tmp_path / "dump"
-    assert main(compose_cfg(TINY + ["indexer=fp4_sim", f"dump_dir={dump}"]), out_dir=tmp_path) <= 1e-5
+    assert run_config(compose_cfg(TINY + ["indexer=fp4_sim", f"dump_dir={dump}"]), out_dir=tmp_path) <= 1e-5
     spec = json.loads((dump / "spec.json").read_text())
     assert spec["indexer_numerics"] == "fp4" and spec["choices"]["indexer"] == "fp4_sim"
     res = recompute(dump)
@@ -127,7 +127,7 @@ def test_a_dump_of_fp8_linears_carries_them_as_stored_and_recomputes(compose_cfg
     from dsv4.components.weights import FP8_LINEARS
 
     dump = tmp_path / "dump"
-    assert main(compose_cfg(TINY + ["model.o_lora_rank=128", "linear=fp8_sim", f"dump_dir={dump}"]),
+    assert run_config(compose_cfg(TINY + ["model.o_lora_rank=128", "linear=fp8_sim", f"dump_dir={dump}"]),
                 out_dir=tmp_path) <= 1e-3
     spec = json.loads((dump / "spec.json").read_text())
     assert spec["linear_numerics"] == "fp8" and spec["choices"]["linear"] == "fp8_sim"

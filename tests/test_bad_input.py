@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv4 import oracle as ref
-from dsv4.errors import IncompatibleCombination, InvalidRequest
+from dsv4.values.errors import IncompatibleCombination, InvalidRequest
 from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
 
 
@@ -196,11 +196,11 @@ def test_releasing_a_request_returns_its_pages_and_leaves_others():
 
 
 def test_heads_not_divisible_by_tp_size_is_refused_before_building(compose_cfg, tmp_path):
-    from dsv4.app import main
+    from dsv4.app.dispatch import run_config
 
     cfg = compose_cfg(["model=dsv4_tiny", "tp_size=3"])
     with pytest.raises(IncompatibleCombination, match=r"tp_size=3: must divide num_attention_heads=8 and o_groups=2"):
-        main(cfg, out_dir=tmp_path)
+        run_config(cfg, out_dir=tmp_path)
     import json
     row = json.loads((tmp_path / "result.json").read_text())
     assert row["status"] == "incompatible" and row["problems"][0]["fix"] == "tp_size=2"
@@ -240,8 +240,8 @@ def test_a_prompt_past_the_models_positions_is_refused_before_the_work():
     from dataclasses import replace
 
     import dsv4
-    from dsv4.errors import IncompatibleCombination
-    from dsv4.job import workload_problems
+    from dsv4.values.errors import IncompatibleCombination
+    from dsv4.app.job import workload_problems
 
     base = dsv4.compose(["model=dsv4_tiny", "workload.kv_pool.swa_blocks=100",
                          "workload.kv_pool.compressed_blocks=4200"], running=False)
@@ -262,7 +262,7 @@ def cli_run(args: list[str], run_dir) -> tuple[int, str]:
 
     from hydra.core.global_hydra import GlobalHydra
 
-    from dsv4 import cli
+    from dsv4.app import cli
 
     GlobalHydra.instance().clear()
     err, argv = io.StringIO(), sys.argv
@@ -318,7 +318,7 @@ def test_bad_command_line_is_one_line_before_any_work(args, line, tmp_path):
 
 def test_ctrl_c_under_torchrun_is_said_once(monkeypatch, capsys):
     """Every rank gets the terminal's Ctrl-C: rank 0 alone says what was kept; all end with SIGINT's status."""
-    from dsv4 import cli
+    from dsv4.app import cli
 
     for rank, says in (("1", False), ("0", True)):
         monkeypatch.setenv("RANK", rank)
@@ -330,8 +330,8 @@ def test_ctrl_c_under_torchrun_is_said_once(monkeypatch, capsys):
 def test_a_failed_process_group_is_one_line_per_rank(monkeypatch, capsys):
     """No answer within parallel.timeout_s, or a rank gone: one line naming the setting, no traceback of
     torch.distributed's insides; the launching process names the job in one line too (RankFailed)."""
-    from dsv4 import parallel
-    from dsv4.errors import USER_ERRORS, RankFailed
+    from dsv4.app import parallel
+    from dsv4.values.errors import USER_ERRORS, RankFailed
 
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
                         "1000ms for recv operation to complete")
@@ -352,15 +352,15 @@ def test_a_failed_process_group_is_one_line_per_rank(monkeypatch, capsys):
 def test_torchrun_refuses_a_launcher_of_its_own(monkeypatch, compose_cfg, tmp_path):
     """Under torchrun each process is a rank: parallel.launcher=spawn would start tp_size more per rank (which
     waited on each other's ports for the whole timeout), simulated would run the job once per rank."""
-    from dsv4.app import main
-    from dsv4.errors import ConfigError
+    from dsv4.app.dispatch import run_config
+    from dsv4.values.errors import ConfigError
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     for launcher in ("spawn", "simulated"):
         with pytest.raises(ConfigError, match=rf"parallel.launcher={launcher}: this process is one of the 2 ranks "
                                               r"torchrun started; fix: parallel.launcher=auto"):
-            main(compose_cfg([*CHECK, "tp_size=2", f"parallel.launcher={launcher}"]), out_dir=tmp_path)
+            run_config(compose_cfg([*CHECK, "tp_size=2", f"parallel.launcher={launcher}"]), out_dir=tmp_path)
 
 
 def _with_config(text: str):
@@ -393,7 +393,7 @@ BAD_CHECKPOINTS = [
 @pytest.mark.parametrize("edit,message", [c[1:] for c in BAD_CHECKPOINTS], ids=[c[0] for c in BAD_CHECKPOINTS])
 def test_a_bad_checkpoint_file_is_one_line(tmp_path, edit, message):
     from dsv4.components.checkpoint import load_layers
-    from dsv4.errors import ConfigError
+    from dsv4.values.errors import ConfigError
     from tests.test_checkpoint import spec, write_checkpoint
 
     root = tmp_path / "ck"

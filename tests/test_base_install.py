@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 ACCEPTED = r"""
 import json, warnings
 import dsv4
-from dsv4 import catalogue
-from dsv4.errors import IncompatibleCombination
+from dsv4.checks import catalogue
+from dsv4.values.errors import IncompatibleCombination
 
 warnings.simplefilter("ignore")           # options that change nothing on the CPU say so
 accepted, seen = [], []

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dsv4 import api
-from dsv4.errors import IncompatibleCombination
-from dsv4.layer_types import by_ratio
+from dsv4.values.errors import IncompatibleCombination
+from dsv4.values.layer_types import by_ratio
 from tests.conftest import run_py
 
 POOL = ["workload.kv_pool.max_requests=64", "workload.kv_pool.swa_blocks=900", "workload.kv_pool.compressed_blocks=300"]

@@ -19,8 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsv4.seam import PagedCache
-from dsv4.errors import InvalidRequest
+from dsv4.values.seam import PagedCache
+from dsv4.values.errors import InvalidRequest
 from dsv4.formats.fp8 import per_tensor_query, per_tensor_scales
 from dsv4.strategies import Fp8DsMlaLayout, Fp8PerTensorLayout, PlainRowLayout
 

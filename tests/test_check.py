@@ -1,4 +1,4 @@
-"""Unit tests of the pure `dsv4.compat.check()`.
+"""Unit tests of the pure `dsv4.checks.compat.check()`.
 
 Hand-made DeviceInfo values stand in for machines this CPU box is not; small fake strategies (plain
 frozen dataclasses with a `needs(device)` method, nothing subclassed) stand in for the vendor
@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from omegaconf import OmegaConf
 
 from tests.conftest import CONFIGS
-from dsv4.compat import Combination, check
-from dsv4.device import DeviceInfo
-from dsv4.errors import IncompatibleCombination, Problem
+from dsv4.checks.compat import Combination, check
+from dsv4.values.device import DeviceInfo
+from dsv4.values.errors import IncompatibleCombination, Problem
 from dsv4.formats.row_format import FP8_DS_MLA as FP8_DS_MLA_ROWS, RowFormat
-from dsv4.spec import ModelSpec
+from dsv4.values.spec import ModelSpec
 from dsv4.strategies import NoHeadPadding, ReferenceMQA, ReferenceOProj
 from dsv4.strategies.protocols import CacheLayout, MQAKernelStrategy, Needs, OProjStrategy
 
@@ -42,7 +42,7 @@ def load_spec(name: str) -> ModelSpec:
 
 def load_option(group: str, option: str):
     """A shipped strategy option, instantiated the way the app does it."""
-    from dsv4.catalogue import instantiate_group
+    from dsv4.checks.catalogue import instantiate_group
 
     return instantiate_group(OmegaConf.load(CONFIGS.joinpath(*group.split("."), f"{option}.yaml")), group)
 
@@ -457,8 +457,8 @@ def test_the_catalogue_holds_the_shipped_yamls_and_defaults_that_need_nothing():
     """catalogue.options(group) is every YAML of configs/<group>/ by name (a nested group's in its parent's
     folder); each group's default (the fix check() offers when a choice cannot run on a device) needs
     nothing, so it runs anywhere."""
-    from dsv4.catalogue import GROUPS, NESTED_GROUPS, defaults, option, options
-    from dsv4.errors import ConfigError
+    from dsv4.checks.catalogue import GROUPS, NESTED_GROUPS, defaults, option, options
+    from dsv4.values.errors import ConfigError
 
     for group in GROUPS + NESTED_GROUPS:
         assert list(options(group)) == sorted(p.stem for p in CONFIGS.joinpath(*group.split(".")).glob("*.yaml"))
@@ -518,8 +518,8 @@ def test_flashinfer_top_k_runs_on_cuda_only(indexer):
 def test_an_unknown_top_k_is_refused_when_the_option_is_made():
     """A top-k that is not an option is refused when the indexer option is made; a name that is none of the
     shipped ones when the config is read, with the names it could be."""
-    from dsv4.catalogue import instantiate_group
-    from dsv4.errors import ConfigError
+    from dsv4.checks.catalogue import instantiate_group
+    from dsv4.values.errors import ConfigError
     from dsv4.strategies import ExactIndexer
 
     with pytest.raises(ValueError, match=r"indexer=exact: top_k='radix' is not a top-k option"):

@@ -21,12 +21,12 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from dsv4.app import main
+from dsv4.app.dispatch import run_config
 from dsv4.components import checkpoint as ckpt
 from dsv4.components.weights import random_layer_weights, weight_shapes
-from dsv4.device import DeviceInfo
-from dsv4.dump import recompute
-from dsv4.errors import ConfigError
+from dsv4.values.device import DeviceInfo
+from dsv4.app.dump import recompute
+from dsv4.values.errors import ConfigError
 from dsv4.oracle import rel_err
 from dsv4.components.weights import FP8_LINEARS
 from dsv4.formats.fp8_blocks import dequantize_blocks
@@ -179,7 +179,7 @@ def test_run_on_a_checkpoint_equals_the_oracle_on_its_dequantized_weights(compos
     root, want, _, _ = checkpoint
     dump = tmp_path / "dump"
     cfg = compose_cfg(TINY + ["weights=checkpoint", f"checkpoint.path={root}", f"dump_dir={dump}"])
-    worst = main(cfg, out_dir=tmp_path)
+    worst = run_config(cfg, out_dir=tmp_path)
     assert worst <= 1e-5
     out = capsys.readouterr().out
     assert f"weights: checkpoint {root}" in out and "from 3 of 4 shard(s)" in out
@@ -207,9 +207,9 @@ def test_checkpoint_weights_give_the_same_outputs_as_a_run_fed_the_dequantized_t
     identical outputs."""
     root, want, _, _ = checkpoint
     a = compose_cfg(TINY + ["weights=checkpoint", f"checkpoint.path={root}", f"dump_dir={tmp_path / 'a'}"])
-    main(a, out_dir=tmp_path / "a")
+    run_config(a, out_dir=tmp_path / "a")
     monkeypatch.setattr(ckpt, "random_layer_weights", lambda s, l, seed: {k: v.clone() for k, v in want[l].items()})
-    main(compose_cfg(TINY + [f"dump_dir={tmp_path / 'b'}"]), out_dir=tmp_path / "b")
+    run_config(compose_cfg(TINY + [f"dump_dir={tmp_path / 'b'}"]), out_dir=tmp_path / "b")
     ta, tb = (load_file(str(tmp_path / d / "tensors.safetensors")) for d in ("a", "b"))
     for l in (0, 1, 2):
         assert torch.equal(ta[f"layers.{l}.outputs.attn_out"], tb[f"layers.{l}.outputs.attn_out"])
@@ -217,7 +217,7 @@ def test_checkpoint_weights_give_the_same_outputs_as_a_run_fed_the_dequantized_t
 
 def test_tensor_parallel_ranks_on_a_checkpoint(compose_cfg, tmp_path, checkpoint):
     root, *_ = checkpoint
-    worst = main(compose_cfg(TINY + ["weights=checkpoint", f"checkpoint.path={root}", "tp_size=2",
+    worst = run_config(compose_cfg(TINY + ["weights=checkpoint", f"checkpoint.path={root}", "tp_size=2",
                                      "workload.layers=[1,2]"]), out_dir=tmp_path)
     assert worst <= 1e-5
 
@@ -517,7 +517,7 @@ def test_config_that_disagrees_with_the_model_names_field_values_and_fix(tmp_pat
     root3 = tmp_path / "ck3"
     write_checkpoint(root3, config=cfg)
     with pytest.raises(ConfigError, match="rope_scaling.factor: config.json has 40, model=dsv4_tiny has 16.0"):
-        main(compose_cfg(TINY + ["weights=checkpoint", f"checkpoint.path={root3}"]), out_dir=tmp_path / "o")
+        run_config(compose_cfg(TINY + ["weights=checkpoint", f"checkpoint.path={root3}"]), out_dir=tmp_path / "o")
 
 
 def test_ratio_in_config_that_contradicts_the_tensors(tmp_path):
@@ -557,7 +557,7 @@ def test_dequantize_partial_blocks():
 ])
 def test_missing_path_and_unknown_source(compose_cfg, tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):
-        main(compose_cfg(TINY + overrides), out_dir=tmp_path)
+        run_config(compose_cfg(TINY + overrides), out_dir=tmp_path)
 
 
 def test_folder_without_index_or_config(tmp_path):

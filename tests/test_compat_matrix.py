@@ -15,11 +15,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from dsv4.catalogue import GROUPS, NESTED_GROUPS
-from dsv4.catalogue import options as shipped
-from dsv4.job import make_job
-from dsv4.compat import check
-from dsv4.device import DeviceInfo
+from dsv4.checks.catalogue import GROUPS, NESTED_GROUPS
+from dsv4.checks.catalogue import options as shipped
+from dsv4.app.job import make_job
+from dsv4.checks.compat import check
+from dsv4.values.device import DeviceInfo
 from tests.conftest import CONFIGS, ROOT, options
 
 GOLDEN = ROOT / "tests" / "golden" / "compat_matrix.json"

@@ -15,9 +15,9 @@ from dsv4.components.compressor import Compressor
 from dsv4.components.engine import Engine, Segment
 from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import KVPool, PageGroup, RowRule, CompressorState
-from dsv4.seam import PagedCache
+from dsv4.values.seam import PagedCache
 from dsv4.components.plan import PageTable, StepPlan
-from dsv4.layer_types import by_ratio
+from dsv4.values.layer_types import by_ratio
 from dsv4.components.rope import Rope
 from dsv4.strategies import PlainRowLayout
 from tests.conftest import published_angles, tiny_spec
@@ -440,7 +440,7 @@ def test_the_pieces_refuse_kernels_for_tensors_they_cannot_run_on():
 
     from dsv4.components.compressor import CompressPart, compress_all
     from dsv4.components.front import front_rows, kv_rows, norm_rows, q_rows, rotate_rows
-    from dsv4.seam import RopeRows
+    from dsv4.values.seam import RopeRows
     from dsv4.kernels.target import Target
 
     gpu = Target(arch="sm90", native_e4m3=True, processors=132)

@@ -25,14 +25,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import dsv4.strategies
 from tests.conftest import CONFIGS, options, run_py
-from dsv4.catalogue import GROUPS, NESTED_GROUPS, folder, instantiate_group, option
-from dsv4.catalogue import options as shipped
-from dsv4.job import make_job, problems_for
-from dsv4.modes.info import info
-from dsv4.settings import MODES
-from dsv4.compat import check
-from dsv4.device import DeviceInfo, local_platform
-from dsv4.spec import ModelSpec
+from dsv4.checks.catalogue import GROUPS, NESTED_GROUPS, folder, instantiate_group, option
+from dsv4.checks.catalogue import options as shipped
+from dsv4.app.job import make_job, problems_for
+from dsv4.app.modes.info import info
+from dsv4.values.settings import MODES
+from dsv4.checks.compat import check
+from dsv4.values.device import DeviceInfo, local_platform
+from dsv4.values.spec import ModelSpec
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, LinearStrategy,
                                        MQAKernelStrategy, OProjStrategy, TopKStrategy)
 
@@ -330,10 +330,10 @@ def test_info_says_no_with_the_reason(compose_cfg):
 
 
 def test_cpu_deployment_can_run_on_a_gpu_host(compose_cfg, monkeypatch):
-    import dsv4.job
+    import dsv4.app.job
 
     job = make_job(compose_cfg(["deployment=cpu"]), choices={"deployment": "cpu"})
-    monkeypatch.setattr(dsv4.job, "local_platform", lambda: "cuda")
+    monkeypatch.setattr(dsv4.app.job, "local_platform", lambda: "cuda")
     assert problems_for(job, running=True) == []
 
 
@@ -365,7 +365,7 @@ def imported(stderr: str) -> set[str]:
 
 
 def assert_light(names: set[str]) -> None:
-    assert "dsv4.compat" in names, "importtime output was not parsed"
+    assert "dsv4.checks.compat" in names, "importtime output was not parsed"
     heavy = sorted(n for n in names if n.split(".")[0] in ("torch", "triton", *KERNEL_LIBS))
     assert heavy == [], f"mode=check imported {heavy[:5]}"
 
@@ -424,7 +424,7 @@ def test_cli_run_on_the_wrong_machine_fails_before_allocating(tmp_path):
     assert r.returncode != 0
     assert "deployment=h200" in r.stderr and "fix: deployment=cpu" in r.stderr
     names = imported(r.stderr)
-    assert "dsv4.app" in names and not any(n.split(".")[0] == "torch" for n in names), "torch was loaded"
+    assert "dsv4.app.dispatch" in names and not any(n.split(".")[0] == "torch" for n in names), "torch was loaded"
     row = json.loads((tmp_path / "result.json").read_text())
     assert row["status"] == "incompatible"
     assert [p["group"] for p in row["problems"]] == ["deployment"]
@@ -443,7 +443,7 @@ def test_cli_unknown_mode_lists_modes(bad_mode):
 
 def test_every_mode_has_its_entry():
     """The app's table of modes holds every mode the settings accept (summarize reads a sweep, not a job)."""
-    from dsv4.modes import JOB_MODES
+    from dsv4.app.modes import JOB_MODES
 
     assert set(JOB_MODES) | {"summarize"} == set(MODES)
 
@@ -492,8 +492,8 @@ def test_backend_presets_are_read_from_their_yaml_and_compose_the_layer_bench():
     them: every preset whose kernel is not the reference and that check() accepts on the device, with its
     head padding and cache layout, plus the projections it swaps in."""
     import dsv4
-    from dsv4.benches.layer import backends
-    from dsv4.catalogue import GROUPS, backend_presets, option
+    from dsv4.speed.layer import backends
+    from dsv4.checks.catalogue import GROUPS, backend_presets, option
 
     presets = backend_presets()
     assert sorted(presets) == options("backend")

@@ -12,7 +12,7 @@ import torch
 
 import dsv4
 from dsv4 import oracle
-from dsv4.compat import check
+from dsv4.checks.compat import check
 from dsv4.formats.row_format import BF16_ROWS, RowFormat, plain_rows
 from dsv4.strategies.protocols import CacheLayout, Needs
 from tests.conftest import run_py

@@ -38,7 +38,7 @@ def test_a_product_row_is_the_same_in_any_step(N, K):
     """Up to FEW_ROWS rows quantized inside the product, more by their own launch first, more than the counters
     hold in several launches: every row's result the same bits."""
     from dsv4.formats.fp8_blocks import quantize_blocks
-    from dsv4.kernels.fp8_linear import fp8_linear
+    from dsv4.kernels.products.fp8_linear import fp8_linear
 
     g = torch.Generator().manual_seed(N + K)
     b = quantize_blocks(torch.randn(N, K, generator=g) * K ** -0.5)
@@ -57,7 +57,7 @@ def test_a_split_added_inside_the_programs_gives_the_split_launchs_sums():
     """`inline` (where the tiles alone fill the GPU): each program adds the split's parts itself, in split
     order -- the same bits as the parts spread over programs and added by the tile's last one."""
     from dsv4.formats.fp8_blocks import quantize_blocks
-    from dsv4.kernels.fp8_linear import fp8_linear
+    from dsv4.kernels.products.fp8_linear import fp8_linear
 
     g = torch.Generator().manual_seed(5)
     b = quantize_blocks(torch.randn(256, 2048, generator=g) * 0.05)
@@ -72,7 +72,7 @@ def test_a_split_added_inside_the_programs_gives_the_split_launchs_sums():
 def test_the_fixed_launch_keeps_its_split_and_takes_a_warpgroup_tile_only_on_hopper():
     """The K split is the weight's alone at every row count; the tile follows the rows only where a row's
     sums are the same in any tile (warpgroup MMAs of 64 rows and more, sm90)."""
-    from dsv4.kernels.fp8_linear import FIXED_M, fixed_launch, fixed_plan, plan
+    from dsv4.kernels.products.fp8_linear import FIXED_M, fixed_launch, fixed_plan, plan
     from dsv4.kernels.target import Target
 
     for arch in ("sm90", "sm89", "sm100"):
@@ -87,7 +87,7 @@ def test_the_fixed_launch_keeps_its_split_and_takes_a_warpgroup_tile_only_on_hop
 
 
 def test_the_hopper_kernel_merges_inside_its_programs_only_where_the_spread_runs_overflow_the_gpu():
-    from dsv4.kernels.sparse_plan import FIXED_SPLITS, fixed_inline
+    from dsv4.kernels.mqa.sparse_plan import FIXED_SPLITS, fixed_inline
 
     assert FIXED_SPLITS == 2
     assert fixed_inline(67, 64, FIXED_SPLITS, 132) and fixed_inline(34, 128, FIXED_SPLITS, 132)
@@ -100,7 +100,7 @@ def test_the_hopper_kernel_merges_inside_its_programs_only_where_the_spread_runs
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_tokens_scores_are_the_same_in_any_step(dtype):
     """A token's row of scores, whatever tokens share its call and its program, at any width."""
-    from dsv4.kernels.indexer_logits import PREFILL_TOKENS, indexer_logits
+    from dsv4.kernels.indexer.indexer_logits import PREFILL_TOKENS, indexer_logits
     from tests.test_layer_kernels import INDEXER_SPANS, dev, indexer_case
 
     q, w, keys, plan, idx = indexer_case(INDEXER_SPANS, 8, 64, seed=5, dtype=dtype)
@@ -134,7 +134,7 @@ def test_a_tokens_attention_is_the_same_in_any_step(variant, layer, H):
     """A token's output and lse, whatever tokens share its call, with its lists padded wider, in a step of
     many tokens: the Hopper kernel's runs of blocks are its own lists' and are always merged (by split_combine
     in a small step, inside its programs in a large one); the two-pass kernel takes one launch."""
-    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
     from tests.test_triton_sparse import LAYER_TYPES, SCALE, case
 
     T = 5 if not BIG else 40

@@ -26,12 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from dsv4.benches.cases import random_pages
-from dsv4.compat import Combination, check
-from dsv4.device import DeviceInfo
+from dsv4.speed.cases import random_pages
+from dsv4.checks.compat import Combination, check
+from dsv4.values.device import DeviceInfo
 from dsv4.formats.row_format import RowKind
 from dsv4.oracle import rel_err
-from dsv4.spec import ModelSpec
+from dsv4.values.spec import ModelSpec
 from dsv4.strategies import (BucketHeadPadding, FlashInferSparse, Fp8DsMlaLayout, Fp8PerTensorLayout,
                              NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj, SparseKV)
 from dsv4.strategies.mqa_kernel import flashinfer_sparse as fi
@@ -755,7 +755,7 @@ POW2 = BucketHeadPadding(name="buckets_pow2", buckets=(8, 16, 32, 64, 128))
 
 
 def fi_combo(*, spec=FLASH, layout="bf16", head_padding=POW2, tp_size=1, dtype="bfloat16") -> Combination:
-    from dsv4.catalogue import instantiate_group
+    from dsv4.checks.catalogue import instantiate_group
 
     lay = instantiate_group(OmegaConf.load(CONFIGS / "cache_layout" / f"{layout}.yaml"))
     return Combination(spec=spec, mqa_kernel=FlashInferSparse(), o_proj=ReferenceOProj(), head_padding=head_padding,
@@ -824,7 +824,7 @@ def test_missing_package_is_named_when_checking_this_machine():
 
 
 def test_backend_preset_composes_and_is_valid_on_sm100(compose_cfg):
-    from dsv4.job import make_job
+    from dsv4.app.job import make_job
 
     job = make_job(compose_cfg(["backend=flashinfer", "deployment=b200"]))
     assert [getattr(job.combo, g).name for g in ("mqa_kernel", "o_proj", "head_padding", "cache_layout")] == \
@@ -836,8 +836,8 @@ def test_backend_preset_composes_and_is_valid_on_sm100(compose_cfg):
 
 def test_check_imports_neither_torch_nor_flashinfer():
     code = ("import sys\n"
-            "from dsv4.compat import Combination, check\n"
-            "from dsv4.device import DeviceInfo\n"
+            "from dsv4.checks.compat import Combination, check\n"
+            "from dsv4.values.device import DeviceInfo\n"
             "from dsv4.strategies import FlashInferSparse\n"
             "k = FlashInferSparse()\n"
             "for arch in ('sm90', 'sm100', 'sm120'):\n"
@@ -872,7 +872,7 @@ sys.meta_path.append(Mocked())
 import torch
 import flashinfer.mla._core as core
 import tests.test_flashinfer_marshalling as T
-from dsv4.device import DeviceInfo
+from dsv4.values.device import DeviceInfo
 from dsv4.strategies import FlashInferSparse
 
 seen = {}

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from dsv4.app import main
-from dsv4.callbacks import FoldersCallback
-from dsv4.errors import IncompatibleCombination
-from dsv4.job import make_job
-from dsv4.targets import RUN_FOLDER_BYTES, dump_bytes, unwritable
+from dsv4.app.dispatch import run_config
+from dsv4.app.callbacks import FoldersCallback
+from dsv4.values.errors import IncompatibleCombination
+from dsv4.app.job import make_job
+from dsv4.app.targets import RUN_FOLDER_BYTES, dump_bytes, unwritable
 from tests.conftest import run_py
 
 TINY = ("model=dsv4_tiny", "workload.prompt_lens=[20,9]", "workload.decode_steps=1")
@@ -24,7 +24,7 @@ Usage = namedtuple("Usage", "total used free")
 
 
 def full_disk(monkeypatch, free: int) -> None:
-    """Every disk has `free` bytes left (shutil.disk_usage, as dsv4.targets reads it)."""
+    """Every disk has `free` bytes left (shutil.disk_usage, as dsv4.app.targets reads it)."""
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10 ** 12, 10 ** 12 - free, free))
 
 
@@ -32,10 +32,10 @@ def read_only(monkeypatch) -> None:
     """Every folder refuses new files and folders as a read-only mount does (EROFS)."""
     def refuse(*a, **kw):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
-    import dsv4.targets
+    import dsv4.app.targets
 
-    monkeypatch.setattr(dsv4.targets.tempfile, "TemporaryFile", refuse)
-    monkeypatch.setattr(dsv4.targets.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(dsv4.app.targets.tempfile, "TemporaryFile", refuse)
+    monkeypatch.setattr(dsv4.app.targets.tempfile, "mkdtemp", refuse)
 
 
 def dangling(tmp_path) -> Path:
@@ -102,7 +102,7 @@ def test_a_run_folder_that_is_written_is_not_read_only_for_the_probe(tmp_path):
 def refused(compose_cfg, tmp_path, dump: str, match: str) -> None:
     for mode in ("check", "run"):
         with pytest.raises(IncompatibleCombination, match=match):
-            main(compose_cfg([*TINY, f"mode={mode}", f"dump_dir={dump}"]), out_dir=tmp_path / mode)
+            run_config(compose_cfg([*TINY, f"mode={mode}", f"dump_dir={dump}"]), out_dir=tmp_path / mode)
 
 
 def test_an_empty_dump_dir_is_refused(compose_cfg, tmp_path):
@@ -127,12 +127,12 @@ def test_a_dump_dir_on_a_full_disk_is_refused_before_the_work(compose_cfg, tmp_p
     refused(compose_cfg, tmp_path, str(tmp_path / "dump"), r"the dump \(weights, inputs, outputs\): what will be "
                                                            r"written there needs ~.* MiB; its disk has .* MiB free")
     full_disk(monkeypatch, need)
-    main(compose_cfg([*TINY, "mode=check", f"dump_dir={tmp_path / 'dump'}"]), out_dir=tmp_path / "fits")
+    run_config(compose_cfg([*TINY, "mode=check", f"dump_dir={tmp_path / 'dump'}"]), out_dir=tmp_path / "fits")
 
 
 @pytest.mark.parametrize("linear", ["reference", "fp8_sim"])
 def test_the_dump_estimate_is_an_upper_bound_of_the_dump(compose_cfg, tmp_path, linear):
     cfg = compose_cfg([*TINY, f"linear={linear}", f"dump_dir={tmp_path / 'dump'}"])
-    main(cfg, out_dir=tmp_path / "run")
+    run_config(cfg, out_dir=tmp_path / "run")
     written = sum(p.stat().st_size for p in (tmp_path / "dump").iterdir())
     assert written <= dump_bytes(make_job(cfg)) <= 1.5 * written

@@ -1,4 +1,4 @@
-"""linear=triton_fp8's kernel (dsv4/kernels/fp8_linear.py) against the published fp8 numerics stated in
+"""linear=triton_fp8's kernel (dsv4/kernels/products/fp8_linear.py) against the published fp8 numerics stated in
 torch (dsv4/formats/fp8_blocks.py): the quantized bytes and scales exactly, the product up to the order of
 float32 sums, K split over several programs. Interpreted on the CPU
 (TRITON_INTERPRET=1, small shapes), compiled on an NVIDIA GPU with fp8 tensor cores (marked gpu)."""
@@ -10,7 +10,7 @@ import torch
 from tests.triton_mode import BIG, DEVICE, INTERPRET, MARK
 
 from dsv4.formats.fp8_blocks import act_quant, block_product, quantize_blocks
-from dsv4.kernels.fp8_linear import act_quant_fp8, fp8_linear, plan
+from dsv4.kernels.products.fp8_linear import act_quant_fp8, fp8_linear, plan
 from dsv4.kernels.target import target_of
 from dsv4.oracle import rel_err
 
@@ -102,7 +102,7 @@ def test_plan_spreads_few_rows_over_the_processors():
 def test_split_products_add_their_parts_and_leave_the_counters_zeroed(M):
     """K's blocks over several programs per tile: the tile's last program adds the parts; the counters are
     zero again after each call, so the next call (a graph replay) starts afresh."""
-    from dsv4.kernels.fp8_linear import counters
+    from dsv4.kernels.products.fp8_linear import counters
 
     g = torch.Generator().manual_seed(M)
     x = activations(M, 1024, g, torch.bfloat16)
@@ -141,7 +141,7 @@ def test_gpu_options_are_the_published_linear(option, M):
     the same values but for float32 summation order and the bf16 rounding of the result."""
     import importlib.util
 
-    from dsv4.catalogue import option as shipped
+    from dsv4.checks.catalogue import option as shipped
     from dsv4.strategies import LinearWeight
     from tests.conftest import gpu_device
 

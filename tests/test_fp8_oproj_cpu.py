@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from dsv4.compat import Combination, check
+from dsv4.checks.compat import Combination, check
 from dsv4.components.rope import Rope
-from dsv4.device import DeviceInfo
+from dsv4.values.device import DeviceInfo
 from dsv4.oracle import _rope
 from dsv4.strategies import (BucketHeadPadding, DeepGemmFp8OProj, Fp8DsMlaLayout, ReferenceMQA, TorchFp8OProj,
                              TritonFp8OProj)
@@ -63,7 +63,7 @@ def combo(spec, o_proj):
 def test_fp8_oproj_rules(strategy):
     from omegaconf import OmegaConf
 
-    from dsv4.spec import ModelSpec
+    from dsv4.values.spec import ModelSpec
     from tests.conftest import CONFIGS
 
     flash = ModelSpec.from_config(OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / "dsv4_flash.yaml")))
@@ -86,7 +86,7 @@ def test_fp8_oproj_rules(strategy):
 def test_flashmla_preset_swaps_are_refused_with_a_fix_on_any_machine(compose_cfg, overrides, group, fix):
     """`backend=flashmla` with a single strategy swapped that FlashMLA cannot take: refused before anything
     is allocated, for the H200 checked from this CPU machine."""
-    from dsv4.job import make_job
+    from dsv4.app.job import make_job
 
     job = make_job(compose_cfg(["deployment=h200", "backend=flashmla"] + overrides))
     probs = check(job.combo, job.device, here="cpu")
@@ -96,7 +96,7 @@ def test_flashmla_preset_swaps_are_refused_with_a_fix_on_any_machine(compose_cfg
 
 
 def test_flashmla_needs_a_gpu_and_its_package(compose_cfg):
-    from dsv4.job import make_job
+    from dsv4.app.job import make_job
 
     job = make_job(compose_cfg(["backend=flashmla"]))              # deployment=cpu
     probs = check(job.combo, job.device, here="cpu")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dsv4 import oracle as ref
-from dsv4.errors import InvalidRequest
-from dsv4.graph import GraphConfig
+from dsv4.values.errors import InvalidRequest
+from dsv4.values.graph_config import GraphConfig
 from dsv4.strategies import (
     BucketHeadPadding,
     DeepGemmFp8Linear,
@@ -187,7 +187,7 @@ def test_graph_replay_equals_eager_bit_for_bit(backend, top_k):
     FlashInfer's, indexer.top_k=flashinfer)."""
     if top_k == "flashinfer" and FLASHINFER is None:
         pytest.skip("indexer.top_k=flashinfer needs flashinfer-python")
-    from dsv4.catalogue import option
+    from dsv4.checks.catalogue import option
 
     select = option("indexer.top_k", top_k)
     spec, g_eng, W = engine(backend, graphs=True, indexer=ExactIndexer(top_k=select))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.benches.cases import oproj_case, sparse_case
+from dsv4.speed.cases import oproj_case, sparse_case
 from dsv4.components.rope import Rope
 from dsv4.oracle import rel_err
 from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, ReferenceMQA, ReferenceOProj, TorchFp8OProj,

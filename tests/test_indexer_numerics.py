@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from dsv4 import oracle as ref
-from dsv4.compat import check
-from dsv4.device import DeviceInfo
+from dsv4.checks.compat import check
+from dsv4.values.device import DeviceInfo
 from dsv4.strategies import ExactIndexer, Fp4SimIndexer, Mxfp4Indexer, Mxfp4KeyLayout
 from dsv4.formats.fp4 import e2m1, fp4_qdq, pow2_ceil, rotate
 from dsv4.formats.indexer_numerics import IndexerNumerics
@@ -157,7 +157,7 @@ def test_exact_is_the_default_and_changes_nothing():
 
 
 def test_check_refuses_fp4_sim_for_index_heads_it_cannot_rotate():
-    from dsv4.compat import Combination
+    from dsv4.checks.compat import Combination
     from dsv4.strategies import NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
 
     def problems(dim):
@@ -287,7 +287,7 @@ def test_record_layer_selects_what_fp4_sim_selects(option, record_bytes):
 
 
 def test_mxfp4_memory_accounting_counts_its_records():
-    from dsv4.memory import indexer_entry_bytes, indexer_kind
+    from dsv4.app.kv_memory import indexer_entry_bytes, indexer_kind
 
     assert indexer_kind("bfloat16", Mxfp4Indexer()) == "mxfp4" and indexer_entry_bytes("mxfp4", 128) == 68
     assert indexer_kind("bfloat16", Fp4SimIndexer()) == "bf16" and indexer_kind("float32") == "float32"
@@ -308,9 +308,9 @@ def test_a_run_reports_its_recall_against_both_numerics(compose_cfg, tmp_path, n
     the other (the numerics matter on this workload)."""
     import json
 
-    from dsv4.app import main
+    from dsv4.app.dispatch import run_config
 
-    main(compose_cfg(["model=dsv4_tiny", "dtype=float32", f"indexer={name}"]), out_dir=tmp_path)
+    run_config(compose_cfg(["model=dsv4_tiny", "dtype=float32", f"indexer={name}"]), out_dir=tmp_path)
     row = json.loads((tmp_path / "result.json").read_text())
     assert row[f"metrics.topk_recall_vs_{own}"] == row[f"metrics.c4a.topk_recall_vs_{own}"] >= 0.999
     assert 0.5 < row[f"metrics.topk_recall_vs_{other}"] < 0.99
@@ -382,7 +382,7 @@ def test_deepgemm_plan_rows():
 def test_check_refuses_deepgemm_fp8_where_it_cannot_run():
     """deepgemm_fp8: CUDA sm90/sm100 only (fix: triton_fp8), 128-dim keys, the index heads its kernel takes
     on the arch, pages of the keys it reads (fix: the pool's page size)."""
-    from dsv4.compat import Combination
+    from dsv4.checks.compat import Combination
     from dsv4.strategies import DeepGemmFp8Indexer, NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
 
     def problems(device, page_keys=64, **spec):
@@ -406,7 +406,7 @@ def test_check_refuses_deepgemm_fp8_where_it_cannot_run():
 
 
 def test_fp8_memory_accounting_counts_its_records():
-    from dsv4.memory import indexer_entry_bytes, indexer_kind
+    from dsv4.app.kv_memory import indexer_entry_bytes, indexer_kind
     from dsv4.strategies import DeepGemmFp8Indexer, TritonFp8Indexer
 
     for ix in (DeepGemmFp8Indexer(), TritonFp8Indexer()):

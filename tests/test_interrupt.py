@@ -54,7 +54,7 @@ def test_ctrl_c_in_a_run_says_nothing_was_kept(tmp_path):
 def test_ctrl_c_between_jobs_is_held_until_the_next_job_starts():
     """Hydra composes a sweep's next config between jobs; a KeyboardInterrupt there would break an OmegaConf
     node and surface as an unrelated error with exit 1, so it waits for the next job (or the command's end)."""
-    from dsv4.cli import CtrlC
+    from dsv4.app.cli import CtrlC
 
     ran: list[int] = []
     between = CtrlC()
@@ -78,7 +78,7 @@ def test_ctrl_c_between_jobs_is_held_until_the_next_job_starts():
 def test_ctrl_c_that_a_library_turns_into_another_error_still_ends_as_interrupted(monkeypatch, capsys):
     """A KeyboardInterrupt inside a library's bookkeeping can leave it broken and raise something else; the
     command still ends with the one line and SIGINT's status, not that error."""
-    import dsv4.cli as cli
+    import dsv4.app.cli as cli
 
     def broken():
         try:

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from dsv4.components.builders import build_pool
 from dsv4.components.engine import Engine, Segment
 from dsv4.components.kv_pool import BlockAllocator, KVPool, PageGroup, PoolConfig, RowRule
-from dsv4.seam import PagedCache
-from dsv4.layer_types import by_ratio
-from dsv4.device import DeviceInfo
-from dsv4.errors import InvalidRequest
+from dsv4.values.seam import PagedCache
+from dsv4.values.layer_types import by_ratio
+from dsv4.values.device import DeviceInfo
+from dsv4.values.errors import InvalidRequest
 from dsv4.strategies import PlainRowLayout
 from tests.conftest import tiny_spec
 

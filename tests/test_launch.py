@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.launch import as_dense, as_f32, as_i32, full_rows, launch, rows_dense, variants
-from dsv4.sizes import cdiv, next_pow2
+from dsv4.values.sizes import cdiv, next_pow2
 
 pytestmark = MARK
 

@@ -8,8 +8,8 @@ import csv
 import pytest
 
 import dsv4
-from dsv4.benches.grid import bench_grid, grid_row, preset_label
-from dsv4.benches.peers import DECODE_POINTS, MODELS, PREFILL_POINTS, TABLE, Point, faster, grid, published
+from dsv4.speed.grid import bench_grid, grid_row, preset_label
+from dsv4.speed.peers import DECODE_POINTS, MODELS, PREFILL_POINTS, TABLE, Point, faster, grid, published
 
 
 def test_every_grid_point_has_the_engines_figures():
@@ -46,7 +46,7 @@ def test_a_row_sets_the_fastest_backend_beside_the_faster_engine():
 def test_a_batch_invariant_row_sets_its_fastest_beside_the_default():
     """batch_invariant=true: the fastest `[batch-invariant]` row and its ratio go after the triton preset's
     µs, and the fastest backend is chosen among the default rows (among all if only invariant ones ran)."""
-    from dsv4.benches.layer import INVARIANT
+    from dsv4.speed.layer import INVARIANT
 
     p = Point("dsv4_flash", "c128a", "decode", 1, 64, 4096)
     tri = preset_label("triton")
@@ -60,8 +60,8 @@ def test_a_batch_invariant_row_sets_its_fastest_beside_the_default():
 def test_the_grid_refuses_what_it_cannot_compare(monkeypatch):
     """Before any work: a model the engines do not publish, a deployment this machine is not, backends
     that do not run here."""
-    import dsv4.benches.grid as grid_mod
-    from dsv4.benches.layer import Backend
+    import dsv4.speed.grid as grid_mod
+    from dsv4.speed.layer import Backend
 
     with pytest.raises(ValueError, match="publish DSV4-Flash and DSV4-Pro only"):
         bench_grid(dsv4.compose(["model=dsv4_tiny"], running=False))

@@ -36,16 +36,16 @@ from dsv4.components.compressor import Compressor
 from dsv4.components.front import kv_rows, q_rows
 from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import CompressorState
-from dsv4.seam import PagedCache
+from dsv4.values.seam import PagedCache
 from dsv4.components.plan import PageTable, StepPlan
 from dsv4.components.rope import Rope
-from dsv4.seam import RopeRows
-from dsv4.kernels.cache_write import fp8_ds_mla_store, plain_rows_store, write_fp8_ds_mla_kernel, write_rows_kernel
-from dsv4.kernels.compress import compress_kernel
-from dsv4.kernels.indexer_logits import indexer_logits
-from dsv4.kernels.layer_front import front_kernel, kv_rows_kernel, q_rows_kernel
+from dsv4.values.seam import RopeRows
+from dsv4.kernels.front.cache_write import fp8_ds_mla_store, plain_rows_store, write_fp8_ds_mla_kernel, write_rows_kernel
+from dsv4.kernels.front.compress import compress_kernel
+from dsv4.kernels.indexer.indexer_logits import indexer_logits
+from dsv4.kernels.front.layer_front import front_kernel, kv_rows_kernel, q_rows_kernel
 from dsv4.oracle import rel_err
-from dsv4.sizes import round_up
+from dsv4.values.sizes import round_up
 from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout
 
 pytestmark = MARK
@@ -461,7 +461,7 @@ def test_front_kernel_makes_query_and_kv_rows_in_one_launch(layout):
 def test_front_kernel_rotates_the_indexer_queries_in_the_same_launch(iq_dtype):
     """With the indexer's queries as a third part, front_kernel gives what rotate_rows_kernel gives for them
     and, for the query and KV rows, what it gives without them."""
-    from dsv4.kernels.layer_front import rotate_rows_kernel
+    from dsv4.kernels.front.layer_front import rotate_rows_kernel
 
     g, T, H, D, Hi, Di, bs = gen(61), 5, 3, 512, 6, 128, 4
     q = (torch.randn(T, H, D, generator=g) * 2).bfloat16()
@@ -501,8 +501,8 @@ def test_compress_kernel_stores_fp4_keys(keys, nan):
     exactly what the torch path stores -- its entries, rotated and FP4-simulated by the strategy, written by
     the layout (mxfp4 or fp8 records byte for byte, or bf16 / float32 rows) --, with the same state rows and faults;
     an entry that is not finite is refused and flagged before the numerics, as there."""
-    from dsv4.kernels.cache_write import fp4_record_store, fp8_key_store
-    from dsv4.kernels.compress import CompressJob, compress_kernels
+    from dsv4.kernels.front.cache_write import fp4_record_store, fp8_key_store
+    from dsv4.kernels.front.compress import CompressJob, compress_kernels
     from dsv4.formats.indexer_numerics import IndexerNumerics
     from dsv4.strategies import Fp8KeyLayout, Mxfp4KeyLayout
 
@@ -539,7 +539,7 @@ def test_compress_kernel_stores_fp4_keys(keys, nan):
 
 
 def test_an_fp4_record_store_takes_fp4_rows_only():
-    from dsv4.kernels.cache_write import fp4_record_store
+    from dsv4.kernels.front.cache_write import fp4_record_store
 
     with pytest.raises(ValueError, match="FP4-simulated rows only"):
         kv_rows_kernel(dev(torch.zeros(2, 128)), dev(torch.ones(128)), dev(torch.zeros(2, 32)), dev(torch.zeros(2, 32)),
@@ -577,7 +577,7 @@ def test_front_kernel_makes_fp4_indexer_queries(iq_dtype, iq_in):
 def test_two_compressors_in_one_launch_as_in_two():
     """A ratio-4 layer's compressor (head_dim 512, fp8_ds_mla entries) and its indexer's (128, plain keys)
     in one compress launch: the same state rows, stored entries and faults as each in its own launch."""
-    from dsv4.kernels.compress import CompressJob, compress_kernels
+    from dsv4.kernels.front.compress import CompressJob, compress_kernels
 
     R = 4
     plan, blocks = step_plan(SPANS[R], seed=71)
@@ -847,7 +847,7 @@ def test_indexer_scoring_is_planned_by_the_target_its_strategy_prepared():
     asking the GPU or the environment again; the same scores either way."""
     from dataclasses import replace
 
-    from dsv4.device import DeviceInfo
+    from dsv4.values.device import DeviceInfo
     from dsv4.kernels.launch import observe
     from dsv4.kernels.target import device_arch, target_of
     from dsv4.strategies import ExactIndexer
@@ -868,7 +868,7 @@ def test_indexer_scoring_is_planned_by_the_target_its_strategy_prepared():
 
 
 def test_triton_fp8_prepares_the_target_its_product_plans_by():
-    from dsv4.device import DeviceInfo
+    from dsv4.values.device import DeviceInfo
     from dsv4.strategies import TritonFp8OProj
     from dsv4.strategies.protocols import OProjWeights
 
@@ -940,7 +940,7 @@ def test_layer_kernels_compile_for_sm90():
 def test_norm_rows(N, dtype):
     """The q_lora RMSNorm, any width (Pro's 1536 is not a power of two), strided input."""
     from dsv4.components.norms import rms_norm
-    from dsv4.kernels.layer_front import norm_rows_kernel
+    from dsv4.kernels.front.layer_front import norm_rows_kernel
 
     g = torch.Generator().manual_seed(N)
     x = torch.randn(7, N + 64, generator=g)[:, :N].to(dtype)
@@ -954,7 +954,7 @@ def test_norm_rows(N, dtype):
 def test_rotate_rows():
     """The indexer queries' RoPE: every head's last 64 dims, float32."""
     from dsv4.components.rope import Rope
-    from dsv4.kernels.layer_front import rotate_rows_kernel
+    from dsv4.kernels.front.layer_front import rotate_rows_kernel
     from tests.conftest import tiny_spec
 
     g = torch.Generator().manual_seed(3)
@@ -1014,7 +1014,7 @@ def test_topk_lists(launch):
     every path runs: rows searched whole, rows searched over their sampled candidates, and rows whose
     candidates do not hold the top K (a sample of the row's best entries only; 120 ties at the best) that
     are searched whole after all."""
-    from dsv4.kernels.topk_lists import topk_lists
+    from dsv4.kernels.indexer.topk_lists import topk_lists
 
     scores, counts, pages, req, K, bs = topk_case()
     local, slots, lens = topk_lists(scores.to(DEVICE), counts.to(DEVICE), pages.to(DEVICE), req.to(DEVICE),
@@ -1028,7 +1028,7 @@ def test_slot_lists():
     """A selection made elsewhere (a stable sort's, best first) -> its slots through the table and its
     counts, as topk_lists gives them (indexer.top_k=flashinfer's page lookup)."""
     from dsv4.components.plan import PageTable
-    from dsv4.kernels.topk_lists import slot_lists
+    from dsv4.kernels.indexer.topk_lists import slot_lists
 
     scores, counts, pages, req, K, bs = topk_case()
     order = torch.sort(-scores, dim=1, stable=True).indices[:, :K].int()
@@ -1126,7 +1126,7 @@ def test_flashinfer_top_k_selects_what_triton_selects(width):
 def test_fp8_queries_kernel_is_the_torch_path():
     """deepgemm_fp8's queries in one launch: the e4m3 bytes and the folded head weights of fp8_queries,
     bit for bit (FP4-simulated queries, raw ones over many decades, a zero head; strided weight rows)."""
-    from dsv4.kernels.fp8_queries import fp8_queries_kernel
+    from dsv4.kernels.indexer.fp8_queries import fp8_queries_kernel
     from dsv4.strategies.indexer.key_layouts import fp8_queries
     from dsv4.formats.fp4 import fp4_sim
 
@@ -1191,12 +1191,12 @@ def nvidia_specialization(kernel, args, meta):
 def step_kernels(spans, pad: int, seed: int) -> dict[str, set]:
     """The layer's Triton kernels on one step of requests `spans` (block tables a multiple of 16 pages wide,
     as an engine makes them) -> {kernel name: the specializations it was launched with}."""
-    from dsv4.kernels.compress import CompressJob, compress_kernels
-    from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
-    from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
+    from dsv4.kernels.front.compress import CompressJob, compress_kernels
+    from dsv4.kernels.products.fp8_grouped_gemm import grouped_fp8_gemm
+    from dsv4.kernels.products.inv_rope_fp8 import inv_rope_fp8_quant
     from dsv4.kernels.launch import observe
-    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
-    from dsv4.kernels.topk_lists import topk_lists
+    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.indexer.topk_lists import topk_lists
 
     g, R, D, Di, H, Hi, K = gen(seed), 4, 128, 64, 3, 4, 8
     plan, blocks = step_plan(spans, ratios=(R,), entry_block=4, pad=pad, seed=seed, table_pages=16)

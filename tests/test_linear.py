@@ -9,13 +9,13 @@ import torch
 from tests.triton_mode import INTERPRET, VERSION
 
 from dsv4 import oracle as ref
-from dsv4.compat import Combination, check
+from dsv4.checks.compat import Combination, check
 from dsv4.components.weights import FP8_LINEARS, in_fp8_blocks, random_layer_weights, shard_fp8
-from dsv4.device import DeviceInfo
+from dsv4.values.device import DeviceInfo
 from dsv4.formats.fp8_blocks import (Fp8Blocks, LinearNumerics, act_quant, block_product, dequantize_blocks,
                                      fp8_linear_reference, pow2_scale, quantize_blocks)
 from dsv4.strategies import Fp8SimLinear, LinearWeight, ReferenceLinear
-from dsv4.catalogue import option as shipped
+from dsv4.checks.catalogue import option as shipped
 from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
 
 CPU = DeviceInfo(platform="cpu")
@@ -305,7 +305,7 @@ def test_deepgemm_triton_option_takes_ours_up_to_its_rows(monkeypatch):
     refused = check(combo("deepgemm_triton_fp8"), l40)
     assert [(p.group, p.fix) for p in refused] == [("linear", "linear=reference")]
     assert "needs arch in" in refused[0].reason
-    from dsv4.errors import ConfigError
-    from dsv4.settings import option
+    from dsv4.values.errors import ConfigError
+    from dsv4.values.settings import option
     with pytest.raises(ConfigError, match="triton_rows"):
         option({"_target_": "dsv4.strategies.DeepGemmTritonFp8Linear", "triton_rows": -1}, "linear")

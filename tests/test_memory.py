@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from dsv4.memory import GIB, MILLION_TOKENS, compressor_state_bytes, layer_memory, model_memory
-from dsv4.spec import ModelSpec
+from dsv4.app.kv_memory import GIB, MILLION_TOKENS, compressor_state_bytes, layer_memory, model_memory
+from dsv4.values.spec import ModelSpec
 from dsv4.strategies import Fp8DsMlaLayout, Fp8PerTensorLayout, PlainRowLayout
 from tests.conftest import CONFIGS
 

@@ -1,5 +1,5 @@
 """Memory known before the work: the pages a workload's steps hold (a dry run of the pool's allocator), the
-job's peak by part (dsv4/job_memory.py) judged against what the machine has, and a grading whose memory
+job's peak by part (dsv4/app/job_memory.py) judged against what the machine has, and a grading whose memory
 grows with the prompt, not with its square (the oracle recomputes queries in bounded chunks)."""
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from dsv4 import api
 from dsv4 import oracle as ref
 from dsv4.components.kv_pool import KVPool, PoolConfig, page_groups, peak_pages
 from dsv4.components.weights import random_layer_weights
-from dsv4.errors import IncompatibleCombination, ResultMismatch
-from dsv4.job_memory import estimate, pool_bytes
-from dsv4.runner import tensor_bytes
-from dsv4.spec import ModelSpec
-from dsv4.workload import Workload
+from dsv4.values.errors import IncompatibleCombination, ResultMismatch
+from dsv4.app.job_memory import estimate, pool_bytes
+from dsv4.app.runner import tensor_bytes
+from dsv4.values.spec import ModelSpec
+from dsv4.app.workload import Workload
 from tests.conftest import options, run_py
 
 TINY = ["model=dsv4_tiny"]
@@ -66,13 +66,13 @@ def test_the_dry_run_finds_the_pages_the_allocator_hands_out():
 def test_a_pool_too_small_for_a_step_is_refused_with_the_size_that_runs(compose_cfg, tmp_path):
     """The default workload's second prefill step holds 6 SWA pages; the pages its requests keep at the end
     are fewer, so only a dry run of the steps finds it before the work."""
-    from dsv4.app import main
+    from dsv4.app.dispatch import run_config
 
     with pytest.raises(IncompatibleCombination) as e:
         api.compose(TINY + ["workload.kv_pool.swa_blocks=5"])
     msg = str(e.value)
     assert "hold up to 6 pages" in msg and "fix: workload.kv_pool.swa_blocks=6" in msg, msg
-    assert main(compose_cfg(TINY + ["workload.kv_pool.swa_blocks=6"]), out_dir=tmp_path) <= 1e-3
+    assert run_config(compose_cfg(TINY + ["workload.kv_pool.swa_blocks=6"]), out_dir=tmp_path) <= 1e-3
 
 
 @pytest.mark.parametrize("layout", options("cache_layout"))
@@ -113,7 +113,8 @@ def test_the_estimate_grows_with_the_parts_it_names():
 
 
 def test_the_estimate_counts_the_chunks_the_oracle_and_the_indexer_take():
-    from dsv4 import job_memory, oracle
+    from dsv4 import oracle
+    from dsv4.app import job_memory
     from dsv4.components import indexer
 
     from dsv4.components import engine
@@ -182,7 +183,7 @@ def test_the_check_is_bounded_whatever_the_pool_sizes(compose_cfg, knob):
     import time
     import tracemalloc
 
-    from dsv4.job import knob_peaks, make_job, problems_for
+    from dsv4.app.job import knob_peaks, make_job, problems_for
 
     job = api.compose(TINY, running=False)
     big = make_job(compose_cfg(TINY + [f"workload.kv_pool.{knob}={2 * 10 ** 6}"]))
@@ -200,7 +201,7 @@ def test_the_check_is_bounded_whatever_the_pool_sizes(compose_cfg, knob):
 def test_past_its_limit_the_dry_run_is_a_bound_in_closed_form(monkeypatch):
     """A workload of more request-steps than DRY_RUN_STEPS is not walked: per request a closed-form bound of its
     pages, never fewer than the dry run's (and refused with a pool one page short of that bound)."""
-    from dsv4 import job as job_mod
+    from dsv4.app import job as job_mod
 
     overrides = TINY + ["workload.prompt_lens=[3000,700]", "workload.prefill_chunk=7",
                         "workload.kv_pool.compressed_blocks=200"]
@@ -267,14 +268,14 @@ def measured_growth(compose_cfg, overrides, out_dir) -> int:
     import ctypes
     import gc
 
-    from dsv4.app import main
+    from dsv4.app.dispatch import run_config
 
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     try:
-        main(compose_cfg(overrides), out_dir=out_dir)
+        run_config(compose_cfg(overrides), out_dir=out_dir)
     except ResultMismatch:          # random shapes may select near-ties apart; the result holds the peak all the same
         pass
     row = json.loads((out_dir / "result.json").read_text())
@@ -283,7 +284,7 @@ def measured_growth(compose_cfg, overrides, out_dir) -> int:
 
 def sized_pool(compose_cfg, overrides) -> list[str]:
     """`overrides` with pages enough for the workload, and no more (the pool is counted exactly anyway)."""
-    from dsv4.job import knob_peaks, make_job
+    from dsv4.app.job import knob_peaks, make_job
 
     roomy = overrides + ["workload.kv_pool.swa_blocks=100000", "workload.kv_pool.compressed_blocks=100000"]
     need = knob_peaks(make_job(compose_cfg(roomy)))

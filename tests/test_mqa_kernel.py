@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import published_angles, tiny_spec
-from dsv4.seam import PagedCache
+from dsv4.values.seam import PagedCache
 from dsv4.components.rope import Rope
-from dsv4.device import DeviceInfo
+from dsv4.values.device import DeviceInfo
 from dsv4.strategies import (BucketHeadPadding, NoHeadPadding, OProjWeights, PlainRowLayout, ReferenceMQA,
                              ReferenceOProj, SparseKV)
 

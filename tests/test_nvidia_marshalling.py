@@ -19,9 +19,9 @@ import types
 import pytest
 import torch
 
-from dsv4.benches.cases import random_pages
+from dsv4.speed.cases import random_pages
 from dsv4.components.rope import Rope
-from dsv4.device import DeviceInfo
+from dsv4.values.device import DeviceInfo
 from dsv4.oracle import rel_err
 from dsv4.strategies import (DeepGemmFp8OProj, FlashMLASparse, OProjWeights, ReferenceMQA, ReferenceOProj,
                              SparseKV)

@@ -12,8 +12,8 @@ import torch
 
 from tests.triton_mode import DEVICE  # noqa: F401  (skips this module where Triton is not installed)
 
-from dsv4.catalogue import options
-from dsv4.device import DeviceInfo
+from dsv4.checks.catalogue import options
+from dsv4.values.device import DeviceInfo
 from dsv4.strategies.protocols import LinearWeight, OProjWeights
 
 # the CPU, then the deployments' GPUs (configs/deployment/)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4 import catalogue
+from dsv4.checks import catalogue
 from tests.conftest import run_py
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()

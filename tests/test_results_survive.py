@@ -13,11 +13,11 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from dsv4.app import main
-from dsv4.callbacks import FoldersCallback
-from dsv4.errors import IncompatibleCombination
-from dsv4.report import write_row
-from dsv4.targets import FolderBusy, hold
+from dsv4.app.dispatch import run_config
+from dsv4.app.callbacks import FoldersCallback
+from dsv4.values.errors import IncompatibleCombination
+from dsv4.reports.report import write_row
+from dsv4.app.targets import FolderBusy, hold
 from tests.conftest import ROOT, run_py
 
 TINY = ("model=dsv4_tiny", "workload.prompt_lens=[20,9]", "workload.decode_steps=1")
@@ -118,7 +118,7 @@ def test_a_dump_folder_another_run_writes_into_is_refused_before_the_work(compos
     dump = tmp_path / "dump"
     cfg = compose_cfg([*TINY, f"dump_dir={dump}"])
     with hold(dump, what="dump_dir"), pytest.raises(IncompatibleCombination, match="dump_dir=.*another process"):
-        main(cfg, out_dir=tmp_path / "run")
+        run_config(cfg, out_dir=tmp_path / "run")
     row = json.loads((tmp_path / "run" / "result.json").read_text())
     assert row["status"] == "incompatible" and row["problems"][0]["group"] == "dump_dir"
     assert not any(dump.iterdir())
@@ -135,7 +135,7 @@ def test_a_folder_is_held_for_the_run_and_let_go_after(tmp_path):
 
 @pytest.mark.slow
 def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path):
-    code = ("import sys, time; from pathlib import Path; from dsv4.targets import hold\n"
+    code = ("import sys, time; from pathlib import Path; from dsv4.app.targets import hold\n"
             "with hold(Path(sys.argv[1]), what='hydra.run.dir'):\n"
             "    print('held', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,

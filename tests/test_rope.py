@@ -21,8 +21,8 @@ from tests.conftest import (CONFIGS, published_angles, published_freqs_cis, publ
                             spec_rope_freqs, tiny_spec)
 from dsv4 import oracle
 from dsv4.components.rope import Rope, rope_frequencies
-from dsv4.seam import RopeRows
-from dsv4.spec import ModelSpec
+from dsv4.values.seam import RopeRows
+from dsv4.values.spec import ModelSpec
 
 NOPE, ROPE = 448, 64
 BASE, ORIG, FACTOR, BETA_FAST, BETA_SLOW = 160000.0, 65536, 16.0, 32.0, 1.0

@@ -10,8 +10,8 @@ from typing import ClassVar
 
 import pytest
 
-from dsv4.app import main
-from dsv4.errors import ConfigError, IncompatibleCombination, ResultMismatch
+from dsv4.app.dispatch import run_config
+from dsv4.values.errors import ConfigError, IncompatibleCombination, ResultMismatch
 from dsv4.strategies import ReferenceMQA
 from dsv4.strategies.protocols import Needs
 from tests.conftest import run_py
@@ -55,7 +55,7 @@ BAD = [
 def test_a_bad_setting_is_one_line_before_any_work(compose_cfg, tmp_path, override, message, mode):
     cfg = compose_cfg([*TINY, f"mode={mode}", override])
     with pytest.raises(ConfigError) as e:
-        main(cfg, out_dir=tmp_path)
+        run_config(cfg, out_dir=tmp_path)
     assert message in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "result.json").exists() or json.loads((tmp_path / "result.json").read_text())[
         "status"] == "error"                                             # a run's row says it; nothing else
@@ -73,22 +73,22 @@ def test_a_workload_the_pool_cannot_hold_is_refused_by_check_and_run(compose_cfg
     for mode in ("check", "run"):
         cfg = compose_cfg([*TINY, f"mode={mode}", "workload.prompt_lens=[100000]"])
         with pytest.raises(IncompatibleCombination) as e:
-            main(cfg, out_dir=tmp_path / mode)
+            run_config(cfg, out_dir=tmp_path / mode)
         msg = str(e.value)
         assert "workload.kv_pool.compressed_blocks=" in msg and "ratio-4 compressed" in msg, msg
         assert "fix: workload.kv_pool.compressed_blocks=" in msg
     cfg = compose_cfg([*TINY, "mode=check", "workload.prompt_lens=[10,10,10]", "workload.kv_pool.max_requests=2"])
     with pytest.raises(IncompatibleCombination, match="holds 3 requests at once") as e:
-        main(cfg, out_dir=tmp_path)
+        run_config(cfg, out_dir=tmp_path)
     assert str(e.value).count("- workload.kv_pool.max_requests=") == 1           # one line per knob
     cfg = compose_cfg([*TINY, "mode=check", "workload.layers=[7]"])
     with pytest.raises(IncompatibleCombination, match="workload.layers=.7.: model=dsv4_tiny has layers 0..2"):
-        main(cfg, out_dir=tmp_path)
+        run_config(cfg, out_dir=tmp_path)
 
 
 def test_the_default_workloads_fit_their_pools(compose_cfg, tmp_path, capsys):
     for workload in ("default", "sweep"):
-        main(compose_cfg(["mode=check", f"workload={workload}"]), out_dir=tmp_path)
+        run_config(compose_cfg(["mode=check", f"workload={workload}"]), out_dir=tmp_path)
         assert capsys.readouterr().out.startswith("OK:")
 
 
@@ -98,7 +98,7 @@ def test_an_unwritable_dump_dir_is_refused_before_the_run(compose_cfg, tmp_path)
     for mode in ("check", "run"):
         cfg = compose_cfg([*TINY, f"mode={mode}", f"dump_dir={blocker}/case"])
         with pytest.raises(IncompatibleCombination, match=r"dump_dir=.*a_file/case: .*a_file is not a writable folder"):
-            main(cfg, out_dir=tmp_path / mode)
+            run_config(cfg, out_dir=tmp_path / mode)
     row = json.loads((tmp_path / "run" / "result.json").read_text())      # run: the refusal is the row
     assert row["status"] == "incompatible" and row["problems"][0]["group"] == "dump_dir"
     assert not (tmp_path / "check" / "result.json").exists()
@@ -130,12 +130,12 @@ BROKEN = [*TINY, "mqa_kernel._target_=tests.test_settings.SinkFlippedMQA", "~mqa
 
 def test_a_broken_strategy_makes_the_run_a_mismatch(compose_cfg, tmp_path, capsys):
     with pytest.raises(ResultMismatch, match=r"layer swa \(idx 0\): rel_err .* > budget 0.00011"):
-        main(compose_cfg(BROKEN), out_dir=tmp_path)
+        run_config(compose_cfg(BROKEN), out_dir=tmp_path)
     row = json.loads((tmp_path / "result.json").read_text())
     assert row["status"] == "mismatch" and "rel_err" in row["error"]
     assert row["metrics.error_budget"] == pytest.approx(1.1e-4)
     assert "verdict: MISMATCH: layer swa (idx 0)" in capsys.readouterr().out
-    main(compose_cfg(TINY), out_dir=tmp_path / "ok")                # the same run, the reference kernel: ok
+    run_config(compose_cfg(TINY), out_dir=tmp_path / "ok")                # the same run, the reference kernel: ok
     good = json.loads((tmp_path / "ok" / "result.json").read_text())
     assert good["status"] == "ok" and good["metrics.max_rel_err"] <= good["metrics.error_budget"]
 
@@ -148,13 +148,13 @@ def test_a_mismatch_exits_non_zero_from_the_cli(tmp_path):
 
 
 def test_a_mismatch_in_a_sweep_cell_is_its_row(compose_cfg, tmp_path):
-    assert main(compose_cfg(BROKEN), out_dir=tmp_path, multirun=True) is None
+    assert run_config(compose_cfg(BROKEN), out_dir=tmp_path, multirun=True) is None
     assert json.loads((tmp_path / "result.json").read_text())["status"] == "mismatch"
 
 
 def test_a_sweep_with_a_mismatch_cell_fails():
-    from dsv4.report import Status
-    from dsv4.summarize import failure
+    from dsv4.reports.report import Status
+    from dsv4.reports.sweep_summary import failure
 
     n = {s: 0 for s in Status} | {Status.OK: 3, Status.MISMATCH: 1}
     assert failure(n, 4) == "1 of 4 jobs gave outputs outside their error budget"
@@ -162,7 +162,7 @@ def test_a_sweep_with_a_mismatch_cell_fails():
 
 
 def test_the_verdict_fails_nan_errors_and_wrong_selections():
-    from dsv4.grades import LayerGrade, OutputStats, SelectionGrade, verdict
+    from dsv4.app.grades import LayerGrade, OutputStats, SelectionGrade, verdict
 
     def grade(layer: int, rel_err: float, **selection) -> LayerGrade:
         return LayerGrade(layer=layer, compress_ratio=4 if selection else 1, rel_err=rel_err, cosine=1.0,
@@ -189,7 +189,7 @@ def test_a_mismatch_of_spawned_ranks_stays_a_mismatch(tmp_path):
 
 
 def test_a_string_setting_the_command_line_parsed_as_a_number_stays_a_string(compose_cfg, tmp_path, monkeypatch):
-    from dsv4.job import make_job
+    from dsv4.app.job import make_job
 
     monkeypatch.chdir(tmp_path)
     assert make_job(compose_cfg([*TINY, "dump_dir=2024"])).run.dump_dir == "2024"
@@ -204,7 +204,7 @@ def test_every_float_setting_is_finite(override):
     """A float setting that is not a finite number (inf, nan, a literal past float range) is refused when it
     is read, with the key, never accepted to fail (or quietly give inf) later."""
     import dsv4
-    from dsv4.errors import ConfigError
+    from dsv4.values.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"=(inf|-inf|nan).*finite number"):
         dsv4.compose(["model=dsv4_tiny", *override.split()], running=False)

@@ -14,11 +14,11 @@ import torch
 from dsv4 import oracle as ref
 from dsv4.components.builders import Strategies, build_layer
 from dsv4.components.kv_pool import LayerCaches, CompressorState
-from dsv4.seam import PagedCache
+from dsv4.values.seam import PagedCache
 from dsv4.components.plan import PageTable, StepPlan
-from dsv4.layer_types import by_ratio
+from dsv4.values.layer_types import by_ratio
 from dsv4.components.weights import random_layer_weights
-from dsv4.device import DeviceInfo
+from dsv4.values.device import DeviceInfo
 from dsv4.strategies import NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
 from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
 

@@ -52,26 +52,65 @@ def test_no_module_imports_one_that_imports_it_back():
     assert not cycles, f"modules on an import cycle: {cycles}"
 
 
-def test_the_floors_import_nothing_above_them():
-    above = ("dsv4.app", "dsv4.job", "dsv4.modes", "dsv4.runner", "dsv4.benches", "dsv4.cli", "dsv4.api")
+# dsv4's folders from the bottom up: a module imports only modules of its own floor or of floors below it
+FLOORS = (
+    ("dsv4.values",),                       # the model's shapes, layer types, device, settings, errors, seam
+    ("dsv4.formats", "dsv4.oracle"),        # row formats and numerics in torch; the whole-sequence oracle
+    ("dsv4.kernels",),                      # our Triton kernels
+    ("dsv4.strategies",),                   # the options of the six groups
+    ("dsv4.components",),                   # the layer, its pool, its engine
+    ("dsv4.checks",),                       # the catalogue of options and check()
+    ("dsv4.reports",),                      # result rows, tables, sweep summaries
+    ("dsv4.app", "dsv4.speed"),             # the command line, modes and jobs; the benchmarks
+    ("dsv4.api", "dsv4", "dsv4.__main__"),  # the public Python API, `python -m dsv4`
+)
+# the one import that reaches up, lazily: a checkpoint's config.json is named by the model presets it matches,
+# which the catalogue reads from configs/
+REACHES_UP = {("dsv4.components.checkpoint", "dsv4.checks.catalogue")}
+
+
+def floor(module: str) -> int:
+    return max(i for i, names in enumerate(FLOORS) for n in names
+               if module == n or (n != "dsv4" and module.startswith(n + ".")))
+
+
+def test_a_module_imports_only_its_own_floor_and_the_floors_below():
+    bad = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() for d in deps
+                 if d in MODULES and floor(d) > floor(m) and (m, d) not in REACHES_UP)
+    assert not bad, f"imports that reach a floor above: {bad}"
     for m, deps in GRAPH.items():
-        if m.startswith(("dsv4.kernels", "dsv4.components", "dsv4.strategies")):
-            bad = sorted(d for d in deps if d.startswith(above) or d in ("hydra", "omegaconf"))
-            assert not bad, f"{m} imports {bad}"
-        if m.startswith("dsv4.kernels"):
-            bad = sorted(d for d in deps if d.startswith("dsv4.")
-                         and not d.startswith(("dsv4.kernels", "dsv4.formats", "dsv4.sizes", "dsv4.layer_types")))
-            assert not bad, f"{m} imports {bad}"
-        if m.startswith("dsv4.formats"):
-            bad = sorted(d for d in deps if d.startswith("dsv4.") and not d.startswith(("dsv4.formats", "dsv4.sizes")))
-            assert not bad, f"{m} imports {bad}"
+        if m.startswith(("dsv4.kernels", "dsv4.strategies", "dsv4.components")):
+            assert not deps & {"hydra", "omegaconf"}, f"{m} imports Hydra"
+
+
+def test_the_top_level_is_folders_and_no_two_modules_share_a_name():
+    """At most a dozen modules directly under dsv4/; a module's stem names one thing in the package (an
+    option's module, named by its option in its group's folder, may repeat another group's option name)."""
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(top) <= 12, top
+    stems: dict[str, list[str]] = {}
+    for p in ROOT.rglob("*.py"):
+        rel = p.relative_to(ROOT)
+        if p.stem == "__init__" or (rel.parts[0] == "strategies" and len(rel.parts) > 2):
+            continue
+        stems.setdefault(p.stem, []).append(str(rel))
+    assert not {s: ps for s, ps in stems.items() if len(ps) > 1}
+
+
+def test_the_kernels_are_folders_by_family():
+    """dsv4/kernels/: a folder per family (sparse MQA, the front and caches, the indexer, the products) and,
+    beside them, only what every family uses (the target, the launcher, rounding, the compile check)."""
+    kernels = ROOT / "kernels"
+    assert {p.name for p in kernels.iterdir() if p.is_dir() and not p.name.startswith("__")} == {
+        "mqa", "front", "indexer", "products"}
+    assert {p.stem for p in kernels.glob("*.py")} == {"__init__", "target", "launch", "rounding", "compile_check"}
 
 
 def test_each_option_is_a_module_of_its_groups_folder_that_no_other_strategy_imports():
     """strategies/<group>/<option>.py (a nested group's: strategies/<group>/<nested>/<option>.py): an option's
     class lives in its group's folder, and what options share lives in a module of its own (dsv4/formats/, a
     group's common module), never in another option's."""
-    from dsv4.catalogue import GROUPS, NESTED_GROUPS, defaults, options
+    from dsv4.checks.catalogue import GROUPS, NESTED_GROUPS, defaults, options
 
     homes = {g: {type(o).__module__ for o in options(g).values()} for g in GROUPS}
     for g, mods in homes.items():
@@ -102,26 +141,26 @@ def test_the_components_choose_their_implementation_once_not_by_the_tensor():
 
 
 def test_the_layer_types_are_one_table_below_everything():
-    """dsv4/layer_types.py is pure data that imports nothing of ours, and no module but it spells a ratio's
+    """dsv4/values/layer_types.py is pure data that imports nothing of ours, and no module but it spells a ratio's
     facts as literals: which ratio has a compressor or an indexer (a ratio compared with 1, 4 or 128), how a
     compressor's windows overlap, or the indexer's pages by their ratio (`entries[4]`)."""
     import re
 
-    assert not [d for d in GRAPH["dsv4.layer_types"] if d.startswith("dsv4")]
+    assert not [d for d in GRAPH["dsv4.values.layer_types"] if d.startswith("dsv4")]
     facts = re.compile(r"\b(R|r|ratio|\w+_ratio\(\w*\))\s*(==|!=|>|<=|<|>=)\s*(1|4|128)\b"
                        r"|\b(entries|state)\[4\]|\b2 if \w*ratio\w* == 4|\bin \((0, )?4, 128\)")
     for m, path in MODULES.items():
-        if m in ("dsv4.layer_types", "dsv4.oracle"):        # the oracle restates the published math itself
+        if m in ("dsv4.values.layer_types", "dsv4.oracle"):        # the oracle restates the published math itself
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             assert not facts.search(line.split("#")[0]), f"{path.name}:{n}: {line.strip()}"
 
 
 def test_strategies_never_import_components():
-    """The strategies see the layer's components only through the seam's values (dsv4/seam.py), never by
+    """The strategies see the layer's components only through the seam's values (dsv4/values/seam.py), never by
     importing dsv4/components/ (type-checking imports included)."""
     for m, deps in GRAPH.items():
-        if m.startswith("dsv4.strategies") or m == "dsv4.seam":
+        if m.startswith("dsv4.strategies") or m == "dsv4.values.seam":
             bad = sorted(d for d in deps if d.startswith("dsv4.components"))
             assert not bad, f"{m} imports {bad}"
 

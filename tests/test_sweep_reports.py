@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from dsv4.device import DeviceInfo, local_platform
-from dsv4.errors import ConfigError, Problem
-from dsv4.heatmaps import color_norm, figure
-from dsv4.report import result_row, write_row
-from dsv4.summarize import load_rows, markdown, pivot, summarize
-from dsv4.summary_metrics import DEFAULT_VIEW, METRICS, Scale, SummaryView
+from dsv4.values.device import DeviceInfo, local_platform
+from dsv4.values.errors import ConfigError, Problem
+from dsv4.reports.heatmaps import color_norm, figure
+from dsv4.reports.report import result_row, write_row
+from dsv4.reports.sweep_summary import load_rows, markdown, pivot, summarize
+from dsv4.reports.summary_metrics import DEFAULT_VIEW, METRICS, Scale, SummaryView
 from tests.conftest import CONFIGS, run_py
 
 on_cpu_host = pytest.mark.skipif(local_platform() != "cpu", reason="expects a host without an accelerator")
@@ -109,11 +109,11 @@ def test_cache_by_kernel_tables_and_plots_the_error_against_exact_float32_rows(t
 
 @on_cpu_host
 def test_a_run_row_has_the_error_against_exact_float32_rows_for_every_layout(compose_cfg, tmp_path):
-    from dsv4.app import main
+    from dsv4.app.dispatch import run_config
 
     for layout in ("fp8_ds_mla", "float32"):
         cfg = compose_cfg(["experiment=cache_by_kernel", "mqa_kernel=reference", f"cache_layout={layout}"])
-        main(cfg, out_dir=tmp_path / layout, multirun=True)
+        run_config(cfg, out_dir=tmp_path / layout, multirun=True)
     fp8, f32 = (json.loads((tmp_path / x / "result.json").read_text()) for x in ("fp8_ds_mla", "float32"))
     assert 1e-2 < fp8["metrics.max_rel_err_vs_f32_kv"] < 1e-1 and fp8["metrics.max_rel_err"] < 1e-5
     assert f32["metrics.max_rel_err_vs_f32_kv"] == f32["metrics.max_rel_err"], "float32 rows are the exact rows"
@@ -158,7 +158,7 @@ def test_a_sweep_in_which_every_cell_is_incompatible_says_so_and_exits_1(tmp_pat
 
 
 def test_the_callback_fails_a_sweep_without_one_ok_row(tmp_path):
-    from dsv4.callbacks import SummarizeCallback
+    from dsv4.app.callbacks import SummarizeCallback
 
     p = Problem(group="mqa_kernel", value="flashmla_sparse", reason="runs on cuda", fix="mqa_kernel=reference")
     write_row(tmp_path / "0", result_row(status="incompatible", problems=[p], choices={"mqa_kernel": "flashmla_sparse"},

@@ -32,16 +32,16 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from dsv4.app import cli, main
-from dsv4.catalogue import GROUPS
-from dsv4.job import make_job, problems_for, settings
-from dsv4.modes.info import info
-from dsv4.compat import check
-from dsv4.device import DeviceInfo, local_platform
-from dsv4.errors import IncompatibleCombination
-from dsv4.report import result_row, step_progress, write_row
-from dsv4.summarize import load_rows, summarize
-from dsv4.sweep_record import matrix
+from dsv4.app.dispatch import run_command, run_config
+from dsv4.checks.catalogue import GROUPS
+from dsv4.app.job import make_job, problems_for, settings
+from dsv4.app.modes.info import info
+from dsv4.checks.compat import check
+from dsv4.values.device import DeviceInfo, local_platform
+from dsv4.values.errors import IncompatibleCombination
+from dsv4.reports.report import result_row, step_progress, write_row
+from dsv4.reports.sweep_summary import load_rows, summarize
+from dsv4.reports.sweep_record import matrix
 from tests.conftest import CONFIGS, ROOT, options, run_py
 
 on_cpu_host = pytest.mark.skipif(local_platform() != "cpu", reason="expects a host without an accelerator")
@@ -52,7 +52,7 @@ DEPLOYMENTS = options("deployment")
 
 
 def compose_with_hydra(overrides=()):
-    import dsv4.cli  # noqa: F401  (registers the ${dsv4.pid:} resolver of the run and sweep folders)
+    import dsv4.app.cli  # noqa: F401  (registers the ${dsv4.pid:} resolver of the run and sweep folders)
 
     GlobalHydra.instance().clear()
     try:
@@ -153,7 +153,7 @@ def test_every_value_a_deployment_sets_wins_over_config_yaml(deployment):
 
 
 def test_config_yaml_summary_is_the_default_view():
-    from dsv4.summary_metrics import DEFAULT_VIEW, SummaryView
+    from dsv4.reports.summary_metrics import DEFAULT_VIEW, SummaryView
 
     node = OmegaConf.load(CONFIGS / "config.yaml").summary
     assert SummaryView.from_config(OmegaConf.to_container(node)) == DEFAULT_VIEW
@@ -337,55 +337,55 @@ def test_a_sweep_with_an_error_runs_every_cell_summarizes_and_exits_1(tmp_path):
 # ---- multirun handling, in process -----------------------------------------------------------------------
 def test_multirun_incompatible_cell_is_a_row_and_returns(compose_cfg, tmp_path):
     cfg = compose_cfg(["model=dsv4_tiny", "tp_size=3"])
-    assert main(cfg, out_dir=tmp_path, multirun=True) is None
+    assert run_config(cfg, out_dir=tmp_path, multirun=True) is None
     row = json.loads((tmp_path / "result.json").read_text())
     assert row["status"] == "incompatible" and row["problems"][0]["group"] == "tp_size"
     with pytest.raises(IncompatibleCombination):
-        main(cfg, out_dir=tmp_path / "single")
+        run_config(cfg, out_dir=tmp_path / "single")
 
 
 def test_multirun_error_is_a_row_printed_and_returns(compose_cfg, tmp_path, monkeypatch, capsys):
-    import dsv4.runner
+    import dsv4.app.runner
 
     def boom(job):
         raise RuntimeError("kernel exploded")
-    monkeypatch.setattr(dsv4.runner, "execute", boom)
+    monkeypatch.setattr(dsv4.app.runner, "execute", boom)
     cfg = compose_cfg(["model=dsv4_tiny"])
-    assert main(cfg, out_dir=tmp_path, multirun=True) is None
+    assert run_config(cfg, out_dir=tmp_path, multirun=True) is None
     row = json.loads((tmp_path / "result.json").read_text())
     assert row["status"] == "error" and row["error"] == "RuntimeError: kernel exploded"
     err = capsys.readouterr().err
     assert "Traceback" in err and "kernel exploded" in err
     with pytest.raises(RuntimeError, match="kernel exploded"):       # a single run re-raises
-        main(cfg, out_dir=tmp_path / "single")
+        run_config(cfg, out_dir=tmp_path / "single")
 
 
 def test_multirun_config_error_before_the_job_is_a_row(compose_cfg, tmp_path, capsys):
     cfg = compose_cfg(["model=dsv4_tiny", "cache_layout.dtype=float16"])
-    assert cli(cfg, choices={"cache_layout": "bf16"}, out_dir=str(tmp_path), multirun=True) is None
+    assert run_command(cfg, choices={"cache_layout": "bf16"}, out_dir=str(tmp_path), multirun=True) is None
     row = json.loads((tmp_path / "result.json").read_text())
     assert row["status"] == "error" and "cache_layout=bf16" in row["error"]
     assert "device.platform" not in row and row["choices.cache_layout"] == "bf16"
     err = capsys.readouterr().err
     assert "ConfigError: cache_layout=bf16" in err and "Traceback" not in err
     with pytest.raises(SystemExit):
-        cli(cfg, choices={}, out_dir=str(tmp_path / "single"))
+        run_command(cfg, choices={}, out_dir=str(tmp_path / "single"))
 
 
 @pytest.mark.parametrize("name, target", [("summarize", "SummarizeCallback"), ("folders", "FoldersCallback")])
 def test_each_callback_is_a_plain_class_with_the_six_hooks(name, target):
-    import dsv4.callbacks
+    import dsv4.app.callbacks
 
     cfg = compose_with_hydra([])
-    assert cfg.hydra.callbacks[name]._target_ == f"dsv4.callbacks.{target}"
-    cls = getattr(dsv4.callbacks, target)
+    assert cfg.hydra.callbacks[name]._target_ == f"dsv4.app.callbacks.{target}"
+    cls = getattr(dsv4.app.callbacks, target)
     assert cls.__mro__ == (cls, object)
     for hook in ("on_run_start", "on_run_end", "on_multirun_start", "on_multirun_end", "on_job_start", "on_job_end"):
         assert callable(getattr(cls(), hook))
 
 
 def test_summarize_callback_summarizes_run_sweeps_and_exits_1_on_errors(tmp_path, capsys):
-    from dsv4.callbacks import SummarizeCallback
+    from dsv4.app.callbacks import SummarizeCallback
 
     dev = DeviceInfo(platform="cpu", name="CPU")
     write_row(tmp_path / "0", result_row(status="ok", problems=[], choices={"mqa_kernel": "reference"}, device=dev,
@@ -414,7 +414,7 @@ def test_summarize_on_rows_written_by_hand(tmp_path):
                                                   "max_rel_err": 3e-7}))
     write_row(tmp_path / "1", result_row(status="error", problems=[], choices=base | {"mqa_kernel": "reference"},
                                          device=dev, settings={"tp_size": 2}, error="ValueError: a | b"))
-    from dsv4.errors import Problem
+    from dsv4.values.errors import Problem
     p = Problem(group="mqa_kernel", value="flashmla_sparse", reason="runs on cuda", fix="mqa_kernel=reference")
     write_row(tmp_path / "2", result_row(status="incompatible", problems=[p],
                                          choices=base | {"mqa_kernel": "flashmla_sparse"}, device=dev,
@@ -486,7 +486,7 @@ class FakeTTY(io.StringIO):
 
 
 def test_progress_rewrites_one_line_on_a_terminal_and_writes_a_line_per_step_elsewhere():
-    from dsv4.workload import Workload, run_workload
+    from dsv4.app.workload import Workload, run_workload
     from tests.conftest import make_engine, tiny_spec
 
     spec = tiny_spec()

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from dsv4 import parallel
+from dsv4.app import parallel
 from dsv4.oracle import rel_err
 from tests.conftest import ROOT, chunked, drive, hidden_for, make_engine, tiny_spec
 
@@ -93,7 +93,7 @@ def test_torchrun_world_size_must_equal_tp_size(tmp_path):
 
 def test_more_nccl_ranks_than_gpus_is_refused_before_joining(monkeypatch):
     """NCCL cannot put two ranks on one GPU; the process says so, with the fix, instead of NCCL's error."""
-    from dsv4.errors import ConfigError
+    from dsv4.values.errors import ConfigError
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", str(torch.cuda.device_count() + 1))
@@ -145,7 +145,7 @@ def test_spawn_launcher_in_a_multirun_over_tp_size(tmp_path):
 # ---- mode=bench's tensor-parallel step table, on the CPU ---------------------------------------------
 def _bench_worker(tp: int, out_path: str) -> None:
     from dsv4.api import compose
-    from dsv4.benches.tp_step import bench_tp_step
+    from dsv4.speed.tp_step import bench_tp_step
 
     ranks = parallel.init(platform="cpu", tp_size=tp, config=parallel.ParallelConfig(timeout_s=60))
     job = compose(["model=dsv4_tiny", f"tp_size={tp}"])

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from dsv4.device import DeviceInfo
+from dsv4.values.device import DeviceInfo
 from dsv4.oracle import rel_err
 from dsv4.strategies import TritonFp8OProj
 from tests.conftest import fp8_block_product
@@ -41,7 +41,7 @@ SHAPES = [(1, 2, 128, 256), (5, 1, 256, 128), (70, 2, 128, 384), (3, 2, 256, 256
 @pytest.mark.parametrize("T,G,N,K", SHAPES)
 @pytest.mark.parametrize("launch", [dict(), dict(block_m=128, num_warps=8, num_stages=3)], ids=["default", "m128"])
 def test_grouped_product_matches_the_fp8_simulation(T, G, N, K, launch):
-    from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
+    from dsv4.kernels.products.fp8_grouped_gemm import grouped_fp8_gemm
 
     g = torch.Generator(device=DEVICE).manual_seed(T * 7 + G)
     x, xs = e4m3_blocks(G, K, g, (T,))
@@ -56,7 +56,7 @@ def test_grouped_product_matches_the_fp8_simulation(T, G, N, K, launch):
 
 
 def test_bad_shapes_and_launches_are_refused():
-    from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
+    from dsv4.kernels.products.fp8_grouped_gemm import grouped_fp8_gemm
 
     g = torch.Generator(device=DEVICE).manual_seed(0)
     x, xs = e4m3_blocks(1, 256, g, (3,))
@@ -73,8 +73,8 @@ def test_bad_shapes_and_launches_are_refused():
 def test_rules_name_the_architectures():
     from omegaconf import OmegaConf
 
-    from dsv4.compat import check
-    from dsv4.spec import ModelSpec
+    from dsv4.checks.compat import check
+    from dsv4.values.spec import ModelSpec
     from tests.conftest import CONFIGS
     from tests.test_fp8_oproj_cpu import combo
 

@@ -16,7 +16,7 @@ import torch
 
 from tests.triton_mode import BIG, DEVICE, GPU, MARK
 
-from dsv4.benches.cases import sparse_case
+from dsv4.speed.cases import sparse_case
 from dsv4.oracle import rel_err
 from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout, ReferenceMQA
 from dsv4.strategies.mqa_kernel.triton_sparse import TritonSparseMQA
@@ -90,7 +90,7 @@ def test_launch_shapes_agree(launch):
 def test_hopper_splits_agree(splits):
     """The Hopper kernel cut into runs of list blocks per (token, 64 heads), merged by split_combine, gives
     the reference's answer: splits left empty by short lists, or more splits than blocks, included."""
-    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
 
     kernel("hopper")                            # skips where it cannot run
     for T, H, layer in ((4, 64, "c4a"), (3, 20, "c128a"), (2, 128, "swa"), (5, 64, "c4a")):
@@ -111,8 +111,8 @@ def test_few_heads_kernel_agrees(H, buffers):
     """The few-heads Hopper kernel (8, 16 or 32 heads per program, transposed products) gives the reference's
     answer with either number of K buffers, whole and split, on every layer type; lists that end inside a
     block, a token with no SWA row and one with no row at all included."""
-    from dsv4.kernels.sparse_mqa import LOG2E, pool_args
-    from dsv4.kernels.sparse_mqa_hopper import sparse_mqa_hopper
+    from dsv4.kernels.mqa.sparse_mqa import LOG2E, pool_args
+    from dsv4.kernels.mqa.sparse_mqa_hopper import sparse_mqa_hopper
 
     kernel("hopper")                            # skips where it cannot run
     if buffers == 3 and H > 16:
@@ -135,8 +135,8 @@ def test_a_runs_tokens_read_their_rows_once_and_agree(H, extra):
     of their lists once give each token the reference's answer, and the per-token kernel's to P's bf16
     rounding: SWA windows full and not, ratio-4 top-k lists (each token's own), ratio-128 lists (nested),
     runs of one to three tokens, a request with none, padding rows; planned, split, and groups of 4."""
-    from dsv4.benches.cases import runs_case
-    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.speed.cases import runs_case
+    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
 
     kernel("hopper")                            # skips where it cannot run
     q, kv, sink = runs_case([2, 1, 3, 0, 2, 2], [300, 5, 256, 9, 129, 8192], H, extra=extra, extra_w=512,
@@ -156,8 +156,8 @@ def test_l2_prefetch_changes_no_output():
     """The 64-head kernel's L2 prefetch of the next block's rows (programs of PREFETCH_MIN_BLOCKS blocks or
     more, asked of either pool or both) leaves every output bit as it is, and the answer is the
     reference's; lists that end inside a block and a token with no compressed row included."""
-    from dsv4.kernels.sparse_mqa import LOG2E, pool_args
-    from dsv4.kernels.sparse_mqa_hopper import PREFETCH_MIN_BLOCKS, sparse_mqa_hopper
+    from dsv4.kernels.mqa.sparse_mqa import LOG2E, pool_args
+    from dsv4.kernels.mqa.sparse_mqa_hopper import PREFETCH_MIN_BLOCKS, sparse_mqa_hopper
 
     kernel("hopper")                            # skips where it cannot run
     q, kv, sink = case(6, 64, LAYER_TYPES["c4a"], seed=23)
@@ -175,8 +175,8 @@ def test_l2_prefetch_changes_no_output():
 def test_prefetch_asks_only_pools_larger_than_l2():
     """prefetched_pools: a pool's rows are prefetched where the pool is larger than L2, so that rows L2
     already holds are not asked for twice."""
-    from dsv4.kernels.sparse_mqa import pool_args
-    from dsv4.kernels.sparse_mqa_hopper import prefetched_pools
+    from dsv4.kernels.mqa.sparse_mqa import pool_args
+    from dsv4.kernels.mqa.sparse_mqa_hopper import prefetched_pools
 
     _, kv, _ = sparse_case(1, 8, extra_block=2, extra_w=8, seed=3, swa_blocks=4, extra_blocks=4, device="cpu")
     swa, ext = pool_args(kv.swa), pool_args(kv.extra)
@@ -189,7 +189,7 @@ def test_prefetch_asks_only_pools_larger_than_l2():
 def test_split_combine_merges_as_one_softmax():
     """split_combine's merge of per-split (output, max, sum) equals one softmax over all the scores with
     the sink in the denominator; a head whose every split is empty gets 0 and lse +inf."""
-    from dsv4.kernels.split_combine import combine_splits
+    from dsv4.kernels.mqa.split_combine import combine_splits
 
     g = torch.Generator().manual_seed(21)
     T, H, D, N = 3, 5, 512, 40
@@ -216,7 +216,7 @@ def test_split_combine_merges_as_one_softmax():
 
 
 def test_planned_launch_follows_the_step_size():
-    from dsv4.kernels.sparse_plan import Launch, plan_launch
+    from dsv4.kernels.mqa.sparse_plan import Launch, plan_launch
 
     assert plan_launch(1, 64, 640, 132) == Launch(64, 16, 64, 8)          # b=1 decode: more, smaller programs
     assert plan_launch(256, 64, 640, 132) == Launch(128, 64, 128, 4)      # b=128, s_q=2
@@ -225,7 +225,7 @@ def test_planned_launch_follows_the_step_size():
 
 def test_long_steps_run_through_the_workspace_in_chunks(monkeypatch):
     """A step whose p would overflow the workspace runs in token chunks, with the same answer."""
-    from dsv4.kernels import sparse_mqa as mod
+    from dsv4.kernels.mqa import sparse_mqa as mod
 
     q, kv, sink = case(7, 8, LAYER_TYPES["c4a"], seed=5)
     whole, whole_lse = TritonSparseMQA(block_n=16, variant="two_pass")(q, kv, sink=sink, scale=SCALE)
@@ -255,7 +255,7 @@ def test_kernel_plan(monkeypatch):
     """auto takes the Hopper kernel on sm90 for fp8_ds_mla pages, whatever the step's size (small steps
     split over list blocks, a large step's MTP tokens at 8 heads two per program); an explicit hopper that
     cannot run is an error naming the reason and the fix."""
-    from dsv4.kernels.sparse_plan import hopper_group, hopper_heads, hopper_splits, plan_kernel
+    from dsv4.kernels.mqa.sparse_plan import hopper_group, hopper_heads, hopper_splits, plan_kernel
 
     h200 = dict(arch="sm90", layouts=(1, 1), head_dim=512, native=True, dtype="bfloat16")
     assert plan_kernel("auto", **h200) == "hopper"
@@ -282,7 +282,7 @@ def test_kernel_plan(monkeypatch):
         assert plan_kernel("auto", **other) == "two_pass"
         with pytest.raises(ValueError, match=why):
             plan_kernel("hopper", **other)
-    from dsv4.kernels import sparse_plan as mod
+    from dsv4.kernels.mqa import sparse_plan as mod
 
     monkeypatch.setattr(mod, "gluon_error", lambda: "Triton 3.4 has no usable Gluon")   # an older Triton
     assert plan_kernel("auto", **h200) == "two_pass"
@@ -293,7 +293,7 @@ def test_kernel_plan(monkeypatch):
 def test_gluon_needs_triton_3_6(monkeypatch):
     import triton
 
-    from dsv4.kernels import sparse_plan as mod
+    from dsv4.kernels.mqa import sparse_plan as mod
 
     mod.gluon_error.cache_clear()
     try:
@@ -309,7 +309,7 @@ def test_gluon_needs_triton_3_6(monkeypatch):
 def test_launch_settings_are_not_dropped_when_the_hopper_kernel_runs(monkeypatch):
     """sparse_mqa() itself (not only the strategy) refuses two-pass launch settings for a step it would
     run on the Hopper kernel, instead of ignoring them."""
-    from dsv4.kernels import sparse_mqa as mod
+    from dsv4.kernels.mqa import sparse_mqa as mod
 
     q, kv, sink = case(3, 8, LAYER_TYPES["c4a"], seed=2)
     monkeypatch.setattr(mod, "plan_kernel", lambda *a, **kw: "hopper")
@@ -320,8 +320,8 @@ def test_launch_settings_are_not_dropped_when_the_hopper_kernel_runs(monkeypatch
 def test_a_call_is_planned_by_the_target_its_strategy_prepared(monkeypatch):
     """The device is an input: the strategy's prepare() resolves the device's facts once, and its calls plan
     by that prepared value (here one that says sm90 with 7 processors), not by asking the GPU again."""
-    from dsv4.device import DeviceInfo
-    from dsv4.kernels import sparse_mqa as mod
+    from dsv4.values.device import DeviceInfo
+    from dsv4.kernels.mqa import sparse_mqa as mod
     from dsv4.kernels.target import Target, device_arch, target_of
 
     dev = torch.device(DEVICE)
@@ -366,7 +366,7 @@ def test_lengths_outside_the_list_are_clamped(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_rows_past_2gib_of_pages(variant):
     """Rows whose byte offsets in the pool pass 2^31 (60,000 pages of 37,440 B) are found: offsets are 64-bit."""
-    from dsv4.seam import PagedCache
+    from dsv4.values.seam import PagedCache
 
     lay, blocks = LAYOUTS["fp8_ds_mla"], 60_000
     pool = PagedCache(name="swa", layout=lay, block_size=64, head_dim=512,
@@ -424,7 +424,7 @@ def test_each_64_dims_take_their_own_scale_on_odd_page_sizes(layout, variant):
 def test_both_e4m3_decodings(native, layout):
     """The hardware e4m3 conversion (OCP bytes on sm89+) and the integer decoding read the same values;
     FNUZ bytes always take the integer decoding."""
-    from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
 
     q, kv, sink = case(5, 16, LAYER_TYPES["c4a"], layout, seed=6)
     out, lse = sparse_mqa(q, sink, SCALE, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, pool_args(kv.extra),
@@ -453,8 +453,8 @@ def test_auto_runs_what_the_plan_says():
 def test_groups_of_a_runs_tokens_are_refused_without_the_runs_or_past_32_columns():
     """A group size the few-heads kernel cannot take is refused before anything is launched: no groups of
     the runs given, or more heads x tokens than its 32 columns."""
-    from dsv4.kernels.sparse_mqa import LOG2E, pool_args
-    from dsv4.kernels.sparse_mqa_hopper import sparse_mqa_hopper
+    from dsv4.kernels.mqa.sparse_mqa import LOG2E, pool_args
+    from dsv4.kernels.mqa.sparse_mqa_hopper import sparse_mqa_hopper
 
     q, kv, sink = case(4, 8, LAYER_TYPES["swa"], seed=3)
     args = (q, sink.float(), SCALE * LOG2E, pool_args(kv.swa), kv.swa_indices.int(), kv.swa_lens.int())

@@ -11,11 +11,11 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from dsv4.app import main
-from dsv4.catalogue import options
-from dsv4.compat import check
-from dsv4.device import DeviceInfo
-from dsv4.errors import IncompatibleCombination, ResultMismatch
+from dsv4.app.dispatch import run_config
+from dsv4.checks.catalogue import options
+from dsv4.checks.compat import check
+from dsv4.values.device import DeviceInfo
+from dsv4.values.errors import IncompatibleCombination, ResultMismatch
 from dsv4.strategies import Fp8PerTensorLayout
 from dsv4.strategies.protocols import CacheLayout, Needs
 from tests.conftest import run_py
@@ -47,7 +47,7 @@ UNGUARDED = [*TINY, "cache_layout=fp8_per_tensor", "cache_layout._target_=tests.
 def test_a_scale_that_rounds_every_row_away_is_refused_before_the_work(compose_cfg, tmp_path, mode, setting,
                                                                          value, what):
     with pytest.raises(IncompatibleCombination) as e:
-        main(compose_cfg([*PER_TENSOR, f"mode={mode}", f"cache_layout.{setting}={value}"]), out_dir=tmp_path)
+        run_config(compose_cfg([*PER_TENSOR, f"mode={mode}", f"cache_layout.{setting}={value}"]), out_dir=tmp_path)
     (line,) = [ln for ln in str(e.value).splitlines() if f"cache_layout.{setting}=" in ln]
     assert what in line and "(supported: 0.00223 to 512)" in line, line
     assert line.endswith(f"fix: cache_layout.{setting}=1.0"), line
@@ -70,7 +70,7 @@ def test_the_scales_inside_e4m3s_range_pass_and_the_fix_clears_the_problem():
 # ---- the verdict function, on crafted metrics ----------------------------------------------------------------
 def layer(*, out_nonfinite=0, out_max_abs=2.0, out_spread=1.5, **changes):
     """A healthy layer's grade, with `changes` (its OutputStats' fields named as in the row: out_*)."""
-    from dsv4.grades import LayerGrade, OutputStats
+    from dsv4.app.grades import LayerGrade, OutputStats
 
     output = OutputStats(nonfinite=out_nonfinite, max_abs=out_max_abs, spread=out_spread)
     return LayerGrade(**{"layer": 0, "compress_ratio": 1, "rel_err": 1e-7, "cosine": 1.0, "rel_err_vs_f32_kv": 3e-2}
@@ -78,7 +78,7 @@ def layer(*, out_nonfinite=0, out_max_abs=2.0, out_spread=1.5, **changes):
 
 
 def judge(**changes) -> list[str]:
-    from dsv4.grades import verdict
+    from dsv4.app.grades import verdict
 
     return verdict({"swa": layer(**changes)}, budget=1e-4, gap=1e-5, f32_budget=0.1)
 
@@ -105,7 +105,7 @@ def test_the_verdict_catches_a_degenerate_output_and_rows_rounded_past_their_bud
 
 
 def test_output_stats_see_zero_constant_and_non_finite_outputs():
-    from dsv4.grades import degenerate, output_stats
+    from dsv4.app.grades import degenerate, output_stats
 
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
     assert degenerate(output_stats(x)) is None
@@ -126,7 +126,7 @@ def test_every_shipped_layout_declares_a_rounding_budget():
 
 
 def test_fp8_rows_at_a_sane_scale_pass_within_their_rounding_budget(compose_cfg, tmp_path):
-    main(compose_cfg(PER_TENSOR), out_dir=tmp_path)
+    run_config(compose_cfg(PER_TENSOR), out_dir=tmp_path)
     row = json.loads((tmp_path / "result.json").read_text())
     assert row["status"] == "ok"
     assert row["metrics.f32_kv_budget"] == pytest.approx(1.1e-4 + 0.1)
@@ -139,7 +139,7 @@ def test_rows_saturated_to_one_value_fail_the_run_though_the_oracle_agrees(compo
     """kv_scale=1e-30: every value saturates at +-448e-30; the oracle does the same and agrees (rel_err ~0),
     but against exact float32 rows the output is all error."""
     with pytest.raises(ResultMismatch, match=r"layer swa \(idx 0\): rel_err f32 KV 1 > f32 KV budget 0.1"):
-        main(compose_cfg([*UNGUARDED, "cache_layout.kv_scale=1e-30"]), out_dir=tmp_path)
+        run_config(compose_cfg([*UNGUARDED, "cache_layout.kv_scale=1e-30"]), out_dir=tmp_path)
     row = json.loads((tmp_path / "result.json").read_text())
     assert row["status"] == "mismatch" and "rel_err f32 KV 1 > f32 KV budget 0.1" in row["error"]
     assert row["metrics.swa.rel_err"] < 1e-4                    # what the old verdict judged by alone

@@ -66,14 +66,14 @@ def test_the_wheel_ships_the_configs_and_the_command(installed):
     shipped = {"dsv4/" + p.relative_to(ROOT).as_posix() for p in (ROOT / "configs").rglob("*.yaml")}
     assert shipped and shipped <= names, sorted(shipped - names)[:5]
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "dsv4 = dsv4.cli:main" in zipfile.ZipFile(whl).read(entry).decode()
+    assert "dsv4 = dsv4.app.cli:main" in zipfile.ZipFile(whl).read(entry).decode()
     assert (site / "bin" / "dsv4").is_file() and not (site / "run.py").exists()
 
 
 def test_the_installed_package_is_the_one_imported(installed, tmp_path):
     site, _ = installed
     r = run_installed(site, tmp_path, sys.executable, "-c",
-                      "import dsv4, dsv4.catalogue; print(dsv4.__file__); print(dsv4.catalogue.config_dir())")
+                      "import dsv4, dsv4.checks.catalogue; print(dsv4.__file__); print(dsv4.checks.catalogue.config_dir())")
     assert r.returncode == 0, r.stderr[-3000:]
     module, configs = r.stdout.split()
     assert Path(module) == site / "dsv4" / "__init__.py" and Path(configs) == site / "dsv4" / "configs"

@@ -25,7 +25,7 @@ else:
 if INTERPRET:
     KERNELS = None
 else:
-    from dsv4.device import detect
+    from dsv4.values.device import detect
     from dsv4.kernels.target import device_target
 
     KERNELS = device_target(detect())

@@ -22,13 +22,13 @@ from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
 from dsv4.components.plan import StepPlan
 from dsv4.components.rope import Rope
-from dsv4.fixed_order import GPU_ROW_TILE, ROW_TILE, asked, in_row_tiles, refuse_unable
+from dsv4.values.fixed_order import GPU_ROW_TILE, ROW_TILE, asked, in_row_tiles, refuse_unable
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
 from dsv4.kernels.target import Target, device_target
-from dsv4.layer_types import by_ratio
-from dsv4.seam import SparseKV
-from dsv4.spec import ModelSpec
+from dsv4.values.layer_types import by_ratio
+from dsv4.values.seam import SparseKV
+from dsv4.values.spec import ModelSpec
 from dsv4.strategies.linear.common import mm_f32
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, LinearStrategy, LinearWeight, MQAKernelStrategy,
                                        OProjStrategy, OProjWeights)
@@ -58,7 +58,7 @@ class DSV4Attention(torch.nn.Module):
         `overlap`: on a GPU, the compressors run on a side stream beside the query path; `batch_invariant`:
         a request's results independent of the rest of its steps (its options prepared for it)."""
         super().__init__()
-        from dsv4.dtypes import torch_dtype
+        from dsv4.values.dtypes import torch_dtype
 
         ratio, padded, kind = _layer_kind(spec, layer, heads, head_padding, compressor, indexer)
         self.spec, self.layer, self.ratio, self.heads, self.padded_heads = spec, layer, ratio, heads, padded

@@ -14,15 +14,15 @@ from dsv4.components.engine import Engine
 from dsv4.components.graphs import StepGraphs
 from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import CompressorState, KVPool, LayerCaches, PageGroup, PoolConfig, page_groups
-from dsv4.seam import PagedCache
+from dsv4.values.seam import PagedCache
 from dsv4.components.weights import shard, shard_fp8
-from dsv4.device import DeviceInfo
-from dsv4.dtypes import torch_dtype
-from dsv4.fixed_order import refuse_unable
+from dsv4.values.device import DeviceInfo
+from dsv4.values.dtypes import torch_dtype
+from dsv4.values.fixed_order import refuse_unable
 from dsv4.formats.fp8_blocks import BLOCK as FP8_BLOCK
-from dsv4.graph import GraphConfig
-from dsv4.layer_types import by_ratio
-from dsv4.spec import ModelSpec
+from dsv4.values.graph_config import GraphConfig
+from dsv4.values.layer_types import by_ratio
+from dsv4.values.spec import ModelSpec
 from dsv4.strategies import ExactIndexer, ReferenceLinear, indexer_keys_layout
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, LinearStrategy,
                                        MQAKernelStrategy, OProjStrategy, OProjWeights)

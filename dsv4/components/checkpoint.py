@@ -68,10 +68,10 @@ import torch
 from safetensors import safe_open
 
 from dsv4.components.weights import FP8_LINEARS, in_fp8_blocks, random_layer_weights, weight_shapes
-from dsv4.errors import ConfigError
+from dsv4.values.errors import ConfigError
 from dsv4.formats.fp8_blocks import BLOCK as FP8_BLOCK
 from dsv4.formats.fp8_blocks import Fp8Blocks, LinearNumerics
-from dsv4.spec import ModelSpec
+from dsv4.values.spec import ModelSpec
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -215,7 +215,7 @@ def _override(field_name: str, value: Any) -> str:
 
 def _matching_models(config: dict[str, Any]) -> list[str]:
     """Model presets (configs/model/*.yaml) that config.json agrees with on every field it has."""
-    from dsv4.catalogue import model_presets
+    from dsv4.checks.catalogue import model_presets
 
     return [name for name, spec in model_presets().items() if not config_mismatches(config, spec)]
 
@@ -476,7 +476,7 @@ def load_layers(path: str | Path, spec: ModelSpec, layers, *, model_choice: str 
 
 def load_or_random(job, layers, seed: int) -> tuple[dict[int, dict], dict[int, dict[str, Fp8Blocks]]]:
     """`weights=random` (seeded) or `weights=checkpoint` (`checkpoint.path=DIR`; both settings validated
-    with the job, dsv4.settings.RunSettings): float32 weights per layer under our names, and per layer the
+    with the job, dsv4.values.settings.RunSettings): float32 weights per layer under our names, and per layer the
     linears stored as fp8 blocks -- a checkpoint's as stored; random ones made in that format when the
     job's `linear` multiplies in fp8 (the float values then their dequantization), else none."""
     if job.run.weights == "random":

@@ -17,7 +17,7 @@ A step is `compress`, over all tokens of all requests, made of two batched opera
 The state pages are written only at slots of this step's new positions, so a refused or failed step
 leaves every row an earlier step wrote untouched. Given `kernels` (the device's Target, which the layer
 resolves once when it is built), `compress` is one Triton kernel that also stores the closed entries into
-their cache (dsv4/kernels/compress.py); the torch code of the two operations (`kernels` None) is the CPU
+their cache (dsv4/kernels/front/compress.py); the torch code of the two operations (`kernels` None) is the CPU
 path and its reference.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dsv4.components.front import stored_badly
 from dsv4.components.norms import rms_norm
 from dsv4.formats.indexer_numerics import IndexerNumerics
 from dsv4.kernels.target import Target, check_kernels
-from dsv4.layer_types import by_ratio
+from dsv4.values.layer_types import by_ratio
 
 
 class Compressor:
@@ -185,9 +185,9 @@ def compress_all(parts, plan, rot, faults, *, kernels: Target | None = None) -> 
 
 
 def _launch(parts, plan, rot, faults) -> list:
-    """dsv4/kernels/compress.py's kernel for parts (compressor, scores, state, fault_row, RowStore or None,
+    """dsv4/kernels/front/compress.py's kernel for parts (compressor, scores, state, fault_row, RowStore or None,
     FP4 numerics)."""
-    from dsv4.kernels.compress import CompressJob, compress_kernels
+    from dsv4.kernels.front.compress import CompressJob, compress_kernels
 
     first, block = parts[0][0], parts[0][2].block_size
     ratio = first.ratio

@@ -28,9 +28,9 @@ import torch
 from dsv4.components.attention import FAULT_COMPRESSED, FAULT_INDEXER, FAULT_SWA
 from dsv4.components.kv_pool import KVPool
 from dsv4.components.plan import PageTable, StepPlan
-from dsv4.errors import InvalidRequest
-from dsv4.sizes import round_up
-from dsv4.spec import ModelSpec
+from dsv4.values.errors import InvalidRequest
+from dsv4.values.sizes import round_up
+from dsv4.values.spec import ModelSpec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

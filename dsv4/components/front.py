@@ -2,7 +2,7 @@
 
 Each function is written once in torch (the CPU path, and the reference the kernels are tested
 against) and, given `kernels` (the device's Target, which the layer resolves once when it is built), runs
-our fused Triton kernel instead (dsv4/kernels/layer_front.py): one launch instead of a dozen small ones,
+our fused Triton kernel instead (dsv4/kernels/front/layer_front.py): one launch instead of a dozen small ones,
 which is what makes the step cost what its GEMMs cost; `front_rows` makes the query rows (and the
 indexer's) and stores the KV rows in one launch. `kernels` None: the torch code, on CPU tensors.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dsv4.components.norms import rms_norm
 from dsv4.kernels.target import Target, check_kernels
-from dsv4.seam import RopeRows
+from dsv4.values.seam import RopeRows
 
 
 def q_rows(q, rot: RopeRows, *, padded_heads: int, eps: float, dtype, kernels: Target | None = None):
@@ -23,7 +23,7 @@ def q_rows(q, rot: RopeRows, *, padded_heads: int, eps: float, dtype, kernels: T
     64 dims in float32, rounded; heads past H zero (the padded buffer the MQA kernel reads, written once)."""
     check_kernels(kernels, q, "q_rows")
     if kernels is not None:
-        from dsv4.kernels.layer_front import q_rows_kernel
+        from dsv4.kernels.front.layer_front import q_rows_kernel
         return q_rows_kernel(q, rot.cos, rot.sin, padded_heads=padded_heads, eps=eps, dtype=dtype)
     import torch
 
@@ -46,7 +46,7 @@ def kv_rows(kv, weight, rot: RopeRows, slots, faults, *, eps: float, dtype, kern
     rows of faults ([F, T] bool, the layer's fault flags, which its later steps set)."""
     check_kernels(kernels, kv, "kv_rows")
     if kernels is not None:
-        from dsv4.kernels.layer_front import kv_rows_kernel
+        from dsv4.kernels.front.layer_front import kv_rows_kernel
         return kv_rows_kernel(kv, weight, rot.cos, rot.sin, slots, faults, eps=eps, dtype=dtype)
     import torch
 
@@ -68,7 +68,7 @@ def front_rows(q, kv, weight, rot: RopeRows, slots, faults, cache, *, padded_hea
     `write`. In torch the indexer's queries are left to `Indexer.queries`."""
     check_kernels(kernels, q, "front_rows")
     if kernels is not None:
-        from dsv4.kernels.layer_front import front_kernel
+        from dsv4.kernels.front.layer_front import front_kernel
         q_out, rows, iq_out = front_kernel(q, kv, weight, rot.cos, rot.sin, slots, faults, padded_heads=padded_heads,
                                            eps=eps, dtype=dtype, into=cache.store, iq=iq, iq_dtype=iq_dtype,
                                            iq_fp4=iq_fp4, iq_weights=iq_weights, iq_w_scale=iq_w_scale)
@@ -96,7 +96,7 @@ def norm_rows(x, weight, *, eps: float, dtype, fp8: bool = False, kernels: Targe
 
     check_kernels(kernels, x, "norm_rows")
     if kernels is not None:
-        from dsv4.kernels.layer_front import norm_rows_kernel
+        from dsv4.kernels.front.layer_front import norm_rows_kernel
         out = norm_rows_kernel(x, weight, eps=eps, dtype=dtype, fp8=fp8)
         return Fp8Rows(values=out[0], scales=out[1], dtype=dtype) if fp8 else out
     rows = rms_norm(x.to(dtype), weight, eps).to(dtype)
@@ -108,7 +108,7 @@ def rotate_rows(x, rot: RopeRows, dtype=None, *, kernels: Target | None = None):
     the indexer's queries, rounded to its keys' dtype)."""
     check_kernels(kernels, x, "rotate_rows")
     if kernels is not None:
-        from dsv4.kernels.layer_front import rotate_rows_kernel
+        from dsv4.kernels.front.layer_front import rotate_rows_kernel
         return rotate_rows_kernel(x, rot.cos, rot.sin, dtype=dtype)
     y = rot.rotate(x)
     return y if dtype is None else y.to(dtype)

@@ -20,9 +20,9 @@ import torch
 
 from dsv4.components.engine import TABLE_PAGES, pack_inputs
 from dsv4.components.plan import RUN_GROUPS, StepPlan
-from dsv4.graph import GraphConfig
-from dsv4.layer_types import by_ratio
-from dsv4.sizes import cdiv, round_up
+from dsv4.values.graph_config import GraphConfig
+from dsv4.values.layer_types import by_ratio
+from dsv4.values.sizes import cdiv, round_up
 
 
 @dataclass(slots=True)

@@ -13,17 +13,17 @@ What the queries and keys are before they are scored and stored is the `indexer`
 as the published code trains and runs them (`fp4_sim`).
 
 Scores are one call over the step and the top-k another: given `kernels` (the device's Target, which the
-layer resolves once when it is built) the strategy's scoring kernel (ours, dsv4/kernels/indexer_logits.py,
-or DeepGEMM's) and its `top_k` (ours, dsv4/kernels/topk_lists.py, or FlashInfer's); otherwise torch here,
+layer resolves once when it is built) the strategy's scoring kernel (ours, dsv4/kernels/indexer/indexer_logits.py,
+or DeepGEMM's) and its `top_k` (ours, dsv4/kernels/indexer/topk_lists.py, or FlashInfer's); otherwise torch here,
 which is the CPU path and the kernels' specification.
 """
 from __future__ import annotations
 
 from dsv4.components.compressor import CompressPart
-from dsv4.fixed_order import KEY_BLOCK, asked, pad_keys, stable_top
+from dsv4.values.fixed_order import KEY_BLOCK, asked, pad_keys, stable_top
 from dsv4.formats.indexer_numerics import IndexerNumerics
 from dsv4.kernels.target import Target, check_kernels
-from dsv4.layer_types import INDEXED
+from dsv4.values.layer_types import INDEXED
 
 TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens at a time, at most,
 READ_ELEMENTS = 2 ** 22     # and at most this many key values (16 MiB in float32): a step's memory stays

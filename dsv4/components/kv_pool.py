@@ -22,11 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
-from dsv4.errors import InvalidRequest
-from dsv4.layer_types import by_ratio
-from dsv4.seam import PagedCache
-from dsv4.settings import at_least, parse
-from dsv4.sizes import cdiv
+from dsv4.values.errors import InvalidRequest
+from dsv4.values.layer_types import by_ratio
+from dsv4.values.seam import PagedCache
+from dsv4.values.settings import at_least, parse
+from dsv4.values.sizes import cdiv
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

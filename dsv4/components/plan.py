@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv4.kernels.sparse_plan import RUN_GROUP
-from dsv4.layer_types import by_ratio
-from dsv4.seam import QueryRuns
+from dsv4.kernels.mqa.sparse_plan import RUN_GROUP
+from dsv4.values.layer_types import by_ratio
+from dsv4.values.seam import QueryRuns
 
 RUN_GROUPS = (RUN_GROUP,)               # QueryRuns.groups sizes a captured step makes in its plan's graph
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dsv4.layer_types import by_ratio
-from dsv4.seam import ROPE_DIM, RopeRows
-from dsv4.spec import ModelSpec
+from dsv4.values.layer_types import by_ratio
+from dsv4.values.seam import ROPE_DIM, RopeRows
+from dsv4.values.spec import ModelSpec
 
 
 def rope_frequencies(spec: ModelSpec, ratio: int) -> list[float]:

@@ -8,8 +8,8 @@ The linears the checkpoint stores in fp8 (`FP8_LINEARS`) can be made in that for
 from __future__ import annotations
 
 from dsv4.formats.fp8_blocks import BLOCK, Fp8Blocks, quantize_blocks
-from dsv4.layer_types import by_ratio
-from dsv4.spec import ModelSpec
+from dsv4.values.layer_types import by_ratio
+from dsv4.values.spec import ModelSpec
 
 # e4m3 with one power-of-two scale per 128x128 block in DeepSeek-V4's checkpoints (components/checkpoint.py)
 FP8_LINEARS = ("wq_a.weight", "wkv.weight", "wq_b.weight", "wo_a.weight", "wo_b.weight", "indexer.wq_b.weight")

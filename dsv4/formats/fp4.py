@@ -1,7 +1,7 @@
 """The published FP4 numerics of the indexer (docs/numerics.md §2.5; DeepSeek's `inference/kernel.py`,
 `fp4_act_quant`): the orthonormal Hadamard rotation, e2m1 values over one power-of-two scale per block of
 32, and their packed records (e2m1 nibbles, UE8M0 scale bytes), in torch: the indexer options' CPU path
-and the specification of dsv4/kernels/fp4.py."""
+and the specification of dsv4/kernels/indexer/hadamard_fp4.py."""
 from __future__ import annotations
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dsv4.formats.fp8 import FNUZ_NAN
 from dsv4.formats.scatter import kept_rows
-from dsv4.sizes import round_up
+from dsv4.values.sizes import round_up
 
 DATA_BYTES, SCALE_BYTES, NOPE_BYTES, EXPONENTS = 576, 8, 448, 7     # the record (docs/numerics.md §3.2)
 

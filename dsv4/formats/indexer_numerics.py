@@ -11,7 +11,7 @@ from dsv4.formats.fp4 import fp4_sim
 
 class IndexerNumerics(enum.Enum):
     """What the indexer's queries and keys become (docs/numerics.md §2.5). The layer's GPU kernels apply
-    every member themselves (its front and compress kernels: dsv4/kernels/fp4.py); `apply` is the torch
+    every member themselves (its front and compress kernels: dsv4/kernels/indexer/hadamard_fp4.py); `apply` is the torch
     path and their specification."""
     EXACT = "exact"      # as the layer computes them
     FP4 = "fp4"          # the published numerics: Hadamard rotation, then FP4 (e2m1, a power-of-two scale per 32)

@@ -82,9 +82,9 @@ def compile_for(target: str, what: str) -> float:
     gpu = _gpu(target)
     t0 = time.perf_counter()
     if what == "hopper":
-        from dsv4.kernels import sparse_mqa_hopper as hop
-        from dsv4.kernels import sparse_mqa_hopper_few as few
-        from dsv4.kernels import split_combine
+        from dsv4.kernels.mqa import sparse_mqa_hopper as hop
+        from dsv4.kernels.mqa import sparse_mqa_hopper_few as few
+        from dsv4.kernels.mqa import split_combine
 
         # SWA pages of 64 rows (divisible by 16, as launched), compressed pages of 2 (a ratio-128 layer);
         # whole programs and splits of them: 64 heads, and 8/16/32 with their K buffers; the merge
@@ -110,9 +110,9 @@ def compile_for(target: str, what: str) -> float:
         _compile_layer(gpu)
         return time.perf_counter() - t0
     if what == "o_proj":
-        from dsv4.kernels.fp8_grouped_gemm import _grouped_fp8_kernel
-        from dsv4.kernels.fp8_linear import _act_quant_kernel, _fp8_linear_kernel
-        from dsv4.kernels.inv_rope_fp8 import _inv_rope_fp8_kernel
+        from dsv4.kernels.products.fp8_grouped_gemm import _grouped_fp8_kernel
+        from dsv4.kernels.products.fp8_linear import _act_quant_kernel, _fp8_linear_kernel
+        from dsv4.kernels.products.inv_rope_fp8 import _inv_rope_fp8_kernel
 
         types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "ws_ptr": "*fp32", "z_ptr": "*bf16",
                  "o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "s_ptr": "*fp32"}
@@ -123,7 +123,7 @@ def compile_for(target: str, what: str) -> float:
                      {"N", "K"}, gpu, warps)
         # linear=triton_fp8: its planned launches for DSV4-Flash's products at decode and prefill row counts,
         # and batch_invariant's fixed ones (split over programs or inside them)
-        from dsv4.kernels.fp8_linear import fixed_launch, plan
+        from dsv4.kernels.products.fp8_linear import fixed_launch, plan
         from dsv4.kernels.target import Target
 
         lin = types | {"y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
@@ -142,7 +142,7 @@ def compile_for(target: str, what: str) -> float:
                                                                           "s_ptr": "*fp32"}.get(a, "i32"),
                  {"K", "s_row", "s_col"}, gpu, 4)
         return time.perf_counter() - t0
-    from dsv4.kernels import sparse_mqa as mod
+    from dsv4.kernels.mqa import sparse_mqa as mod
     from dsv4.kernels.target import E4M3_SM
 
     code = {f.label: c for f, c in mod.LAYOUT_CODES.items()}[what]
@@ -173,7 +173,8 @@ def _compile_layer(gpu) -> None:
     records), the fp8 indexers' queries, the top-k lists and the page lookup of a selection made elsewhere."""
     import triton.language as tl
 
-    from dsv4.kernels import cache_write, compress, fp8_queries, indexer_logits, layer_front, topk_lists
+    from dsv4.kernels.front import cache_write, compress, layer_front
+    from dsv4.kernels.indexer import fp8_queries, indexer_logits, topk_lists
     from dsv4.kernels.target import E4M3_SM
 
     def types(table):
@@ -270,7 +271,7 @@ def _compile_layer(gpu) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from dsv4.kernels.sparse_mqa import LAYOUT_CODES
+    from dsv4.kernels.mqa.sparse_mqa import LAYOUT_CODES
 
     jobs = [a.split("/") for a in argv] or ([(t, lay.label) for t in TARGETS for lay in LAYOUT_CODES]
                                             + [(t, "o_proj") for t in FP8_TARGETS]

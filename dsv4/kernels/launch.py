@@ -11,7 +11,7 @@ one whose launcher calling convention is known here (3.5 and 3.6) and the kernel
 through the compiled kernel's `run`.
 
 Kernels are looked up by identity (a JITFunction's own hash recomputes its cache key in Python); the
-grid arithmetic on the host is dsv4/sizes.py's; the device facts the kernels' wrappers plan by are
+grid arithmetic on the host is dsv4/values/sizes.py's; the device facts the kernels' wrappers plan by are
 dsv4/kernels/target.py's.
 
 Under the interpreter (`TRITON_INTERPRET=1`, the CPU tests) and while a launch hook is installed (a

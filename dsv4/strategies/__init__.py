@@ -30,7 +30,7 @@ from dsv4.strategies.o_proj.reference import ReferenceOProj
 from dsv4.strategies.o_proj.rocm_bf16 import RocmBf16OProj
 from dsv4.strategies.o_proj.torch_fp8 import TorchFp8OProj
 from dsv4.strategies.o_proj.triton_fp8 import TritonFp8OProj
-from dsv4.seam import SparseKV
+from dsv4.values.seam import SparseKV
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, LinearStrategy, LinearWeight,
                                        MQAKernelStrategy, Needs, OProjStrategy, OProjWeights, TopKStrategy)
 

@@ -1,7 +1,7 @@
 """The six seams of the layer, as structural Protocols, and the data they exchange.
 
 Nothing here is subclassed: a strategy is any frozen, keyword-only dataclass with these members.
-Requirements are data (`Needs`), read by the one pure `dsv4.compat.check()`. torch is imported only
+Requirements are data (`Needs`), read by the one pure `dsv4.checks.compat.check()`. torch is imported only
 for type checking, so `mode=check` never loads it.
 
 What a strategy's `prepare` returns (typed `Any` here) is the option's own frozen dataclass, defined
@@ -22,8 +22,8 @@ from dsv4.formats.row_format import RowFormat
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from dsv4.seam import PagedCache, RopeRows, SparseKV
-    from dsv4.device import DeviceInfo
+    from dsv4.values.seam import PagedCache, RopeRows, SparseKV
+    from dsv4.values.device import DeviceInfo
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,7 +10,7 @@ from dsv4.formats.fp8 import E4M3_MAX, e4m3_dtype
 from dsv4.formats.fp8_ds_mla import (NOPE_BYTES, check_row_dim, decode_records, encode_records, page_bytes,
                                      read_records, write_records)
 from dsv4.formats.row_format import FP8_DS_MLA, RowFormat
-from dsv4.settings import at_least
+from dsv4.values.settings import at_least
 from dsv4.strategies.cache_layout.common import FP8_ROWS_ROUNDING_BUDGET
 from dsv4.strategies.protocols import Needs
 
@@ -65,7 +65,7 @@ class Fp8DsMlaLayout:
 
     def write(self, cache, slots, rows, *, block_size: int) -> None:
         if cache.is_cuda and (self.nope_dim, self.rope_dim, self.tile) == (NOPE_BYTES, 64, 64):
-            from dsv4.kernels.cache_write import write_fp8_ds_mla_kernel
+            from dsv4.kernels.front.cache_write import write_fp8_ds_mla_kernel
             write_fp8_ds_mla_kernel(cache, slots, rows, block_size=block_size)
             return
         write_records(self, cache, slots, rows, block_size=block_size)
@@ -77,5 +77,5 @@ class Fp8DsMlaLayout:
     def kernel_store(self, cache, block_size: int):
         if not (cache.is_cuda and (self.nope_dim, self.rope_dim, self.tile) == (NOPE_BYTES, 64, 64)):
             return None
-        from dsv4.kernels.cache_write import fp8_ds_mla_store
+        from dsv4.kernels.front.cache_write import fp8_ds_mla_store
         return fp8_ds_mla_store(cache, block_size)

@@ -68,7 +68,7 @@ class Fp8DsMlaFnuzLayout:
 
     def write(self, cache, slots, rows, *, block_size: int) -> None:
         if cache.is_cuda:
-            from dsv4.kernels.cache_write import write_fp8_ds_mla_kernel
+            from dsv4.kernels.front.cache_write import write_fp8_ds_mla_kernel
             write_fp8_ds_mla_kernel(cache, slots, rows, block_size=block_size, fnuz=True)
             return
         write_records(self, cache, slots, rows, block_size=block_size)
@@ -79,5 +79,5 @@ class Fp8DsMlaFnuzLayout:
     def kernel_store(self, cache, block_size: int):
         if not cache.is_cuda:
             return None
-        from dsv4.kernels.cache_write import fp8_ds_mla_store
+        from dsv4.kernels.front.cache_write import fp8_ds_mla_store
         return fp8_ds_mla_store(cache, block_size, fnuz=True)

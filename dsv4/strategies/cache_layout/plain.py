@@ -3,7 +3,7 @@
 Storage is always a tensor with one leading page dimension; `write`/`read` address rows by global slot id
 (`page * block_size + offset`, -1 = skip), so a byte-packed layout (fp8_ds_mla, 584 B/token with
 page-level regions) fits the same Protocol as these plain rows. On a GPU, writes never read a value on the
-host (a layer's step is captured in CUDA graphs): our Triton writer (dsv4/kernels/cache_write.py). The
+host (a layer's step is captured in CUDA graphs): our Triton writer (dsv4/kernels/front/cache_write.py). The
 indexer's plain keys are rows of this layout too (dsv4/strategies/indexer/common.py)."""
 from __future__ import annotations
 
@@ -50,12 +50,12 @@ class PlainRowLayout:
     def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str):
         import torch
 
-        from dsv4.dtypes import torch_dtype
+        from dsv4.values.dtypes import torch_dtype
         return torch.zeros(num_blocks, block_size, head_dim, dtype=torch_dtype(self.dtype), device=device)
 
     def write(self, cache, slots, rows, *, block_size: int) -> None:
         if cache.is_cuda:
-            from dsv4.kernels.cache_write import write_rows_kernel
+            from dsv4.kernels.front.cache_write import write_rows_kernel
             write_rows_kernel(cache, slots, rows)
             return
         flat = cache.view(-1, cache.shape[-1])
@@ -65,7 +65,7 @@ class PlainRowLayout:
     def kernel_store(self, cache, block_size: int):
         if not cache.is_cuda:
             return None
-        from dsv4.kernels.cache_write import plain_rows_store
+        from dsv4.kernels.front.cache_write import plain_rows_store
         return plain_rows_store(cache, block_size)
 
     def read(self, cache, slots, *, block_size: int):

@@ -7,10 +7,10 @@ from dsv4.strategies.protocols import Needs, TopKStrategy
 
 
 def triton_scores(q, w, keys, pages, token_request, counts, *, width: int, w_scale: float, prepared=None):
-    """The step's scores by our Triton kernel (dsv4/kernels/indexer_logits.py): rows of the keys' dtype, FP4
+    """The step's scores by our Triton kernel (dsv4/kernels/indexer/indexer_logits.py): rows of the keys' dtype, FP4
     or fp8 records, or e4m3 queries with their scales in w (no per-step plan), planned by the device's
     facts `prepare` resolved (`dsv4.kernels.target.device_target`)."""
-    from dsv4.kernels.indexer_logits import indexer_logits
+    from dsv4.kernels.indexer.indexer_logits import indexer_logits
 
     return indexer_logits(q, w, keys, pages, token_request, counts, width=width, w_scale=w_scale, target=prepared)
 

@@ -15,8 +15,8 @@ holds its B value rows first, then its B scale rows (the fp8_ds_mla page geometr
   for the 128-dim keys of DSV4, against 256 B of bf16 keys): key t of page p at p·B·68 + t·64, its scales
   at p·B·68 + B·64 + t·4. The values are exactly the FP4-simulated keys `fp4_sim` stores as bf16 rows.
 
-On a GPU the layer's compress kernel writes both records (dsv4/kernels/fp4.py, cache_write.py) and our
-Triton scoring kernel (dsv4/kernels/indexer_logits.py) decodes them as it reads them."""
+On a GPU the layer's compress kernel writes both records (dsv4/kernels/indexer/hadamard_fp4.py, cache_write.py) and our
+Triton scoring kernel (dsv4/kernels/indexer/indexer_logits.py) decodes them as it reads them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -108,27 +108,27 @@ class Fp8KeyLayout:
         return data.contiguous().view(torch.float8_e4m3fn).float() * scales.contiguous().view(torch.float32)
 
     def kernel_store(self, cache, block_size: int):
-        """On a GPU, the compress kernel stores the keys as these records (dsv4/kernels/cache_write.py)."""
+        """On a GPU, the compress kernel stores the keys as these records (dsv4/kernels/front/cache_write.py)."""
         if not cache.is_cuda:
             return None
-        from dsv4.kernels.cache_write import fp8_key_store
+        from dsv4.kernels.front.cache_write import fp8_key_store
         return fp8_key_store(cache, block_size, self.head_dim)
 
 
 def fp8_queries(q, w, w_scale: float):
     """q [T, Hi, Di] (FP4-simulated values) and head weights w [T, Hi] -> (q in e4m3 [T, 1, Hi, Di], each
     head divided by its power-of-two scale; the weights times w_scale and that scale [T, Hi] float32). The
-    specification of the GPU's one launch (dsv4/kernels/fp8_queries.py)."""
+    specification of the GPU's one launch (dsv4/kernels/indexer/fp8_queries.py)."""
     q8, s = pow2_e4m3(q.float())
     return q8.unsqueeze(1), (w.float() * w_scale) * s.squeeze(-1)
 
 
 def e4m3_queries(q, w, w_scale: float):
-    """(q8, wq) as `fp8_queries` makes them (one launch: dsv4/kernels/fp8_queries.py), or q and w as they
+    """(q8, wq) as `fp8_queries` makes them (one launch: dsv4/kernels/indexer/fp8_queries.py), or q and w as they
     are where q is already e4m3 (the layer's front kernel made both, w_scale folded in)."""
     import torch
 
-    from dsv4.kernels.fp8_queries import fp8_queries_kernel
+    from dsv4.kernels.indexer.fp8_queries import fp8_queries_kernel
 
     return (q, w) if q.dtype == torch.float8_e4m3fn else fp8_queries_kernel(q, w, w_scale)
 
@@ -176,8 +176,8 @@ class Mxfp4KeyLayout:
         return fp4_decode(codes, scales, self.block)
 
     def kernel_store(self, cache, block_size: int):
-        """On a GPU, the compress kernel stores FP4-simulated keys as these records (dsv4/kernels/fp4.py)."""
+        """On a GPU, the compress kernel stores FP4-simulated keys as these records (dsv4/kernels/indexer/hadamard_fp4.py)."""
         if not cache.is_cuda:
             return None
-        from dsv4.kernels.cache_write import fp4_record_store
+        from dsv4.kernels.front.cache_write import fp4_record_store
         return fp4_record_store(cache, block_size, self.head_dim)

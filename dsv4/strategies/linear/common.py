@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4.formats.fp8_blocks import BLOCK, Fp8Blocks, quantize_blocks
-from dsv4.sizes import round_up
+from dsv4.values.sizes import round_up
 from dsv4.strategies.protocols import LinearWeight, Needs
 
 
@@ -38,12 +38,12 @@ def fp8_blocks(weight: LinearWeight, device) -> Fp8Linear:
 
 
 def triton_blocks(weight: LinearWeight, device, *, fixed_order: bool = False) -> Fp8Linear:
-    """The blocks on the device with what our Triton product keeps (dsv4/kernels/fp8_linear.py): this
+    """The blocks on the device with what our Triton product keeps (dsv4/kernels/products/fp8_linear.py): this
     projection's own arrival counters (its split products' last program adds the partial sums) and the
     device's facts its launch is planned by (`fixed_order`: one launch for every row count)."""
     from dataclasses import replace
 
-    from dsv4.kernels.fp8_linear import counters
+    from dsv4.kernels.products.fp8_linear import counters
     from dsv4.kernels.target import device_target
 
     blocks = fp8_blocks(weight, device)
@@ -55,7 +55,7 @@ def triton_blocks(weight: LinearWeight, device, *, fixed_order: bool = False) ->
 def triton_product(x, prepared: Fp8Linear, out_dtype=None):
     """x (rows in the activation dtype, or Fp8Rows) times the blocks, through our Triton product."""
     from dsv4.formats.fp8_blocks import Fp8Rows
-    from dsv4.kernels.fp8_linear import fp8_linear
+    from dsv4.kernels.products.fp8_linear import fp8_linear
 
     if isinstance(x, Fp8Rows):
         return fp8_linear(x.values, prepared.weight, prepared.scale, xs=x.scales, out_dtype=out_dtype or x.dtype,
@@ -71,7 +71,7 @@ def deepgemm_product(x, prepared: Fp8Linear, out_dtype=None):
     import torch
 
     from dsv4.formats.fp8_blocks import Fp8Rows
-    from dsv4.kernels.fp8_linear import act_quant_fp8
+    from dsv4.kernels.products.fp8_linear import act_quant_fp8
 
     y = torch.empty(x.shape[0], prepared.weight.shape[0], dtype=torch.bfloat16, device=prepared.weight.device)
     if x.shape[0]:

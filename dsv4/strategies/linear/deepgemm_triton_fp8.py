@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dsv4.formats.fp8_blocks import LinearNumerics
-from dsv4.settings import at_least
+from dsv4.values.settings import at_least
 from dsv4.strategies.linear.common import (Fp8Linear, deepgemm_needs, deepgemm_product, triton_blocks,
                                            triton_product)
 from dsv4.strategies.protocols import LinearWeight, Needs

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.fixed_order import ROW_TILE, in_row_tiles
+from dsv4.values.fixed_order import ROW_TILE, in_row_tiles
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.strategies.linear.common import FloatLinear, mm_f32
 from dsv4.strategies.protocols import LinearWeight, Needs
@@ -24,7 +24,7 @@ class ReferenceLinear:
                      variance="not shown on ROCm, whose BLAS libraries may add a product's K splits with atomics")
 
     def prepare(self, weight: LinearWeight, *, device, dtype: str, batch_invariant: bool = False) -> FloatLinear:
-        from dsv4.dtypes import torch_dtype
+        from dsv4.values.dtypes import torch_dtype
 
         weight = weight.values.to(device=device.torch_device, dtype=torch_dtype(dtype)).contiguous()
         return FloatLinear(weight=weight, row_tile=ROW_TILE if batch_invariant else 0)

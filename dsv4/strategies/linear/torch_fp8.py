@@ -29,7 +29,7 @@ class TorchFp8Linear:
     def __call__(self, x, prepared: Fp8Linear, *, out_dtype=None):
         import torch
 
-        from dsv4.kernels.fp8_linear import act_quant_fp8
+        from dsv4.kernels.products.fp8_linear import act_quant_fp8
 
         if x.shape[0] == 0:
             return torch.zeros(0, prepared.weight.shape[0], dtype=out_dtype or torch.bfloat16,

@@ -1,4 +1,4 @@
-"""linear=triton_fp8: the published fp8 linear through our Triton product (dsv4/kernels/fp8_linear.py,
+"""linear=triton_fp8: the published fp8 linear through our Triton product (dsv4/kernels/products/fp8_linear.py,
 NVIDIA sm89+): the activation rows are quantized inside the product's own kernel, so a projection is
 one launch."""
 from __future__ import annotations

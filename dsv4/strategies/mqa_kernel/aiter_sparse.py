@@ -47,7 +47,7 @@ from dsv4.formats.fp8_ds_mla import decode_records, record_offsets
 from dsv4.formats.index_lists import attended, distinct_rows
 from dsv4.formats.row_format import FP8_DS_MLA, FP8_DS_MLA_FNUZ
 from dsv4.strategies.protocols import Needs
-from dsv4.seam import SparseKV
+from dsv4.values.seam import SparseKV
 
 
 AITER_VERSION = "0.1.7.post2.dev18"

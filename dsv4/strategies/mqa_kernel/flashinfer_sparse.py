@@ -46,9 +46,9 @@ from dsv4.formats.fp8 import per_tensor_query, per_tensor_scales
 from dsv4.formats.fp8_ds_mla import fp8_ds_mla_pages
 from dsv4.formats.index_lists import compact, pad_columns, valid_entries
 from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_PER_TENSOR, RowKind
-from dsv4.sizes import round_up
+from dsv4.values.sizes import round_up
 from dsv4.strategies.protocols import Needs
-from dsv4.seam import SparseKV
+from dsv4.values.seam import SparseKV
 
 
 SWA_COLUMNS = 128                          # FlashInfer's fixed SWA width (the model's sliding window)

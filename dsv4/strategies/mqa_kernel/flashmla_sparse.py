@@ -24,10 +24,10 @@ from typing import Any, ClassVar
 from dsv4.formats.fp8_ds_mla import fp8_ds_mla_pages
 from dsv4.formats.index_lists import attended, distinct_rows, pad_columns
 from dsv4.formats.row_format import FP8_DS_MLA
-from dsv4.settings import at_least
-from dsv4.sizes import round_up
+from dsv4.values.settings import at_least
+from dsv4.values.sizes import round_up
 from dsv4.strategies.protocols import Needs
-from dsv4.seam import SparseKV
+from dsv4.values.seam import SparseKV
 
 
 WIDTH_MULTIPLE = 128          # index widths: multiples of B_TOPK (64 for h64, 128 for h128)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsv4.fixed_order import KEY_BLOCK, pad_keys
+from dsv4.values.fixed_order import KEY_BLOCK, pad_keys
 from dsv4.formats.index_lists import valid_entries
-from dsv4.settings import at_least
+from dsv4.values.settings import at_least
 from dsv4.strategies.protocols import Needs
-from dsv4.seam import SparseKV
+from dsv4.values.seam import SparseKV
 
 
 def _gather(cache, indices, lens):

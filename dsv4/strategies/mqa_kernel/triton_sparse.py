@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
 from dsv4.kernels import TRITON_ARCHS
-from dsv4.kernels.sparse_plan import HOPPER_ARCHS, HOPPER_DTYPES, HOPPER_HEAD_DIM, VARIANTS
+from dsv4.kernels.mqa.sparse_plan import HOPPER_ARCHS, HOPPER_DTYPES, HOPPER_HEAD_DIM, VARIANTS
 from dsv4.strategies.protocols import Needs
-from dsv4.seam import SparseKV
+from dsv4.values.seam import SparseKV
 
 if TYPE_CHECKING:
     from dsv4.kernels.target import Target
@@ -81,7 +81,7 @@ class TritonSparseMQA:
         return None
 
     def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None, plan=None):
-        from dsv4.kernels.sparse_mqa import pool_args, sparse_mqa
+        from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
 
         extra = {}
         if kv.extra is not None:

@@ -1,7 +1,7 @@
 """What the fp8 o_proj options (`deepgemm_fp8`, `torch_fp8`, `triton_fp8`) share, following vLLM's DSV4
 o_proj (docs/numerics.md §4.2): inverse RoPE on the attention output fused with fp8 quantization at one
 power-of-two scale per 128 contiguous dims of each (token, group) vector (our Triton kernel,
-dsv4/kernels/inv_rope_fp8.py); `wo_a` quantized once at build time in 128×128 blocks (power-of-two
+dsv4/kernels/products/inv_rope_fp8.py); `wo_a` quantized once at build time in 128×128 blocks (power-of-two
 scales) -- or, loaded from a checkpoint, its stored e4m3 bytes and UE8M0 block scales used as they are;
 then the grouped product z[t,g] = W_oa[g] · o[t,g] in fp8 with float accumulation, z in bf16 (the input of
 the layer's `wo_b`, which its `linear` option multiplies)."""
@@ -45,7 +45,7 @@ def pow2_scale(amax, floor: float):
 def inverse_rope_fp8_quant(o, rot, groups: int):
     """o [T, H, D] -> (x [T, G, hpg·D] e4m3, scales [T, G, hpg·D/128] float32 powers of two).
 
-    The torch-op reference of the fused kernel (dsv4/kernels/inv_rope_fp8.py): o rotated back by -p·f
+    The torch-op reference of the fused kernel (dsv4/kernels/products/inv_rope_fp8.py): o rotated back by -p·f
     on its last 64 dims in float32, then one scale per 128 dims."""
     import torch
 
@@ -60,12 +60,12 @@ def inverse_rope_fp8_quant(o, rot, groups: int):
 def fused_inverse_rope_fp8_quant(o, rot, groups: int, *, mn_major_scales: bool = False):
     """The same bytes as `inverse_rope_fp8_quant`, from our fused Triton kernel (one read of o, one
     write of the fp8 bytes), the scales token-major or (`mn_major_scales`) in DeepGEMM's sm90 layout
-    (dsv4/kernels/inv_rope_fp8.py); on a CPU tensor, the torch-op version."""
+    (dsv4/kernels/products/inv_rope_fp8.py); on a CPU tensor, the torch-op version."""
     if not o.is_cuda:
         return inverse_rope_fp8_quant(o, rot, groups)
     import torch
 
-    from dsv4.kernels.inv_rope_fp8 import inv_rope_fp8_quant
+    from dsv4.kernels.products.inv_rope_fp8 import inv_rope_fp8_quant
 
     return inv_rope_fp8_quant(o if o.dtype == torch.bfloat16 else o.bfloat16(), rot.cos, rot.sin, groups,
                               mn_major_scales=mn_major_scales)

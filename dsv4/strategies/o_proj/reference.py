@@ -32,8 +32,8 @@ class ReferenceOProj:
                      variance="not shown on ROCm, whose BLAS libraries may add a product's K splits with atomics")
 
     def prepare(self, weights: OProjWeights, *, device, dtype: str, batch_invariant: bool = False) -> FloatWoA:
-        from dsv4.dtypes import torch_dtype
-        from dsv4.fixed_order import ROW_TILE
+        from dsv4.values.dtypes import torch_dtype
+        from dsv4.values.fixed_order import ROW_TILE
 
         dt = torch_dtype(dtype)
         g = weights.groups
@@ -47,7 +47,7 @@ class ReferenceOProj:
         o = rot.rotate(o, inverse=True).to(wa.dtype)                  # [T, H, D]
         og = o.reshape(o.shape[0], wa.shape[0], -1)                   # [T, G, hpg*D]
         if prepared.row_tile:
-            from dsv4.fixed_order import in_row_tiles
+            from dsv4.values.fixed_order import in_row_tiles
 
             z = in_row_tiles(lambda rows: torch.einsum("tgd,grd->tgr", rows, wa), og, prepared.row_tile)
         else:

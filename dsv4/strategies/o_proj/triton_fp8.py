@@ -1,5 +1,5 @@
 """o_proj=triton_fp8: the fp8 projection (fp8_common.py) with our Triton grouped e4m3 product
-(dsv4/kernels/fp8_grouped_gemm.py; NVIDIA sm89+), bit-identical to DeepGEMM's."""
+(dsv4/kernels/products/fp8_grouped_gemm.py; NVIDIA sm89+), bit-identical to DeepGEMM's."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -12,7 +12,7 @@ from dsv4.strategies.protocols import Needs, OProjWeights
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TritonFp8OProj:
-    """The same fp8 projection with our Triton grouped product (dsv4/kernels/fp8_grouped_gemm.py), for
+    """The same fp8 projection with our Triton grouped product (dsv4/kernels/products/fp8_grouped_gemm.py), for
     NVIDIA GPUs with fp8 tensor cores (sm89+) and no DeepGEMM. Launch defaults from the H200 sweep
     (docs/notes/2026-12-04-fp8-products.md)."""
     name: str = "triton_fp8"
@@ -37,7 +37,7 @@ class TritonFp8OProj:
         return replace(block_scaled_weights(weights, device), target=device_target(device))
 
     def __call__(self, o, rot, *, prepared: Fp8WoA):
-        from dsv4.kernels.fp8_grouped_gemm import grouped_fp8_gemm
+        from dsv4.kernels.products.fp8_grouped_gemm import grouped_fp8_gemm
 
         x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared.groups)
         z = grouped_fp8_gemm(x, xs, prepared.weight, prepared.scale, block_m=self.block_m, num_warps=self.num_warps,

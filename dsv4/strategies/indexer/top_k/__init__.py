@@ -2,7 +2,7 @@
 nested in the indexer's (configs/indexer/top_k/; `indexer.top_k=flashinfer` names one), one module per
 option. The CPU path is torch.topk (dsv4/components/indexer.py), their specification.
 
-- `triton`: our one-launch radix select (dsv4/kernels/topk_lists.py), the page lookup fused in.
+- `triton`: our one-launch radix select (dsv4/kernels/indexer/topk_lists.py), the page lookup fused in.
 - `flashinfer`: FlashInfer's `top_k_ragged_transform` (package flashinfer-python, CUDA; its kernels are
   compiled by FlashInfer's JIT on first use, which needs the CUDA toolkit) for the local indices, then
   our one-launch page lookup (`slot_lists`). Its deterministic mode with ties at the K-th score broken

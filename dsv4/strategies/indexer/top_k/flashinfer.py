@@ -25,7 +25,7 @@ class FlashInferTopK:
         import torch
 
         from dsv4.kernels.launch import as_i32, full_rows
-        from dsv4.kernels.topk_lists import slot_lists
+        from dsv4.kernels.indexer.topk_lists import slot_lists
 
         T = scores.shape[0]
         if not T:

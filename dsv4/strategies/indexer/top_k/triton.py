@@ -1,4 +1,4 @@
-"""indexer.top_k=triton: our one-launch radix select with the page lookup fused in (dsv4/kernels/topk_lists.py)."""
+"""indexer.top_k=triton: our one-launch radix select with the page lookup fused in (dsv4/kernels/indexer/topk_lists.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,6 +18,6 @@ class TritonTopK:
     def __call__(self, scores, counts, pages, token_request, *, topk: int, block_size: int):
         """scores [T, >= width] float32 (row t visible below counts[t]) -> (local [T, topk], slots [T, topk],
         lens [T]) int32, as `topk_lists` makes them."""
-        from dsv4.kernels.topk_lists import topk_lists
+        from dsv4.kernels.indexer.topk_lists import topk_lists
 
         return topk_lists(scores, counts, pages, token_request, topk=topk, block_size=block_size)

@@ -1,0 +1,71 @@
+"""The fp8 o_proj's grouped product in Triton (o_proj=triton_fp8): z[t, g] = W_oa[g] · x[t, g] with e4m3
+operands, one float32 scale per 1×128 activation block and per 128×128 weight block, float32
+accumulation -- the product DeepGEMM's `fp8_einsum` (recipe (1, 128, 128)) and `torch_fp8` compute.
+
+One program per (BM tokens, 128 output rows, group); it walks K in blocks of 128: a tensor-core e4m3 dot
+per block, scaled by the block's activation scales (per row) and its weight scale (one per program and
+block, since the program's 128 output rows are one weight block). The loop is software-pipelined by
+Triton (num_stages). Under TRITON_INTERPRET=1 (CPU tests) the dots take the e4m3 values widened to
+float32, the same products the tensor cores form exactly, and the result is stored as float32 and
+rounded to bf16 by torch: the interpreter's float32 -> bf16 conversion truncates.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dsv4.kernels.launch import as_dense, as_f32, launch
+from dsv4.kernels.target import Target, target_of
+from dsv4.values.sizes import cdiv
+
+BLOCK = 128
+
+
+@triton.jit(do_not_specialize=["T"])     # step sizes: one variant for all
+def _grouped_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, z_ptr, T, G, N, K, BM: tl.constexpr, DOT: tl.constexpr,
+                        STAGES: tl.constexpr):
+    pid_m = tl.program_id(0)
+    nb = tl.program_id(1)                       # this program's 128 output rows: weight block row nb
+    g = tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)
+    n = nb * 128 + tl.arange(0, 128)
+    k = tl.arange(0, 128)
+    live = rows < T
+    KB = K // 128
+    x_row = (rows.to(tl.int64) * G + g) * K
+    w_row = (g.to(tl.int64) * N + n) * K
+    acc = tl.zeros([BM, 128], tl.float32)
+    for kb in tl.range(0, KB, num_stages=STAGES):
+        a = tl.load(x_ptr + x_row[:, None] + kb * 128 + k[None, :], mask=live[:, None], other=0.0)
+        b = tl.load(w_ptr + w_row[:, None] + kb * 128 + k[None, :])
+        sa = tl.load(xs_ptr + (rows.to(tl.int64) * G + g) * KB + kb, mask=live, other=0.0)
+        sb = tl.load(ws_ptr + (g * (N // 128) + nb) * KB + kb)
+        acc += tl.dot(a.to(DOT), tl.trans(b.to(DOT))) * (sa[:, None] * sb)
+    z = z_ptr + (rows.to(tl.int64) * G + g)[:, None] * N + n[None, :]
+    tl.store(z, acc.to(z_ptr.dtype.element_ty), mask=live[:, None])
+
+
+def grouped_fp8_gemm(x, xs, w, ws, *, block_m: int = 64, num_warps: int = 4, num_stages: int = 4,
+                     target: Target | None = None):
+    """x [T, G, K] e4m3, xs [T, G, K/128] float32; w [G, N, K] e4m3, ws [G, N/128, K/128] float32 ->
+    z [T, G, N] bf16. The default launch is the H200 sweep's (bench/tune_triton.py oproj;
+    docs/notes/2026-12-04-fp8-products.md).
+    `target`: the device's facts as the strategy prepared them (default: `target.target_of` x's device)."""
+    import torch
+
+    T, G, K = x.shape
+    N = w.shape[1]
+    if x.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"grouped fp8 product: x and w must be float8_e4m3fn (OCP e4m3), got {x.dtype} and {w.dtype}")
+    if K % BLOCK or N % BLOCK or tuple(w.shape) != (G, N, K) or tuple(ws.shape) != (G, N // BLOCK, K // BLOCK) \
+            or tuple(xs.shape) != (T, G, K // BLOCK):
+        raise ValueError(f"grouped fp8 product: x {tuple(x.shape)}, xs {tuple(xs.shape)}, w {tuple(w.shape)}, "
+                         f"ws {tuple(ws.shape)}: expected K and N multiples of {BLOCK} and one scale per block")
+    interpret = (target or target_of(x.device)).interpret
+    z = torch.empty(T, G, N, dtype=torch.float32 if interpret else torch.bfloat16, device=x.device)
+    if T == 0:
+        return z.bfloat16()
+    launch(_grouped_fp8_kernel, (cdiv(T, block_m), N // BLOCK, G), as_dense(x), as_f32(xs), as_dense(w),
+           as_f32(ws), z, T, G, N, K, BM=block_m, DOT=tl.float32 if interpret else tl.float8e4nv, STAGES=num_stages,
+           num_warps=num_warps)
+    return z.bfloat16()
