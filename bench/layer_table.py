@@ -6,16 +6,22 @@
   python bench/layer_table.py --padding --tp-sizes 8 --cases 256x2@8192     # the head-padding table at that step
   python bench/layer_table.py --grid peers [model=dsv4_pro]   # every point the engines publish, beside their figures
   python bench/layer_table.py --grid peers --no-decode        # its prefill points only
+  python bench/layer_table.py --grid peers --rows docs/bench/rows   # its rows where docs/benchmarks.md's come from
+
+Every row measured is also appended, stamped, to a file of rows under --rows (dsv4/speed/rows.py).
 """
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
 from dsv4 import api
 from dsv4.values.errors import USER_ERRORS
 from dsv4.speed.gpu import require_gpu
 from dsv4.speed.grid import bench_grid
 from dsv4.speed.layer import DECODE_CASES, ERROR, bench_layer_step
 from dsv4.speed.padding import TP_SIZES, bench_padding
+from dsv4.speed.rows import open_rows
 
 
 def case(text: str) -> tuple[int, int, int]:
@@ -38,6 +44,8 @@ def main() -> None:
     ap.add_argument("--tp-sizes", nargs="*", type=int, default=None, help="the padding table's (default: 1 2 4 8)")
     ap.add_argument("--grid", choices=["peers"], default=None,
                     help="peers: the points where vLLM and SGLang publish (dsv4/speed/peers.py) instead of --cases")
+    ap.add_argument("--rows", type=Path, default=Path("outputs/bench_rows"),
+                    help="the folder the rows go to (docs/bench/rows: those docs/benchmarks.md's tables are made from)")
     ap.add_argument("overrides", nargs="*", default=[], help="Hydra overrides (deployment=h200 unless one is given)")
     a = ap.parse_args()
     require_gpu("bench/layer_table.py")
@@ -52,6 +60,16 @@ def main() -> None:
         job = api.compose(a.overrides)
     except USER_ERRORS as e:
         raise SystemExit(f"error: {e}") from None
+    record = open_rows(a.rows)
+    try:
+        tables(a, job, record)
+    finally:
+        if record.path.exists():
+            print(f"rows: {record.path}")
+
+
+def tables(a, job, record) -> None:
+    """The table the arguments ask for, printed, its rows handed to `record`."""
     failed: list[str] = []
 
     def echo(line: str) -> None:
@@ -64,17 +82,18 @@ def main() -> None:
             modes = tuple(m for m, off in (("decode", a.no_decode), ("prefill", a.no_prefill)) if not off)
             print(bench_grid(job, labels=a.backends, modes=modes,
                              **({"layer_types": a.layer_types} if a.layer_types else {}),
-                             echo=echo))
+                             echo=echo, record=record))
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         return
     if a.padding:
         for step in a.cases:
             print(f"{step[0]} requests x {step[1]} tokens at {step[2]} context:\n"
-                  + bench_padding(job, step=step, layer_types=a.layer_types, tp_sizes=a.tp_sizes or TP_SIZES))
+                  + bench_padding(job, step=step, layer_types=a.layer_types, tp_sizes=a.tp_sizes or TP_SIZES,
+                                  record=record))
         return
     print(bench_layer_step(job, a.cases, labels=a.backends, indexers=a.indexers, layer_types=a.layer_types,
-                           prefill=not a.no_prefill, echo=echo))
+                           prefill=not a.no_prefill, echo=echo, record=record))
     if failed:            # every row was still measured; the tracebacks are above
         raise SystemExit(f"error: {len(failed)} of the table's rows failed: " + "; ".join(failed))
 

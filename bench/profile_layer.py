@@ -63,11 +63,9 @@ def host_profile(eng, layer: int, T: int, top: int) -> None:
     import cProfile
     import pstats
     import time
-    from dataclasses import replace
 
     cap = eng.graphs.captured[T]
-    plan = replace(cap.plans[0], kernel_plans={})
-    eng.kernel_plans(plan, 0, fresh=True)
+    plan = cap.plans[0].with_type_plans(eng.type_plans(cap.plans[0], 0, fresh=True))
     module, caches = eng.layers[layer][0], eng.pools[0].layers[layer]
     for _ in range(5):
         module(cap.x, plan, caches)

@@ -25,6 +25,7 @@ inv_rope_fp8_quant's) come from these sweeps.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -157,24 +158,22 @@ def flashmla_steady(fm, prep, q, kv, sink, scale):
 
 
 def padded_case(fm, prep, H, eb, ew, T, scale):
-    """A case's pages and queries, those padded to 64 heads (as head_padding pads them), FlashMLA's output and
-    time on the padded ones (`flashmla_steady`), and the compressed pool as sparse_mqa's keywords ({} without
-    one). -> (q, kv, sink, padded q, padded sink, FlashMLA's output, its µs, extra keywords)."""
-    from dsv4.kernels.mqa.sparse_mqa import pool_args
-
+    """A case's pages and queries, those padded to 64 heads (as head_padding pads them), and FlashMLA's output
+    and time on the padded ones (`flashmla_steady`). -> (q, kv, sink, padded q, padded sink, FlashMLA's output,
+    its µs)."""
     q, kv, sink = sparse_case(T, H, extra_block=eb, extra_w=ew, seed=T + H, swa_blocks=POOL_BLOCKS,
                               extra_blocks=POOL_BLOCKS, full=True)
     qp, sp = pad_heads(q, sink, 64)
     a, call = flashmla_steady(fm, prep, qp, kv, sp, scale)
-    ex = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens) if ew else {}
-    return q, kv, sink, qp, sp, a, graph_time_us(call), ex
+    return q, kv, sink, qp, sp, a, graph_time_us(call)
 
 
 def split(cases=SPLIT_CASES) -> None:
     """The Hopper kernel at several splits per (token, 64 heads) (0: planned, sparse_plan.hopper_splits)
     beside FlashMLA (its heads padded to 64, as the head_padding policy pads them; `flashmla_steady`), the
     two-pass kernel and auto, on the same pages."""
-    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import sparse_mqa
+    from dsv4.kernels.mqa.sparse_plan import HopperLaunch
 
     fm, prep = flashmla()
     scale = SCALE
@@ -182,14 +181,13 @@ def split(cases=SPLIT_CASES) -> None:
     print(f"| case | FlashMLA µs | two_pass µs | auto µs | {splits} | rel diff planned |")
     print("|---" * (5 + len(SPLITS)) + "|")
     for label, H, eb, ew, b, sq in cases:
-        q, kv, sink, _, _, a, t_f, ex = padded_case(fm, prep, H, eb, ew, b * sq, scale)
+        q, kv, sink, _, _, a, t_f = padded_case(fm, prep, H, eb, ew, b * sq, scale)
         t_v = {v: graph_time_us(lambda: TritonSparseMQA(variant=v)(q, kv, sink=sink, scale=scale))
                for v in ("two_pass", "auto")}
         cells, err = [], ""
         for s in SPLITS:
             def run(s=s):
-                return sparse_mqa(q, sink, scale, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **ex,
-                                  variant="hopper", splits=s)
+                return sparse_mqa(q, kv, sink=sink, scale=scale, variant="hopper", hopper=HopperLaunch(splits=s))
             o, _ = run()
             if not s:
                 err = f"{rel_err(o, a[:, :H]):.1e}"
@@ -211,7 +209,7 @@ def few(cases=FEW_CASES) -> None:
     and the 64-head Hopper kernel, both given the queries padded to 64 heads (what head_padding=
     buckets_64_128 does), on the same pages; the error against FlashMLA's output."""
     from dsv4.kernels.mqa import sparse_mqa_hopper_few as few_mod
-    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import sparse_mqa
     from dsv4.kernels.mqa.sparse_plan import hopper_heads
 
     fm, prep = flashmla()
@@ -220,10 +218,10 @@ def few(cases=FEW_CASES) -> None:
           "auto / FlashMLA | rel diff |")
     print("|---" * 8 + "|")
     for label, H, eb, ew, b, sq in cases:
-        q, kv, sink, qp, sp, a, t_f, ex = padded_case(fm, prep, H, eb, ew, b * sq, scale)
+        q, kv, sink, qp, sp, a, t_f = padded_case(fm, prep, H, eb, ew, b * sq, scale)
 
         def run(qq, ss):
-            return sparse_mqa(qq, ss, scale, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **ex, variant="hopper")
+            return sparse_mqa(qq, kv, sink=ss, scale=scale, variant="hopper")
         cells = [f"{graph_time_us(lambda: run(qp, sp)):.1f}"]
         shipped = few_mod.BUFFERS
         for n in (2, 3):
@@ -309,7 +307,8 @@ def runs(cases=RUNS_CASES) -> None:
     request's tokens share their windows' rows): each token alone, a run's tokens two per program reading
     the union of their lists once, and as planned (sparse_plan.hopper_group), FlashMLA beside (padded to
     64 heads); the differences to the lone kernel's output and to FlashMLA's."""
-    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import sparse_mqa
+    from dsv4.kernels.mqa.sparse_plan import HopperLaunch
 
     fm, prep = flashmla()
     print("| case | FlashMLA (padded) µs | each token alone µs | 2 tokens per program µs | planned µs | "
@@ -320,12 +319,12 @@ def runs(cases=RUNS_CASES) -> None:
         qp, sp = pad_heads(q, sink, 64)
         a, call = flashmla_steady(fm, prep, qp, kv, sp, SCALE)
         t_f = graph_time_us(call)
-        ex = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens) if extra else {}
+        alone_kv = dataclasses.replace(kv, runs=None, extra_nested=False)       # each token's lists alone
 
         def run(group):
-            grouped = dict(runs=kv.runs, extra_nested=kv.extra_nested, group=group) if group is not None else {}
-            return sparse_mqa(q, sink, SCALE, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **ex,
-                              variant="hopper", **grouped)
+            if group is None:
+                return sparse_mqa(q, alone_kv, sink=sink, scale=SCALE, variant="hopper")
+            return sparse_mqa(q, kv, sink=sink, scale=SCALE, variant="hopper", hopper=HopperLaunch(group=group))
         alone, two = run(None)[0], run(2)[0]
         t = {g: graph_time_us(lambda g=g: run(g)) for g in (None, 2, 0)}
         print(f"| {label} b={b} s_q={sq} | {t_f:.1f} | {t[None]:.1f} | {t[2]:.1f} | {t[0]:.1f} | "

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "ConfigError", "DSV4Attention", "DeviceInfo", "Engine", "IncompatibleCombination", "InvalidRequest", "Job",
-    "KVPool", "LayerCaches", "ModelSpec", "PageTable", "PoolConfig", "Problem", "StepPlan", "build_engine",
+    "KVPool", "LayerCaches", "ModelSpec", "PageTable", "PoolConfig", "Problem", "StepPlan", "TypePlan",
+    "build_engine",
     "build_layer", "build_pool", "compose", "detect", "random_layer_weights", "validate",
 ]
 _HOMES = {       # where each public name lives; imported on first use
@@ -23,7 +24,7 @@ _HOMES = {       # where each public name lives; imported on first use
     "dsv4.values.errors": ("Problem", "ConfigError", "IncompatibleCombination", "InvalidRequest"),
     "dsv4.components.attention": ("DSV4Attention",),
     "dsv4.components.kv_pool": ("KVPool", "LayerCaches", "PoolConfig"),
-    "dsv4.components.plan": ("PageTable", "StepPlan"),
+    "dsv4.components.plan": ("PageTable", "StepPlan", "TypePlan"),
     "dsv4.components.engine": ("Engine",),
     "dsv4.components.weights": ("random_layer_weights",),
 }
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from dsv4.components.attention import DSV4Attention
     from dsv4.components.engine import Engine
     from dsv4.components.kv_pool import KVPool, LayerCaches, PoolConfig
-    from dsv4.components.plan import PageTable, StepPlan
+    from dsv4.components.plan import PageTable, StepPlan, TypePlan
     from dsv4.components.weights import random_layer_weights
     from dsv4.values.device import DeviceInfo, detect
     from dsv4.values.errors import ConfigError, IncompatibleCombination, InvalidRequest, Problem

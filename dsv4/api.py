@@ -80,7 +80,7 @@ def compose(overrides: Sequence[str] = (), *, spec: ModelSpec | None = None, dev
     if device is not None:
         job = replace(job, device=device)
     if given:
-        job = replace(job, combo=replace(job.combo, **given),
+        job = replace(job, combo=replace(job.combo, strategies=replace(job.combo.strategies, **given)),
                       choices=job.choices | {g: getattr(s, "name", type(s).__name__) for g, s in given.items()})
     for line in inert_settings(job, overrides):
         warnings.warn(line, stacklevel=2)
@@ -110,7 +110,7 @@ def build_layer(job: Job, layer: int, *, weights: Mapping[str, Any] | None = Non
         raise ConfigError(f"rank={rank}: expected 0..{job.combo.tp_size - 1} (tp_size={job.combo.tp_size})")
     full, fp8 = _weights(job, [layer], None if weights is None else {layer: weights})
     return build(spec=job.spec, layer=layer, weights=full[layer], rank=rank, tp_size=job.combo.tp_size,
-                 strategies=_strategies(job), device=job.device, dtype=job.combo.dtype, fp8=fp8.get(layer),
+                 strategies=job.combo.strategies, device=job.device, dtype=job.combo.dtype, fp8=fp8.get(layer),
                  overlap=job.run.overlap, batch_invariant=job.combo.batch_invariant)
 
 
@@ -146,12 +146,6 @@ def build_engine(job: Job, *, layers: Sequence[int] | None = None, weights: Mapp
 
 
 # ---- the job's defaults ---------------------------------------------------------------------------------
-def _strategies(job: Job):
-    from dsv4.components.builders import Strategies
-
-    return Strategies(**{g: getattr(job.combo, g) for g in GROUPS})
-
-
 def _layers(job: Job, layers: Sequence[int] | None) -> tuple[int, ...]:
     if layers is None:
         return tuple(job.workload.layer_indices(job.spec))
@@ -190,12 +184,11 @@ def _check_int(name: str, value: Any) -> None:
 
 
 def _check_strategy(group: str, strat: Any) -> None:
-    """A strategy object given for `group` satisfies the group's Protocol; a name is an override's job."""
-    from dsv4.strategies import protocols
+    """A strategy object given for `group` satisfies the group's Protocol (its field's type in
+    dsv4.strategies.Strategies); a name is an override's job."""
+    from dsv4.strategies.choice import protocols
 
-    proto = {"mqa_kernel": protocols.MQAKernelStrategy, "o_proj": protocols.OProjStrategy,
-             "head_padding": protocols.HeadPaddingPolicy, "cache_layout": protocols.CacheLayout,
-             "indexer": protocols.IndexerStrategy, "linear": protocols.LinearStrategy}[group]
+    proto = protocols()[group]
     if strat is None or isinstance(strat, proto):
         return
     if isinstance(strat, str):

@@ -173,13 +173,13 @@ def make_engine(spec, *, layers=(0, 1, 2), layout="float32", tp_size=1, dtype="f
     CacheLayout or a PlainRowLayout dtype name; ranks: the tensor-parallel ranks it holds (default all tp_size
     of them); all_reduce: the engine's (one rank per process); graphs: a GraphConfig (GPU); linear: the dense
     projections' option; fp8: {layer: the linears as fp8 blocks} (weights.in_fp8_blocks)."""
-    from dsv4.components.builders import Strategies, build_layer, build_pool
+    from dsv4.components.builders import build_layer, build_pool
     from dsv4.components.kv_pool import PoolConfig
     from dsv4.components.engine import Engine
     from dsv4.components.weights import random_layer_weights
     from dsv4.values.device import DeviceInfo
     from dsv4.strategies import (ExactIndexer, NoHeadPadding, PlainRowLayout, ReferenceLinear, ReferenceMQA,
-                                 ReferenceOProj)
+                                 ReferenceOProj, Strategies)
 
     dev = device or DeviceInfo(platform="cpu")
     lay = layout if not isinstance(layout, str) else PlainRowLayout(name=layout, dtype=layout)

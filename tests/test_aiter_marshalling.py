@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from dsv4.speed.cases import random_pages
+from dsv4.checks.catalogue import strategies
 from dsv4.checks.compat import Combination, check
 from dsv4.components.rope import Rope
 from dsv4.values.device import DeviceInfo
@@ -550,7 +551,6 @@ def _engine(spec, W, layout, strategies, device):
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
 def test_layer_steps_through_the_aiter_strategies_match_the_reference(fake_aiter, arch):
-    from dsv4.components.builders import Strategies
     from dsv4.components.weights import random_layer_weights
     from tests.conftest import chunked, drive, hidden_for
 
@@ -559,9 +559,9 @@ def test_layer_steps_through_the_aiter_strategies_match_the_reference(fake_aiter
     W = {l: random_layer_weights(spec, l, 0) for l in (0, 1, 2)}
     layout, pad = ARCH_LAYOUT[arch], BucketHeadPadding(name="buckets_mult16", buckets=tuple(range(16, 129, 16)))
     dev = DeviceInfo(platform="cpu", arch=arch)      # the arch picks the fp8 flavour; tensors stay on the CPU
-    ref = _engine(spec, W, layout, Strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=pad,
+    ref = _engine(spec, W, layout, strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=pad,
                                               cache_layout=layout), dev)
-    amd = _engine(spec, W, layout, Strategies(mqa_kernel=AiterSparseMQA(), o_proj=RocmBf16OProj(), head_padding=pad,
+    amd = _engine(spec, W, layout, strategies(mqa_kernel=AiterSparseMQA(), o_proj=RocmBf16OProj(), head_padding=pad,
                                               cache_layout=layout), dev)
     lengths = {"a": 150, "b": 40}
     X = hidden_for(lengths, spec.hidden_size)
@@ -729,10 +729,10 @@ FLASH, PRO = load_spec("dsv4_flash"), load_spec("dsv4_pro")
 
 def aiter_combo(*, layout="fp8_ds_mla", spec=FLASH, tp_size=1, head_padding="none", dtype="bfloat16",
                 mqa_kernel=None, o_proj=None) -> Combination:
-    return Combination(spec=spec, mqa_kernel=mqa_kernel or option("mqa_kernel", "aiter_sparse"),
-                       o_proj=o_proj or option("o_proj", "rocm_bf16"),
-                       head_padding=option("head_padding", head_padding),
-                       cache_layout=option("cache_layout", layout), tp_size=tp_size, dtype=dtype)
+    chosen = strategies(mqa_kernel=mqa_kernel or option("mqa_kernel", "aiter_sparse"),
+                        o_proj=o_proj or option("o_proj", "rocm_bf16"),
+                        head_padding=option("head_padding", head_padding), cache_layout=option("cache_layout", layout))
+    return Combination(spec=spec, strategies=chosen, tp_size=tp_size, dtype=dtype)
 
 
 # (device, cache_layout) -> the problems' (group, value, fix), for the aiter backend at tp 1

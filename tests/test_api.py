@@ -97,7 +97,7 @@ def test_a_gpu_kernel_given_as_an_object_is_refused_on_the_cpu(no_alloc):
 
 def test_builders_check_a_job_changed_after_compose(no_alloc):
     job = dsv4.compose(TINY)
-    bad = dataclasses.replace(job, combo=dataclasses.replace(job.combo, mqa_kernel=FlashMLASparse()))
+    bad = dataclasses.replace(job, combo=job.combo.with_choice("mqa_kernel", FlashMLASparse()))
     for build in (lambda: dsv4.build_layer(bad, 0), lambda: dsv4.build_pool(bad), lambda: dsv4.build_engine(bad)):
         with pytest.raises(dsv4.IncompatibleCombination, match="mqa_kernel=flashmla_sparse: runs on cuda"):
             build()

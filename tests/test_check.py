@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from omegaconf import OmegaConf
 
 from tests.conftest import CONFIGS
+from dsv4.checks.catalogue import strategies
 from dsv4.checks.compat import Combination, check
 from dsv4.values.device import DeviceInfo
 from dsv4.values.errors import IncompatibleCombination, Problem
@@ -120,11 +121,12 @@ B64_128 = load_option("head_padding", "buckets_64_128")
 POW2 = load_option("head_padding", "buckets_pow2")
 
 
-def combo(spec=FLASH, *, mqa_kernel=None, o_proj=None, head_padding=None, cache_layout=None, tp_size=1,
-          dtype="float32", **kw) -> Combination:
-    return Combination(spec=spec, mqa_kernel=mqa_kernel or ReferenceMQA(), o_proj=o_proj or ReferenceOProj(),
-                       head_padding=head_padding or NoHeadPadding(), cache_layout=cache_layout or BF16,
-                       tp_size=tp_size, dtype=dtype, **kw)
+def combo(spec=FLASH, *, mqa_kernel=None, o_proj=None, head_padding=None, cache_layout=None, indexer=None,
+          linear=None, tp_size=1, dtype="float32", **kw) -> Combination:
+    chosen = strategies(mqa_kernel=mqa_kernel or ReferenceMQA(), o_proj=o_proj or ReferenceOProj(),
+                        head_padding=head_padding or NoHeadPadding(), cache_layout=cache_layout or BF16,
+                        indexer=indexer, linear=linear)
+    return Combination(spec=spec, strategies=chosen, tp_size=tp_size, dtype=dtype, **kw)
 
 
 def flashmla_combo(**changes) -> Combination:
@@ -153,11 +155,11 @@ def apply_fix(c: Combination, fix: str) -> Combination:
     if key == "dtype":
         return replace(c, dtype=value)
     if key == "cache_layout" and value == FP8_DS_MLA.name:
-        return replace(c, cache_layout=FP8_DS_MLA)
+        return c.with_choice("cache_layout", FP8_DS_MLA)
     # any other fix must name a shipped option of a config group
     path = CONFIGS / key / f"{value}.yaml"
     assert path.exists(), f"fix {fix!r} names no shipped option ({path} is missing)"
-    return replace(c, **{key: load_option(key, value)})
+    return c.with_choice(key, load_option(key, value))
 
 
 # ---- sanity: the fakes are valid strategies -----------------------------------------------------

@@ -262,7 +262,8 @@ def fake_deep_gemm(calls: list):
 
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_fp8_oproj_prepare_returns_the_stored_bytes_and_scales(monkeypatch, checkpoint, tp_size):
-    from dsv4.components.builders import Strategies, build_layer
+    from dsv4.checks.catalogue import strategies
+    from dsv4.components.builders import build_layer
     from dsv4.components.rope import Rope
     from dsv4.strategies import NoHeadPadding, PlainRowLayout, ReferenceMQA
 
@@ -283,7 +284,7 @@ def test_fp8_oproj_prepare_returns_the_stored_bytes_and_scales(monkeypatch, chec
         rows = slice(rank * G * r, (rank + 1) * G * r)
         srows = slice(rank * G * r // 128, (rank + 1) * G * r // 128)
         for s in (DeepGemmFp8OProj(), TorchFp8OProj(), TritonFp8OProj()):
-            st = Strategies(mqa_kernel=ReferenceMQA(), o_proj=s, head_padding=NoHeadPadding(),
+            st = strategies(mqa_kernel=ReferenceMQA(), o_proj=s, head_padding=NoHeadPadding(),
                             cache_layout=PlainRowLayout(name="float32", dtype="float32"))
             layer = build_layer(spec=sp, layer=1, weights=got.weights[1], rank=rank, tp_size=tp_size, strategies=st,
                                 device=dev, dtype="bfloat16", fp8=got.fp8[1])
@@ -314,7 +315,8 @@ def test_fp8_oproj_prepare_returns_the_stored_bytes_and_scales(monkeypatch, chec
 def test_fp8_linears_load_without_dequantization(checkpoint, tp_size):
     """Every fp8 linear comes back as its stored e4m3 bytes and UE8M0 scales; an fp8 `linear` option's layer
     multiplies those bytes (its buffers are the file's, shard by shard) and the memory it holds shows it."""
-    from dsv4.components.builders import Strategies, build_layer
+    from dsv4.checks.catalogue import strategies
+    from dsv4.components.builders import build_layer
     from dsv4.strategies import Fp8SimLinear, NoHeadPadding, PlainRowLayout, ReferenceLinear, ReferenceMQA
 
     root, _, shards, _ = checkpoint
@@ -328,7 +330,7 @@ def test_fp8_linears_load_without_dequantization(checkpoint, tp_size):
         assert torch.equal(blocks.scale.view(torch.uint8), file[base + ".scale"].view(torch.uint8))
     held = {}
     for lin in (ReferenceLinear(), Fp8SimLinear()):
-        st = Strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=NoHeadPadding(),
+        st = strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=NoHeadPadding(),
                         cache_layout=PlainRowLayout(name="bfloat16", dtype="bfloat16"), linear=lin)
         for rank in range(tp_size):
             layer = build_layer(spec=sp, layer=1, weights=got.weights[1], rank=rank, tp_size=tp_size, strategies=st,

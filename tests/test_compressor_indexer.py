@@ -19,7 +19,7 @@ from dsv4.values.seam import PagedCache
 from dsv4.components.plan import PageTable, StepPlan
 from dsv4.values.layer_types import by_ratio
 from dsv4.components.rope import Rope
-from dsv4.strategies import PlainRowLayout
+from dsv4.strategies import ExactIndexer, PlainRowLayout
 from tests.conftest import published_angles, tiny_spec
 
 EPS = 1e-6
@@ -314,7 +314,7 @@ def make_indexer(K: int, Hi: int = 8, Di: int = 128, qlora: int = 16, seed: int 
     g = torch.Generator().manual_seed(seed)
     return Indexer(wq_b=torch.randn(Hi * Di, qlora, generator=g) * qlora ** -0.5,
                    weights_proj=torch.randn(Hi, HID, generator=g) * HID ** -0.5, compressor=None,
-                   n_heads=Hi, head_dim=Di, topk=K)
+                   n_heads=Hi, head_dim=Di, topk=K, strategy=ExactIndexer())
 
 
 def scores_of(idx: Indexer, q, w, keys, positions, block: int = 4):
@@ -434,36 +434,30 @@ def test_indexer_scores_then_select_end_to_end(n, K, seed):
 
 
 def test_the_pieces_refuse_kernels_for_tensors_they_cannot_run_on():
-    """The layer's own pieces run what `kernels` says: given a Target (the GPU's kernels) they refuse CPU
-    tensors with a one-line error rather than run their torch code instead."""
+    """The layer's own pieces run what its ops say: the Triton ops (chosen for a GPU, holding its Target) refuse
+    CPU tensors with a one-line error rather than run their torch code instead."""
     from types import SimpleNamespace
 
-    from dsv4.components.compressor import CompressPart, compress_all
-    from dsv4.components.front import front_rows, kv_rows, norm_rows, q_rows, rotate_rows
+    from dsv4.components.compressor import CompressPart
+    from dsv4.components.layer_ops import TritonOps
     from dsv4.values.seam import RopeRows
     from dsv4.kernels.target import Target
 
-    gpu = Target(arch="sm90", native_e4m3=True, processors=132)
+    gpu = TritonOps(target=Target(arch="sm90", native_e4m3=True, processors=132))
     T, D = 3, 128
     rot = RopeRows(cos=torch.ones(T, 32), sin=torch.zeros(T, 32))
     x, slots, faults = torch.randn(T, 2, D), torch.zeros(T, dtype=torch.int32), torch.zeros(3, T, dtype=torch.bool)
     comp, idx = make_compressor(make_weights(4, D, 0), 4, D), make_indexer(K=4, Di=D)
     scores = torch.randn(T, 2 * comp.width)
-    calls = [("q_rows", lambda: q_rows(x, rot, padded_heads=2, eps=EPS, dtype=torch.float32, kernels=gpu)),
-             ("kv_rows", lambda: kv_rows(x[:, 0], torch.ones(D), rot, slots, faults, eps=EPS, dtype=torch.float32,
-                                         kernels=gpu)),
-             ("front_rows", lambda: front_rows(x, x[:, 0], torch.ones(D), rot, slots, faults, None, padded_heads=2,
-                                               eps=EPS, dtype=torch.float32, kernels=gpu)),
-             ("norm_rows", lambda: norm_rows(x[:, 0], torch.ones(D), eps=EPS, dtype=torch.float32, kernels=gpu)),
-             ("rotate_rows", lambda: rotate_rows(x, rot, kernels=gpu)),
-             ("Compressor.entries", lambda: comp.entries(scores, None, None, rot, faults, 2, kernels=gpu)),
-             ("Compressor.compress", lambda: comp.compress(scores, None, None, rot, faults, 2, None, kernels=gpu)),
-             ("compress_all", lambda: compress_all([CompressPart(comp, scores, None, 2, None)], None, rot, faults,
-                                                   kernels=gpu)),
-             ("rotate_rows", lambda: idx.queries(torch.randn(T, 8 * D), rot, kernels=gpu)),
-             ("Indexer.plan", lambda: idx.plan(SimpleNamespace(positions=slots), kernels=gpu)),
-             ("Indexer.scores", lambda: idx.scores(x, x[..., 0], None, None, kernels=gpu)),
-             ("Indexer.lists", lambda: idx.lists(scores, None, kernels=gpu))]
+    calls = [("front_rows", lambda: gpu.front_rows(x, x[:, 0], torch.ones(D), rot, slots, faults, None,
+                                                   padded_heads=2, eps=EPS, dtype=torch.float32)),
+             ("norm_rows", lambda: gpu.norm_rows(x[:, 0], torch.ones(D), eps=EPS, dtype=torch.float32)),
+             ("rotate_rows", lambda: gpu.rotate_rows(x, rot)),
+             ("compress", lambda: gpu.compress([CompressPart(comp, scores, None, 2, None)], None, rot, faults)),
+             ("rotate_rows", lambda: idx.queries(torch.randn(T, 8 * D), rot, rotate=gpu.rotate_rows)),
+             ("index_plan", lambda: gpu.index_plan(idx, SimpleNamespace(positions=slots))),
+             ("index_scores", lambda: gpu.index_scores(idx, x, x[..., 0], None, None)),
+             ("index_lists", lambda: gpu.index_lists(idx, scores, None))]
     for who, call in calls:
-        with pytest.raises(ValueError, match=rf"^{who}: GPU tensors need kernels=.*given a Target with cpu tensors$"):
+        with pytest.raises(ValueError, match=rf"^{who}: GPU tensors need TritonOps.*given TritonOps with cpu tensors$"):
             call()

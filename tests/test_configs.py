@@ -142,7 +142,7 @@ def assert_verdict(job):
         (p,) = problems
         fix = CONFIGS / "cache_layout" / f"{p.fix.split('=', 1)[1]}.yaml"
         fixed = instantiate(OmegaConf.load(fix), _convert_="all")
-        assert check(dataclasses.replace(job.combo, cache_layout=fixed), job.device) == [], p.line()
+        assert check(job.combo.with_choice("cache_layout", fixed), job.device) == [], p.line()
     elif platform_ok(job):
         assert problems == []
         if job.device.platform == local_platform():

@@ -4,7 +4,7 @@ Hydra's search path: no file of the package names them, and yet they compose, ch
 row format (never by name), and a run through them matches the oracle, which rounds rows as they store them."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
@@ -97,12 +97,12 @@ def test_a_layout_composes_from_its_yaml_alone(layout_dir, name):
 def test_check_judges_a_layout_by_its_row_format():
     job = dsv4.compose(["deployment=h200", "backend=triton"], running=False)
     for mine, problems in ((MyBf16Rows(), set()), (Fp16Rows(), {("cache_layout", "fp16_rows")})):
-        got = check(replace(job.combo, cache_layout=mine), job.device)
+        got = check(job.combo.with_choice("cache_layout", mine), job.device)
         assert {(p.group, p.value) for p in got} == problems
-    (p,) = check(replace(job.combo, cache_layout=Fp16Rows()), job.device)
+    (p,) = check(job.combo.with_choice("cache_layout", Fp16Rows()), job.device)
     assert p.supported == ("bf16", "fp8_ds_mla", "fp8_ds_mla_fnuz") and p.fix == "cache_layout=bf16"
     flashmla = dsv4.compose(["deployment=h200"], running=False)
-    (p,) = check(replace(flashmla.combo, cache_layout=MyBf16Rows()), flashmla.device)
+    (p,) = check(flashmla.combo.with_choice("cache_layout", MyBf16Rows()), flashmla.device)
     assert (p.group, p.value, p.fix) == ("cache_layout", "my_bf16_rows", "cache_layout=fp8_ds_mla")
     assert "mqa_kernel=flashmla_sparse reads only ['fp8_ds_mla']" in p.reason
 

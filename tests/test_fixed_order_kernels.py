@@ -134,7 +134,7 @@ def test_a_tokens_attention_is_the_same_in_any_step(variant, layer, H):
     """A token's output and lse, whatever tokens share its call, with its lists padded wider, in a step of
     many tokens: the Hopper kernel's runs of blocks are its own lists' and are always merged (by split_combine
     in a small step, inside its programs in a large one); the two-pass kernel takes one launch."""
-    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import sparse_mqa
     from tests.test_triton_sparse import LAYER_TYPES, SCALE, case
 
     T = 5 if not BIG else 40
@@ -151,10 +151,10 @@ def test_a_tokens_attention_is_the_same_in_any_step(variant, layer, H):
         extra = {}
         if kv.extra is not None:
             ei, el = lists(kv.extra_indices, kv.extra_lens)
-            extra = dict(extra=pool_args(kv.extra), extra_idx=ei, extra_len=el)
+            extra = dict(extra_indices=ei, extra_lens=el)
         si, sl = lists(kv.swa_indices, kv.swa_lens)
-        return sparse_mqa(q[r].contiguous(), sink, SCALE, pool_args(kv.swa), si, sl, **extra, variant=variant,
-                          target=tgt)
+        rows_kv = replace(kv, swa_indices=si, swa_lens=sl, runs=None, extra_nested=False, **extra)
+        return sparse_mqa(q[r].contiguous(), rows_kv, sink=sink, scale=SCALE, variant=variant, target=tgt)
 
     out, lse = attend(torch.arange(T), 0)
     for rows in steps(T, 7 if not BIG else 700, seed=3):

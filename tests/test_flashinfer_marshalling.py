@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from dsv4.speed.cases import random_pages
+from dsv4.checks.catalogue import strategies
 from dsv4.checks.compat import Combination, check
 from dsv4.values.device import DeviceInfo
 from dsv4.formats.row_format import RowKind
@@ -758,8 +759,9 @@ def fi_combo(*, spec=FLASH, layout="bf16", head_padding=POW2, tp_size=1, dtype="
     from dsv4.checks.catalogue import instantiate_group
 
     lay = instantiate_group(OmegaConf.load(CONFIGS / "cache_layout" / f"{layout}.yaml"))
-    return Combination(spec=spec, mqa_kernel=FlashInferSparse(), o_proj=ReferenceOProj(), head_padding=head_padding,
-                       cache_layout=lay, tp_size=tp_size, dtype=dtype)
+    chosen = strategies(mqa_kernel=FlashInferSparse(), o_proj=ReferenceOProj(), head_padding=head_padding,
+                        cache_layout=lay)
+    return Combination(spec=spec, strategies=chosen, tp_size=tp_size, dtype=dtype)
 
 
 @pytest.mark.parametrize("dev", [SM100, SM103], ids=["sm100", "sm103"])
@@ -783,7 +785,7 @@ def test_refused_on_h200_naming_the_supported_archs_and_a_fix():
     assert {"sm100", "sm103", "sm120"} <= set(p.supported) and "sm90" not in p.supported
     assert "sm100" in p.reason and "sm120" in p.reason and SM90.describe() in p.reason
     assert p.fix == "mqa_kernel=reference"
-    assert check(replace(fi_combo(), mqa_kernel=ReferenceMQA()), SM90) == []
+    assert check(fi_combo().with_choice("mqa_kernel", ReferenceMQA()), SM90) == []
 
 
 def test_refused_on_cpu_with_a_fix():

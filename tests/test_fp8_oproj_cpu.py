@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from dsv4.checks.catalogue import strategies
 from dsv4.checks.compat import Combination, check
 from dsv4.components.rope import Rope
 from dsv4.values.device import DeviceInfo
@@ -54,9 +55,9 @@ def test_deepgemm_recipe_comes_from_the_device():
     assert DeepGemmFp8OProj.recipe(SM100) == (1, 1, 128)
 
 
-def combo(spec, o_proj):
-    return Combination(spec=spec, mqa_kernel=ReferenceMQA(), o_proj=o_proj, head_padding=BucketHeadPadding(
-        name="buckets_64_128", buckets=(64, 128)), cache_layout=Fp8DsMlaLayout(), dtype="bfloat16")
+def combo(spec, o_proj, dtype="bfloat16"):
+    return Combination(spec=spec, strategies=strategies(mqa_kernel=ReferenceMQA(), o_proj=o_proj, head_padding=
+        BucketHeadPadding(name="buckets_64_128", buckets=(64, 128)), cache_layout=Fp8DsMlaLayout()), dtype=dtype)
 
 
 @pytest.mark.parametrize("strategy", [DeepGemmFp8OProj(), TorchFp8OProj(), TritonFp8OProj()], ids=lambda s: s.name)
@@ -74,8 +75,7 @@ def test_fp8_oproj_rules(strategy):
     assert probs[0].fix == "o_proj=reference"
     cpu = check(combo(flash, strategy), DeviceInfo(platform="cpu"))
     assert any(p.group == "o_proj" and "runs on cuda" in p.reason for p in cpu)
-    bf = check(Combination(spec=flash, mqa_kernel=ReferenceMQA(), o_proj=strategy, head_padding=BucketHeadPadding(
-        name="buckets_64_128", buckets=(64, 128)), cache_layout=Fp8DsMlaLayout(), dtype="float32"), SM90)
+    bf = check(combo(flash, strategy, dtype="float32"), SM90)
     assert [(p.group, p.fix) for p in bf] == [("dtype", "dtype=bfloat16")]
 
 

@@ -225,7 +225,7 @@ def test_a_layer_forward_makes_no_host_sync(backend):
     pool = eng.pools[0]
     pool.reserve({s.rid: (s.start, s.start + s.count) for s in segs})
     plan = eng.build_plan(pool, eng.plan_inputs(pool, segs), num_tokens=6)
-    eng.kernel_plans(plan, 0)
+    plan = plan.with_type_plans(eng.type_plans(plan, 0))
     x = torch.cat([X[r][n:n + 2] for r, n in LENGTHS.items()]).to(torch.bfloat16)
     for layer, ranks in eng.layers.items():
         ranks[0](x, plan, pool.layers[layer])          # compiles, fills JIT caches

@@ -157,13 +157,14 @@ def test_exact_is_the_default_and_changes_nothing():
 
 
 def test_check_refuses_fp4_sim_for_index_heads_it_cannot_rotate():
+    from dsv4.checks.catalogue import strategies
     from dsv4.checks.compat import Combination
     from dsv4.strategies import NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
 
     def problems(dim):
-        c = Combination(spec=tiny_spec(index_head_dim=dim), mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(),
-                        head_padding=NoHeadPadding(), cache_layout=PlainRowLayout(name="bf16", dtype="bfloat16"),
-                        indexer=Fp4SimIndexer())
+        chosen = strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=NoHeadPadding(),
+                            cache_layout=PlainRowLayout(name="bf16", dtype="bfloat16"), indexer=Fp4SimIndexer())
+        c = Combination(spec=tiny_spec(index_head_dim=dim), strategies=chosen)
         return [p for p in check(c, DeviceInfo(platform="cpu")) if p.group == "indexer"]
 
     assert problems(128) == [] and problems(64) == []
@@ -382,13 +383,14 @@ def test_deepgemm_plan_rows():
 def test_check_refuses_deepgemm_fp8_where_it_cannot_run():
     """deepgemm_fp8: CUDA sm90/sm100 only (fix: triton_fp8), 128-dim keys, the index heads its kernel takes
     on the arch, pages of the keys it reads (fix: the pool's page size)."""
+    from dsv4.checks.catalogue import strategies
     from dsv4.checks.compat import Combination
     from dsv4.strategies import DeepGemmFp8Indexer, NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj
 
     def problems(device, page_keys=64, **spec):
-        c = Combination(spec=tiny_spec(**spec), mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(),
-                        head_padding=NoHeadPadding(), cache_layout=PlainRowLayout(name="bf16", dtype="bfloat16"),
-                        indexer=DeepGemmFp8Indexer(), index_page_keys=page_keys)
+        chosen = strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=NoHeadPadding(),
+                            cache_layout=PlainRowLayout(name="bf16", dtype="bfloat16"), indexer=DeepGemmFp8Indexer())
+        c = Combination(spec=tiny_spec(**spec), strategies=chosen, index_page_keys=page_keys)
         return [p for p in check(c, device) if p.group == "indexer"]
 
     h200, b200 = DeviceInfo(platform="cuda", arch="sm90"), DeviceInfo(platform="cuda", arch="sm100")

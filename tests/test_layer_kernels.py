@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.triton_mode import BIG, DEVICE, KERNELS, MARK
+from tests.triton_mode import BIG, DEVICE, MARK, OPS
 
 from dsv4.components.compressor import Compressor
 from dsv4.components.front import kv_rows, q_rows
@@ -46,7 +46,7 @@ from dsv4.kernels.indexer.indexer_logits import indexer_logits
 from dsv4.kernels.front.layer_front import front_kernel, kv_rows_kernel, q_rows_kernel
 from dsv4.oracle import rel_err
 from dsv4.values.sizes import round_up
-from dsv4.strategies import Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout
+from dsv4.strategies import ExactIndexer, Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, PlainRowLayout
 
 pytestmark = MARK
 
@@ -555,7 +555,6 @@ def test_front_kernel_makes_fp4_indexer_queries(iq_dtype, iq_in):
     makes it) rotated by RoPE, then by the Hadamard transform and FP4-simulated in the kernel: what the
     torch path (rotate_rows, then fp4_sim's queries) gives -- also for heads holding a NaN or an infinity
     (NaN where torch has NaN, the same values elsewhere)."""
-    from dsv4.components.front import rotate_rows
     from dsv4.formats.indexer_numerics import IndexerNumerics
 
     g, T, Hi, Di = gen(86), 5, 6, 128
@@ -565,8 +564,8 @@ def test_front_kernel_makes_fp4_indexer_queries(iq_dtype, iq_in):
     rot = rope_rows(T, g)
     _, _, got = front_kernel(None, None, None, dev(rot.cos), dev(rot.sin), None, None, padded_heads=0, eps=EPS,
                              dtype=torch.bfloat16, iq=dev(iq), iq_dtype=iq_dtype, iq_fp4=True)
-    want = IndexerNumerics.FP4.apply(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin)),
-                                                 kernels=KERNELS)).to(iq_dtype)
+    rot_dev = RopeRows(cos=dev(rot.cos), sin=dev(rot.sin))
+    want = IndexerNumerics.FP4.apply(OPS.rotate_rows(dev(iq), rot_dev)).to(iq_dtype)
     got, want = got.cpu(), want.cpu()
     assert got.dtype == iq_dtype and torch.equal(torch.isnan(got), torch.isnan(want))
     assert bool(torch.isnan(want[1, 2]).any()) and torch.equal(got.nan_to_num(), want.nan_to_num())
@@ -658,7 +657,7 @@ def indexer_case(spans, heads: int, dim: int, *, bs: int = 4, holes=(), pad: int
     q = torch.randn(T, heads, dim, generator=g)
     w = torch.randn(T, heads, generator=g) * (dim * heads) ** -0.5
     idx = Indexer(wq_b=torch.zeros(1), weights_proj=torch.zeros(1), compressor=None, n_heads=heads, head_dim=dim,
-                  topk=16)
+                  topk=16, strategy=ExactIndexer())
     return q, w, keys, plan, idx
 
 
@@ -1146,7 +1145,6 @@ def test_fp8_queries_kernel_is_the_torch_path():
 def test_front_kernel_makes_fp8_indexer_queries():
     """iq_dtype e4m3: the front's indexer queries as deepgemm_fp8 scores them -- RoPE, FP4 numerics, then
     `fp8_queries` with the head weights (strided rows) -- bit for bit, beside the query and KV parts."""
-    from dsv4.components.front import rotate_rows
     from dsv4.formats.indexer_numerics import IndexerNumerics
     from dsv4.strategies.indexer.key_layouts import fp8_queries
 
@@ -1159,8 +1157,7 @@ def test_front_kernel_makes_fp8_indexer_queries():
     got_q, _, (q8, wq) = front_kernel(dev(q), None, None, dev(rot.cos), dev(rot.sin), None, None, padded_heads=4,
                                       eps=EPS, dtype=torch.bfloat16, iq=dev(iq), iq_dtype=torch.float8_e4m3fn,
                                       iq_fp4=True, iq_weights=dev(w), iq_w_scale=0.125)
-    rows = IndexerNumerics.FP4.apply(rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin)),
-                                                 kernels=KERNELS))
+    rows = IndexerNumerics.FP4.apply(OPS.rotate_rows(dev(iq), RopeRows(cos=dev(rot.cos), sin=dev(rot.sin))))
     want_q8, want_w = fp8_queries(rows.cpu().bfloat16(), w, 0.125)
     assert q8.shape == (T, 1, Hi, Di) and q8.dtype == torch.float8_e4m3fn and wq.shape == (T, Hi)
     assert torch.equal(q8.cpu().view(torch.uint8), want_q8.view(torch.uint8))
@@ -1195,8 +1192,10 @@ def step_kernels(spans, pad: int, seed: int) -> dict[str, set]:
     from dsv4.kernels.products.fp8_grouped_gemm import grouped_fp8_gemm
     from dsv4.kernels.products.inv_rope_fp8 import inv_rope_fp8_quant
     from dsv4.kernels.launch import observe
-    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import sparse_mqa
+    from dsv4.kernels.mqa.sparse_plan import TwoPassLaunch
     from dsv4.kernels.indexer.topk_lists import topk_lists
+    from dsv4.values.seam import SparseKV
 
     g, R, D, Di, H, Hi, K = gen(seed), 4, 128, 64, 3, 4, 8
     plan, blocks = step_plan(spans, ratios=(R,), entry_block=4, pad=pad, seed=seed, table_pages=16)
@@ -1228,9 +1227,10 @@ def step_kernels(spans, pad: int, seed: int) -> dict[str, set]:
                                 dev(plan.token_request), dev(ents.counts), width=ents.width)
         _, slots, lens = topk_lists(scores, dev(ents.counts), dev(ents.table.pages), dev(plan.token_request), topk=K,
                                     block_size=4)
-        out, _ = sparse_mqa(q, dev(torch.zeros(4)), D ** -0.5, pool_args(swa), dev(plan.swa.indices),
-                            dev(plan.swa.lens), pool_args(comp), slots, lens, variant="two_pass", block_n=16,
-                            block_h=4, block_d=64, num_warps_pv=4)          # launch shapes: not the planner's picks
+        kv = SparseKV(swa=swa, swa_indices=dev(plan.swa.indices), swa_lens=dev(plan.swa.lens), extra=comp,
+                      extra_indices=slots, extra_lens=lens)
+        out, _ = sparse_mqa(q, kv, sink=dev(torch.zeros(4)), scale=D ** -0.5, variant="two_pass",
+                            two_pass=TwoPassLaunch(block_n=16, block_h=4, block_d=64, num_warps_pv=4))  # unplanned
         x = out.float().clamp(-8, 8).to(torch.float8_e4m3fn).view(T, 2, 2 * D)
         grouped_fp8_gemm(x, torch.ones(T, 2, 2 * D // 128, device=DEVICE),
                          dev(torch.randn(2, 128, 2 * D, generator=g).to(torch.float8_e4m3fn)),

@@ -15,7 +15,7 @@ from dsv4.values.device import DeviceInfo
 from dsv4.formats.fp8_blocks import (Fp8Blocks, LinearNumerics, act_quant, block_product, dequantize_blocks,
                                      fp8_linear_reference, pow2_scale, quantize_blocks)
 from dsv4.strategies import Fp8SimLinear, LinearWeight, ReferenceLinear
-from dsv4.checks.catalogue import option as shipped
+from dsv4.checks.catalogue import option as shipped, strategies
 from tests.conftest import chunked, drive, hidden_for, make_engine, tiny_spec
 
 CPU = DeviceInfo(platform="cpu")
@@ -204,10 +204,10 @@ def test_fp8_layer_holds_e4m3_weights():
 
 
 def combo(linear, *, tp_size=1, dtype="bfloat16", spec=None):
-    return Combination(spec=spec or tiny_spec(o_lora_rank=128), linear=shipped("linear", linear), tp_size=tp_size,
-                       dtype=dtype, mqa_kernel=shipped("mqa_kernel", "reference"),
-                       o_proj=shipped("o_proj", "reference"), head_padding=shipped("head_padding", "none"),
-                       cache_layout=shipped("cache_layout", "bf16"))
+    chosen = strategies(linear=shipped("linear", linear), mqa_kernel=shipped("mqa_kernel", "reference"),
+                        o_proj=shipped("o_proj", "reference"), head_padding=shipped("head_padding", "none"),
+                        cache_layout=shipped("cache_layout", "bf16"))
+    return Combination(spec=spec or tiny_spec(o_lora_rank=128), strategies=chosen, tp_size=tp_size, dtype=dtype)
 
 
 def test_check_refuses_what_cannot_run_with_a_fix():

@@ -1,7 +1,8 @@
 """The README's commands do what their comments say: each single-run `python run.py` line of "Using it"
 is composed and judged with `mode=check` (refused exactly where the comment says so), its Quick start
 block has the two commands CI runs, its support matrix says what the golden compatibility matrix says, and
-it points at nothing outside the repository."""
+it points at nothing outside the repository. Its reading of ```bash blocks and its judgement of a checked
+command also serve tests/test_docs_commands.py."""
 from __future__ import annotations
 
 import json
@@ -23,15 +24,31 @@ def section(title: str) -> str:
     return README[start:end if end > 0 else None]
 
 
+def bash_commands(text: str) -> list[tuple[str, str]]:
+    """(command, comment) of each command in the text's ```bash blocks: a line continued by a backslash joined
+    to the next, runs of blanks made one, the comment after `#` apart."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            code, _, comment = line.partition("#")
+            if code.strip():
+                out.append((" ".join(code.split()), comment.strip()))
+    return out
+
+
 def commands(title: str) -> list[tuple[list[str], str]]:
     """(arguments after `python run.py`, the comment) of each single-run line in the section's code."""
-    out = []
-    for block in re.findall(r"```bash\n(.*?)```", section(title), re.S):
-        for line in block.splitlines():
-            code, _, comment = line.partition("#")
-            if code.startswith("python run.py") and " -m " not in f" {code} ":
-                out.append((shlex.split(code)[2:], comment.strip()))
-    return out
+    return [(shlex.split(code)[2:], comment) for code, comment in bash_commands(section(title))
+            if code.startswith("python run.py") and " -m " not in f" {code} "]
+
+
+def assert_judged_as_commented(r, comment: str) -> None:
+    """A command judged by `mode=check` (or `info`) is refused -- exit status 1, an `error:` line with the
+    fix, no traceback -- exactly where its comment says `refused`, else accepted (exit status 0)."""
+    refused = "refused" in comment
+    assert r.returncode == (1 if refused else 0), r.stdout + r.stderr
+    if refused:
+        assert re.search(r"^error: ", r.stderr, re.M) and "fix:" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 USING_IT = commands("Using it")
@@ -44,11 +61,7 @@ def test_the_sections_have_commands():
 @pytest.mark.parametrize("args,comment", USING_IT, ids=[" ".join(a) or "plain" for a, _ in USING_IT])
 def test_a_using_it_command_is_judged_as_its_comment_says(tmp_path, args, comment):
     mode = [] if any(a.startswith("mode=") for a in args) else ["mode=check"]
-    r = run_py(*args, *mode, run_dir=tmp_path)
-    refused = "refused" in comment
-    assert r.returncode == (1 if refused else 0), r.stdout + r.stderr
-    if refused:
-        assert "fix:" in r.stderr and "Traceback" not in r.stderr
+    assert_judged_as_commented(run_py(*args, *mode, run_dir=tmp_path), comment)
 
 
 # the support matrix's platforms (golden matrix device keys), and whether the tests and benches run there

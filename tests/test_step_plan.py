@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from dsv4 import oracle as ref
-from dsv4.components.builders import Strategies, build_layer
+from dsv4.checks.catalogue import strategies
+from dsv4.components.builders import build_layer
 from dsv4.components.kv_pool import LayerCaches, CompressorState
 from dsv4.values.seam import PagedCache
-from dsv4.components.plan import PageTable, StepPlan
+from dsv4.components.plan import PageTable, StepPlan, TypePlan
 from dsv4.values.layer_types import by_ratio
 from dsv4.components.weights import random_layer_weights
 from dsv4.values.device import DeviceInfo
@@ -31,7 +32,7 @@ class OwnEngine:
 
     def __init__(self, spec, layer: int, requests: int, max_len: int) -> None:
         self.spec, self.ratio = spec, spec.compress_ratio(layer)
-        st = Strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=NoHeadPadding(),
+        st = strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=NoHeadPadding(),
                         cache_layout=LAYOUT)
         self.W = random_layer_weights(spec, layer, 3)
         self.layer = build_layer(spec=spec, layer=layer, weights=self.W, rank=0, tp_size=1, strategies=st,
@@ -79,7 +80,8 @@ class OwnEngine:
                               **kw)
         plan.validate(swa_blocks=self.caches.swa.data.shape[0])
         if self.layer.indexer is not None:          # its indexer's per-step plan (None on the CPU)
-            plan.indexer_plans[self.layer.layer_type] = self.layer.indexer.plan(plan, kernels=self.layer.kernels)
+            plan = plan.with_type_plans({self.layer.layer_type: TypePlan(
+                indexer=self.layer.ops.index_plan(self.layer.indexer, plan))})
         out = self.layer(torch.cat([chunks[r] for r in rids]), plan, self.caches)
         assert not bool(out.faults.any())
         for r, c in zip(rids, counts):
@@ -170,3 +172,41 @@ def test_runs_say_which_tokens_are_one_requests_consecutive_positions():
     for t in (0, 2, 3):                     # the next token of the run: the same window, moved by one
         a, b = idx[t, :n[t]].tolist(), idx[t + 1, :n[t + 1]].tolist()
         assert b[:len(b) - 1] == a[len(a) - (len(b) - 1):] and len(b) - len(a) in (0, 1)
+
+
+def test_each_layer_types_plans_are_made_once_per_step_into_a_frozen_plan():
+    """Engine.type_plans: one (MQA kernel plan, indexer plan) per layer type, shared by its layers; the kernel is
+    handed its previous step's plan, none for a graph capture (`fresh`). The step plan carrying them is a new,
+    read-only value sharing the first's RoPE rows; the first is unchanged."""
+    from dsv4.components.plan import NO_TYPE_PLAN
+
+    spec = tiny_spec(num_hidden_layers=4, compress_ratios=[0, 4, 128, 4, 0])
+    eng, _ = make_engine(spec, layers=(0, 1, 2, 3))
+    calls = []
+
+    class Kernel:
+        def plan(self, *, tokens, layer_type, previous=None):
+            calls.append((layer_type, previous))
+            return f"{layer_type}#{len(calls)}"
+
+    for ranks in eng.layers.values():
+        ranks[0].mqa_kernel = Kernel()
+    pool = eng.pools[0]
+    plan = eng.build_plan(pool, eng.plan_inputs(pool, (), requests=2), num_tokens=2)
+    types = ["swa", "c4a", "c128a"]
+    first = eng.type_plans(plan, 0, fresh=True)
+    assert calls == [(t, None) for t in types] and list(first) == types
+    assert first["c4a"].indexer is None and first["swa"].indexer is None     # the torch path, no indexer
+    second = eng.type_plans(plan, 0)
+    assert calls[3:] == [(t, first[t].kernel) for t in types]
+    eng.type_plans(plan, 0, fresh=True)
+    assert calls[6:] == [(t, None) for t in types]
+
+    typed = plan.with_type_plans(second)
+    assert {t: typed.type_plan(t).kernel for t in types} == {t: second[t].kernel for t in types}
+    assert typed.type_plan("c4a").indexer is None and typed.type_plan("c4a") is second["c4a"]
+    assert typed.type_plan("absent") is NO_TYPE_PLAN and not plan.type_plans
+    with pytest.raises(TypeError):
+        typed.type_plans["swa"] = None
+    rope = eng.layers[0][0].rope
+    assert typed.rope_rows(rope) is plan.rope_rows(rope)

@@ -165,6 +165,28 @@ def test_strategies_never_import_components():
             assert not bad, f"{m} imports {bad}"
 
 
+def test_the_cuda_graphs_use_the_engine_only_through_their_interface():
+    """dsv4/components/graphs.py reads of its `engine` only the members of its `GraphedEngine` Protocol -- never
+    the Engine's pools, layers or spec -- and the Engine has each of them."""
+    def classdef(path: Path, name: str) -> ast.ClassDef:
+        return next(n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef) and n.name == name)
+
+    graphs = ROOT / "components" / "graphs.py"
+    proto = classdef(graphs, "GraphedEngine")
+    allowed = {n.name for n in proto.body if isinstance(n, ast.FunctionDef)} \
+        | {n.target.id for n in proto.body if isinstance(n, ast.AnnAssign)}
+    read = {(n.attr, n.lineno) for n in ast.walk(ast.parse(graphs.read_text()))
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "engine"}
+    assert read and not [r for r in read if r[0] not in allowed], \
+        f"graphs.py reads of the engine, beside GraphedEngine's members: {sorted(r for r in read if r[0] not in allowed)}"
+    engine = classdef(ROOT / "components" / "engine.py", "Engine")
+    has = {n.name for n in engine.body if isinstance(n, ast.FunctionDef)} \
+        | {t.attr for n in ast.walk(engine) if isinstance(n, ast.Assign) for e in n.targets
+           for t in (e.elts if isinstance(e, ast.Tuple) else [e])
+           if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    assert allowed <= has, f"GraphedEngine members the Engine lacks: {sorted(allowed - has)}"
+
+
 
 def test_the_configs_are_a_top_level_folder_that_the_package_installs_as_its_own():
     """configs/ at the repository's top level, one folder per group and preset kind, installed as the package
@@ -200,3 +222,142 @@ def test_no_function_outside_the_kernels_is_longer_than_a_screen():
                 if lines > LONGEST_FUNCTION:
                     long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, f"functions over {LONGEST_FUNCTION} lines: {long}"
+
+
+def test_no_module_outside_the_strategies_names_an_option():
+    """An option's class is named only in dsv4/strategies/ (its module, the package's re-exports); everywhere
+    else options are reached through the catalogue (configs/: a group's default is configs/config.yaml's,
+    `catalogue.default_option`, `catalogue.strategies`), so that a default is written once, and the layer, its
+    pool and check() take one container of them (dsv4.strategies.Strategies, catalogue.GROUPS its fields).
+    Exempt: dsv4/speed/, whose benchmarks measure named kernels (the record every MQA kernel reads, fp8 sim
+    beside the vendors' products), and the tests, which pin the reference options they compare with."""
+    from dataclasses import fields
+
+    from dsv4.checks.catalogue import GROUPS, NESTED_GROUPS, options
+    from dsv4.strategies.choice import Strategies
+
+    assert tuple(f.name for f in fields(Strategies)) == GROUPS
+    chosen = [type(o) for g in GROUPS + NESTED_GROUPS for o in options(g).values()]
+    option_modules, option_classes = {c.__module__ for c in chosen}, {c.__name__ for c in chosen}
+    bad = []
+    for m, path in MODULES.items():
+        if m.startswith(("dsv4.strategies", "dsv4.speed")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                bad += [f"{m}: import {a.name}" for a in node.names if a.name in option_modules]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(
+                    "dsv4.strategies"):
+                bad += [f"{m}: from {node.module} import {a.name}" for a in node.names
+                        if node.module in option_modules or a.name in option_classes
+                        or f"{node.module}.{a.name}" in option_modules]
+    assert not bad, f"option modules or classes named outside dsv4/strategies/: {bad}"
+
+
+def _row_code_literals(source: str, names: set[str]) -> list[int]:
+    """Lines of `source` that give a row format (or a RowCode member's name) an int of their own: a dict
+    literal mapping one to an int, or a constant of that name set to an int (`tl.constexpr(1)` included)."""
+    def int_literal(node) -> bool:
+        if isinstance(node, ast.Call) and len(node.args) == 1:
+            node = node.args[0]
+        return isinstance(node, ast.Constant) and type(node.value) is int
+
+    def named(node) -> bool:
+        return getattr(node, "id", None) in names or getattr(node, "attr", None) in names
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Dict):
+            lines += [node.lineno for k, v in zip(node.keys, node.values) if k is not None and named(k)
+                      and int_literal(v)]
+        elif isinstance(node, ast.Assign):
+            for t in node.targets:
+                tuples = isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple)
+                pairs = zip(t.elts, node.value.elts) if tuples else [(t, node.value)]
+                lines += [node.lineno for target, value in pairs if named(target) and int_literal(value)]
+    return sorted(set(lines))
+
+
+def test_the_kernels_row_codes_are_one_table():
+    """The int a kernel takes for a row format is its RowFormat.code, from the one table in
+    dsv4/formats/row_format.py (RowCode): no other module numbers the row formats itself."""
+    from dsv4.formats import row_format
+
+    names = {n for n, v in vars(row_format).items() if isinstance(v, row_format.RowFormat)}
+    names |= {c.name for c in row_format.RowCode}
+    assert _row_code_literals("LAYOUT_CODES = {BF16_ROWS: 0, FP8_DS_MLA: 1}\nFP8_KEY = tl.constexpr(5)", names) \
+        == [1, 2], "the rule finds what it is for"
+    bad = [f"{path.relative_to(ROOT)}:{n}" for m, path in MODULES.items() if m != "dsv4.formats.row_format"
+           for n in _row_code_literals(path.read_text(), names)]
+    assert not bad, f"row formats numbered outside dsv4/formats/row_format.py: {bad}"
+
+
+def _device_reads(path: Path) -> list[tuple[str, int]]:
+    """(enclosing function, line) of every `.is_cuda` read in the file ('' at module level)."""
+    out = []
+
+    def visit(node, where: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            where = node.name
+        if isinstance(node, ast.Attribute) and node.attr == "is_cuda":
+            out.append((where, node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child, where)
+
+    visit(ast.parse(path.read_text()), "")
+    return out
+
+
+def test_the_layer_is_handed_its_ops_not_a_target_it_compares_with_none():
+    """The layer's own pieces run the ops the layer chose once when it was built (dsv4/components/layer_ops.py:
+    the torch code or our Triton kernels): no function of dsv4/components takes a `kernels` value, and none
+    compares one with None to pick its implementation on each call."""
+    def kernels(node) -> bool:
+        return getattr(node, "id", None) == "kernels" or getattr(node, "attr", None) == "kernels"
+
+    bad = []
+    for p in sorted((ROOT / "components").glob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+                sides = [node.left, *node.comparators]
+                if any(kernels(s) for s in sides) and any(isinstance(s, ast.Constant) and s.value is None
+                                                          for s in sides):
+                    bad.append(f"{p.name}:{node.lineno}")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                if any(x.arg == "kernels" for x in a.posonlyargs + a.args + a.kwonlyargs):
+                    bad.append(f"{p.name}:{node.lineno} ({node.name})")
+    assert not bad, f"`kernels` taken or compared with None in dsv4/components: {bad}"
+
+
+# The strategies' reads of where a tensor lives, each (file under dsv4/strategies, function) with its reason.
+# A CacheLayout's `write` and `kernel_store` are handed the cache tensor alone (its Protocol gives them no device
+# and no state of the cache's own), so a layout reads there whether the cache is on a GPU: `kernel_store` once per
+# cache (its PagedCache makes its store with it), `write` per call for the layouts whose GPU rows our Triton writers
+# store. `mm_f32` serves ReferenceLinear, which hands it the weight alone (the layer takes `f32_product` once).
+# Anything else chooses its implementation once, where the device is known (a `prepare`, the layer's build).
+DEVICE_READS = {
+    ("cache_layout/plain.py", "write"), ("cache_layout/plain.py", "kernel_store"),
+    ("cache_layout/fp8_ds_mla.py", "write"), ("cache_layout/fp8_ds_mla.py", "kernel_store"),
+    ("cache_layout/fp8_ds_mla_fnuz.py", "write"), ("cache_layout/fp8_ds_mla_fnuz.py", "kernel_store"),
+    ("indexer/key_layouts.py", "kernel_store"),
+    ("linear/common.py", "mm_f32"),
+}
+
+
+def test_no_strategy_or_component_picks_its_implementation_by_a_tensors_device():
+    """No `.is_cuda` read in dsv4/components, and in dsv4/strategies only the reads DEVICE_READS lists (each
+    with its reason): an implementation is chosen once where the device is known, not per call by asking a
+    tensor where it lives."""
+    assert _device_reads(ROOT / "kernels" / "target.py"), "the rule finds what it is for"
+    bad = [f"components/{p.name}:{n}" for p in sorted((ROOT / "components").glob("*.py"))
+           for _, n in _device_reads(p)]
+    seen = set()
+    for p in sorted((ROOT / "strategies").rglob("*.py")):
+        rel = p.relative_to(ROOT / "strategies").as_posix()
+        for where, n in _device_reads(p):
+            seen.add((rel, where))
+            if (rel, where) not in DEVICE_READS:
+                bad.append(f"strategies/{rel}:{n} ({where or 'module level'})")
+    assert not bad, f".is_cuda read to pick an implementation: {bad}"
+    assert seen == DEVICE_READS, f"listed but gone (drop them from DEVICE_READS): {sorted(DEVICE_READS - seen)}"

@@ -90,7 +90,8 @@ def test_launch_shapes_agree(launch):
 def test_hopper_splits_agree(splits):
     """The Hopper kernel cut into runs of list blocks per (token, 64 heads), merged by split_combine, gives
     the reference's answer: splits left empty by short lists, or more splits than blocks, included."""
-    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import sparse_mqa
+    from dsv4.kernels.mqa.sparse_plan import HopperLaunch
 
     kernel("hopper")                            # skips where it cannot run
     for T, H, layer in ((4, 64, "c4a"), (3, 20, "c128a"), (2, 128, "swa"), (5, 64, "c4a")):
@@ -98,10 +99,7 @@ def test_hopper_splits_agree(splits):
         if T == 5:
             kv.swa_lens[0] = 0                  # a token with no SWA row, one with no row at all
             kv.extra_lens[:2] = 0
-        extra = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens) \
-            if kv.extra is not None else {}
-        out, lse = sparse_mqa(q, sink, SCALE, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **extra,
-                              variant="hopper", splits=splits)
+        out, lse = sparse_mqa(q, kv, sink=sink, scale=SCALE, variant="hopper", hopper=HopperLaunch(splits=splits))
         check_against_reference(out, lse, q, kv, sink)
 
 
@@ -135,19 +133,20 @@ def test_a_runs_tokens_read_their_rows_once_and_agree(H, extra):
     of their lists once give each token the reference's answer, and the per-token kernel's to P's bf16
     rounding: SWA windows full and not, ratio-4 top-k lists (each token's own), ratio-128 lists (nested),
     runs of one to three tokens, a request with none, padding rows; planned, split, and groups of 4."""
+    from dataclasses import replace
+
     from dsv4.speed.cases import runs_case
-    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import sparse_mqa
+    from dsv4.kernels.mqa.sparse_plan import HopperLaunch
 
     kernel("hopper")                            # skips where it cannot run
     q, kv, sink = runs_case([2, 1, 3, 0, 2, 2], [300, 5, 256, 9, 129, 8192], H, extra=extra, extra_w=512,
                             extra_block=2 if extra == "nested" else 64, pool_blocks=64, padding=3, seed=H,
                             device=DEVICE)
-    ex = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens) if extra else {}
-    args = (q, sink, SCALE, pool_args(kv.swa), kv.swa_indices, kv.swa_lens)
-    alone, _ = sparse_mqa(*args, **ex, variant="hopper")
+    alone, _ = sparse_mqa(q, replace(kv, runs=None, extra_nested=False), sink=sink, scale=SCALE, variant="hopper")
     for group, splits in ((0, 0), (2, 3), (32 // H, 1)):
-        out, lse = sparse_mqa(*args, **ex, variant="hopper", runs=kv.runs, extra_nested=kv.extra_nested,
-                              group=group, splits=splits)
+        out, lse = sparse_mqa(q, kv, sink=sink, scale=SCALE, variant="hopper",
+                              hopper=HopperLaunch(group=group, splits=splits))
         check_against_reference(out, lse, q, kv, sink)
         assert rel_err(out, alone) <= 4e-3
 
@@ -255,9 +254,11 @@ def test_kernel_plan(monkeypatch):
     """auto takes the Hopper kernel on sm90 for fp8_ds_mla pages, whatever the step's size (small steps
     split over list blocks, a large step's MTP tokens at 8 heads two per program); an explicit hopper that
     cannot run is an error naming the reason and the fix."""
+    from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
     from dsv4.kernels.mqa.sparse_plan import hopper_group, hopper_heads, hopper_splits, plan_kernel
 
-    h200 = dict(arch="sm90", layouts=(1, 1), head_dim=512, native=True, dtype="bfloat16")
+    ocp = FP8_DS_MLA.code
+    h200 = dict(arch="sm90", layouts=(ocp, ocp), head_dim=512, native=True, dtype="bfloat16")
     assert plan_kernel("auto", **h200) == "hopper"
     assert plan_kernel("two_pass", **h200) == "two_pass"
     assert plan_kernel("hopper", **h200) == "hopper"
@@ -275,8 +276,9 @@ def test_kernel_plan(monkeypatch):
     assert hopper_group(128, 8, 640, 132) == 1                               # 64 groups would split
     assert hopper_group(512, 16, 640, 132) == 1 and hopper_group(512, 64, 640, 132) == 1
     assert hopper_splits(256, 8, 640, 132, group=2) == 1 and hopper_splits(128, 8, 640, 132, group=2) == 2
-    for change, why in ((dict(arch="sm89"), "sm90"), (dict(arch="rocm"), "sm90"), (dict(layouts=(0, 0)), "fp8_ds_mla"),
-                        (dict(layouts=(1, 2)), "fp8_ds_mla"), (dict(native=False), "native_fp8"),
+    for change, why in ((dict(arch="sm89"), "sm90"), (dict(arch="rocm"), "sm90"),
+                        (dict(layouts=(BF16_ROWS.code,) * 2), "fp8_ds_mla"),
+                        (dict(layouts=(ocp, FP8_DS_MLA_FNUZ.code)), "fp8_ds_mla"), (dict(native=False), "native_fp8"),
                         (dict(head_dim=576), "512"), (dict(dtype="float16"), "bfloat16")):
         other = {**h200, **change}
         assert plan_kernel("auto", **other) == "two_pass"
@@ -310,11 +312,12 @@ def test_launch_settings_are_not_dropped_when_the_hopper_kernel_runs(monkeypatch
     """sparse_mqa() itself (not only the strategy) refuses two-pass launch settings for a step it would
     run on the Hopper kernel, instead of ignoring them."""
     from dsv4.kernels.mqa import sparse_mqa as mod
+    from dsv4.kernels.mqa.sparse_plan import TwoPassLaunch
 
     q, kv, sink = case(3, 8, LAYER_TYPES["c4a"], seed=2)
     monkeypatch.setattr(mod, "plan_kernel", lambda *a, **kw: "hopper")
     with pytest.raises(ValueError, match="variant='two_pass'"):
-        mod.sparse_mqa(q, sink, SCALE, mod.pool_args(kv.swa), kv.swa_indices, kv.swa_lens, block_n=16)
+        mod.sparse_mqa(q, kv, sink=sink, scale=SCALE, two_pass=TwoPassLaunch(block_n=16))
 
 
 def test_a_call_is_planned_by_the_target_its_strategy_prepared(monkeypatch):
@@ -424,11 +427,12 @@ def test_each_64_dims_take_their_own_scale_on_odd_page_sizes(layout, variant):
 def test_both_e4m3_decodings(native, layout):
     """The hardware e4m3 conversion (OCP bytes on sm89+) and the integer decoding read the same values;
     FNUZ bytes always take the integer decoding."""
-    from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
+    from dsv4.kernels.mqa.sparse_mqa import sparse_mqa
+    from dsv4.kernels.mqa.sparse_plan import TwoPassLaunch
 
     q, kv, sink = case(5, 16, LAYER_TYPES["c4a"], layout, seed=6)
-    out, lse = sparse_mqa(q, sink, SCALE, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, pool_args(kv.extra),
-                          kv.extra_indices, kv.extra_lens, block_n=16, native_fp8=native, variant="two_pass")
+    out, lse = sparse_mqa(q, kv, sink=sink, scale=SCALE, two_pass=TwoPassLaunch(block_n=16), native_fp8=native,
+                          variant="two_pass")
     check_against_reference(out, lse, q, kv, sink)
 
 

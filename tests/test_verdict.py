@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -61,9 +61,9 @@ def test_the_scales_inside_e4m3s_range_pass_and_the_fix_clears_the_problem():
 
     base = dsv4.compose(["model=dsv4_tiny", "cache_layout=fp8_per_tensor"], running=False).combo
     for ok in (1 / 448, 0.01, 1.0, 16.0, 512.0):
-        assert check(replace(base, cache_layout=Fp8PerTensorLayout(kv_scale=ok, q_scale=ok)), CPU) == [], ok
+        assert check(base.with_choice("cache_layout", Fp8PerTensorLayout(kv_scale=ok, q_scale=ok)), CPU) == [], ok
     for bad in (1 / 449, 513.0, 1e30, 1e-30):
-        (p,) = check(replace(base, cache_layout=Fp8PerTensorLayout(kv_scale=bad)), CPU)
+        (p,) = check(base.with_choice("cache_layout", Fp8PerTensorLayout(kv_scale=bad)), CPU)
         assert (p.group, p.value, p.fix) == ("cache_layout.kv_scale", f"{bad:g}", "cache_layout.kv_scale=1.0")
 
 

@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from dsv4.components.layer_ops import layer_ops
+
 GPU = torch.cuda.is_available()
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton>=3.7)")
 
@@ -20,12 +22,12 @@ else:
     MARK = pytest.mark.gpu
     DEVICE, BIG = "cuda", True
 
-# what the layer's own pieces (dsv4/components) are given to run on tensors on DEVICE, as a layer built for this
-# machine resolves it: the GPU's Target (their kernels), or None (their torch code, on CPU tensors)
+# what the layer's own pieces (dsv4/components) run on tensors on DEVICE, as a layer built for this machine
+# chooses it (dsv4.components.layer_ops): the GPU's Triton ops (their kernels), or the torch ops (on CPU tensors)
 if INTERPRET:
-    KERNELS = None
+    OPS = layer_ops(None)
 else:
     from dsv4.values.device import detect
     from dsv4.kernels.target import device_target
 
-    KERNELS = device_target(detect())
+    OPS = layer_ops(device_target(detect()))

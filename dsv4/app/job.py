@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dsv4.checks.catalogue import GROUPS, default_override, instantiate_group
 from dsv4.checks.compat import Combination, check
+from dsv4.strategies.choice import Strategies
 from dsv4.components.kv_pool import PagePeak, PoolConfig, bound_pages, peak_pages
 from dsv4.values.device import DeviceInfo, local_platform
 from dsv4.values.errors import IncompatibleCombination, Problem
@@ -54,7 +55,7 @@ def make_job(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir:
     run = run_settings(cfg)
     spec = ModelSpec.from_config(needed("model"))
     device = DeviceInfo.from_config(needed("device"))
-    strategies = {g: instantiate_group(needed(g), g) for g in GROUPS}
+    strategies = Strategies(**{g: instantiate_group(needed(g), g) for g in GROUPS})
     par = ParallelConfig.from_config(section(cfg, "parallel", needed=False))
     graphs = GraphConfig.from_config(section(cfg, "graph", needed=False))
     wl = needed("workload")
@@ -62,11 +63,11 @@ def make_job(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir:
     if cfg.get("summary") is not None:          # read when a sweep is summarized; refused here if it is bad
         from dsv4.reports.summary_metrics import SummaryView
         SummaryView.from_config(OmegaConf.to_container(cfg.summary, resolve=True))
-    combo = Combination(spec=spec, tp_size=run.tp_size, dtype=run.dtype, **strategies,
+    combo = Combination(spec=spec, strategies=strategies, tp_size=run.tp_size, dtype=run.dtype,
                         world_size=torchrun_world_size() if par.launcher == "auto" else None, graphs=graphs.enabled,
                         index_page_keys=pool.compressed_block_size(4), batch_invariant=run.batch_invariant)
     if choices is None:
-        choices = {g: getattr(strategies[g], "name", "?") for g in GROUPS} | {"model": spec.name}
+        choices = {g: getattr(combo.choice(g), "name", "?") for g in GROUPS} | {"model": spec.name}
     return Job(spec=spec, device=device, combo=combo, choices=dict(choices), parallel=par, graphs=graphs,
                out_dir=Path(out_dir) if out_dir is not None else Path.cwd(), run=run, workload=workload, pool=pool)
 

@@ -81,11 +81,12 @@ def model_memory(spec: ModelSpec, layout, *, tokens: int = MILLION_TOKENS, index
 
 def indexer_kind(dtype: str, indexer=None) -> str:
     """Our indexer keys' record (an `indexer_entry_bytes` kind) for activations of `dtype`, as the indexer
-    option stores them (its `key_layout`; default `exact`: rows in that dtype)."""
-    if indexer is None:
-        from dsv4.strategies.indexer.exact import ExactIndexer
-        indexer = ExactIndexer()
+    option stores them (its `key_layout`; default: the group's, configs/config.yaml)."""
+    from dsv4.checks.catalogue import default_option
     from dsv4.strategies import indexer_keys_layout
+
+    if indexer is None:
+        indexer = default_option("indexer")
 
     row = indexer_keys_layout(indexer, dtype=dtype, head_dim=128).row_format
     return {FLOAT32_ROWS: "float32", BF16_ROWS: "bf16", MXFP4_KEYS: "mxfp4", FP8_KEYS: "fp8"}[row]
@@ -93,13 +94,13 @@ def indexer_kind(dtype: str, indexer=None) -> str:
 
 def summary_lines(spec: ModelSpec, layout, dtype: str, indexer=None) -> list[str]:
     """What `run` prints: this run's caches, vLLM's equivalent, and the published accounting."""
-    from dsv4.strategies.cache_layout.plain import PlainRowLayout
+    from dsv4.checks.catalogue import option
 
     mine = indexer_kind(dtype, indexer)
     ours = model_memory(spec, layout, indexer=mine)
     kind = vllm_indexer_kind(layout)
     theirs = model_memory(spec, layout, indexer=kind)
-    bf16 = model_memory(spec, PlainRowLayout(name="bf16", dtype="bfloat16"), indexer="bf16")
+    bf16 = model_memory(spec, option("cache_layout", "bf16"), indexer="bf16")
     mix = ", ".join(f"{n} {t}" for t, n in ours["layers"].items())
     return [f"KV memory of one {MILLION_TOKENS:,}-token sequence, model={spec.name} ({mix}), "
             f"cache_layout={layout.name}, per tensor-parallel rank:",

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from dsv4.checks.compat import DTYPE_ERROR_BUDGET, selection_gap
-from dsv4.components.builders import Strategies, build_engine
+from dsv4.components.builders import build_engine
 from dsv4.components.checkpoint import load_or_random
 from dsv4.components.engine import Engine
 from dsv4.components.kv_pool import PoolConfig
@@ -36,9 +36,7 @@ def job_engine(job, weights: dict[int, dict], pool: PoolConfig, fp8: dict | None
     (`load_or_random`); `graphs`: CUDA-graph decode (default: the job's `graph` config)."""
     c = job.combo
     ranks = ranks or Ranks(tp_size=c.tp_size)
-    strategies = Strategies(mqa_kernel=c.mqa_kernel, o_proj=c.o_proj, head_padding=c.head_padding,
-                            cache_layout=c.cache_layout, indexer=c.indexer, linear=c.linear)
-    return build_engine(spec=job.spec, weights=weights, strategies=strategies, pool=pool, device=job.device,
+    return build_engine(spec=job.spec, weights=weights, strategies=c.strategies, pool=pool, device=job.device,
                         dtype=c.dtype, tp_size=c.tp_size, graphs=graphs if graphs is not None else job.graphs,
                         fp8=fp8, overlap=job.run.overlap, batch_invariant=c.batch_invariant, ranks=ranks.local,
                         all_reduce=ranks.all_reduce if ranks.distributed else None)

@@ -5,7 +5,8 @@ An option is its class and its YAML file. A group may nest one in an option's fi
 option (`indexer.top_k=flashinfer`), which is read here into its object. `check()` computes its fixes from
 what ships here (a group's default in configs/config.yaml, a nested group's in that option's YAML, which
 need nothing; the head padding that yields what a kernel takes), and `mode=info` and `mode=bench` list and
-compose the options through `options` and the backend presets through `backend_presets`.
+compose the options through `options` and the backend presets through `backend_presets`. Whatever needs a
+group's default option takes it from here (`default_option`, `strategies`), never by naming its class.
 """
 from __future__ import annotations
 
@@ -162,3 +163,19 @@ def defaults() -> dict[str, str]:
         parent, _, key = nested.rpartition(".")
         out[nested] = OmegaConf.load(folder(parent) / f"{out[parent]}.yaml")[key]
     return out
+
+
+def default_option(group: str):
+    """The option of `group` (or of a nested group) chosen when nothing else is said: configs/config.yaml's."""
+    return option(group, defaults()[group])
+
+
+def strategies(**given):
+    """An option of each group (a dsv4.strategies.Strategies): those `given` by group, each other group's (or
+    one given as None) its default -- the one place a default option is taken, below the job's config."""
+    from dsv4.strategies.choice import Strategies
+
+    unknown = sorted(set(given) - set(GROUPS))
+    if unknown:
+        raise TypeError(f"strategies: {', '.join(unknown)} is no strategy group (one of {', '.join(GROUPS)})")
+    return Strategies(**{g: default_option(g) if given.get(g) is None else given[g] for g in GROUPS})

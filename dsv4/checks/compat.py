@@ -8,7 +8,7 @@ override that fixes it.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
+from dataclasses import MISSING, dataclass, fields, is_dataclass, replace
 from typing import Callable
 
 from dsv4.checks.catalogue import NESTED_GROUPS
@@ -18,16 +18,9 @@ from dsv4.values.errors import Problem
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.formats.indexer_numerics import IndexerNumerics
 from dsv4.values.spec import ModelSpec
-
-
-def _default_indexer():
-    from dsv4.strategies.indexer.exact import ExactIndexer
-    return ExactIndexer()
-
-
-def _default_linear():
-    from dsv4.strategies.linear.reference import ReferenceLinear
-    return ReferenceLinear()
+from dsv4.strategies.choice import Strategies
+from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, LinearStrategy,
+                                       MQAKernelStrategy, OProjStrategy)
 
 
 # the groups whose strategies state their needs (head_padding's are read through the MQA kernel's)
@@ -63,15 +56,10 @@ def selection_gap(c: "Combination") -> float:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Combination:
-    """Everything `check()` judges: the model, the six strategies and the run-level settings (the
-    indexer's numerics default to `exact`, the layer's own; the projections to `linear=reference`)."""
+    """Everything `check()` judges: the model, its strategies (an option of each group, read by group:
+    `c.indexer`; changed with `with_choice`) and the run-level settings."""
     spec: ModelSpec
-    mqa_kernel: object
-    o_proj: object
-    head_padding: object
-    cache_layout: object
-    indexer: object = field(default_factory=_default_indexer)
-    linear: object = field(default_factory=_default_linear)
+    strategies: Strategies
     tp_size: int = 1
     dtype: str = "float32"
     world_size: int | None = None      # processes of a torchrun launch (one per rank); None: not launched so
@@ -93,9 +81,33 @@ class Combination:
         plus what the cache layout's rounding may cost (its `rounding_budget`)."""
         return self.error_budget + self.cache_layout.rounding_budget
 
+    @property
+    def mqa_kernel(self) -> MQAKernelStrategy:
+        return self.strategies.mqa_kernel
+
+    @property
+    def o_proj(self) -> OProjStrategy:
+        return self.strategies.o_proj
+
+    @property
+    def head_padding(self) -> HeadPaddingPolicy:
+        return self.strategies.head_padding
+
+    @property
+    def cache_layout(self) -> CacheLayout:
+        return self.strategies.cache_layout
+
+    @property
+    def indexer(self) -> IndexerStrategy:
+        return self.strategies.indexer
+
+    @property
+    def linear(self) -> LinearStrategy:
+        return self.strategies.linear
+
     def choice(self, group: str):
         """The strategy chosen for `group`: a group's (`indexer`), or a nested group's (`indexer.top_k`)."""
-        strategy = self
+        strategy = self.strategies
         for key in group.split("."):
             strategy = getattr(strategy, key)
         return strategy
@@ -104,7 +116,7 @@ class Combination:
         """This combination with `strategy` chosen for `group` (a nested group's in its parent's option)."""
         parent, _, key = group.rpartition(".")
         if not parent:
-            return replace(self, **{key: strategy})
+            return replace(self, strategies=replace(self.strategies, **{key: strategy}))
         return self.with_choice(parent, replace(self.choice(parent), **{key: strategy}))
 
     @property

@@ -16,20 +16,20 @@ from typing import Any
 
 import torch
 
-from dsv4.components.compressor import CompressPart, Compressor, compress_all
-from dsv4.components.front import front_rows, norm_rows
+from dsv4.components.compressor import CompressPart, Compressor
 from dsv4.components.indexer import Indexer
 from dsv4.components.kv_pool import LayerCaches
+from dsv4.components.layer_ops import LayerOps, layer_ops
 from dsv4.components.plan import StepPlan
 from dsv4.components.rope import Rope
 from dsv4.values.fixed_order import GPU_ROW_TILE, ROW_TILE, asked, in_row_tiles, refuse_unable
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
-from dsv4.kernels.target import Target, device_target
+from dsv4.kernels.target import device_target
 from dsv4.values.layer_types import by_ratio
 from dsv4.values.seam import SparseKV
 from dsv4.values.spec import ModelSpec
-from dsv4.strategies.linear.common import mm_f32
+from dsv4.strategies.linear.common import f32_product
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, LinearStrategy, LinearWeight, MQAKernelStrategy,
                                        OProjStrategy, OProjWeights)
 
@@ -70,12 +70,13 @@ class DSV4Attention(torch.nn.Module):
         self.dtype, self.eps = torch_dtype(dtype), spec.rms_norm_eps
         dev = device.torch_device
         # which implementation the layer's own pieces (front, norms, compressors, indexer) run, chosen here once:
-        # our Triton kernels (the value is the device's Target, its facts for kernels that plan by them), or
-        # (None, on the CPU) their torch code
-        self.kernels: Target | None = device_target(device, fixed_order=batch_invariant)
+        # our Triton kernels (given the device's Target, its facts for kernels that plan by them), or (on the
+        # CPU) their torch code
+        self.ops: LayerOps = layer_ops(device_target(device, fixed_order=batch_invariant))
         # the compressors' branch runs on the device's side stream beside the query path (`_Branch`)
-        on_gpu = self.kernels is not None
-        self.side_stream = side_stream(str(torch.device(dev))) if overlap and on_gpu and kind.compressed else None
+        gpu = self.ops.on_gpu
+        self.side_stream = side_stream(str(torch.device(dev))) if overlap and gpu and kind.compressed else None
+        self.tail_product = f32_product(gpu=gpu)       # the compressors' float32 rows (`_tail`)
         self.batch_invariant = batch_invariant
         if batch_invariant:         # check() reports this with a fix; the module only refuses
             refuse_unable((mqa_kernel, o_proj, cache_layout, linear), device)
@@ -125,7 +126,7 @@ class DSV4Attention(torch.nn.Module):
         front, their scales folded into the head weights. And the fault rows the front clears: those before
         the compressors' (which write theirs whole)."""
         idx = self.indexer
-        self.fp8_iq = idx is not None and idx.strategy.query_format is QueryFormat.E4M3 and self.kernels is not None
+        self.fp8_iq = idx is not None and idx.strategy.query_format is QueryFormat.E4M3 and self.ops.front_queries
         self.iq_fp4 = idx is not None and idx.strategy.numerics is IndexerNumerics.FP4
         self.iq_w_scale = idx.weight_scale if self.fp8_iq else 1.0
         self.front_faults = FAULT_ROWS - (0 if self.compressor is None else 1 if idx is None else 2)
@@ -147,9 +148,9 @@ class DSV4Attention(torch.nn.Module):
         batch_invariant in tiles of a fixed row count, since a product's kernel follows its rows (on a GPU
         GPU_ROW_TILE: one call up to a decode step of that many requests)."""
         if self.batch_invariant:
-            return in_row_tiles(lambda rows: mm_f32(rows, self.w_tail), x,
-                                GPU_ROW_TILE if self.kernels is not None else ROW_TILE)
-        return mm_f32(x, self.w_tail)
+            return in_row_tiles(lambda rows: self.tail_product(rows, self.w_tail), x,
+                                GPU_ROW_TILE if self.ops.on_gpu else ROW_TILE)
+        return self.tail_product(x, self.w_tail)
 
     def forward(self, x, plan: StepPlan, caches: LayerCaches) -> LayerStepResult:
         """One step's rows x [T, hidden] through the layer, phase by phase: the input products, the
@@ -204,14 +205,14 @@ class DSV4Attention(torch.nn.Module):
             parts = [CompressPart(self.compressor, scores[0], caches.state, FAULT_COMPRESSED, caches.compressed)]
             if idx is not None:
                 parts.append(idx.key_part(scores[1], caches.indexer_state, FAULT_INDEXER, caches.indexer_keys))
-            compress_all(parts, plan, entry_rot, faults, kernels=self.kernels)
+            self.ops.compress(parts, plan, entry_rot, faults)
 
     def _front(self, qr_raw, kv_raw, scores, rot, plan: StepPlan, caches: LayerCaches, faults, branch):
         """The query path's front: qr normed, its product with wq_b (and the indexer's), the query rows made
         and the KV rows stored (`front_rows`); -> (q, the indexer's queries: the front kernel's, else
         `Indexer.queries`'; None in a layer without an indexer). `branch`: None in a window-only layer."""
-        T, idx, lin, kernels = qr_raw.shape[0], self.indexer, self.linear, self.kernels
-        qr = norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype, fp8=lin.fp8_input, kernels=kernels)
+        T, idx, lin, ops = qr_raw.shape[0], self.indexer, self.linear, self.ops
+        qr = ops.norm_rows(qr_raw, self.q_norm, eps=self.eps, dtype=self.dtype, fp8=lin.fp8_input)
         q_raw = lin(qr, self.q_proj)
         iq_raw = iq_dtype = None
         if idx is not None:
@@ -222,30 +223,30 @@ class DSV4Attention(torch.nn.Module):
         fp8_iq = self.fp8_iq
         if fp8_iq:
             branch.wait_mark()
-        q, iq = front_rows(q_raw.view(T, self.heads, self.spec.head_dim), kv_raw, self.kv_norm, rot,
-                           plan.swa.write_slots, faults[:self.front_faults], caches.swa, padded_heads=self.padded_heads,
-                           eps=self.eps, dtype=self.dtype, iq=iq_raw,
-                           iq_dtype=torch.float8_e4m3fn if fp8_iq else iq_dtype, iq_fp4=self.iq_fp4,
-                           iq_weights=scores[2] if fp8_iq else None, iq_w_scale=self.iq_w_scale, kernels=kernels)
+        q, iq = ops.front_rows(q_raw.view(T, self.heads, self.spec.head_dim), kv_raw, self.kv_norm, rot,
+                               plan.swa.write_slots, faults[:self.front_faults], caches.swa,
+                               padded_heads=self.padded_heads, eps=self.eps, dtype=self.dtype, iq=iq_raw,
+                               iq_dtype=torch.float8_e4m3fn if fp8_iq else iq_dtype, iq_fp4=self.iq_fp4,
+                               iq_weights=scores[2] if fp8_iq else None, iq_w_scale=self.iq_w_scale)
         if iq is None and idx is not None:
-            iq = idx.queries(iq_raw.flatten(1), rot, iq_dtype, kernels=kernels)
+            iq = idx.queries(iq_raw.flatten(1), rot, iq_dtype, rotate=ops.rotate_rows)
         return q, iq
 
     def _select(self, iq, head_weights, plan: StepPlan, caches: LayerCaches, branch: _Branch):
         """The indexer's selection, once its keys are stored: scores over them, then each token's top-k;
         -> (topk, lists, lens). With e4m3 queries `iq` is the front's (queries, head weights)."""
-        idx, kernels = self.indexer, self.kernels
+        idx, ops = self.indexer, self.ops
         branch.join()                # the indexer's keys are stored
         if self.fp8_iq:
             iq, head_weights = iq
-        index_scores = idx.scores(iq, head_weights, caches.indexer_keys, plan,
-                                  plan.indexer_plans.get(self.layer_type), kernels=kernels)
-        return idx.lists(index_scores, plan, kernels=kernels)
+        index_scores = ops.index_scores(idx, iq, head_weights, caches.indexer_keys, plan,
+                                        plan.type_plan(self.layer_type).indexer)
+        return ops.index_lists(idx, index_scores, plan)
 
     def _attention(self, q, kv: SparseKV, plan: StepPlan):
         """The sparse MQA over the rows `kv` names, with the sink; -> its output (the log-sum-exp unused)."""
         out, _lse = self.mqa_kernel(q, kv, sink=self.attn_sink, scale=self.spec.softmax_scale,
-                                    prepared=self.mqa_prepared, plan=plan.kernel_plans.get(self.layer_type))
+                                    prepared=self.mqa_prepared, plan=plan.type_plan(self.layer_type).kernel)
         return out
 
     def _output(self, out, rot):

@@ -1,11 +1,11 @@
 """Builders: stitch one rank's layer and its KV pool, and an engine of ranks, from the spec, weights and strategies.
 
-The strategies arrive instantiated (one Hydra group each); this is the only place that knows how the
-pieces fit, so the module's constructor stays a list of injected parts (torchtune's component builders).
+The strategies arrive instantiated, an option of each group (dsv4.strategies.Strategies: a job's, or the
+caller's own); this is the only place that knows how the pieces fit, so the module's constructor stays a list
+of injected parts (torchtune's component builders).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from dsv4.components.attention import DSV4Attention
@@ -23,20 +23,9 @@ from dsv4.formats.fp8_blocks import BLOCK as FP8_BLOCK
 from dsv4.values.graph_config import GraphConfig
 from dsv4.values.layer_types import by_ratio
 from dsv4.values.spec import ModelSpec
-from dsv4.strategies import ExactIndexer, ReferenceLinear, indexer_keys_layout
-from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, LinearStrategy,
-                                       MQAKernelStrategy, OProjStrategy, OProjWeights)
-
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Strategies:
-    mqa_kernel: MQAKernelStrategy
-    o_proj: OProjStrategy
-    head_padding: HeadPaddingPolicy
-    cache_layout: CacheLayout
-    indexer: IndexerStrategy = field(default_factory=ExactIndexer)
-    linear: LinearStrategy = field(default_factory=ReferenceLinear)
+from dsv4.strategies import indexer_keys_layout
+from dsv4.strategies.choice import Strategies
+from dsv4.strategies.protocols import CacheLayout, IndexerStrategy, OProjWeights
 
 
 def build_layer(*, spec: ModelSpec, layer: int, weights: dict, rank: int, tp_size: int,
@@ -85,7 +74,7 @@ def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig
                dtype: str, indexer: IndexerStrategy | None = None) -> KVPool:
     """One rank's pool for `layers`: the page groups their ratios need, and each layer's caches on them.
     The SWA group keeps the sliding window; compressor state its coff·R positions; entries everything.
-    The indexer keys are stored as `indexer` (default `exact`) says (`key_layout`), for activations of
+    The indexer keys are stored as `indexer` says (`key_layout`; None: plain rows), for activations of
     `dtype`."""
     dev = device.torch_device
     groups = page_groups(window=spec.sliding_window, ratios={spec.compress_ratio(l) for l in layers}, pool=pool)
@@ -109,7 +98,7 @@ def build_pool(*, spec: ModelSpec, layers, layout: CacheLayout, pool: PoolConfig
             kw |= dict(compressed=cache("compressed", layout, groups[f"entries{r}"], spec.head_dim),
                        state=state(groups[f"state{r}"], kind.coff * spec.head_dim))
         if kind.indexed:             # the indexer's keys: a compressor of the layer's ratio of its own
-            keys = indexer_keys_layout(indexer or ExactIndexer(), dtype=dtype, head_dim=spec.index_head_dim)
+            keys = indexer_keys_layout(indexer, dtype=dtype, head_dim=spec.index_head_dim)
             kw |= dict(indexer_keys=cache("indexer", keys, groups[f"entries{r}"], spec.index_head_dim),
                        indexer_state=state(groups[f"state{r}"], kind.coff * spec.index_head_dim))
         caches[l] = LayerCaches(ratio=r, swa=cache("swa", layout, groups["swa"], spec.head_dim), **kw)

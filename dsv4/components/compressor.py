@@ -8,17 +8,17 @@ block's second halves (absent before position 0: value 0, logit -inf). Then RMSN
 pooled value and the norm's output rounded to the layer's activation dtype as the published code rounds
 them (`kv = self.norm(kv.to(dtype))`; its RMSNorm returns that dtype).
 
-A step is `compress`, over all tokens of all requests, made of two batched operations:
+A step (`compress_all`), over all tokens of all requests, is made of two batched operations:
 - `write_state`: the (a, s + ape) rows a later step will read (a request's last coff·R positions) go
   to the state pages at the plan's `state[R].write_slots`;
 - `close`: each token that closes an entry pools its rows -- this step's from the step's own
   projection, earlier ones from the state pages -- and returns the entry (written through the cache
   layout by the layer).
 The state pages are written only at slots of this step's new positions, so a refused or failed step
-leaves every row an earlier step wrote untouched. Given `kernels` (the device's Target, which the layer
-resolves once when it is built), `compress` is one Triton kernel that also stores the closed entries into
-their cache (dsv4/kernels/front/compress.py); the torch code of the two operations (`kernels` None) is the CPU
-path and its reference.
+leaves every row an earlier step wrote untouched. The torch code of the two operations here (`entries`,
+`compress_all`) is the CPU path and the reference; on a GPU the layer's Triton ops (dsv4/components/layer_ops.py,
+chosen once when the layer is built) run the step as one Triton kernel that also stores the closed entries
+into their cache (`launch_compress`, dsv4/kernels/front/compress.py).
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from typing import Any
 from dsv4.components.front import stored_badly
 from dsv4.components.norms import rms_norm
 from dsv4.formats.indexer_numerics import IndexerNumerics
-from dsv4.kernels.target import Target, check_kernels
 from dsv4.values.layer_types import by_ratio
 
 
@@ -54,34 +53,16 @@ class Compressor:
 
         return torch.cat((self.wkv, self.wgate))
 
-    def compress(self, scores, plan, state, rot, faults, fault_row: int, cache, *,
-                 kernels: Target | None = None) -> None:
-        """The step, its closed entries stored into `cache` (a PagedCache): given `kernels`, in the compressor's
-        own kernel where the cache's layout has a kernel store, else `entries` and the layout's `write`."""
-        check_kernels(kernels, scores, "Compressor.compress")
-        if kernels is not None and cache.store is not None:
-            self._kernel(scores, plan, state, rot, faults, fault_row, into=cache.store)
-            return
-        rows, store = self.entries(scores, plan, state, rot, faults, fault_row, kernels=kernels)
-        cache.write(store, rows)
-
-    def entries(self, scores, plan, state, rot, faults, fault_row: int, *, kernels: Target | None = None):
+    def entries(self, scores, plan, state, rot, faults, fault_row: int):
         """The step: `write_state`, then `close` -> (rows [T, D] float32 as `close` gives them, store [T]
         int32: the slot each token's closed entry is stored at, -1 where it closes none or its entry is
-        not stored), with faults[fault_row] ([F, T] bool) set where a closed entry is not stored; given
-        `kernels`, in the compressor's own kernel."""
-        check_kernels(kernels, scores, "Compressor.entries")
-        if kernels is not None:
-            return self._kernel(scores, plan, state, rot, faults, fault_row)
+        not stored), with faults[fault_row] ([F, T] bool) set where a closed entry is not stored."""
         import torch
 
         self.write_state(scores, plan, state)
         rows, bad = self.close(scores, plan, state, rot)
         faults[fault_row] = bad
         return rows, torch.where(bad, -1, plan.entries[self.ratio].close_slots)
-
-    def _kernel(self, scores, plan, state, rot, faults, fault_row: int, into=None):
-        return _launch(((self, scores, state, fault_row, into, False),), plan, rot, faults)[0]
 
     def write_state(self, scores, plan, state) -> None:
         """scores [T, 2·width] float32 ([a | s], no APE yet) -> the kept rows into `state` (CompressorState)."""
@@ -164,29 +145,24 @@ class CompressPart:
         every IndexerNumerics)."""
         return self.cache.store is not None
 
+    def stored(self, rows):
+        """Its closed entries as its cache stores them: its numerics applied (none: the rows themselves)."""
+        return rows if self.numerics is None else self.numerics.apply(rows)
 
-def compress_all(parts, plan, rot, faults, *, kernels: Target | None = None) -> None:
+
+def compress_all(parts, plan, rot, faults) -> None:
     """Compressors of one ratio over the same step (CompressPart; a ratio-4 layer's and its indexer's), their
-    closed entries stored into their caches: given `kernels`, in one launch where the kernel can store every
-    part's (`kernel_stores`); otherwise each through `entries` (in its kernel, given `kernels`), its numerics
-    and its layout's `write`."""
+    closed entries stored into their caches: each through `entries`, its numerics and its layout's `write`
+    (the torch code; the Triton ops launch the compress kernel instead)."""
     for p in parts:
-        check_kernels(kernels, p.scores, "compress_all")
-    if kernels is not None and all(part.kernel_stores for part in parts):
-        _launch(tuple((p.compressor, p.scores, p.state, p.fault_row, p.cache.store, p.fp4) for p in parts), plan,
-                rot, faults)
-        return
-    for p in parts:
-        if p.numerics in (None, IndexerNumerics.EXACT):
-            p.compressor.compress(p.scores, plan, p.state, rot, faults, p.fault_row, p.cache, kernels=kernels)
-            continue
-        rows, store = p.compressor.entries(p.scores, plan, p.state, rot, faults, p.fault_row, kernels=kernels)
-        p.cache.write(store, p.numerics.apply(rows))
+        rows, store = p.compressor.entries(p.scores, plan, p.state, rot, faults, p.fault_row)
+        p.cache.write(store, p.stored(rows))
 
 
-def _launch(parts, plan, rot, faults) -> list:
-    """dsv4/kernels/front/compress.py's kernel for parts (compressor, scores, state, fault_row, RowStore or None,
-    FP4 numerics)."""
+def launch_compress(parts, plan, rot, faults) -> list:
+    """dsv4/kernels/front/compress.py's kernel, one launch for parts (compressor, scores, state, fault_row,
+    RowStore or None, FP4 numerics) -> per part None (stored into its RowStore) or (rows, store) for its
+    layout's `write`, as `Compressor.entries` gives them."""
     from dsv4.kernels.front.compress import CompressJob, compress_kernels
 
     first, block = parts[0][0], parts[0][2].block_size

@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Protocol, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from dsv4.components.attention import FAULT_COMPRESSED, FAULT_INDEXER, FAULT_SWA
 from dsv4.components.kv_pool import KVPool
-from dsv4.components.plan import PageTable, StepPlan
+from dsv4.components.plan import PageTable, StepPlan, TypePlan
 from dsv4.values.errors import InvalidRequest
-from dsv4.values.sizes import round_up
+from dsv4.values.sizes import cdiv, round_up
 from dsv4.values.spec import ModelSpec
 
 
@@ -140,8 +141,7 @@ class Engine:
         for size in sizes:
             for r, pool in enumerate(self.pools):
                 plan = self.build_plan(pool, self.plan_inputs(pool, (), requests=size), num_tokens=size)
-                self.kernel_plans(plan, r, fresh=True)
-                self.indexer_plans(plan, r)
+                plan = plan.with_type_plans(self.type_plans(plan, r, fresh=True))
                 for layer, ranks in self.layers.items():
                     x = torch.zeros(size, self.spec.hidden_size, dtype=ranks[r].dtype, device=self.device)
                     ranks[r](x, plan, pool.layers[layer])
@@ -270,34 +270,60 @@ class Engine:
         buf = torch.from_numpy(pack_inputs(host)).to(self.device, non_blocking=True)
         return plan_from_parts(pool, unpack_inputs(buf, host), num_tokens=num_tokens, window=self.spec.sliding_window)
 
-    def kernel_plans(self, plan: StepPlan, rank: int, *, fresh: bool = False) -> None:
-        """Each layer type's MQA kernel plan, made once per step and shared by that type's layers; the
-        previous step's is handed to the strategy (buffers it keeps), unless `fresh` (a graph capture)."""
+    def type_plans(self, plan: StepPlan, rank: int, *, fresh: bool = False) -> Mapping[str, TypePlan]:
+        """Each layer type's strategy plans for the step of `plan` on local rank `rank`, made once and shared
+        by that type's layers (`plan.with_type_plans`): its MQA kernel's, handed the previous step's (buffers
+        it keeps) unless `fresh` (a graph capture); at ratio 4 its indexer's (device tensors from the step
+        plan's, no sync: a graph's plan captures it)."""
+        made: dict[str, TypePlan] = {}
         for ranks in self.layers.values():
             m = ranks[rank]
-            if m.layer_type not in plan.kernel_plans:
-                key = (rank, m.layer_type)
-                plan.kernel_plans[m.layer_type] = self._kernel_plans[key] = m.mqa_kernel.plan(
-                    tokens=plan.num_tokens, layer_type=m.layer_type,
-                    previous=None if fresh else self._kernel_plans.get(key))
-
-    def indexer_plans(self, plan: StepPlan, rank: int) -> None:
-        """Each ratio-4 layer type's indexer plan (device tensors from the step plan's, no sync: a graph's
-        plan captures it), made once per step and shared by that type's layers."""
-        for ranks in self.layers.values():
-            m = ranks[rank]
-            if m.indexer is not None and m.layer_type not in plan.indexer_plans:
-                plan.indexer_plans[m.layer_type] = m.indexer.plan(plan, kernels=m.kernels)
+            if m.layer_type in made:
+                continue
+            key = (rank, m.layer_type)
+            previous = None if fresh else self._kernel_plans.get(key)
+            kernel = self._kernel_plans[key] = m.mqa_kernel.plan(tokens=plan.num_tokens, layer_type=m.layer_type,
+                                                                 previous=previous)
+            indexer = None if m.indexer is None else m.ops.index_plan(m.indexer, plan)
+            made[m.layer_type] = TypePlan(kernel=kernel, indexer=indexer)
+        return MappingProxyType(made)
 
     def _forward(self, x, segs, timer, on_layer):
         plans = []
         for r, pool in enumerate(self.pools):
             plan = self.build_plan(pool, self.plan_inputs(pool, segs), num_tokens=x.shape[0])
-            self.kernel_plans(plan, r)
-            self.indexer_plans(plan, r)
-            plans.append(plan)
-        return self.run_layers(lambda layer, r: self.layers[layer][r](x, plans[r], self.pools[r].layers[layer]),
-                               timer, on_layer)
+            plans.append(plan.with_type_plans(self.type_plans(plan, r)))
+        return self.run_layers(lambda layer, r: self.run_layer(layer, r, x, plans[r]), timer, on_layer)
+
+    # ---- what CUDA-graph capture and replay use (graphs.GraphedEngine) ---------------------------
+    def local_ranks(self) -> range:
+        return range(len(self.pools))
+
+    def zero_input(self, tokens: int):
+        """An all-zero step input [tokens, hidden] in the layers' dtype, on the device."""
+        some = next(iter(self.layers.values()))[0]
+        return torch.zeros(tokens, self.spec.hidden_size, dtype=some.dtype, device=self.device)
+
+    def modules(self, rank: int) -> dict[int, Any]:
+        """Each layer's module of local rank `rank`, in the order a step runs them."""
+        return {layer: ranks[rank] for layer, ranks in self.layers.items()}
+
+    def padded_inputs(self, rank: int, segs: Sequence[Segment], *, requests: int, context: int) -> dict[str, Any]:
+        """`plan_inputs` of local rank `rank` padded to a captured step's shapes: `requests` rows, and the pages
+        of each group a request of `context` positions needs, rounded up as an eager step's are."""
+        pool = self.pools[rank]
+        widths = {name: round_up(max(1, cdiv(g.rule.rows(context), g.block_size)), TABLE_PAGES)
+                  for name, g in pool.groups.items()}
+        return self.plan_inputs(pool, segs, requests=requests, widths=widths)
+
+    def plan_from(self, rank: int, buf, host: dict[str, Any], *, num_tokens: int) -> StepPlan:
+        """Local rank `rank`'s step plan derived from `buf`, a device copy of `pack_inputs(host)`."""
+        return plan_from_parts(self.pools[rank], unpack_inputs(buf, host), num_tokens=num_tokens,
+                               window=self.spec.sliding_window)
+
+    def run_layer(self, layer: int, rank: int, x, plan: StepPlan):
+        """`layer`'s module of local rank `rank` on the step's rows x with its caches: a LayerStepResult."""
+        return self.layers[layer][rank](x, plan, self.pools[rank].layers[layer])
 
     def run_layers(self, run: Callable[[int, int], Any], timer, on_layer):
         """Every layer on every local rank (`run(layer, rank)` -> LayerStepResult), ranks summed, then the

@@ -9,20 +9,34 @@ type share their MQA kernel's per-step plan inside the captured step (FlashMLA's
 made by the first of them, in its graph), so the graphs are replayed together, never one alone.
 
 A request longer than `max_context`, or a step larger than the largest size, runs eagerly. Prefill
-steps usually do; nothing else differs between the two paths.
+steps usually do; nothing else differs between the two paths. Of the engine, capture and replay use only
+`GraphedEngine`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from dsv4.components.engine import TABLE_PAGES, pack_inputs
-from dsv4.components.plan import RUN_GROUPS, StepPlan
+from dsv4.components.engine import pack_inputs
+from dsv4.components.plan import RUN_GROUPS, StepPlan, TypePlan
 from dsv4.values.graph_config import GraphConfig
 from dsv4.values.layer_types import by_ratio
-from dsv4.values.sizes import cdiv, round_up
+
+
+class GraphedEngine(Protocol):
+    """What capture and replay use of an engine (components.engine.Engine), and nothing else of it."""
+    device: str
+
+    def local_ranks(self) -> range: ...
+    def zero_input(self, tokens: int) -> Any: ...
+    def modules(self, rank: int) -> dict[int, Any]: ...      # layer -> the rank's module, in step order
+    def padded_inputs(self, rank: int, segs: Sequence, *, requests: int, context: int) -> dict[str, Any]: ...
+    def plan_from(self, rank: int, buf, host: dict[str, Any], *, num_tokens: int) -> StepPlan: ...
+    def type_plans(self, plan: StepPlan, rank: int, *, fresh: bool = False) -> Mapping[str, TypePlan]: ...
+    def run_layer(self, layer: int, rank: int, x, plan: StepPlan) -> Any: ...
+    def run_layers(self, run: Callable[[int, int], Any], timer, on_layer) -> tuple[Any, list]: ...
 
 
 @dataclass(slots=True)
@@ -44,14 +58,6 @@ class StepGraphs:
         self.captured: dict[int, _Captured] = {}
         self.pool = None
 
-    def widths(self, engine, rank: int) -> dict[str, int]:
-        """Pages of each group a request of max_context positions needs (the captured tables' width), rounded
-        up as an eager step's are."""
-        out = {}
-        for name, g in engine.pools[rank].groups.items():
-            out[name] = round_up(max(1, cdiv(g.rule.rows(self.config.max_context), g.block_size)), TABLE_PAGES)
-        return out
-
     def describe(self) -> str:
         return f"CUDA graphs captured at {len(self.captured)} sizes up to {max(self.captured, default=0)} tokens"
 
@@ -65,7 +71,7 @@ class StepGraphs:
         return next(s for s in self.config.capture_sizes if s >= T)
 
     # ---- capture -----------------------------------------------------------------------------
-    def capture(self, engine, sizes: Sequence[int] | None = None) -> None:
+    def capture(self, engine: GraphedEngine, sizes: Sequence[int] | None = None) -> None:
         """Capture every size (largest first, so smaller graphs reuse its memory pool)."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -74,39 +80,33 @@ class StepGraphs:
                 self.captured[size] = self._capture(engine, size)
         torch.cuda.synchronize()
 
-    def _static_plan(self, engine, rank: int, size: int, buf) -> StepPlan:
-        from dsv4.components.engine import plan_from_parts, unpack_inputs
-
-        host = engine.plan_inputs(engine.pools[rank], (), requests=size, widths=self.widths(engine, rank))
-        plan = plan_from_parts(engine.pools[rank], unpack_inputs(buf, host), num_tokens=size,
-                               window=engine.spec.sliding_window)
-        for ranks in engine.layers.values():          # RoPE rows inside the plan's graph, not a layer's
-            m = ranks[rank]
+    def _static_plan(self, engine: GraphedEngine, rank: int, size: int, buf, host) -> StepPlan:
+        """The captured step's plan from its static buffer, with what its layers derive from it made here (in
+        the plan's graph, not a layer's): each layer's RoPE rows, the runs' groups kernels may read, and each
+        layer type's strategy plans (fresh: no previous step's)."""
+        plan = engine.plan_from(rank, buf, host, num_tokens=size)
+        for m in engine.modules(rank).values():
             plan.rope_rows(m.rope)
             if by_ratio(m.ratio).compressed:
                 plan.rope_rows(m.rope, shift=m.ratio)
-        for group in RUN_GROUPS:                       # and the runs' groups, which kernels may read
+        for group in RUN_GROUPS:
             plan.runs.groups(group)
-        return plan
+        return plan.with_type_plans(engine.type_plans(plan, rank, fresh=True))
 
-    def _capture(self, engine, size: int) -> _Captured:
-        dev = engine.device
-        nranks = len(engine.pools)
-        host = [engine.plan_inputs(engine.pools[r], (), requests=size, widths=self.widths(engine, r))
-                for r in range(nranks)]
+    def _capture(self, engine: GraphedEngine, size: int) -> _Captured:
+        dev, ranks = engine.device, engine.local_ranks()
+        host = [engine.padded_inputs(r, (), requests=size, context=self.config.max_context) for r in ranks]
         inputs = []
         for h in host:      # an empty step: no requests with tokens, every row padding
             inputs.append(torch.from_numpy(pack_inputs(h)).to(dev))
-        some = next(iter(engine.layers.values()))[0]
-        x = torch.zeros(size, engine.spec.hidden_size, dtype=some.dtype, device=dev)
+        x = engine.zero_input(size)
+        layers = list(engine.modules(0))
 
         # warm up eagerly (compiles kernels, fills JIT caches) on throwaway plans
-        for r in range(nranks):
-            plan = self._static_plan(engine, r, size, inputs[r])
-            engine.kernel_plans(plan, r, fresh=True)
-            engine.indexer_plans(plan, r)
-            for layer, ranks in engine.layers.items():
-                ranks[r](x, plan, engine.pools[r].layers[layer])
+        for r in ranks:
+            plan = self._static_plan(engine, r, size, inputs[r], host[r])
+            for layer in layers:
+                engine.run_layer(layer, r, x, plan)
         torch.cuda.synchronize()
 
         stream = torch.cuda.Stream()
@@ -115,29 +115,26 @@ class StepGraphs:
         with torch.cuda.stream(stream):
             plan_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(plan_graph, pool=self.pool, stream=stream):
-                for r in range(nranks):
-                    plans.append(self._static_plan(engine, r, size, inputs[r]))
-                    engine.indexer_plans(plans[r], r)
-            for r in range(nranks):
-                engine.kernel_plans(plans[r], r, fresh=True)
+                for r in ranks:
+                    plans.append(self._static_plan(engine, r, size, inputs[r], host[r]))
             cap = _Captured(size=size, x=x, inputs=inputs, plans=plans, plan_graph=plan_graph)
-            for layer, ranks in engine.layers.items():
-                for r in range(nranks):
+            for layer in layers:
+                for r in ranks:
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                        cap.results[(layer, r)] = ranks[r](x, plans[r], engine.pools[r].layers[layer])
+                        cap.results[(layer, r)] = engine.run_layer(layer, r, x, plans[r])
                     cap.layer_graphs[(layer, r)] = g
         torch.cuda.current_stream().wait_stream(stream)
         return cap
 
     # ---- replay ------------------------------------------------------------------------------
-    def replay(self, engine, size: int, hidden, segs, timer, on_layer):
+    def replay(self, engine: GraphedEngine, size: int, hidden, segs, timer, on_layer):
         if size not in self.captured:
             self.capture(engine, [size])
         cap = self.captured[size]
         T = hidden.shape[0]
-        for r in range(len(engine.pools)):
-            h = engine.plan_inputs(engine.pools[r], segs, requests=size, widths=self.widths(engine, r))
+        for r in engine.local_ranks():
+            h = engine.padded_inputs(r, segs, requests=size, context=self.config.max_context)
             cap.inputs[r].copy_(torch.from_numpy(pack_inputs(h)), non_blocking=True)
         cap.x[:T].copy_(hidden, non_blocking=True)
         cap.plan_graph.replay()

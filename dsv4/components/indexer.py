@@ -12,18 +12,19 @@ What the queries and keys are before they are scored and stored is the `indexer`
 (`strategy.numerics`, dsv4/strategies/indexer/): as computed (`exact`), or Hadamard-rotated and FP4-simulated
 as the published code trains and runs them (`fp4_sim`).
 
-Scores are one call over the step and the top-k another: given `kernels` (the device's Target, which the
-layer resolves once when it is built) the strategy's scoring kernel (ours, dsv4/kernels/indexer/indexer_logits.py,
-or DeepGEMM's) and its `top_k` (ours, dsv4/kernels/indexer/topk_lists.py, or FlashInfer's); otherwise torch here,
-which is the CPU path and the kernels' specification.
+Scores are one call over the step and the top-k another: torch here, which is the CPU path and the kernels'
+specification; on a GPU the layer's Triton ops (dsv4/components/layer_ops.py, chosen once when the layer is
+built) call the strategy's scoring kernel (ours, dsv4/kernels/indexer/indexer_logits.py, or DeepGEMM's) and its
+`top_k` (ours, dsv4/kernels/indexer/topk_lists.py, or FlashInfer's) instead, with its per-step `plan`.
 """
 from __future__ import annotations
 
 from dsv4.components.compressor import CompressPart
+from dsv4.components.front import rotate_rows
 from dsv4.values.fixed_order import KEY_BLOCK, asked, pad_keys, stable_top
 from dsv4.formats.indexer_numerics import IndexerNumerics
-from dsv4.kernels.target import Target, check_kernels
 from dsv4.values.layer_types import INDEXED
+from dsv4.strategies.protocols import IndexerStrategy
 
 TOKENS_PER_READ = 64        # the torch path gathers keys for this many tokens at a time, at most,
 READ_ELEMENTS = 2 ** 22     # and at most this many key values (16 MiB in float32): a step's memory stays
@@ -32,16 +33,14 @@ READ_ELEMENTS = 2 ** 22     # and at most this many key values (16 MiB in float3
 
 class Indexer:
     def __init__(self, *, wq_b, weights_proj, compressor, n_heads: int, head_dim: int, topk: int,
-                 strategy=None, device=None, batch_invariant: bool = False) -> None:
-        """`batch_invariant`: the torch path scores keys in fixed blocks and selects among equal scores the
-        lower index first, and the strategy is prepared for it (its kernels' fixed launches), so that a token's
-        scores and selection do not depend on the rest of its step."""
-        from dsv4.strategies.indexer.exact import ExactIndexer
-
+                 strategy: IndexerStrategy, device=None, batch_invariant: bool = False) -> None:
+        """`strategy`: the `indexer` option; `batch_invariant`: the torch path scores keys in fixed blocks and
+        selects among equal scores the lower index first, and the strategy is prepared for it (its kernels'
+        fixed launches), so that a token's scores and selection do not depend on the rest of its step."""
         self.wq_b, self.weights_proj, self.compressor = wq_b.float(), weights_proj.float(), compressor
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
         self.batch_invariant = batch_invariant
-        self.strategy = strategy if strategy is not None else ExactIndexer()      # the `indexer` option
+        self.strategy = strategy
         self.prepared = self.strategy.prepare(head_dim=head_dim, device=device or wq_b.device,
                                               **asked(batch_invariant))
 
@@ -49,16 +48,14 @@ class Indexer:
     def weight_scale(self) -> float:
         return self.head_dim ** -0.5 * self.n_heads ** -0.5
 
-    def queries(self, q_raw, rot, dtype=None, *, kernels: Target | None = None):
+    def queries(self, q_raw, rot, dtype=None, *, rotate=rotate_rows):
         """q_raw [T, Hi·Di] float32 (qr @ wq_bᵀ) -> q [T, Hi, Di], RoPE on the last 64 dims in float32
-        (`front.rotate_rows`, its kernel given `kernels`), then the strategy's numerics, in `dtype` (the
-        keys' dtype, to which `scores` rounds them; float32 if None)."""
-        from dsv4.components.front import rotate_rows
-
+        (`rotate`: the layer's ops' rotate_rows, by default the torch code's), then the strategy's numerics,
+        in `dtype` (the keys' dtype, to which `scores` rounds them; float32 if None)."""
         q = q_raw.view(-1, self.n_heads, self.head_dim)
         if self.strategy.numerics is IndexerNumerics.EXACT:
-            return rotate_rows(q, rot, dtype, kernels=kernels)
-        q = self.strategy.numerics.apply(rotate_rows(q, rot, kernels=kernels))
+            return rotate(q, rot, dtype)
+        q = self.strategy.numerics.apply(rotate(q, rot))
         return q if dtype is None else q.to(dtype)
 
     @staticmethod
@@ -74,32 +71,15 @@ class Indexer:
         the strategy's numerics."""
         return CompressPart(self.compressor, scores, state, fault_row, cache, numerics=self.strategy.numerics)
 
-    def plan(self, plan, *, kernels: Target | None = None):
-        """The strategy's per-step plan (IndexerStrategy.plan) from the step plan's, for its kernels (given
-        `kernels`); None for the torch path."""
-        check_kernels(kernels, plan.positions, "Indexer.plan")
-        if kernels is None:
-            return None
-        ents = plan.entries[INDEXED.ratio]
-        return self.strategy.plan(token_request=plan.token_request, counts=ents.counts, pages=ents.table.pages,
-                                  block_size=ents.table.block_size)
-
-    def scores(self, q, w, keys, plan, index_plan=None, *, kernels: Target | None = None):
+    def scores(self, q, w, keys, plan):
         """[T, width] float32 scores of every entry slot of each token's request; -inf where not visible
-        (j >= count) -- which a vendor kernel may leave unwritten: `lists` reads the visible ones only.
-        q [T, Hi, Di] float32 (rounded here to the keys' dtype) or already in it, w [T, Hi] float32 the
-        head weights (weights_proj's output, scaled here by `weight_scale`), keys: the PagedCache of
-        indexer keys. Given `kernels`: the strategy's kernel, given the step's `index_plan` (`plan`), its rows
-        maybe wider than `width`; for a strategy whose `query_format` is E4M3, q and w may be what its kernel
-        takes (e4m3 queries, their scales folded into w: the layer's front kernel makes them)."""
-        check_kernels(kernels, q, "Indexer.scores")
-        ents = plan.entries[INDEXED.ratio]
-        if kernels is not None:                 # the strategy's kernel
-            return self.strategy.scores(q, w, keys, ents.table.pages, plan.token_request, ents.counts,
-                                        width=ents.width, w_scale=self.weight_scale, plan=index_plan,
-                                        prepared=self.prepared)
+        (j >= count). q [T, Hi, Di] float32 (rounded here to the keys' dtype) or already in it, w [T, Hi]
+        float32 the head weights (weights_proj's output, scaled here by `weight_scale`), keys: the PagedCache
+        of indexer keys. (The Triton ops' strategy kernel may leave the invisible ones unwritten and its rows
+        wider than `width`: `lists` reads the visible ones only.)"""
         import torch
 
+        ents = plan.entries[INDEXED.ratio]
         q = q.to(self.score_dtype(keys)).float()
         w = w * self.weight_scale
 
@@ -122,18 +102,14 @@ class Indexer:
             out[sl] = logits.masked_fill(~visible, float("-inf"))
         return out
 
-    def lists(self, scores, plan, *, kernels: Target | None = None):
+    def lists(self, scores, plan):
         """The selection as the MQA kernel reads it: (local indices [T, K] int32 as `select` gives them,
         their global slots [T, K] int32 through each token's table, -1 padded, and how many are valid
-        [T] int32). Given `kernels`, the strategy's `top_k` (dsv4/strategies/indexer/top_k/: our radix select,
-        valid entries in index order, or FlashInfer's), where `select` gives them best first."""
+        [T] int32). (The Triton ops' strategy `top_k`, dsv4/strategies/indexer/top_k/: our radix select, valid
+        entries in index order, or FlashInfer's, where `select` gives them best first.)"""
         import torch
 
-        check_kernels(kernels, scores, "Indexer.lists")
         ents = plan.entries[INDEXED.ratio]
-        if kernels is not None:
-            return self.strategy.top_k(scores, ents.counts, ents.table.pages, plan.token_request,
-                                       topk=self.topk, block_size=ents.table.block_size)
         local = self.select(scores)
         return local, ents.table.slots(plan.token_request, local), (local >= 0).sum(1, dtype=torch.int32)
 

@@ -17,11 +17,16 @@ and requests with no tokens are padding: they write nothing and read nothing.
 
 Page tables hold physical page ids, -1 where a logical page has none; slot = page·block_size + offset,
 with the offset of a position (SWA, state) or of an entry index (entries).
+
+Each layer type's strategy plans for the step (its MQA kernel's `plan()`, at ratio 4 its indexer's) are
+made once and travel with the plan, read-only: `plan.with_type_plans({layer_type: TypePlan(...)})` is the
+same plan carrying them, for every layer of those types.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Mapping
 
 from dsv4.kernels.mqa.sparse_plan import RUN_GROUP
 from dsv4.values.layer_types import by_ratio
@@ -78,6 +83,20 @@ class EntryRows:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TypePlan:
+    """One layer type's strategy plans for a step, made once and shared by that type's layers."""
+    kernel: Any = None      # its MQA kernel's plan() (None: the kernel makes its own per call)
+    indexer: Any = None     # its indexer's plan(), ratio-4 types (None: none, or the torch path)
+
+
+NO_TYPE_PLAN = TypePlan()
+
+
+def _no_type_plans() -> Mapping[str, TypePlan]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlan:
     num_tokens: int                   # T: rows of the step's tensors (padding included)
     query_start: Any                  # [B+1] int32
@@ -90,13 +109,21 @@ class StepPlan:
     swa: SwaRows
     state: dict[int, StateRows]
     entries: dict[int, EntryRows]
-    kernel_plans: dict[str, Any] = field(default_factory=dict)    # layer type -> its MQA kernel's plan()
-    indexer_plans: dict[str, Any] = field(default_factory=dict)   # layer type -> its indexer's plan()
+    type_plans: Mapping[str, TypePlan] = field(default_factory=_no_type_plans)   # layer type -> its plans
     _rope: dict = field(default_factory=dict)
 
     @property
     def device(self):
         return self.positions.device
+
+    def with_type_plans(self, plans: Mapping[str, TypePlan]) -> "StepPlan":
+        """This plan carrying `plans` (layer type -> TypePlan), read-only; the RoPE rows made so far and later
+        are shared with this plan's."""
+        return replace(self, type_plans=MappingProxyType(dict(plans)))
+
+    def type_plan(self, layer_type: str) -> TypePlan:
+        """The step's plans of `layer_type` (empty if none were made)."""
+        return self.type_plans.get(layer_type, NO_TYPE_PLAN)
 
     @classmethod
     def build(cls, *, query_start, seq_lens, swa: PageTable, window: int, state: dict[int, PageTable] | None = None,

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import triton
@@ -147,6 +149,21 @@ def compiled() -> dict[str, int]:
     """Compiled variants `launch` has launched so far, by kernel name: each new one was compiled or loaded
     from Triton's cache on the host, inside the step that first needed it."""
     return {k.fn.fn.__name__: len(k.variants) for k in _KERNELS.values() if k is not None and k.variants}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompileCase:
+    """One specialization of a kernel as its wrapper launches it, stated by the kernel's own module (its
+    `compile_cases(gpu)`) so that dsv4/kernels/compile_check.py compiles it for GPUs this machine does not
+    have: the constexprs, the Triton type of each pointer and float argument (every other argument an
+    int32), the int arguments the launcher sees divisible by 16 (pointers always are), the launch options."""
+    kernel: Any                                   # the @triton.jit (or Gluon) function
+    constexprs: dict[str, Any]
+    pointers: dict[str, str]                      # argument -> "*bf16", "*u8", ...
+    floats: frozenset[str] = frozenset()          # float32 scalars
+    divisible: frozenset[str] = frozenset()
+    num_warps: int = 4
+    options: dict[str, Any] = field(default_factory=dict)    # other compile options (maxnreg)
 
 
 # ---- arguments in the form a kernel reads, without a dispatcher call when they already are -----------

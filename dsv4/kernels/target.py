@@ -25,12 +25,13 @@ class Target:
     fixed_order: bool = False
 
 
-def check_kernels(kernels: Target | None, tensor, who: str) -> None:
-    """Refuse a call whose tensors are not where its implementation runs: the kernels (a Target) take GPU
-    tensors, the torch code (None) CPU ones; a mismatch is an error, never a silent switch to the other path."""
-    if tensor.is_cuda != (kernels is not None):
-        raise ValueError(f"{who}: GPU tensors need kernels=<the device's Target>, CPU tensors kernels=None; "
-                         f"given {'a Target' if kernels is not None else 'None'} with {tensor.device.type} tensors")
+def check_on_gpu(tensor, who: str) -> None:
+    """Refuse a call of our kernels on tensors that are not on a GPU: the layer chose its Triton ops
+    (dsv4.components.layer_ops.TritonOps) for a GPU when it was built, and a CPU tensor there is a one-line
+    error, never a silent switch to the torch code."""
+    if not tensor.is_cuda:
+        raise ValueError(f"{who}: GPU tensors need TritonOps (our kernels), CPU tensors TorchOps; "
+                         f"given TritonOps with {tensor.device.type} tensors")
 
 
 @functools.cache

@@ -121,7 +121,8 @@ def available_options(job, group: str) -> list:
 
     out = []
     for strat in options(group).values():
-        combo = replace(job.combo, **{group: strat}, cache_layout=Fp8DsMlaLayout(), dtype="bfloat16")
+        chosen = replace(job.combo.strategies, **{group: strat}, cache_layout=Fp8DsMlaLayout())
+        combo = replace(job.combo, strategies=chosen, dtype="bfloat16")
         probs = [p for p in check(combo, job.device, here=local_platform()) if p.group in (group, "dtype")]
         if not probs:
             out.append(strat)

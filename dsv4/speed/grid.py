@@ -9,6 +9,7 @@ import torch
 
 from dsv4.speed.layer import INVARIANT, backends, base_label, prefill_row, replayed_step, row_label
 from dsv4.speed.peers import LAYER_TYPES, Point, faster, grid, published
+from dsv4.speed.rows import measurement
 from dsv4.checks.catalogue import backend_presets
 from dsv4.values.device import local_platform
 from dsv4.reports.report import table
@@ -49,9 +50,34 @@ def grid_row(p: Point, times: dict[str, tuple[float, bool | None]], figures: dic
     return row
 
 
-def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "prefill"), echo=None) -> str:
+def grid_measurement(model: str, p: Point, row: list, headers: list[str], *, one_backend: bool = False,
+                     invariant: bool = False) -> dict:
+    """A point's row of the grid as a row of docs/benchmarks.md's grid table of its model and mode
+    (dsv4/speed/rows.py): the fastest backend by its preset's name (left out where one backend ran), the
+    triton preset where it ran, the engines' figures as the peers'."""
+    cells = dict(zip(headers, row))
+    case = {"layer": p.layer} | ({"requests @ context": p.label()} if p.mode == "decode" else {"tokens": p.tokens})
+    peers = {"vLLM": cells["vLLM µs"], "SGLang": cells["SGLang µs"]}
+    name = f"grid/{model}/{p.mode}" + ("/batch_invariant" if invariant else "")
+    if row[2] == "out of memory":
+        return measurement(name, case=case, ours={"ours": row[2]}, peers=peers)
+    presets = {preset_label(preset): preset for preset in backend_presets()}
+    ours = {} if one_backend else {"fastest preset": presets.get(cells["fastest backend"], cells["fastest backend"])}
+    ours["ours"] = cells["ours µs"]
+    if cells["triton preset µs"] is not None:
+        ours |= {"triton preset": cells["triton preset µs"], "triton / ours": cells["triton / ours"]}
+    if invariant:
+        ours |= {"batch-invariant": cells["batch-invariant µs"], "invariant / ours": cells["invariant / ours"]}
+    after = {"ours / faster engine": cells["ours / faster engine"]}
+    if cells["replay == eager"] is not None:
+        after["replay == eager"] = cells["replay == eager"]
+    return measurement(name, case=case, ours=ours | after, peers=peers, columns=[*case, *ours, *peers, *after])
+
+
+def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "prefill"), echo=None,
+               record=None) -> str:
     """The grid of the job's model (DSV4-Flash or DSV4-Pro), `labels` the backends to run (default: all
-    that run here), as one table."""
+    that run here), as one table; `record` (dsv4/speed/rows.py) takes each point's row as it is measured."""
     figures = published()
     spec = job.spec
     if spec.name not in {p.model for p in figures}:
@@ -76,11 +102,14 @@ def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "p
                 times[b.label] = time_point(job, b, first[p.layer], p)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
-        if not times:
+        if times:
+            rows.append(grid_row(p, times, figures[p], invariant=job.combo.batch_invariant))
+        else:
             rows.append([p.layer, p.label(), "out of memory"] + [None] * (len(headers) - 3))
-            continue
-        rows.append(grid_row(p, times, figures[p], invariant=job.combo.batch_invariant))
-        if echo is not None:
+        if record is not None:
+            record([grid_measurement(spec.name, p, rows[-1], headers, one_backend=len(runs) == 1,
+                                     invariant=job.combo.batch_invariant)])
+        if echo is not None and times:
             echo(" | ".join(map(str, rows[-1])))
     return (f"{spec.name}: decode (one token per request, replay of the second layer of its type, median µs) and "
             f"prefill (one request, eager, µs) beside the engines' published latency (dsv4/speed/peers.py):\n"

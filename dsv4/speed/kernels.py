@@ -7,9 +7,16 @@ from dsv4.speed.cases import (DECODE_CASES, POOL_BLOCKS, SMALL_CASES, available_
 from dsv4.speed.timing import CEILINGS, graph_time_us
 from dsv4.oracle import rel_err
 from dsv4.reports.report import table
+from dsv4.speed.rows import printed_rows
+
+MQA_HEADERS = ["case", "b", "s_q", "mqa_kernel", "µs", "TFLOP/s", "GB/s", "of bf16 peak", "of copy BW", "time / first",
+               "rel err vs first"]
+O_PROJ_HEADERS = ["T", "o_proj", "µs", "time / first", "rel err vs first"]
+LINEAR_HEADERS = ["product", "M", "N", "K", "linear", "µs", "GB/s", "TFLOP/s", "time / first", "rel err vs fp8_sim"]
 
 
-def bench_mqa(job) -> str:
+def bench_mqa(job, *, record=None) -> str:
+    """Every sparse MQA kernel on DECODE_CASES and SMALL_CASES; `record` (dsv4/speed/rows.py) takes the rows."""
     from dataclasses import replace
 
     kernels = available_options(job, "mqa_kernel")
@@ -46,11 +53,13 @@ def bench_mqa(job) -> str:
             rows.append([label, b, sq, name, f"{us:.1f}", f"{tf:.0f}", f"{gb:.0f}",
                          f"{tf / ceil['tflops']:.0%}" if ceil else "-", f"{gb / ceil['gbps']:.0%}" if ceil else "-",
                          f"{us / base:.2f}", f"{rel_err(out, ref_out):.1e}"])
-    return table(["case", "b", "s_q", "mqa_kernel", "µs", "TFLOP/s", "GB/s", "of bf16 peak", "of copy BW",
-                  "time / first", "rel err vs first"], rows)
+    if record is not None:
+        record(printed_rows("bench/mqa", MQA_HEADERS, rows, keys=4, unit=None))
+    return table(MQA_HEADERS, rows)
 
 
-def bench_o_proj(job) -> str:
+def bench_o_proj(job, *, record=None) -> str:
+    """Every o_proj option at 1, 128 and 4096 tokens; `record` (dsv4/speed/rows.py) takes the rows."""
     from dsv4.components.rope import Rope
 
     strategies = available_options(job, "o_proj")
@@ -67,7 +76,9 @@ def bench_o_proj(job) -> str:
             us = graph_time_us(lambda: s(o, rot, prepared=prep))
             base = base or us
             rows.append([T, s.name, f"{us:.1f}", f"{us / base:.2f}", f"{rel_err(y, ref):.1e}"])
-    return table(["T", "o_proj", "µs", "time / first", "rel err vs first"], rows)
+    if record is not None:
+        record(printed_rows("bench/o_proj", O_PROJ_HEADERS, rows, keys=2, unit=None))
+    return table(O_PROJ_HEADERS, rows)
 
 
 def layer_products(spec, tp_size: int = 1) -> dict[str, tuple[int, int]]:
@@ -79,11 +90,11 @@ def layer_products(spec, tp_size: int = 1) -> dict[str, tuple[int, int]]:
             "z @ wo_b": p["wo_b"]}
 
 
-def bench_linear(job, rows=(1, 64, 128, 8192)) -> str:
+def bench_linear(job, rows=(1, 64, 128, 8192), *, record=None) -> str:
     """Every `linear` option this machine runs on the layer's products, random bf16 activations and weights
     made in the checkpoint's fp8 format, each timed in a CUDA graph (back-to-back calls: weights that fit
     in L2 stay there, as in a replayed layer) beside the bf16 product (linear=reference); the error of each
-    against fp8_sim, the published numerics in torch (not timed)."""
+    against fp8_sim, the published numerics in torch (not timed). `record` (dsv4/speed/rows.py) takes the rows."""
     import torch
 
     from dsv4.formats.fp8_blocks import LinearNumerics, quantize_blocks
@@ -110,5 +121,6 @@ def bench_linear(job, rows=(1, 64, 128, 8192)) -> str:
                 nbytes = (fp8_bytes if fp8 else 2 * N * K) + 2 * M * (K + N)
                 out.append([product, M, N, K, opt.name, f"{us:.1f}", f"{nbytes / us / 1e3:.0f}",
                             f"{2 * M * N * K / us / 1e6:.0f}", f"{us / base:.2f}", f"{rel_err(y, want):.1e}"])
-    return table(["product", "M", "N", "K", "linear", "µs", "GB/s", "TFLOP/s", "time / first",
-                  "rel err vs fp8_sim"], out)
+    if record is not None:
+        record(printed_rows("bench/linear", LINEAR_HEADERS, out, keys=5, unit=None))
+    return table(LINEAR_HEADERS, out)

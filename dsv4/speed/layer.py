@@ -29,6 +29,7 @@ from dsv4.checks.catalogue import backend_presets, defaults, option
 from dsv4.components.engine import CudaTimer, Segment
 from dsv4.values.layer_types import by_ratio
 from dsv4.reports.report import table
+from dsv4.speed.rows import printed_rows
 from dsv4.app.runner import tensor_bytes
 from dsv4.values.sizes import cdiv
 
@@ -36,6 +37,11 @@ DECODE_CASES = [(64, 2, 8192), (64, 2, 65536), (1, 1, 8192), (16, 1, 8192), (64,
 PREFILL_TOKENS = 8192
 ERROR = "error: "            # how a row that failed begins its first measured cell (the tables' callers count them)
 EAGER_ROUNDS = 5
+DECODE_HEADERS = ["layer", "backend", "indexer", "requests", "tokens/req", "context", "replay µs", "+ first of type",
+                  "eager µs", "eager/replay", "eager host µs", "plan µs", "components µs", "replay/components",
+                  "floor µs", "floor/replay", "replay == eager"]
+PARTS_HEADERS = ["layer", "backend", "indexer", "component", "µs"]
+PREFILL_HEADERS = ["layer", "backend", "indexer", "tokens", "ms", "tokens/s"]
 
 
 # ---- filling a context directly ------------------------------------------------------------------
@@ -99,30 +105,34 @@ class _Record:
         return getattr(self.inner, name)
 
 
+class _RecordScores:
+    """The layer's ops with `index_scores` recorded (the indexer's scores as the layer calls them)."""
+
+    def __init__(self, ops, scores: _Record):
+        self.ops, self.index_scores = ops, scores
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+
 def component_us(layer, x, plan, caches) -> dict[str, float]:
     """The step's GEMMs, MQA kernel, o_proj and (ratio 4) indexer scores and top-k, each timed alone in a
     CUDA graph on the inputs the layer gives them."""
-    from dsv4.components.front import norm_rows
     from dsv4.strategies.linear.common import mm_f32
 
-    mqa, oproj = _Record(layer.mqa_kernel), _Record(layer.o_proj)
+    ops = layer.ops
+    mqa, oproj, scores = _Record(layer.mqa_kernel), _Record(layer.o_proj), _Record(ops.index_scores)
     idx = layer.indexer
-    scores = None
-    layer.mqa_kernel, layer.o_proj = mqa, oproj
-    if idx is not None:
-        scores = _Record(idx.scores)
-        idx.scores = scores
+    layer.mqa_kernel, layer.o_proj, layer.ops = mqa, oproj, _RecordScores(ops, scores)
     try:
         layer(x, plan, caches)
     finally:
-        layer.mqa_kernel, layer.o_proj = mqa.inner, oproj.inner
-        if idx is not None:
-            del idx.scores
+        layer.mqa_kernel, layer.o_proj, layer.ops = mqa.inner, oproj.inner, ops
     T = x.shape[0]
     lin = layer.linear
     # the q_lora rows as the layer hands them to wq_b (quantized by the norm's kernel for an fp8 linear)
-    qr = norm_rows(torch.randn(T, layer.spec.q_lora_rank, device=x.device), layer.q_norm, eps=layer.eps,
-                   dtype=layer.dtype, fp8=lin.fp8_input, kernels=layer.kernels)
+    qr = ops.norm_rows(torch.randn(T, layer.spec.q_lora_rank, device=x.device), layer.q_norm, eps=layer.eps,
+                       dtype=layer.dtype, fp8=lin.fp8_input)
     name = lin.name
     if layer.compressor is None:
         out = {f"x @ [wq_a|wkv] ({name})": graph_time_us(lambda: lin(x, layer.x_proj))}
@@ -136,9 +146,9 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
         graph_time_us(lambda: lin(qr, layer.q_proj))
     if idx is not None:
         a, k = scores.args, scores.kwargs
-        out["indexer scores"] = graph_time_us(lambda: idx.scores(*a, **k))
-        s = scores.inner(*a, **k)
-        out["top-k lists"] = graph_time_us(lambda: idx.lists(s, plan, kernels=layer.kernels))
+        out["indexer scores"] = graph_time_us(lambda: ops.index_scores(*a, **k))
+        s = ops.index_scores(*a, **k)
+        out["top-k lists"] = graph_time_us(lambda: ops.index_lists(idx, s, plan))
     q, kv = mqa.args
     # the kernel's per-step state (FlashMLA's scheduler metadata) made once, outside the timed calls, as
     # every layer of a type but the first finds it
@@ -214,7 +224,8 @@ def backends(job) -> list[Backend]:
             for lin in dict.fromkeys((chosen["linear"], *swaps)):
                 groups = {g: option(g, n) for g, n in chosen.items() if g != "indexer"} | {
                     "o_proj": option("o_proj", o), "linear": option("linear", lin)}
-                c = replace(job.combo, **groups, dtype="bfloat16", tp_size=1, world_size=None, batch_invariant=False)
+                c = replace(job.combo, strategies=replace(job.combo.strategies, **groups), dtype="bfloat16",
+                            tp_size=1, world_size=None, batch_invariant=False)
                 label = row_label(chosen["mqa_kernel"], o, lin)
                 if check(c, job.device, here=local_platform()):
                     continue
@@ -276,8 +287,7 @@ def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, contex
     replayed = res.outputs[second].clone()
     step_us = replay_us(cap.layer_graphs[(second, 0)].replay)
     x = cap.x
-    eager_plan = replace(plan, kernel_plans={})                   # its own kernel plan, made eagerly
-    eng.kernel_plans(eager_plan, 0, fresh=True)
+    eager_plan = plan.with_type_plans(eng.type_plans(plan, 0, fresh=True))   # its own plans, made eagerly
     eng.layers[first][0](x, eager_plan, eng.pools[0].layers[first])
     eager_out = module(x, eager_plan, caches).out[:T].float()
     same = torch.equal(eager_out, replayed)
@@ -337,18 +347,18 @@ def layer_backends(job, layer: int, labels, indexers) -> list[Backend]:
         else:
             top_k = job.combo.indexer.top_k
             swaps = [replace(option("indexer", name), top_k=top_k) for name in indexers]
-            out += [Backend(label=b.label, combo=replace(b.combo, indexer=idx)) for idx in swaps
+            out += [Backend(label=b.label, combo=b.combo.with_choice("indexer", idx)) for idx in swaps
                     if not b.combo.batch_invariant or idx.needs(job.device).batch_invariant]
     return out
 
 
 def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, indexers=None, layer_types=None, prefill: bool = True,
-                     echo=None) -> str:
+                     echo=None, record=None) -> str:
     """The decode table over `cases` ((requests, tokens per request, context)), the components of the
     first case, and the prefill; for the backends whose labels are in `labels` (default: all), the ratio-4
     layer with each indexer option in `indexers` (default: the job's), the layer types in `layer_types`
     (default: all). A row that fails says so and the others still run. `echo(line)` is called with each
-    row as it is measured."""
+    row as it is measured; `record` (dsv4/speed/rows.py) takes the tables' rows."""
     import traceback
 
     rows, parts_rows, pre = [], [], []
@@ -383,15 +393,23 @@ def bench_layer_step(job, cases=DECODE_CASES, *, labels=None, indexers=None, lay
                 if echo is not None:
                     echo(" | ".join(map(str, row)))
                 torch.cuda.empty_cache()
+    return layer_tables(cases, rows, parts_rows, pre, record)
+
+
+def layer_tables(cases, rows: list, parts_rows: list, pre: list, record=None) -> str:
+    """The whole-layer tables as printed (decode, the first case's components, prefill), their rows handed
+    to `record` (dsv4/speed/rows.py) where one is given."""
+    n, tokens, context = cases[0]
+    if record is not None:
+        record(printed_rows("bench/layer/decode", DECODE_HEADERS, rows, keys=6, unit=None)      # units in the headers
+               + printed_rows("bench/layer/components", PARTS_HEADERS, parts_rows, keys=4, unit=None,
+                              given={"step": f"{n}x{tokens}@{context}"})
+               + printed_rows("bench/layer/prefill", PREFILL_HEADERS, pre, keys=4, unit=None))
     return "\n\n".join([
         "decode step, CUDA-graph replay of the second layer of its type (median µs; the first also makes the "
-        "type's per-step kernel plan: + first of type), with what it costs eagerly and its parts alone:\n" + table(
-            ["layer", "backend", "indexer", "requests", "tokens/req", "context", "replay µs", "+ first of type",
-             "eager µs", "eager/replay", "eager host µs", "plan µs", "components µs", "replay/components", "floor µs",
-             "floor/replay", "replay == eager"],
-            rows, left=(0, 1, 2)),
-        f"components of the first case ({cases[0][0]} requests x {cases[0][1]} tokens, {cases[0][2]} context), "
-        "each alone in a CUDA graph:\n" + table(["layer", "backend", "indexer", "component", "µs"], parts_rows,
-                                                 left=(0, 1, 2, 3)),
+        "type's per-step kernel plan: + first of type), with what it costs eagerly and its parts alone:\n"
+        + table(DECODE_HEADERS, rows, left=(0, 1, 2)),
+        f"components of the first case ({n} requests x {tokens} tokens, {context} context), "
+        "each alone in a CUDA graph:\n" + table(PARTS_HEADERS, parts_rows, left=(0, 1, 2, 3)),
         f"prefill of one {PREFILL_TOKENS}-token request, eager (median of 2 after a warm-up):\n"
-        + table(["layer", "backend", "indexer", "tokens", "ms", "tokens/s"], pre, left=(0, 1, 2)) if pre else ""])
+        + table(PREFILL_HEADERS, pre, left=(0, 1, 2)) if pre else ""])

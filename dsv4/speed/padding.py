@@ -18,6 +18,7 @@ from dsv4.speed.cases import SERVING_STEP
 from dsv4.speed.layer import Backend, decode_row
 from dsv4.checks.catalogue import option
 from dsv4.reports.report import table
+from dsv4.speed.rows import printed_rows
 
 TP_SIZES = (1, 2, 4, 8)
 PAIRS = (("flashmla_sparse", "buckets_64_128"), ("triton_sparse", "buckets_64_128"), ("triton_sparse", "none"))
@@ -42,9 +43,9 @@ def padding_rows(job, tp_sizes=TP_SIZES, pairs=PAIRS, layer_types=None, echo=Non
                 continue
             ref = None
             for kernel, padding in pairs:
-                combo = replace(job.combo, mqa_kernel=option("mqa_kernel", kernel),
-                                head_padding=option("head_padding", padding), dtype="bfloat16", tp_size=tp,
-                                world_size=None)
+                chosen = replace(job.combo.strategies, mqa_kernel=option("mqa_kernel", kernel),
+                                 head_padding=option("head_padding", padding))
+                combo = replace(job.combo, strategies=chosen, dtype="bfloat16", tp_size=tp, world_size=None)
                 head = [tp, heads // tp, combo.head_padding.padded_heads(heads // tp), kind, kernel, padding]
                 problems = check(combo, job.device, here=local_platform())
                 if problems:
@@ -64,7 +65,15 @@ def padding_rows(job, tp_sizes=TP_SIZES, pairs=PAIRS, layer_types=None, echo=Non
     return rows
 
 
-def bench_padding(job, **kw) -> str:
+HEADERS = ["tp_size", "heads/rank", "padded to", "layer", "mqa_kernel", "head_padding", "rank's step µs",
+           "MQA kernel µs", "step / first row's"]
+
+
+def bench_padding(job, *, record=None, **kw) -> str:
+    """The table of `padding_rows(job, **kw)`; `record` (dsv4/speed/rows.py) takes its rows."""
     rows = padding_rows(job, **kw)
-    return table(["tp_size", "heads/rank", "padded to", "layer", "mqa_kernel", "head_padding", "rank's step µs",
-                  "MQA kernel µs", "step / first row's"], rows, left=(3, 4, 5))
+    if record is not None:
+        n, tokens, context = kw.get("step", SERVING_STEP)
+        record(printed_rows("bench/padding", HEADERS, rows, keys=6, unit=None,
+                            given={"step": f"{n}x{tokens}@{context}"}))
+    return table(HEADERS, rows, left=(3, 4, 5))

@@ -16,11 +16,14 @@ from dsv4.speed.timing import graph_time_us
 from dsv4.values.seam import PagedCache
 from dsv4.oracle import rel_err
 from dsv4.reports.report import table
+from dsv4.speed.rows import measurement, printed_rows
 from dsv4.values.sizes import cdiv
 
 NREQ, TOKENS, BS = 64, 2, 64
 CONTEXTS = (8192, 65536, 131072)
 PIECE = 1 << 18                 # keys written per call when filling a cache (bounded temporaries)
+HEADERS = ["context", "indexer", "top-k", "key B/entry", "step plan µs", "scores µs", "scores + top-k µs",
+           "rel err vs bf16 rows", "top-k == torch.topk"]
 
 
 def decode_case(context: int, heads: int, dim: int, *, seed: int = 0):
@@ -123,13 +126,36 @@ def top_ks_here(job) -> list:
         if p.group == "indexer.top_k"]]
 
 
-def bench_indexer(job, options=None, top_ks=None) -> str:
+def scores_top_k(rows: list[list]) -> list[dict]:
+    """The indexer table's rows (`option_rows`) as docs/benchmarks.md's scores + top-k table: per context and
+    indexer option, its scores alone and the scores with each top-k option after them (ours, the default,
+    and the others' as the peers'), the least of those in bold."""
+    from dsv4.checks.catalogue import defaults
+
+    ours = defaults()["indexer.top_k"]
+    out: dict[tuple, dict] = {}
+    for context, ix, top_k, _, _, scores_us, both_us, *_ in rows:
+        line = out.setdefault((context, ix), {"scores": scores_us, "top-k": {}})
+        line["top-k"][top_k] = both_us
+    made = []
+    for (context, ix), line in out.items():
+        named = {f"scores + top-k, `top_k={k}`": (k, us) for k, us in line["top-k"].items()}
+        made.append(measurement("indexer/scores_top_k", case={"context": f"{context // 1024}k", "indexer": ix},
+                                ours={"scores": line["scores"]} | {c: us for c, (k, us) in named.items() if k == ours},
+                                peers={c: us for c, (k, us) in named.items() if k != ours},
+                                columns=["context", "indexer", "scores", *named], fastest=named))
+    return made
+
+
+def bench_indexer(job, options=None, top_ks=None, *, record=None) -> str:
     """The table (module docstring) for `options` (default: every option check() accepts here), each with
-    every top-k option of `top_ks` (default: every one check() accepts here), with the job's model."""
+    every top-k option of `top_ks` (default: every one check() accepts here), with the job's model; `record`
+    (dsv4/speed/rows.py) takes its rows, and them again as docs/benchmarks.md's scores + top-k table."""
     rows = []
     top_ks = top_ks if top_ks is not None else top_ks_here(job)
     for ix in options if options is not None else available_options(job, "indexer"):
         for context in CONTEXTS:
             rows += option_rows(ix, job.spec, context, top_ks)
-    return table(["context", "indexer", "top-k", "key B/entry", "step plan µs", "scores µs", "scores + top-k µs",
-                  "rel err vs bf16 rows", "top-k == torch.topk"], rows, left=(1, 2))
+    if record is not None:
+        record(printed_rows("bench/indexer", HEADERS, rows, keys=3, unit=None) + scores_top_k(rows))
+    return table(HEADERS, rows, left=(1, 2))

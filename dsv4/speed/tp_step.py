@@ -15,6 +15,7 @@ import torch
 
 from dsv4.speed.cases import SERVING_STEP
 from dsv4.reports.report import table
+from dsv4.speed.rows import printed_rows
 
 STEPS, KEPT = 8, 6              # decode steps timed, of which the last KEPT count
 
@@ -59,10 +60,11 @@ def step_times(job, ranks, step=SERVING_STEP) -> tuple[dict[int, tuple[float, fl
     return med, memory
 
 
-def bench_tp_step(job, ranks, step=SERVING_STEP) -> str | None:
+def bench_tp_step(job, ranks, step=SERVING_STEP, *, record=None) -> str | None:
     """Under torchrun: the job's combination as tp_size processes (all-reduce over the group), then the
     same combination in one process at tp_size=1 (rank 0 alone, after the others have finished). Rank 0
-    returns the table; every rank's memory is in it (the largest of the ranks)."""
+    returns the table; every rank's memory is in it (the largest of the ranks). Rank 0 hands the rows to
+    `record` (dsv4/speed/rows.py)."""
     from dsv4.app.parallel import Ranks
 
     tp, mem = step_times(job, ranks, step)
@@ -75,11 +77,18 @@ def bench_tp_step(job, ranks, step=SERVING_STEP) -> str | None:
         return max(m[key] for m in ms) / 2**20
 
     n = ranks.world_size
+    headers = ["layer", "tp_size=1 µs/step", f"tp_size={n} µs/step", "of which all-reduce µs", "all-reduce share",
+               "speed-up"]
     rows = [[job.spec.layer_type(layer), f"{one[layer][0]:.1f}", f"{t:.1f}", f"{a:.1f}", f"{a / t:.1%}",
              f"{one[layer][0] / t:.2f}"] for layer, (t, a) in tp.items()]
-    rows.append(["memory per rank (MiB)", "", "", "", "", ""])
     peak = f"peak ({mem[0]['peak_of']})"
-    for key, name in (("weight_bytes", "weights"), ("kv_pool_bytes", "KV pools"), ("peak_bytes", peak)):
-        rows.append([f"  {name}", f"{mib(mem1, key):.0f}", f"{mib(mem, key):.0f}", "", "", ""])
-    return table(["layer", "tp_size=1 µs/step", f"tp_size={n} µs/step", "of which all-reduce µs",
-                  "all-reduce share", "speed-up"], rows, left=(0,))
+    memory = [[name, f"{mib(mem1, key):.0f}", f"{mib(mem, key):.0f}"]
+              for key, name in (("weight_bytes", "weights"), ("kv_pool_bytes", "KV pools"), ("peak_bytes", peak))]
+    if record is not None:
+        given = {"step": f"{step[0]}x{step[1]}@{step[2]}"}
+        record(printed_rows("bench/tp_step", headers, rows, keys=1, unit=None, given=given)
+               + printed_rows("bench/tp_step/memory", ["memory per rank", "tp_size=1", f"tp_size={n}"], memory,
+                              keys=1, unit="MiB", given=given))
+    rows.append(["memory per rank (MiB)", "", "", "", "", ""])
+    rows += [[f"  {name}", one_rank, n_ranks, "", "", ""] for name, one_rank, n_ranks in memory]
+    return table(headers, rows, left=(0,))

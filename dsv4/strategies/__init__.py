@@ -1,5 +1,6 @@
 """Strategy options, one folder per group and one module per option (configs/<group>/ names them); the
-Protocols in protocols.py. The classes are importable from here, where the YAML files' `_target_` names them."""
+Protocols in protocols.py, an option of each group together in choice.py (`Strategies`). The classes are
+importable from here, where the YAML files' `_target_` names them."""
 from dsv4.strategies.cache_layout.fp8_ds_mla import Fp8DsMlaLayout
 from dsv4.strategies.cache_layout.fp8_ds_mla_fnuz import Fp8DsMlaFnuzLayout
 from dsv4.strategies.cache_layout.fp8_per_tensor import Fp8PerTensorLayout
@@ -31,6 +32,7 @@ from dsv4.strategies.o_proj.rocm_bf16 import RocmBf16OProj
 from dsv4.strategies.o_proj.torch_fp8 import TorchFp8OProj
 from dsv4.strategies.o_proj.triton_fp8 import TritonFp8OProj
 from dsv4.values.seam import SparseKV
+from dsv4.strategies.choice import Strategies
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, IndexerStrategy, LinearStrategy, LinearWeight,
                                        MQAKernelStrategy, Needs, OProjStrategy, OProjWeights, TopKStrategy)
 
@@ -41,11 +43,12 @@ __all__ = ["AiterSparseMQA", "BucketHeadPadding", "CacheLayout", "DeepGemmFp8Ind
            "HeadPaddingPolicy", "IndexerStrategy", "LinearStrategy", "LinearWeight", "MQAKernelStrategy",
            "Mxfp4Indexer", "Mxfp4KeyLayout", "Needs", "NoHeadPadding", "OProjStrategy", "OProjWeights",
            "PlainRowLayout", "ReferenceLinear", "ReferenceMQA", "ReferenceOProj", "RocmBf16OProj", "SparseKV",
-           "TopKStrategy", "TorchFp8Linear", "TorchFp8OProj", "TritonFp8Indexer", "TritonFp8Linear",
+           "Strategies", "TopKStrategy", "TorchFp8Linear", "TorchFp8OProj", "TritonFp8Indexer", "TritonFp8Linear",
            "TritonFp8OProj", "TritonSparseMQA", "TritonTopK", "indexer_keys_layout"]
 
 
-def indexer_keys_layout(indexer: IndexerStrategy, *, dtype: str, head_dim: int) -> CacheLayout:
+def indexer_keys_layout(indexer: IndexerStrategy | None, *, dtype: str, head_dim: int) -> CacheLayout:
     """How `indexer` stores its keys for activations of `dtype`: its record layout, or plain rows in that
-    dtype where it keeps no record of its own (its `key_layout` gives None)."""
-    return indexer.key_layout(dtype=dtype, head_dim=head_dim) or PlainRowLayout(name=dtype, dtype=dtype)
+    dtype where it keeps no record of its own (its `key_layout` gives None, or no indexer is named)."""
+    keys = None if indexer is None else indexer.key_layout(dtype=dtype, head_dim=head_dim)
+    return keys or PlainRowLayout(name=dtype, dtype=dtype)

@@ -208,6 +208,7 @@ class RunSettings:
     weights: str = one_of(WEIGHTS, "random")
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     sweep_dir: str | None = None         # mode=summarize: +sweep_dir=PATH
+    bench_rows: str | None = None        # mode=bench: +bench_rows=PATH, the folder its stamped rows go to
     overlap: bool = True                 # on a GPU, the compressors on a side stream beside the query path
     batch_invariant: bool = False        # a request's results bit for bit independent of the rest of its steps
 

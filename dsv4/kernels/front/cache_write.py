@@ -25,19 +25,20 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from dsv4.formats.row_format import RowCode
 from dsv4.kernels.indexer.hadamard_fp4 import fp4_record
-from dsv4.kernels.launch import as_i32, launch
+from dsv4.kernels.launch import CompileCase, as_i32, launch
 from dsv4.kernels.rounding import SOFT_ROUND, round_to, widen
 from dsv4.values.sizes import cdiv, next_pow2
 
 NOPE_DIMS, ROPE_DIMS = 448, 64
 NOPE, TILE = tl.constexpr(NOPE_DIMS), tl.constexpr(64)                        # e4m3 dims, dims per scale
 DATA_BYTES, SCALE_BYTES = tl.constexpr(576), tl.constexpr(8)                 # a record's two regions
-# RowStore kinds: how a kernel that makes rows stores them itself
-FP8_DS_MLA, FP8_DS_MLA_FNUZ, PLAIN_ROWS, FP4_RECORD = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3), tl.constexpr(4)
-FP8_KEY_RECORD = tl.constexpr(5)
-STORE_KINDS = {FP8_DS_MLA.value: "fp8_ds_mla", FP8_DS_MLA_FNUZ.value: "fp8_ds_mla_fnuz", PLAIN_ROWS.value: "plain",
-               FP4_RECORD.value: "mxfp4", FP8_KEY_RECORD.value: "fp8 keys"}
+# how a kernel that makes rows stores them itself (its KIND: the cache's RowFormat.code), as constexprs: rows
+# handed back (no cache), plain rows, FP4 and fp8 key records; any other code, an fp8_ds_mla record
+NO_CACHE, PLAIN_ROWS = tl.constexpr(RowCode.NONE.value), tl.constexpr(RowCode.PLAIN.value)
+FP4_RECORD, FP8_KEY_RECORD = tl.constexpr(RowCode.MXFP4.value), tl.constexpr(RowCode.FP8_KEY.value)
+FNUZ_RECORD = tl.constexpr(RowCode.FP8_DS_MLA_FNUZ.value)
 
 
 @triton.jit
@@ -137,7 +138,7 @@ def store_row(y, slot, ok, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, 
             fp8_key_record(y, slot, cache_ptr, page_stride, BS, D, SOFT)
         else:
             fp8_ds_mla_record(tl.reshape(y, [8, TILE]), slot, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride,
-                              BS, KIND == FP8_DS_MLA_FNUZ, SOFT)
+                              BS, KIND == FNUZ_RECORD, SOFT)
 
 
 @triton.jit
@@ -208,7 +209,7 @@ class RowStore:
     """A cache as our row-making kernels (the SWA rows, the compressors' entries) store into it directly,
     with no row tensor in between: the kind of record and the views of its storage they write through.
     Made once per cache (PagedCache) by its layout's `kernel_store`."""
-    kind: int                  # a STORE_KINDS key
+    kind: int                  # the cache's RowFormat.code (a RowCode)
     block_size: int
     data: Any                  # uint8 pages (fp8 and FP4 kinds) or the plain [pages, B, D] rows
     bf16: Any                  # fp8 kinds: the pages as bf16 (the RoPE dims); otherwise `data`
@@ -225,13 +226,14 @@ class RowStore:
 def fp8_ds_mla_store(pages, block_size: int, *, fnuz: bool = False) -> RowStore:
     import torch
 
-    return RowStore(kind=(FP8_DS_MLA_FNUZ if fnuz else FP8_DS_MLA).value, block_size=block_size, data=pages,
+    code = RowCode.FP8_DS_MLA_FNUZ if fnuz else RowCode.FP8_DS_MLA
+    return RowStore(kind=code.value, block_size=block_size, data=pages,
                     bf16=pages.view(torch.bfloat16), words=pages.view(torch.int64), page_stride=pages.shape[1],
                     num_slots=pages.shape[0] * block_size, dim=NOPE_DIMS + ROPE_DIMS)
 
 
 def plain_rows_store(cache, block_size: int) -> RowStore:
-    return RowStore(kind=PLAIN_ROWS.value, block_size=block_size, data=cache, bf16=cache, words=cache, page_stride=0,
+    return RowStore(kind=RowCode.PLAIN.value, block_size=block_size, data=cache, bf16=cache, words=cache, page_stride=0,
                     num_slots=cache.numel() // cache.shape[-1], dim=cache.shape[-1])
 
 
@@ -242,11 +244,11 @@ def _key_records(kind: int, pages, block_size: int, dim: int) -> RowStore:
 
 
 def fp4_record_store(pages, block_size: int, dim: int) -> RowStore:
-    return _key_records(FP4_RECORD.value, pages, block_size, dim)
+    return _key_records(RowCode.MXFP4.value, pages, block_size, dim)
 
 
 def fp8_key_store(pages, block_size: int, dim: int) -> RowStore:
-    return _key_records(FP8_KEY_RECORD.value, pages, block_size, dim)
+    return _key_records(RowCode.FP8_KEY.value, pages, block_size, dim)
 
 
 def check_store(into, dim: int, *, fp4: bool = False) -> None:
@@ -255,8 +257,9 @@ def check_store(into, dim: int, *, fp4: bool = False) -> None:
     if into is None:
         return
     if dim != into.dim:
-        raise ValueError(f"a cache of {into.dim}-value rows ({STORE_KINDS[into.kind]}) cannot store rows of {dim}")
-    if into.kind == FP4_RECORD.value and not fp4:
+        raise ValueError(f"a cache of {into.dim}-value rows ({RowCode(into.kind).name.lower()}) cannot store rows "
+                         f"of {dim}")
+    if into.kind == RowCode.MXFP4 and not fp4:
         raise ValueError("an mxfp4 key cache stores FP4-simulated rows only (the indexer's fp4 numerics)")
 
 
@@ -275,4 +278,27 @@ def row_outputs(who: str, into, faults, fault_row: int, T: int, D: int, device, 
         return None, None, (faults, faults, *into.args()), into.kind, into.block_size
     rows = torch.empty(T, D, dtype=torch.float32, device=device)
     store = torch.empty(T, dtype=torch.int32, device=device)
-    return rows, store, (rows, store, rows, rows, rows, 0, 0), 0, 1
+    return rows, store, (rows, store, rows, rows, rows, 0, 0), RowCode.NONE.value, 1
+
+
+# a row-making kernel's KIND with the types of the cache pointers it passes (cache_ptr, cache_bf_ptr,
+# cache_w64_ptr), for the compile cases of the kernels that call `store_row`: rows handed back (float32),
+# fp8_ds_mla records (OCP, FNUZ), plain bf16 rows, FP4 and fp8 key records
+_RECORD_VIEWS = ("*u8", "*bf16", "*i64")
+STORE_POINTERS = tuple((code.value, dict(zip(("cache_ptr", "cache_bf_ptr", "cache_w64_ptr"), views)))
+                       for code, views in ((RowCode.NONE, ("*fp32",) * 3), (RowCode.FP8_DS_MLA, _RECORD_VIEWS),
+                                           (RowCode.FP8_DS_MLA_FNUZ, _RECORD_VIEWS), (RowCode.PLAIN, ("*bf16",) * 3),
+                                           (RowCode.MXFP4, ("*u8",) * 3), (RowCode.FP8_KEY, ("*u8",) * 3)))
+
+
+def compile_cases(gpu) -> list[CompileCase]:
+    """The cache writers as their wrappers launch them (`gpu` is not read): fp8_ds_mla records from bf16 rows
+    (OCP bytes on pages of 64, FNUZ on pages of 3), plain float32 and bf16 rows."""
+    pages = {"rows_ptr": "*bf16", "slot_ptr": "*i32", "u8_ptr": "*u8", "bf_ptr": "*bf16", "w64_ptr": "*i64"}
+    cases = [CompileCase(kernel=_fp8_ds_mla_kernel, constexprs=dict(BS=bs, FNUZ=fnuz, SOFT=False), pointers=pages,
+                         divisible=frozenset({"row_stride", "page_stride"}), num_warps=2)
+             for bs, fnuz in ((64, False), (3, True))]
+    return cases + [CompileCase(kernel=_write_rows_kernel, constexprs=dict(BLOCK=512, SOFT=False),
+                                pointers={"rows_ptr": "*fp32", "slot_ptr": "*i32", "cache_ptr": name},
+                                divisible=frozenset({"row_stride", "D"}))
+                    for name in ("*fp32", "*bf16")]

@@ -22,10 +22,11 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch, rows_dense
+from dsv4.formats.row_format import RowCode
+from dsv4.kernels.launch import CompileCase, as_dense, as_f32, as_i32, launch, rows_dense
 from dsv4.values.layer_types import LAYER_TYPES
 from dsv4.values.sizes import next_pow2
-from dsv4.kernels.front.cache_write import row_outputs, store_row
+from dsv4.kernels.front.cache_write import NO_CACHE, STORE_POINTERS, row_outputs, store_row
 from dsv4.kernels.indexer.hadamard_fp4 import FP4_MAX_DIM, fp4_sim
 from dsv4.kernels.front.layer_front import ROPE, ROPE_DIM, _rotate
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, TL_DTYPES, round_to, widen
@@ -116,14 +117,14 @@ def _compress_rows(t, sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, po
         bad = tl.min(finite.to(tl.int32), 0) == 0
         if FP4:                       # after the check, as the torch path (its max would drop a NaN)
             y = tl.reshape(fp4_sim(tl.reshape(y, [1, D]), 1, D, SOFT), [D])
-        if KIND == 0:                                          # the entry and its slot, for the layout's write
+        if KIND == NO_CACHE:                                   # the entry and its slot, for the layout's write
             tl.store(out_ptr + t.to(tl.int64) * D + dims, y)
             tl.store(store_ptr + t, tl.where(bad, -1, close))
         else:                                                  # stored here (RowStore)
             store_row(y, close, ~bad, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D, BS, KIND, SOFT)
         tl.store(faults_ptr + fault_row * T + t, bad)
     else:
-        if KIND == 0:
+        if KIND == NO_CACHE:
             tl.store(out_ptr + t.to(tl.int64) * D + dims, tl.zeros([D], tl.float32))
             tl.store(store_ptr + t, -1)
         tl.store(faults_ptr + fault_row * T + t, False)
@@ -230,3 +231,41 @@ def compress_kernels(jobs, cos, sin, positions, step_start, token_request, keep_
                KIND2=const2[2], BS2=const2[3], FP4=const[4], FP4_2=const2[4], JOBS=len(jobs),
                DTYPE=TL_DTYPES[str(dtype)] if dtype is not None else tl.float32, num_warps=num_warps)
     return results
+
+
+def _job_case(n: str, dim: int, coff: int, kind: int, cache: dict) -> tuple[dict, dict]:
+    """One compressor's constexprs and pointer types in the compress kernel (n: '' for the first, '2')."""
+    ptrs = {f"{k}{n}_ptr": "*fp32" for k in ("sc", "ape", "norm", "st", "out")}
+    ptrs |= {f"store{n}_ptr": "*i32", **{k.replace("cache", f"cache{n}"): v for k, v in cache.items()}}
+    return {f"D{n}": dim, f"BLOCK{n}": min(1024, 2 * coff * dim), f"KIND{n}": kind, f"BS{n}": 64}, ptrs
+
+
+def compile_cases(gpu) -> list[CompileCase]:
+    """The compress kernel as compress_kernels launches it (`gpu` is not read): ratios 4 (head_dim 512 and the
+    indexer's 128) and 128; entries handed back, stored as fp8_ds_mla records (OCP, FNUZ) or plain rows, the
+    indexer's keys also as mxfp4 and fp8 records (FP4 numerics); one compressor a launch, or a layer's and its
+    indexer's; bf16 activations (the first case also float32)."""
+    stores = dict(STORE_POINTERS)
+    main = [(k.value, stores[k]) for k in (RowCode.NONE, RowCode.FP8_DS_MLA, RowCode.FP8_DS_MLA_FNUZ)]
+    # the indexer's keys: plain rows (exact or fp4_sim numerics), mxfp4 or fp8 records (FP4 numerics)
+    plain = [(k.value, stores[k]) for k in (RowCode.NONE, RowCode.PLAIN)]
+    keys = [(k, c, False) for k, c in plain] + [(k, c, True) for k, c in plain[1:]]
+    keys += [(k.value, stores[k], True) for k in (RowCode.MXFP4, RowCode.FP8_KEY)]
+    pairs = [((4, 512, k, c, False), None) for k, c in main[:2]]
+    pairs += [((4, 128, k, c, fp4), None) for k, c, fp4 in keys]
+    pairs += [((128, 512, k, c, False), None) for k, c in main]
+    pairs += [((4, 512, k, c, False), (128, k2, c2, fp4)) for k, c in main[1:2] for k2, c2, fp4 in keys]
+    common = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32", "start_ptr": "*i32", "req_ptr": "*i64",
+              "keep_ptr": "*i32", "close_ptr": "*i32", "pages_ptr": "*i32", "faults_ptr": "*i1"}
+    cases = []
+    for i, ((ratio, dim, kind, cache, fp4), second) in enumerate(pairs):
+        coff = RATIOS[ratio]
+        const, ptrs = _job_case("", dim, coff, kind, cache)
+        dim2, kind2, cache2, fp4_2 = (dim, kind, cache, fp4) if second is None else second
+        const2, ptrs2 = _job_case("2", dim2, coff, kind2, cache2)
+        for dt in (tl.bfloat16, tl.float32) if i == 0 else (tl.bfloat16,):
+            cases.append(CompileCase(kernel=_compress_kernel, constexprs=dict(
+                R=ratio, COFF=coff, SB=64, RB=ROWS_PER_CHUNK, SOFT=False, JOBS=1 if second is None else 2, FP4=fp4,
+                FP4_2=fp4_2, DTYPE=dt, **const, **const2), pointers={**common, **ptrs, **ptrs2},
+                floats=frozenset({"eps"}), divisible=frozenset({"sc_stride", "sc2_stride"})))
+    return cases

@@ -25,10 +25,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.front.cache_write import fp8_heads, row_outputs, store_row
+from dsv4.kernels.front.cache_write import NO_CACHE, STORE_POINTERS, fp8_heads, row_outputs, store_row
 from dsv4.kernels.indexer.hadamard_fp4 import FP4_MAX_DIM, fp4_sim
 from dsv4.kernels.products.fp8_linear import quantize_rows
-from dsv4.kernels.launch import as_f32, as_i32, launch, rows_dense
+from dsv4.formats.row_format import RowCode
+from dsv4.kernels.launch import CompileCase, as_f32, as_i32, launch, rows_dense
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, TL_DTYPES, round_to, widen
 from dsv4.values.sizes import cdiv, next_pow2
 
@@ -91,7 +92,8 @@ def _q_part(t, hb, q_ptr, q_stride, cos_ptr, sin_ptr, out_ptr, H, PH, eps, D: tl
 def _kv_part(t, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, store_ptr, faults_ptr, T, eps,
              cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots, D: tl.constexpr, DTYPE: tl.constexpr,
              FAULT_ROWS: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr, SOFT: tl.constexpr):
-    """Token t's KV row: RMSNorm with its weight, RoPE; stored (KIND > 0) or returned with its slot."""
+    """Token t's KV row: RMSNorm with its weight, RoPE; stored (KIND: its cache's row code) or returned with
+    its slot (KIND == NO_CACHE)."""
     dims = tl.arange(0, D)
     x = tl.load(kv_ptr + t.to(tl.int64) * kv_stride + dims)
     if x.dtype != DTYPE:                                             # a wider product's output: round as the
@@ -107,7 +109,7 @@ def _kv_part(t, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, s
     finite = (y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < BF16_INF_FROM     # finite once rounded to bf16
     bad = tl.min(finite.to(tl.int32), 0) == 0
     slot = tl.load(slot_ptr + t)
-    if KIND == 0:                                                    # the rows and their slots, for `write`
+    if KIND == NO_CACHE:                                             # the rows and their slots, for `write`
         tl.store(out_ptr + t.to(tl.int64) * D + dims, y)
         tl.store(store_ptr + t, tl.where(bad, -1, slot))
     else:                                                            # stored here (RowStore)
@@ -341,3 +343,36 @@ def rotate_rows_kernel(x, cos, sin, *, dtype=None, heads_per_program: int = 8, n
         launch(_rotate_rows_kernel, (T, cdiv(H, bh)), as_f32(x), as_f32(cos), as_f32(sin), out, H, D=D,
                BH=bh, SOFT=SOFT_ROUND, num_warps=num_warps)
     return out
+
+
+def compile_cases(gpu) -> list[CompileCase]:
+    """The front, q_lora norm and rotation kernels as their wrappers launch them (`gpu` is not read): bf16 and
+    float32 activations, the SWA projection's output in them or in float32, 64 heads of 512 dims and the
+    indexer's 8 of 128; rows handed back, or stored as fp8_ds_mla records (OCP, with the fp8 indexers' e4m3
+    queries; FNUZ) or plain bf16 rows (with the FP4 numerics on the indexer's queries); the norm's rows as they
+    are or as an fp8 linear reads them."""
+    cases = []
+    rope = {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    for dt, name in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
+        for kv in {name, "*fp32"}:                       # the SWA projection's output, or the float32 one
+            for kind, cache in STORE_POINTERS[:4]:
+                fp8 = kind == RowCode.FP8_DS_MLA
+                cases.append(CompileCase(
+                    kernel=_front_kernel, constexprs=dict(D=512, BH=4, NQB=16, DI=128, BHI=8, NIB=8, DTYPE=dt,
+                                                          FP4=kind == RowCode.PLAIN or fp8, FP8=fp8, FAULT_ROWS=3,
+                                                          KIND=kind, BS=64, SOFT=False),
+                    pointers={**rope, **cache, "q_ptr": name, "qo_ptr": name, "iq_ptr": name,
+                              "iqo_ptr": "*u8" if fp8 else name, "iw_ptr": "*fp32", "iwq_ptr": "*fp32", "kv_ptr": kv,
+                              "w_ptr": "*fp32", "slot_ptr": "*i32", "out_ptr": "*fp32", "store_ptr": "*i32",
+                              "faults_ptr": "*i1"},
+                    floats=frozenset({"eps", "iw_scale"}), divisible=frozenset({"kv_stride", "H", "PH", "HI",
+                                                                                "iw_stride"})))
+            for fp8 in (False, True):                     # the rows, or as an fp8 linear reads them
+                cases.append(CompileCase(
+                    kernel=_norm_rows_kernel, constexprs=dict(BLOCK=1024, SOFT=False, FP8=fp8),
+                    pointers={"x_ptr": kv, "w_ptr": "*fp32", "out_ptr": name, "q_ptr": "*fp8e4nv" if fp8 else name,
+                              "s_ptr": "*fp32" if fp8 else name},
+                    floats=frozenset({"eps"}), divisible=frozenset({"x_stride", "N", "s_row", "s_col"})))
+        cases.append(CompileCase(kernel=_rotate_rows_kernel, constexprs=dict(D=128, BH=8, SOFT=False),
+                                 pointers={**rope, "x_ptr": "*fp32", "out_ptr": name}, divisible=frozenset({"H"})))
+    return cases

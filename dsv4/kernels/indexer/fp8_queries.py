@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.front.cache_write import fp8_heads
-from dsv4.kernels.launch import as_dense, launch, rows_dense
+from dsv4.kernels.launch import CompileCase, as_dense, launch, rows_dense
 from dsv4.values.sizes import next_pow2
 
 
@@ -37,3 +37,11 @@ def fp8_queries_kernel(q, w, w_scale: float):
         launch(_fp8_queries_kernel, (T,), as_dense(q), w, w.stride(0), w_scale, q8, wq, H, D, HP=next_pow2(H),
                DP=next_pow2(D))
     return q8.view(torch.float8_e4m3fn), wq
+
+
+def compile_cases(gpu) -> list[CompileCase]:
+    """The fp8 indexers' queries (64 heads of 128 dims) from bf16 and float32 ones (`gpu` is not read)."""
+    return [CompileCase(kernel=_fp8_queries_kernel, constexprs=dict(HP=64, DP=128),
+                        pointers={"q_ptr": name, "w_ptr": "*fp32", "q8_ptr": "*u8", "wq_ptr": "*fp32"},
+                        floats=frozenset({"w_scale"}), divisible=frozenset({"H", "D"}))
+            for name in ("*bf16", "*fp32")]

@@ -39,13 +39,15 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from dsv4.formats.row_format import FP8_KEYS, MXFP4_KEYS
-from dsv4.kernels.launch import as_dense, as_i32, launch, rows_dense
-from dsv4.kernels.target import Target, arch_at_least, target_of
+from dsv4.formats.row_format import FP8_KEYS, MXFP4_KEYS, RowCode
+from dsv4.kernels.launch import CompileCase, as_dense, as_i32, launch, rows_dense
+from dsv4.kernels.target import E4M3_SM, Target, arch_at_least, target_of
 from dsv4.values.sizes import cdiv, next_pow2
 
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
-RECORDS = {MXFP4_KEYS: 1, FP8_KEYS: 2}   # uint8 key pages: RECORD by the layout's row_format
+RECORDS = (MXFP4_KEYS, FP8_KEYS)          # uint8 key pages: RECORD is the layout's row_format.code
+# the row codes the kernel branches on: plain float32 or bf16 keys, fp8 records (the other: FP4 records)
+PLAIN, FP8_RECORD = tl.constexpr(RowCode.PLAIN.value), tl.constexpr(RowCode.FP8_KEY.value)
 TOKENS_PER_PROGRAM = 2          # TG: a decode request's two tokens (MTP) share each key block
 
 
@@ -98,9 +100,10 @@ def _operand(x, PREC: tl.constexpr):
 def _key_scores(q_hi, q_lo, wv, k_ptr, pages_ptr, req, P, n_slots, cols, limit, DI, BS: tl.constexpr,
                 TG: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, PREC: tl.constexpr, RECORD: tl.constexpr):
     """Σ_h w·ReLU(q·k) -> [BN, TG] for the entries `cols` of request `req`, their keys 0 at or past `limit`,
-    without a page (as the torch path reads them: zero rows) and for dims past DI. RECORD 0: plain rows in
-    the keys' dtype; 1: FP4 records, decoded to bf16 (exactly, for FP4-simulated keys); 2: fp8 records
-    (both: dsv4/strategies/indexer/key_layouts.py), their e4m3 bytes the operand of an e4m3 product
+    without a page (as the torch path reads them: zero rows) and for dims past DI. RECORD (the keys' row
+    code) PLAIN: rows in the keys' dtype; MXFP4: FP4 records, decoded to bf16 (exactly, for FP4-simulated
+    keys); FP8_KEY: fp8 records (both: dsv4/strategies/indexer/key_layouts.py), their e4m3 bytes the operand of
+    an e4m3 product
     (PREC "fp8") or decoded, their scale applied to the head sums (s·Σ_h w·ReLU(x) = Σ_h w·ReLU(s·x) for a
     power of two s > 0, exactly)."""
     BN: tl.constexpr = cols.shape[0]
@@ -112,10 +115,10 @@ def _key_scores(q_hi, q_lo, wv, k_ptr, pages_ptr, req, P, n_slots, cols, limit, 
     ok = ok & (page >= 0) & (slot < n_slots)
     d = tl.arange(0, DP)
     m = ok[:, None] & (d < DI)[None, :]
-    if RECORD == 0:
+    if RECORD == PLAIN:
         keys = tl.load(k_ptr + slot[:, None] * DI + d[None, :], mask=m, other=0.0)
         return _head_sum(_dot(_operand(keys, PREC), q_hi, q_lo, PREC), wv, TG, HP, BN)
-    elif RECORD == 2:
+    elif RECORD == FP8_RECORD:
         # page p: its keys' DI e4m3 bytes each, then their float32 scales (4 bytes each, little-endian)
         base = page.to(tl.int64) * (BS * (DI + 4))
         byte = tl.load(k_ptr + (base + t * DI)[:, None] + d[None, :], mask=m, other=0)
@@ -283,19 +286,20 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
         q = q.flatten(1, 2)
     T, H, DI = q.shape
     data = keys.data
-    record = RECORDS.get(keys.layout.row_format, 0) if data.dtype == torch.uint8 else 0
+    rows = keys.layout.row_format
+    record = rows.code if data.dtype == torch.uint8 and rows in RECORDS else RowCode.PLAIN.value
     if data.dtype == torch.uint8:
-        per_key = DI // 2 + DI // 32 if record == 1 else DI + 4
-        if not record or DI % 64 or data.dim() != 2 or data.shape[1] != keys.block_size * per_key:
+        per_key = DI // 2 + DI // 32 if record == RowCode.MXFP4 else DI + 4
+        if record == RowCode.PLAIN or DI % 64 or data.dim() != 2 or data.shape[1] != keys.block_size * per_key:
             raise ValueError(f"indexer_logits: key pages {tuple(data.shape)} ({keys.layout.row_format.label}) do not "
                              f"hold {keys.block_size} FP4 or fp8 records of {DI} dims (a multiple of 64)")
     elif data.dtype not in (torch.float32, torch.bfloat16) or data.shape[-1] != DI:
         raise ValueError(f"indexer_logits reads float32 or bf16 keys of {DI} dims or FP4 or fp8 records, not "
                          f"{data.dtype} [{data.shape[-1]}]")
-    if e4m3 and record != RECORDS[FP8_KEYS]:
+    if e4m3 and record != RowCode.FP8_KEY:
         raise ValueError(f"indexer_logits: e4m3 queries are scored against fp8 records, not "
                          f"{keys.layout.row_format.label} keys")
-    key_dtype = torch.bfloat16 if record else data.dtype    # the dtype the queries are rounded to
+    key_dtype = torch.bfloat16 if record != RowCode.PLAIN else data.dtype    # the dtype the queries are rounded to
     out = torch.empty(T, width, dtype=torch.float32, device=q.device)
     if not T or not width:
         return out
@@ -327,3 +331,29 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
            PREC=precision, STAGES=stages, RECORD=record, Q_E4M3=e4m3,
            num_warps=num_warps, num_stages=1)
     return out
+
+
+def compile_cases(gpu) -> list[CompileCase]:
+    """The scoring kernel as indexer_logits launches it on `gpu` (Triton's GPUTarget), 64 heads of 128 dims on
+    pages of 64 entries: the planned decode and prefill shapes over plain rows (float32 keys at the backend's
+    float32-accurate product), and bf16's over FP4 records (bf16 queries) and fp8 records (e4m3 queries: an
+    e4m3 product where the target has one, else decoded to bf16); pipelined stages on sm90+."""
+    nvidia = gpu.backend == "cuda"
+    fp8 = "fp8" if nvidia and gpu.arch >= E4M3_SM else "bf16"
+    shapes = [(dtype, plan, RowCode.PLAIN.value, INPUT_PRECISION[gpu.backend] if dtype == "float32" else "bf16")
+              for (dtype, _size), plan in LAUNCH.items()]
+    shapes += [(rows.label, plan, rows.code, "bf16" if rows is MXFP4_KEYS else fp8)
+               for (dtype, _size), plan in LAUNCH.items() if dtype == "bfloat16" for rows in RECORDS]
+    cases = []
+    for dtype, plan, record, prec in shapes:
+        e4m3 = dtype == FP8_KEYS.label
+        name = {"float32": "*fp32"}.get(dtype, "*u8" if e4m3 else "*bf16")
+        cases.append(CompileCase(
+            kernel=_indexer_kernel, constexprs=dict(BS=64, TG=TOKENS_PER_PROGRAM, HP=64, DP=128, BN=plan.block_n,
+                                                    NBLK=plan.blocks, PREC=prec, RECORD=record, Q_E4M3=e4m3,
+                                                    STAGES=plan.stages if nvidia and gpu.arch >= 90 else 1),
+            pointers={"q_ptr": name, "w_ptr": "*fp32", "k_ptr": "*u8" if record != RowCode.PLAIN else name,
+                      "pages_ptr": "*i32", "req_ptr": "*i64", "cnt_ptr": "*i32", "out_ptr": "*fp32"},
+            floats=frozenset({"w_scale"}), divisible=frozenset({"H", "DI", "width", "w_stride"}),
+            num_warps=plan.num_warps))
+    return cases

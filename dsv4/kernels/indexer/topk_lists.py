@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_i32, launch, rows_dense
+from dsv4.kernels.launch import CompileCase, as_i32, launch, rows_dense
 from dsv4.values.sizes import cdiv, next_pow2
 
 # H200, 128 rows (64 requests x 2 tokens) of 2,048, 16,384 and 32,768 columns, K = 512 (bench/tune_indexer.py)
@@ -319,3 +319,17 @@ def topk_lists(scores, counts, pages, token_request, *, topk: int, block_size: i
                ncand if stride else buf, topk, block_size, BLOCK=block, RADIX=radix, KP=next_pow2(max(topk, 16)),
                CAP=cap, SAMPLE=sample, NW=nw, CW=cw, num_warps=nw)
     return local, slots, lens
+
+
+def compile_cases(gpu) -> list[CompileCase]:
+    """The top-k lists at both warp counts (K = 512), and the page lookup of a selection made elsewhere
+    (`gpu` is not read)."""
+    lists = {"local_ptr": "*i32", "pages_ptr": "*i32", "req_ptr": "*i64", "slots_ptr": "*i32", "lens_ptr": "*i32"}
+    cases = [CompileCase(kernel=_topk_lists_kernel, constexprs=dict(BLOCK=BLOCK, RADIX=RADIX, KP=512, CAP=MIN_CAP,
+                                                                    SAMPLE=SAMPLE, NW=nw, CW=WARP_COLS),
+                         pointers={**lists, "scores_ptr": "*fp32", "cnt_ptr": "*i32", "cand_ptr": "*i32",
+                                   "ncand_ptr": "*i32"},
+                         divisible=frozenset({"width", "pages_stride", "cand_stride"}), num_warps=nw)
+             for nw in (NARROW_WARPS, NUM_WARPS)]
+    return cases + [CompileCase(kernel=_slot_lists_kernel, constexprs=dict(KP=512), pointers=lists,
+                                divisible=frozenset({"pages_stride", "K"}))]

@@ -38,24 +38,28 @@ the interpreter's bf16 `tl.dot` returns garbage (Triton 3.6-3.9 with NumPy 2), i
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import triton
 import triton.language as tl
 
-from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
-from dsv4.kernels.launch import as_dense, as_f32, as_i32, launch
-from dsv4.kernels.mqa.sparse_plan import (FIXED_LAUNCH, FIXED_SPLITS, FIXED_WORKSPACE_BYTES, fixed_inline, hopper_group,
-                                     hopper_splits, plan_kernel, plan_launch)
+from dsv4.formats.row_format import RowCode
+from dsv4.kernels.launch import CompileCase, as_dense, as_f32, as_i32, launch
+from dsv4.kernels.mqa.sparse_plan import (FIXED_LAUNCH, FIXED_SPLITS, FIXED_WORKSPACE_BYTES, READS, HopperLaunch,
+                                          TwoPassLaunch, fixed_inline, hopper_group, hopper_splits, plan_kernel,
+                                          plan_launch)
 from dsv4.kernels.mqa.split_combine import finish
-from dsv4.kernels.target import Target, target_of
+from dsv4.kernels.target import E4M3_SM, Target, target_of
 from dsv4.values.sizes import cdiv
+
+if TYPE_CHECKING:
+    from dsv4.values.seam import SparseKV
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)      # the same, inside kernels
-# the kernels' code for each row format they read (a cache layout's row_format): bf16 rows, fp8_ds_mla
-# records with OCP or FNUZ e4m3 NoPE bytes
-LAYOUT_CODES = {BF16_ROWS: 0, FP8_DS_MLA: 1, FP8_DS_MLA_FNUZ: 2}
+# the row codes (RowFormat.code) the kernels branch on: bf16 rows, fp8_ds_mla records with OCP e4m3 NoPE bytes
+# (the other they read: FNUZ bytes)
+PLAIN, OCP = tl.constexpr(RowCode.PLAIN.value), tl.constexpr(RowCode.FP8_DS_MLA.value)
 WORKSPACE_BYTES = 1 << 28      # the bf16 p workspace of one launch; longer steps run in token chunks
 ML_BLOCKS = 32                 # list blocks whose maxima and sums the P·V pass combines at a time
 
@@ -65,7 +69,7 @@ def _rows(slots, ok, BS: tl.constexpr, page_stride, LAYOUT: tl.constexpr, D: tl.
     """Per row at `slots` [BN]: its offset (elements of a bf16 pool, bytes of an fp8_ds_mla record) and the
     byte offset of its 8 scale bytes (fp8_ds_mla; 0 for bf16 rows), which `_gather` loads as one int64."""
     slot = tl.where(ok, slots, 0)
-    if LAYOUT == 0:
+    if LAYOUT == PLAIN:
         return slot.to(tl.int64) * D, tl.zeros_like(slot).to(tl.int64)
     page = (slot // BS).to(tl.int64)          # BS is a constexpr: a shift for power-of-two pages
     t = slot % BS
@@ -79,11 +83,11 @@ def _nope(u8, base, words, ok, d0, D: tl.constexpr, W: tl.constexpr, LAYOUT: tl.
     hardware conversion (sm89+); otherwise the integer decoding above."""
     d = d0 + tl.arange(0, W)
     byte = tl.load(u8 + base[:, None] + d[None, :], mask=(d < D - 64)[None, :] & ok[:, None], other=0)
-    if NATIVE and LAYOUT == 1:
+    if NATIVE and LAYOUT == OCP:
         fix: tl.constexpr = 0
         value = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        fix: tl.constexpr = 8 if LAYOUT == 1 else 7
+        fix: tl.constexpr = 8 if LAYOUT == OCP else 7
         b16 = byte.to(tl.uint16)
         value = (((b16 & 0x7F) << 7) | ((b16 & 0x80) << 8)).to(tl.float16, bitcast=True).to(tl.float32)
     e = ((words >> (8 * (d0 // 64))) & 0xFF).to(tl.int32)
@@ -101,7 +105,7 @@ def _slice(u8, bf, base, words, ok, d0, LAYOUT: tl.constexpr, D: tl.constexpr, W
     """Dims [d0, d0 + W) of the rows at `base` (from `_rows`) as bf16 [BN, W], zeros where not `ok`; d0
     and W multiples of 64."""
     d = d0 + tl.arange(0, W)
-    if LAYOUT == 0:
+    if LAYOUT == PLAIN:
         rows = tl.load(bf + base[:, None] + d[None, :], mask=ok[:, None], other=0.0)
     else:
         NOPE: tl.constexpr = D - 64
@@ -119,7 +123,7 @@ def _gather(idx_ptr, cols, n, num_slots, w64, BS: tl.constexpr, page_stride, LAY
     slots = tl.load(idx_ptr + cols, mask=cols < n, other=-1)
     ok = (cols < n) & (slots >= 0) & (slots < num_slots)
     base, scl = _rows(slots, ok, BS, page_stride, LAYOUT, D)
-    if LAYOUT == 0:
+    if LAYOUT == PLAIN:
         words = scl                                 # bf16 rows have no scales (zeros)
     else:
         words = tl.load(w64 + scl // 8, mask=ok, other=0)
@@ -186,7 +190,7 @@ def _pv_blocks(acc, p_ptr, ml_ptr, t, b0, nb, M_use, heads, hmask, H, NC, NB, id
         ok, base, words = _gather(idx_ptr, i * BN + tl.arange(0, BN), n, num_slots, w64, BS, page_stride, LAYOUT, D)
         p = tl.load(p_ptr + prow[:, None] + ((b0 + i) * BN + tl.arange(0, BN))[None, :], mask=hmask[:, None],
                     other=0.0).to(DOT)
-        if ROPE or LAYOUT == 0:
+        if ROPE or LAYOUT == PLAIN:
             v = _slice(u8, bf, base, words, ok, d0, LAYOUT, D, DB, NATIVE).to(DOT)
         else:
             v = _nope(u8, base, words, ok, d0, D, DB, LAYOUT, NATIVE).to(tl.bfloat16).to(DOT)
@@ -261,7 +265,7 @@ def _pv_kernel(p_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr,
 
 class Pool(NamedTuple):
     """A PagedCache as the sparse MQA kernels read it."""
-    layout: int          # a LAYOUT_CODES value
+    code: int            # its row format's RowFormat.code, one of READS'
     block_size: int
     data: Any            # fp8_ds_mla: the uint8 pages; bf16: the rows
     bf16: Any            # fp8_ds_mla: the pages as bf16 (the RoPE dims); bf16: the rows
@@ -279,35 +283,33 @@ def pool_args(cache) -> Pool:
     import torch
 
     row = cache.layout.row_format
-    if row not in LAYOUT_CODES:
-        raise ValueError(f"mqa_kernel=triton_sparse reads {', '.join(f.label for f in LAYOUT_CODES)} rows, not "
+    if row not in READS:
+        raise ValueError(f"mqa_kernel=triton_sparse reads {', '.join(f.label for f in READS)} rows, not "
                          f"{row.label} (cache {cache.name}); check() refuses this combination")
-    code, data, store = LAYOUT_CODES[row], cache.data, cache.store
+    code, data, store = row.code, cache.data, cache.store
     if store is not None:                  # the views its row stores write through, made once per cache
         return Pool(code, cache.block_size, *store.args())
-    if code == 0:
+    if code == RowCode.PLAIN:
         return Pool(code, cache.block_size, data, data, data, 0, cache.num_slots)
     return Pool(code, cache.block_size, data, data.view(torch.bfloat16), data.view(torch.int64), data.stride(0),
                 cache.num_slots)
 
 
-def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool | None = None, extra_idx=None,
-               extra_len=None, *, block_n: int = 0, block_h: int = 0, block_d: int = 0, num_warps: int = 4,
-               num_warps_pv: int = 0, native_fp8: bool | None = None, variant: str = "auto",
-               target: Target | None = None, splits: int = 0, runs=None, extra_nested: bool = False,
-               group: int = 0, inline: bool | None = None):
+def sparse_mqa(q, kv: SparseKV, *, sink, scale: float, variant: str = "auto",
+               two_pass: TwoPassLaunch = TwoPassLaunch(), hopper: HopperLaunch = HopperLaunch(),
+               native_fp8: bool | None = None, target: Target | None = None):
     """q [T, H, D] -> (out [T, H, D] in q's dtype, lse [T, H] float32, natural log, sink excluded).
 
-    `swa`/`extra` are `pool_args(...)`; index lists [T, W] int32 with -1 padding and lengths [T].
-    `variant` picks the kernel (plan_kernel): the one-pass Hopper kernels (sparse_mqa_hopper.py) or the
-    portable two-pass one, whose launch shapes left at 0 come from `plan_launch`; `splits`, the Hopper
-    kernel's programs per (token, head block), from `hopper_splits` at 0. `native_fp8`: decode
-    OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA sm89+). `target`: the
-    device's facts as the strategy prepared them (default: `target_of` q's device; with `fixed_order`,
-    sparse_plan's FIXED_ launches whatever the step, a token's runs merged inside its program where `inline`
-    -- None: `fixed_inline`). `runs` (StepPlan's QueryRuns; the SWA lists then windows, the extra lists
-    `extra_nested` prefixes or not): the Hopper kernel's programs of 8 heads take `group` tokens of a run each
-    (0: `hopper_group`) and read the rows they share once; the two-pass kernel reads each token's lists alone."""
+    `kv`: the caches (read in place through `pool_args`), each token's index lists [T, W] (int32, -1 padding)
+    and lengths [T], and the step's runs. `variant` picks the kernel (plan_kernel): the one-pass Hopper kernels
+    (sparse_mqa_hopper.py), launched as `hopper` says, or the portable two-pass one, launched as `two_pass`
+    says (settings left at 0 come from `plan_launch`); `two_pass` set for a call the Hopper kernel runs is an
+    error. `native_fp8`: decode OCP e4m3 with the hardware conversion; None = where the GPU has it (NVIDIA
+    sm89+). `target`: the device's facts as the strategy prepared them (default: `target_of` q's device; with
+    `fixed_order`, sparse_plan's FIXED_ launches whatever the step). With `kv.runs` (the SWA lists then
+    windows, the extra lists `kv.extra_nested` prefixes or not) the Hopper kernel's programs of 8 heads take a
+    run's tokens together and read the rows they share once; the two-pass kernel reads each token's lists
+    alone."""
     import torch
 
     T, H, D = q.shape
@@ -315,49 +317,52 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
     tgt = target or target_of(q.device)
     native = tgt.native_e4m3 if native_fp8 is None else native_fp8
     interpret = tgt.interpret
-    kernel = plan_kernel(variant, arch=tgt.arch, layouts=(swa.layout, (extra or swa).layout), head_dim=D,
+    swa = pool_args(kv.swa)
+    extra = pool_args(kv.extra) if kv.extra is not None else None
+    kernel = plan_kernel(variant, arch=tgt.arch, layouts=(swa.code, (extra or swa).code), head_dim=D,
                          native=native, dtype=str(q.dtype).removeprefix("torch."))
-    if kernel == "hopper" and (block_n, block_h, block_d, num_warps, num_warps_pv) != (0, 0, 0, 4, 0):
+    if kernel == "hopper" and two_pass != TwoPassLaunch():
         raise ValueError("sparse_mqa: block_n/block_h/block_d/num_warps/num_warps_pv set the two-pass kernel's "
                          f"launch, and variant={variant} runs the one-pass Hopper kernel here; pass "
                          "variant='two_pass'")
     sink = as_f32(sink)
-    s_idx, s_len = as_i32(swa_idx), as_i32(swa_len)
-    e_idx, e_len = (as_i32(extra_idx), as_i32(extra_len)) if extra is not None else (None, None)
-    sw = swa_idx.shape[1]
-    ew = extra_idx.shape[1] if extra is not None else 0
+    s_idx, s_len = as_i32(kv.swa_indices), as_i32(kv.swa_lens)
+    e_idx, e_len = (as_i32(kv.extra_indices), as_i32(kv.extra_lens)) if extra is not None else (None, None)
+    sw = s_idx.shape[1]
+    ew = e_idx.shape[1] if extra is not None else 0
     if kernel == "hopper":
         from dsv4.kernels.mqa.sparse_mqa_hopper import prefetched_pools, sparse_mqa_hopper
 
         prefetch = prefetched_pools(swa, extra, tgt.l2_bytes)
         if tgt.fixed_order:      # every token's blocks in FIXED_SPLITS runs, one token a program (sparse_plan)
-            splits = splits or FIXED_SPLITS
+            splits = hopper.splits or FIXED_SPLITS
             step = max(1, FIXED_WORKSPACE_BYTES // (splits * H * (D + 2) * 4))
             parts = []
             for t0 in range(0, max(T, 1), step):           # token chunks: the split partials stay bounded
                 sl = slice(t0, t0 + step)
                 e_lists = (e_idx[sl], e_len[sl]) if extra is not None else (None, None)
                 n = min(T, t0 + step) - t0
+                inline = hopper.inline if hopper.inline is not None else fixed_inline(n, H, splits, tgt.processors)
                 parts.append(sparse_mqa_hopper(q[sl], sink, scale * LOG2E, swa, s_idx[sl], s_len[sl], extra,
-                                               *e_lists, splits=splits, prefetch=prefetch, nested=extra_nested,
-                                               inline=inline if inline is not None else
-                                               fixed_inline(n, H, splits, tgt.processors)))
+                                               *e_lists, splits=splits, prefetch=prefetch, nested=kv.extra_nested,
+                                               inline=inline))
             return parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
-        group = 1 if runs is None else (group or hopper_group(T, H, sw + ew, tgt.processors))
+        runs = kv.runs
+        group = 1 if runs is None else (hopper.group or hopper_group(T, H, sw + ew, tgt.processors))
         return sparse_mqa_hopper(q, sink, scale * LOG2E, swa, s_idx, s_len, extra, e_idx, e_len,
-                                 splits=splits or hopper_splits(T, H, sw + ew, tgt.processors, group=group),
+                                 splits=hopper.splits or hopper_splits(T, H, sw + ew, tgt.processors, group=group),
                                  prefetch=prefetch, groups=runs.groups(group) if group > 1 else None,
-                                 nested=extra_nested, group=group)
+                                 nested=kv.extra_nested, group=group)
     out = torch.empty_like(q)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
     plan = FIXED_LAUNCH if tgt.fixed_order else plan_launch(T, H, sw + ew, tgt.processors)
-    BN, BH, DB = block_n or plan.block_n, block_h or plan.block_h, block_d or plan.block_d
+    BN, BH, DB = two_pass.block_n or plan.block_n, two_pass.block_h or plan.block_h, two_pass.block_d or plan.block_d
     nbs, nbe = cdiv(sw, BN), cdiv(ew, BN)
     NB, NC = nbs + nbe, (nbs + nbe) * BN
     e, e_idx, e_len = (extra, e_idx, e_len) if extra is not None else (swa, s_idx, s_len)  # no extra: never read
-    common = dict(S_LAYOUT=swa.layout, E_LAYOUT=e.layout, S_BS=swa.block_size, E_BS=e.block_size,
+    common = dict(S_LAYOUT=swa.code, E_LAYOUT=e.code, S_BS=swa.block_size, E_BS=e.block_size,
                   HAS_EXTRA=extra is not None, BN=BN, D=D,
                   NATIVE=native, DOT=tl.float32 if interpret else tl.bfloat16)
     step = max(1, WORKSPACE_BYTES // (H * NC * 2))
@@ -368,8 +373,37 @@ def sparse_mqa(q, sink, scale: float, swa: Pool, swa_idx, swa_len, extra: Pool |
         pools = (*swa.args(), s_idx[t0:t1], s_len[t0:t1], sw, swa.page_stride, swa.num_slots,
                  *e.args(), e_idx[t0:t1], e_len[t0:t1], ew, e.page_stride, e.num_slots)
         launch(_scores_kernel, (NB, t1 - t0, cdiv(H, BH)), q[t0:t1], p, ml, *pools, H, NC, NB, nbs,
-               scale * LOG2E, BH=BH, **common, num_warps=num_warps, num_stages=1)
+               scale * LOG2E, BH=BH, **common, num_warps=two_pass.num_warps, num_stages=1)
         launch(_pv_kernel, (D // DB, t1 - t0, cdiv(H, BH)), p, ml, sink, out[t0:t1], lse[t0:t1], *pools, H,
                NC, NB, nbs, BH=BH, DB=DB, NBC=ML_BLOCKS, **common,
-               num_warps=num_warps_pv or plan.num_warps_pv, num_stages=1)
+               num_warps=two_pass.num_warps_pv or plan.num_warps_pv, num_stages=1)
     return out, lse
+
+
+def compile_cases(gpu, rows=READS) -> list[CompileCase]:
+    """Both passes as sparse_mqa launches them for a GPU (`gpu`: Triton's GPUTarget) reading pools of each
+    format of `rows` (READS'): the planner's two launches (large steps, decode), SWA pages of 64 rows and
+    compressed pages of 3, OCP e4m3 bytes through the hardware conversion where sparse_mqa takes it
+    (NVIDIA sm89+)."""
+    cases = []
+    for row in rows:
+        if row not in READS:
+            raise ValueError(f"the sparse MQA kernels read {', '.join(f.label for f in READS)} rows, not {row.label}")
+        code = row.code
+        native = gpu.backend == "cuda" and gpu.arch >= E4M3_SM and code == RowCode.FP8_DS_MLA
+        # fp8_ds_mla pages in their three views; bf16 pools pass their rows three times
+        views = dict(u8="*u8", bf="*bf16", w64="*i64") if code != RowCode.PLAIN else dict.fromkeys(
+            ("u8", "bf", "w64"), "*bf16")
+        pools = {f"{p}_{v}": t for p in "se" for v, t in (*views.items(), ("idx", "*i32"), ("len", "*i32"))}
+        ints = frozenset({"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "NC"})
+        for plan in (plan_launch(256, 64, 640, 132), plan_launch(1, 64, 640, 132)):
+            const = dict(S_LAYOUT=code, E_LAYOUT=code, S_BS=64, E_BS=3, HAS_EXTRA=True, BH=plan.block_h,
+                         BN=plan.block_n, D=512, DOT=tl.bfloat16, NATIVE=native)
+            cases.append(CompileCase(kernel=_scores_kernel, constexprs=const, divisible=ints,
+                                     pointers={"q_ptr": "*bf16", "p_ptr": "*bf16", "ml_ptr": "*fp32", **pools},
+                                     floats=frozenset({"qk_scale"})))
+            cases.append(CompileCase(kernel=_pv_kernel, constexprs=dict(const, DB=plan.block_d, NBC=ML_BLOCKS),
+                                     pointers={"p_ptr": "*bf16", "ml_ptr": "*fp32", "sink_ptr": "*fp32",
+                                               "out_ptr": "*bf16", "lse_ptr": "*fp32", **pools},
+                                     divisible=ints, num_warps=plan.num_warps_pv))
+    return cases

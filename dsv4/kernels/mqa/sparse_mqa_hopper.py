@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from dsv4.kernels.mqa import sparse_mqa_hopper_few as few
 from dsv4.kernels.mqa.hopper_gluon import (BN, LOG2E_C, block_slots, cta_barrier, fence_async_shared, finish_heads,
                                        load_q, mbarrier, nblocks, smem_view, warpgroup_mma, warpgroup_mma_wait)
-from dsv4.kernels.launch import launch
+from dsv4.kernels.launch import CompileCase, launch
 from dsv4.kernels.target import target_of
 from dsv4.kernels.mqa.sparse_plan import hopper_heads
 from dsv4.kernels.mqa.split_combine import combine_splits
@@ -463,3 +463,18 @@ def sparse_mqa_hopper(q, sink, scale_l2: float, swa, swa_idx, swa_len, extra=Non
     if split and not inline:
         combine_splits(acc, ml, sink, out, lse, splits)
     return out, lse
+
+
+def compile_cases(gpu) -> list[CompileCase]:
+    """The 64-head kernel as sparse_mqa_hopper launches it (sm90 only: `gpu` is not read) on fp8_ds_mla
+    pools, SWA pages of 64 rows and compressed pages of 2 (a ratio-128 layer): whole programs, splits merged
+    by split_combine, and splits merged inside the program, with its register split."""
+    pointers = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "acc_ptr": "*fp32",
+                "ml_ptr": "*fp32", **{f"{p}_{v}": t for p in "se" for v, t in (
+                    ("u8", "*u8"), ("bf", "*bf16"), ("w64", "*i64"), ("idx", "*i32"), ("len", "*i32"))}}
+    ints = frozenset({"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"})
+    return [CompileCase(kernel=_hopper_kernel, constexprs=dict(D=512, WG1_REGS=WG1_REGS, PRODUCER_REGS=PRODUCER_REGS,
+                                                               SPLIT=split, INLINE=inline),
+                        pointers=pointers, floats=frozenset({"qk_scale"}), divisible=ints,
+                        options=dict(maxnreg=MAXNREG))
+            for split, inline in ((False, False), (True, False), (False, True))]

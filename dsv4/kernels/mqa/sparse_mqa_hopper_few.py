@@ -33,6 +33,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from dsv4.kernels.launch import CompileCase
 from dsv4.kernels.mqa.hopper_gluon import (BN, block_slots, cta_barrier, fence_async_shared, finish_heads, list_len,
                                        load_q, mbarrier, nblocks, warpgroup_mma, warpgroup_mma_wait)
 
@@ -368,3 +369,21 @@ def _few_heads_kernel(q_ptr, sink_ptr, out_ptr, lse_ptr,
     gl.warp_specialize([(_consumer, (q_ptr, sink_ptr, lse_ptr, ml_ptr, qk_scale, a, NH, D, NBUF, SPLIT, G, NESTED)),
                         (_producer, (a, D, NBUF, G, NESTED))],
                        [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+def compile_cases(gpu) -> list[CompileCase]:
+    """The few-heads kernel as sparse_mqa_hopper launches it (sm90 only: `gpu` is not read), whole and split:
+    8, 16 and 32 heads one token a program; a run's tokens up to 32 columns, compressed lists of each token in
+    turn or nested."""
+    pointers = {"q_ptr": "*bf16", "sink_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "acc_ptr": "*fp32",
+                "ml_ptr": "*fp32", "groups_ptr": "*i32",
+                **{f"{p}_{v}": t for p in "se" for v, t in (("w64", "*i64"), ("idx", "*i32"), ("len", "*i32"))}}
+    ints = frozenset({"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "s_bs"})
+    return [CompileCase(kernel=_few_heads_kernel, constexprs=dict(NH=nh, D=512, NBUF=BUFFERS,
+                                                                  PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, G=g,
+                                                                  NESTED=nested),
+                        pointers=pointers, floats=frozenset({"qk_scale"}), divisible=ints,
+                        options=dict(maxnreg=MAXNREG))
+            for split in (False, True)
+            for nh, g, nested in ((8, 1, False), (16, 1, False), (32, 1, False), (8, 2, False), (8, 2, True),
+                                  (16, 2, False), (8, 4, True))]

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 from typing import NamedTuple
 
+from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
 from dsv4.values.sizes import cdiv, next_pow2
 
 VARIANTS = ("auto", "two_pass", "hopper")    # which kernel runs a call (plan_kernel)
+READS = (BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ)   # the rows the two-pass kernel decodes (the Hopper ones: OCP)
 # what the one-pass Hopper kernel takes: the rule `hopper_unfit` applies per call and that
 # mqa_kernel=triton_sparse variant=hopper declares in its needs()
 HOPPER_ARCHS = frozenset({"sm90"})           # Hopper warpgroup MMAs
@@ -23,6 +26,25 @@ class Launch(NamedTuple):
     block_h: int      # heads per program, both passes
     block_d: int      # output dims per P·V program
     num_warps_pv: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TwoPassLaunch:
+    """The two-pass kernel's launch as a caller sets it (mqa_kernel=triton_sparse's fields); 0 = planned
+    (`plan_launch`, or FIXED_LAUNCH under fixed_order)."""
+    block_n: int = 0
+    block_h: int = 0
+    block_d: int = 0
+    num_warps: int = 4          # the scores pass
+    num_warps_pv: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HopperLaunch:
+    """The one-pass Hopper kernels' launch as a caller sets it; 0 and None = planned."""
+    splits: int = 0              # programs per (token, head block): `hopper_splits` (fixed_order: FIXED_SPLITS)
+    group: int = 0               # a run's tokens per program where the lists come with their runs: `hopper_group`
+    inline: bool | None = None   # fixed_order: a token's runs merged inside its program (`fixed_inline`)
 
 
 def plan_launch(tokens: int, heads: int, columns: int, processors: int) -> Launch:
@@ -107,12 +129,13 @@ def gluon_error() -> str:
 
 
 def hopper_unfit(*, arch: str, layouts: tuple[int, int], head_dim: int, native: bool, dtype: str) -> str:
-    """Why the one-pass Hopper kernel cannot run this call ('' if it can)."""
+    """Why the one-pass Hopper kernel cannot run this call ('' if it can); `layouts`: the two pools' row
+    codes (RowFormat.code)."""
     if arch not in HOPPER_ARCHS:
         return f"it runs on NVIDIA {'/'.join(sorted(HOPPER_ARCHS))} (Hopper warpgroup MMAs) only, not {arch}"
     if dtype not in HOPPER_DTYPES:
         return f"it takes {'/'.join(sorted(HOPPER_DTYPES))} queries, not {dtype}"
-    if layouts != (1, 1):
+    if layouts != (FP8_DS_MLA.code, FP8_DS_MLA.code):
         return "it reads fp8_ds_mla pages (OCP e4m3) only"
     if head_dim != HOPPER_HEAD_DIM:
         return f"it is built for head_dim {HOPPER_HEAD_DIM}, not {head_dim}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import launch
+from dsv4.kernels.launch import CompileCase, launch
 from dsv4.values.sizes import cdiv
 
 BH, DB = 16, 128     # heads and output dims per merge program
@@ -59,3 +59,10 @@ def combine_splits(acc, ml, sink, out, lse, splits: int) -> None:
     T, H, D = out.shape
     launch(_combine_kernel, (T, cdiv(H, BH), cdiv(D, DB)), acc, ml, sink, out, lse, T, H, splits, BH=BH, DB=DB, D=D,
            num_warps=4, num_stages=1)
+
+
+def compile_cases(gpu) -> list[CompileCase]:
+    """The merge as combine_splits launches it after the Hopper kernels (512 dims, bf16 out)."""
+    return [CompileCase(kernel=_combine_kernel, constexprs=dict(BH=BH, DB=DB, D=512), divisible=frozenset({"H"}),
+                        pointers={"acc_ptr": "*fp32", "ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+                                  "lse_ptr": "*fp32"})]

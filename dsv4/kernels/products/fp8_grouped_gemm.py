@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, launch
+from dsv4.kernels.launch import CompileCase, as_dense, as_f32, launch
 from dsv4.kernels.target import Target, target_of
 from dsv4.values.sizes import cdiv
 
@@ -69,3 +69,12 @@ def grouped_fp8_gemm(x, xs, w, ws, *, block_m: int = 64, num_warps: int = 4, num
            as_f32(ws), z, T, G, N, K, BM=block_m, DOT=tl.float32 if interpret else tl.float8e4nv, STAGES=num_stages,
            num_warps=num_warps)
     return z.bfloat16()
+
+
+def compile_cases(gpu) -> list[CompileCase]:
+    """The grouped e4m3 product at both allowed token blocks (o_proj=triton_fp8's), 4 stages, on an e4m3 GPU
+    (`gpu` is not read)."""
+    pointers = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "z_ptr": "*bf16"}
+    return [CompileCase(kernel=_grouped_fp8_kernel, constexprs=dict(BM=bm, DOT=tl.float8e4nv, STAGES=4),
+                        pointers=pointers, divisible=frozenset({"N", "K"}), num_warps=warps)
+            for bm, warps in ((64, 4), (128, 8))]

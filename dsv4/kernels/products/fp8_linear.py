@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, as_f32, launch
+from dsv4.kernels.launch import CompileCase, as_dense, as_f32, launch
 from dsv4.kernels.target import Target, target_of
 from dsv4.values.sizes import cdiv
 
@@ -364,3 +364,25 @@ def act_quant_fp8(x, *, mn_major_scales: bool = False, target: Target | None = N
         launch(_act_quant_kernel, (cdiv(M, 32), K // BLOCK), as_dense(x), q, s, M, K, s.stride(0), s.stride(1),
                BM=32, EMULATE=emulate, num_warps=4)
     return q, s
+
+
+def compile_cases(gpu) -> list[CompileCase]:
+    """linear=triton_fp8 on an e4m3 GPU (`gpu`: Triton's GPUTarget, NVIDIA): the planned launches for
+    DSV4-Flash's products at decode and prefill row counts and batch_invariant's fixed ones (split over
+    programs or inside them), rows quantized elsewhere (the q_lora norm) or inside the product; and the
+    activation quantizer."""
+    tgt = Target(arch=f"sm{gpu.arch}", native_e4m3=True, processors=132)
+    shapes = ((1536, 4096), (40960, 1024), (4096, 8192))
+    launches = {(plan(M, N, K, tgt), False) for M in (1, 64, 8192) for N, K in shapes}
+    launches |= {(fixed_launch(M, N, K, tgt), inline) for M in (1, 256) for N, K in shapes for inline in (False, True)}
+    fp8 = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16",
+           "part_ptr": "*fp32", "count_ptr": "*i32"}
+    cases = [CompileCase(kernel=_fp8_linear_kernel, constexprs=dict(BM=p.block_m, BN=p.block_n, SPLIT=p.split,
+                                                                  QUANT=quant, DOT=tl.float8e4nv,
+                                                                  STAGES=p.num_stages, INLINE=inline),
+                         pointers=fp8 | ({"x_ptr": "*bf16", "xs_ptr": "*bf16"} if quant else {}),
+                         divisible=frozenset({"N", "K", "xs_row", "xs_col"}), num_warps=p.num_warps)
+             for p, inline in sorted(launches, key=str) for quant in {False, not p.quantize_first}]
+    return cases + [CompileCase(kernel=_act_quant_kernel, constexprs=dict(BM=32, EMULATE=False),
+                                pointers={"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                                divisible=frozenset({"K", "s_row", "s_col"}))]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import as_dense, launch
+from dsv4.kernels.launch import CompileCase, as_dense, launch
 from dsv4.values.sizes import cdiv
 
 
@@ -73,3 +73,11 @@ def inv_rope_fp8_quant(o, cos, sin, groups: int, *, mn_major_scales: bool = Fals
         launch(_inv_rope_fp8_kernel, (T * (n_blocks // bpp),), o, as_dense(cos), as_dense(sin), x, s, s_token,
                s_block, n_blocks, n_blocks // bpp, HEAD_DIM=D, ROPE=64, BPP=bpp, num_warps=num_warps)
     return x.view(T, groups, -1), s
+
+
+def compile_cases(gpu) -> list[CompileCase]:
+    """The fused o_proj prologue as inv_rope_fp8_quant launches it (512-dim heads, 16 blocks a program) on an
+    e4m3 GPU (`gpu` is not read)."""
+    return [CompileCase(kernel=_inv_rope_fp8_kernel, constexprs=dict(HEAD_DIM=512, ROPE=64, BPP=16),
+                        pointers={"o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "x_ptr": "*fp8e4nv",
+                                  "s_ptr": "*fp32"}, divisible=frozenset({"n_blocks", "groups_per_token"}))]

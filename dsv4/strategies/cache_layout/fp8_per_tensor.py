@@ -78,13 +78,14 @@ class Fp8PerTensorLayout:
         return e4m3_over(x, scale)
 
     def write(self, cache, slots, rows, *, block_size: int) -> None:
+        """Rows quantized from their bf16 value, as vLLM's insert op does, at their slots (-1: skip): one
+        scatter on every device that never reads how many rows are kept (`kept_rows`), so that a GPU step's
+        writes can be captured; the bytes are those of the kept rows alone."""
         import torch
 
-        flat = cache.view(-1, cache.shape[-1])     # rows are quantized from their bf16 value, as vLLM's insert op does
-        if not cache.is_cuda:
-            keep = slots >= 0
-            flat[slots[keep].long()] = self.quantize(rows[keep].bfloat16(), self.kv_scale)
+        if not slots.shape[0]:
             return
+        flat = cache.view(-1, cache.shape[-1])
         src, any_kept = kept_rows(slots)
         tgt = slots.index_select(0, src).clamp(min=0).long()
         vals = self.quantize(rows.index_select(0, src).bfloat16(), self.kv_scale)

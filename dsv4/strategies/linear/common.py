@@ -95,21 +95,39 @@ def deepgemm_needs() -> Needs:
                    variance="DeepGEMM's products (and ours, at few rows) choose their tiles by the row count")
 
 
-def mm_f32(x, w):
-    """x @ w.T with a float32 result: a float32 product for float32 inputs; for bf16 inputs the bf16
-    product accumulated and returned in float32 (what the published code gets from x.float() @ w.float()
-    with bf16-valued x and w)."""
+def _mm_f32_cpu(x, w):
     import torch
 
     if x.dtype == torch.float32:
         return x @ (w if w.dtype == torch.float32 else w.float()).T
     w = w if w.dtype == x.dtype else w.to(x.dtype)       # `.to` costs host time even when it returns w
-    if x.is_cuda:
-        try:
-            return torch.mm(x, w.T, out_dtype=torch.float32)
-        except (TypeError, RuntimeError):      # a torch without mm's out_dtype: the same product in float32
-            pass
     return x.float() @ w.float().T
+
+
+def _mm_f32_gpu(x, w):
+    import torch
+
+    if x.dtype == torch.float32:
+        return x @ (w if w.dtype == torch.float32 else w.float()).T
+    w = w if w.dtype == x.dtype else w.to(x.dtype)
+    try:
+        return torch.mm(x, w.T, out_dtype=torch.float32)
+    except (TypeError, RuntimeError):          # a torch without mm's out_dtype: the same product in float32
+        return x.float() @ w.float().T
+
+
+def f32_product(*, gpu: bool):
+    """`mm_f32` for one device, chosen once where the device is known (a layer's build): on a GPU the bf16
+    product accumulated into float32 by torch.mm itself, on the CPU the float32 product of the bf16 values."""
+    return _mm_f32_gpu if gpu else _mm_f32_cpu
+
+
+def mm_f32(x, w):
+    """x @ w.T with a float32 result: a float32 product for float32 inputs; for bf16 inputs the bf16
+    product accumulated and returned in float32 (what the published code gets from x.float() @ w.float()
+    with bf16-valued x and w). `f32_product` of x's device: for callers handed the weight alone
+    (ReferenceLinear), which have no prepared choice."""
+    return f32_product(gpu=x.is_cuda)(x, w)
 
 
 M_ALIGN = 8       # cuBLASLt's block-scaled fp8 matmul on the H200 ran every M that is a multiple of 8

@@ -17,17 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from dsv4.formats.row_format import BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ
+from dsv4.formats.row_format import FP8_DS_MLA
 from dsv4.kernels import TRITON_ARCHS
-from dsv4.kernels.mqa.sparse_plan import HOPPER_ARCHS, HOPPER_DTYPES, HOPPER_HEAD_DIM, VARIANTS
+from dsv4.kernels.mqa.sparse_plan import HOPPER_ARCHS, HOPPER_DTYPES, HOPPER_HEAD_DIM, READS, VARIANTS, TwoPassLaunch
 from dsv4.strategies.protocols import Needs
 from dsv4.values.seam import SparseKV
 
 if TYPE_CHECKING:
     from dsv4.kernels.target import Target
-
-
-READS = frozenset({BF16_ROWS, FP8_DS_MLA, FP8_DS_MLA_FNUZ})       # the rows the kernels decode
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,7 +61,7 @@ class TritonSparseMQA:
                          modules=(("triton", "triton>=3.6"),), fp8_formats=frozenset({"ocp"}),
                          model_values=(("head_dim", HOPPER_HEAD_DIM), ("qk_rope_head_dim", 64)),
                          fix="mqa_kernel.variant=auto", batch_invariant=True)
-        return Needs(platforms=frozenset({"cuda", "rocm"}), archs=TRITON_ARCHS, row_formats=READS,
+        return Needs(platforms=frozenset({"cuda", "rocm"}), archs=TRITON_ARCHS, row_formats=frozenset(READS),
                      dtypes=frozenset({"bfloat16"}), modules=(("triton", "triton"),),
                      fp8_formats=frozenset({"ocp", "fnuz"}),       # whichever the layout stores
                      model_values=(("head_dim", 512), ("qk_rope_head_dim", 64)), batch_invariant=True)
@@ -80,13 +77,14 @@ class TritonSparseMQA:
     def plan(self, *, tokens: int, layer_type: str, previous=None) -> None:
         return None
 
-    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None, plan=None):
-        from dsv4.kernels.mqa.sparse_mqa import pool_args, sparse_mqa
+    @property
+    def two_pass_launch(self) -> TwoPassLaunch:
+        """The two-pass kernel's launch these fields set."""
+        return TwoPassLaunch(block_n=self.block_n, block_h=self.block_h, block_d=self.block_d,
+                             num_warps=self.num_warps, num_warps_pv=self.num_warps_pv)
 
-        extra = {}
-        if kv.extra is not None:
-            extra = dict(extra=pool_args(kv.extra), extra_idx=kv.extra_indices, extra_len=kv.extra_lens)
-        return sparse_mqa(q, sink, scale, pool_args(kv.swa), kv.swa_indices, kv.swa_lens, **extra,
-                          block_n=self.block_n, block_h=self.block_h, block_d=self.block_d,
-                          num_warps=self.num_warps, num_warps_pv=self.num_warps_pv, variant=self.variant,
-                          target=prepared, runs=kv.runs, extra_nested=kv.extra_nested)
+    def __call__(self, q, kv: SparseKV, *, sink, scale: float, prepared=None, plan=None):
+        from dsv4.kernels.mqa.sparse_mqa import sparse_mqa
+
+        return sparse_mqa(q, kv, sink=sink, scale=scale, variant=self.variant, two_pass=self.two_pass_launch,
+                          target=prepared)

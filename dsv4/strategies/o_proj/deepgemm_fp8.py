@@ -3,10 +3,10 @@ product (package sgl-deep-gemm), its recipe per architecture."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 from dsv4.strategies.o_proj.fp8_common import (BLOCK, SM90, grouped_weights, fp8_needs,
-                                               fused_inverse_rope_fp8_quant)
+                                               o_proj_prologue)
 from dsv4.strategies.protocols import Needs, OProjWeights
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ class DeepGemmWoA:
     scale: Tensor
     groups: int
     recipe: tuple[int, int, int]
+    prologue: Callable      # o, rot, groups -> (e4m3 bytes, scales where DeepGEMM reads them)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,14 +45,15 @@ class DeepGemmFp8OProj:
         recipe = self.recipe(device)
         if recipe == (1, 1, 128):              # one scale per output row and 128-wide K block
             ws = ws.repeat_interleave(BLOCK, dim=1).contiguous()
-        return DeepGemmWoA(weight=wq, scale=ws, groups=weights.groups, recipe=recipe)
+        # on sm90 the activation scales are written where DeepGEMM reads them (no copy inside the call)
+        return DeepGemmWoA(weight=wq, scale=ws, groups=weights.groups, recipe=recipe,
+                           prologue=o_proj_prologue(device, mn_major_scales=recipe == SM90))
 
     def __call__(self, o, rot, *, prepared: DeepGemmWoA):
         import deep_gemm
         import torch
 
-        # on sm90 the activation scales are written where DeepGEMM reads them (no copy inside the call)
-        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared.groups, mn_major_scales=prepared.recipe == SM90)
+        x, xs = prepared.prologue(o, rot, prepared.groups)
         z = torch.empty(o.shape[0], prepared.groups, prepared.weight.shape[1], dtype=torch.bfloat16, device=o.device)
         if o.shape[0]:
             deep_gemm.fp8_einsum("bhr,hdr->bhd", (x, xs), (prepared.weight, prepared.scale), z,

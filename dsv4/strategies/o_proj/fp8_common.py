@@ -7,8 +7,9 @@ then the grouped product z[t,g] = W_oa[g] · o[t,g] in fp8 with float accumulati
 the layer's `wo_b`, which its `linear` option multiplies)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from dsv4.formats.fp8 import E4M3_MAX
 from dsv4.strategies.protocols import Needs, OProjWeights
@@ -30,6 +31,7 @@ class Fp8WoA:
     weight: Tensor
     scale: Tensor
     groups: int
+    prologue: Callable      # o, rot, groups -> (e4m3 bytes, scales): `o_proj_prologue` of the device
     target: Target | None = None
 
 
@@ -57,12 +59,20 @@ def inverse_rope_fp8_quant(o, rot, groups: int):
     return q.view(T, groups, -1), scale.squeeze(-1)
 
 
+def o_proj_prologue(device, *, mn_major_scales: bool = False) -> Callable:
+    """The prologue of an fp8 o_proj for its device, chosen once at build: our fused kernel on a GPU; on a
+    CPU (where the tests run the fp8 options' numerics) the torch ops, the same bytes with token-major
+    scales."""
+    if device.platform == "cpu":
+        return inverse_rope_fp8_quant
+    return functools.partial(fused_inverse_rope_fp8_quant, mn_major_scales=mn_major_scales)
+
+
 def fused_inverse_rope_fp8_quant(o, rot, groups: int, *, mn_major_scales: bool = False):
     """The same bytes as `inverse_rope_fp8_quant`, from our fused Triton kernel (one read of o, one
     write of the fp8 bytes), the scales token-major or (`mn_major_scales`) in DeepGEMM's sm90 layout
-    (dsv4/kernels/products/inv_rope_fp8.py); on a CPU tensor, the torch-op version."""
-    if not o.is_cuda:
-        return inverse_rope_fp8_quant(o, rot, groups)
+    (dsv4/kernels/products/inv_rope_fp8.py). The fp8 options that call it run on GPUs only (check() refuses
+    them elsewhere); `inverse_rope_fp8_quant` is the torch-op version."""
     import torch
 
     from dsv4.kernels.products.inv_rope_fp8 import inv_rope_fp8_quant
@@ -114,7 +124,7 @@ def grouped_weights(weights: OProjWeights, device):
 def block_scaled_weights(weights: OProjWeights, device) -> Fp8WoA:
     """wo_a's e4m3 bytes [G, N, K] and 128x128 block scales as separate tensors."""
     wq, ws = grouped_weights(weights, device)
-    return Fp8WoA(weight=wq, scale=ws, groups=weights.groups)
+    return Fp8WoA(weight=wq, scale=ws, groups=weights.groups, prologue=o_proj_prologue(device))
 
 
 def fp8_needs(*, archs, modules=()) -> Needs:

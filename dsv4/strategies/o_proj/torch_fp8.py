@@ -6,8 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dsv4.strategies.linear.common import blockwise_scaled_mm
-from dsv4.strategies.o_proj.fp8_common import (Fp8WoA, block_scaled_weights, fp8_needs,
-                                               fused_inverse_rope_fp8_quant)
+from dsv4.strategies.o_proj.fp8_common import Fp8WoA, block_scaled_weights, fp8_needs
 from dsv4.strategies.protocols import Needs, OProjWeights
 
 
@@ -28,7 +27,7 @@ class TorchFp8OProj:
     def __call__(self, o, rot, *, prepared: Fp8WoA):
         import torch
 
-        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared.groups)
+        x, xs = prepared.prologue(o, rot, prepared.groups)
         w, ws = prepared.weight, prepared.scale
         outs = [blockwise_scaled_mm(x[:, g].contiguous(), xs[:, g], w[g], ws[g]) for g in range(prepared.groups)]
         return torch.stack(outs, 1).flatten(1)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from dsv4.kernels import FP8_TRITON_ARCHS
-from dsv4.strategies.o_proj.fp8_common import Fp8WoA, block_scaled_weights, fp8_needs, fused_inverse_rope_fp8_quant
+from dsv4.strategies.o_proj.fp8_common import Fp8WoA, block_scaled_weights, fp8_needs
 from dsv4.strategies.protocols import Needs, OProjWeights
 
 
@@ -39,7 +39,7 @@ class TritonFp8OProj:
     def __call__(self, o, rot, *, prepared: Fp8WoA):
         from dsv4.kernels.products.fp8_grouped_gemm import grouped_fp8_gemm
 
-        x, xs = fused_inverse_rope_fp8_quant(o, rot, prepared.groups)
+        x, xs = prepared.prologue(o, rot, prepared.groups)
         z = grouped_fp8_gemm(x, xs, prepared.weight, prepared.scale, block_m=self.block_m, num_warps=self.num_warps,
                              num_stages=self.num_stages, target=prepared.target)
         return z.flatten(1)
