@@ -687,8 +687,8 @@ def test_page_converters_round_trip(B, blocks):
     rows = torch.randn(len(slots), D, generator=g) * 3
     po = ocp.allocate(num_blocks=blocks, block_size=B, head_dim=D, device="cpu")
     pf = fnuz.allocate(num_blocks=blocks, block_size=B, head_dim=D, device="cpu")
-    ocp.write(po, slots, rows, block_size=B)
-    fnuz.write(pf, slots, rows, block_size=B)
+    ocp.access(po, block_size=B, gpu=False).write(slots, rows)
+    fnuz.access(pf, block_size=B, gpu=False).write(slots, rows)
     conv = ocp_to_fnuz_pages(po, B)
     assert torch.equal(conv, pf)
     assert fnuz.page_bytes(B, D) == ocp.page_bytes(B, D) and fnuz.bytes_per_token(D) == 584

@@ -22,7 +22,9 @@ from hypothesis import strategies as st
 from dsv4.values.seam import PagedCache
 from dsv4.values.errors import InvalidRequest
 from dsv4.formats.fp8 import per_tensor_query, per_tensor_scales
-from dsv4.strategies import Fp8DsMlaLayout, Fp8PerTensorLayout, PlainRowLayout
+from dsv4.formats.fp8_ds_mla import write_kept_records, write_records_sync_free
+from dsv4.strategies import (Fp8DsMlaFnuzLayout, Fp8DsMlaLayout, Fp8KeyLayout, Fp8PerTensorLayout, Mxfp4KeyLayout,
+                             PlainRowLayout)
 
 D, NOPE, ROPE, TILE = 512, 448, 64, 64
 DATA_B, SCALE_B, TOKEN_B = 576, 8, 584          # §3.2: 448 + 128 data bytes, 7 + 1 scale bytes
@@ -305,7 +307,7 @@ def test_ds_mla_pages_are_byte_exact(case, B):
     rows = rows[: len(slots)]
     lay = Fp8DsMlaLayout()
     cache = lay.allocate(num_blocks=nb, block_size=B, head_dim=D, device="cpu")
-    lay.write(cache, torch.tensor(slots), rows, block_size=B)
+    lay.access(cache, block_size=B, gpu=False).write(torch.tensor(slots), rows)
     assert cache.dtype == torch.uint8 and tuple(cache.shape) == (nb, ds_stride(B))
     writes = {s: r.tolist() for s, r in zip(slots, rows)}
     assert_bytes_equal(raw_bytes(cache), ref_image("fp8_ds_mla", nb, B, writes))
@@ -349,7 +351,7 @@ def test_ds_mla_round_trip(B):
     slots = random.Random(B).sample(range(nb * B), len(rows))
     lay = Fp8DsMlaLayout()
     cache = lay.allocate(num_blocks=nb, block_size=B, head_dim=D, device="cpu")
-    lay.write(cache, torch.tensor(slots, dtype=torch.int32), rows, block_size=B)
+    lay.access(cache, block_size=B, gpu=False).write(torch.tensor(slots, dtype=torch.int32), rows)
 
     rd = torch.tensor(slots + [-1, -1])
     got = lay.read(cache, rd, block_size=B)
@@ -400,7 +402,7 @@ def test_fp8_per_tensor_bytes_and_read(kv_scale):
     rows[0, :6] = torch.tensor([1000.0, -1e6, 448 * kv_scale, 449 * kv_scale, -460 * kv_scale, 3e-30])
     rows[1, :3] = torch.tensor([bits_f32(0x3F808000), bits_f32(f32_bits(448.0 * kv_scale) + 0x40), -0.0])
     slots = [7, 0, 4, 8]
-    lay.write(cache, torch.tensor(slots + [-1]), torch.cat((rows, torch.ones(1, D))), block_size=B)
+    lay.access(cache, block_size=B, gpu=False).write(torch.tensor(slots + [-1]), torch.cat((rows, torch.ones(1, D))))
     writes = {s: r.tolist() for s, r in zip(slots, rows)}
     assert_bytes_equal(raw_bytes(cache), ref_image("fp8_per_tensor", nb, B, writes, kv_scale))
     assert raw_bytes(cache)[7 * D:7 * D + 5].tolist() == [0x7E, 0xFE, 0x7E, 0x7E, 0xFE]   # clamped at ±448
@@ -425,7 +427,7 @@ def test_fp8_per_tensor_query_and_kernel_scales(q_scale, kv_scale):
     assert q8.view(torch.uint8).tolist() == [[e4m3_byte(v / q_scale) for v in r] for r in q.tolist()]
 
     cache = lay.allocate(num_blocks=3, block_size=4, head_dim=D, device="cpu")
-    lay.write(cache, torch.arange(10), k, block_size=4)
+    lay.access(cache, block_size=4, gpu=False).write(torch.arange(10), k)
     k8 = cache.view(-1, D)[:10].float()                                   # raw e4m3 values, no scale
     qf, k8f = q8.float().double(), k8.double()
     logits8 = bmm1 * qf @ k8f.T
@@ -448,6 +450,32 @@ def test_fp8_query_of_a_float32_query_is_rounded_once():
     q = torch.tensor([1.0625 + 2.0 ** -12, -(1.0625 + 2.0 ** -12), 3.0 + 2.0 ** -20])
     # 1.0625 + 2^-12 lies above the e4m3 midpoint 1.0625 -> 1.125 (0x39); bf16 first makes it the tie -> 1.0
     assert per_tensor_query(lay.row_format, q).view(torch.uint8).tolist() == [e4m3_byte(v) for v in q.tolist()] == [0x39, 0xB9, 0x44]
+
+
+# ==================================================================================================
+# A layout's writer, chosen once per cache
+# ==================================================================================================
+@pytest.mark.parametrize("lay", [Fp8DsMlaLayout(), Fp8DsMlaFnuzLayout(), Fp8KeyLayout(), Mxfp4KeyLayout()],
+                         ids=lambda lay: lay.name)
+def test_the_sync_free_record_writer_stores_the_host_writers_bytes(lay):
+    """A GPU cache's record writer (every row packed, nothing read on the host) leaves the bytes the host's
+    writer does, around -1 slots and for a call of padding alone."""
+    dim, B = (D if lay.name.startswith("fp8_ds_mla") else 128), 3
+    g = torch.Generator().manual_seed(61)
+    pages = torch.randint(0, 256, (4, lay.page_bytes(B, dim)), generator=g, dtype=torch.uint8)
+    rows = torch.randn(6, dim, generator=g) * 3
+    for slots in ([5, -1, 0, 11, -1, 7], [-1] * 6):
+        host, free = pages.clone(), pages.clone()
+        write_kept_records(lay, host, torch.tensor(slots, dtype=torch.int32), rows, block_size=B)
+        write_records_sync_free(lay, free, torch.tensor(slots, dtype=torch.int32), rows, block_size=B)
+        assert torch.equal(free, host) and torch.equal(host, pages) == (max(slots) < 0)
+
+
+@pytest.mark.parametrize("kind", list(LAYOUTS))
+def test_a_host_cache_has_no_kernel_store(kind):
+    """Our kernels store rows into GPU caches only: a host cache's rows go through its writer."""
+    cache = make_cache(kind, 3, 2)
+    assert cache.store is None and cache.access.store is None
 
 
 # ==================================================================================================

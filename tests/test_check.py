@@ -97,13 +97,10 @@ class FakeLayout:
     def allocate(self, **kw):
         raise AssertionError("check() must not allocate")
 
-    def write(self, *a, **kw):
-        raise AssertionError("check() must not write")
-
     def read(self, *a, **kw):
         raise AssertionError("check() must not read")
 
-    def kernel_store(self, *a, **kw):
+    def access(self, *a, **kw):
         raise AssertionError("check() must not build a cache")
 
 

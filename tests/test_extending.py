@@ -14,7 +14,7 @@ import dsv4
 from dsv4 import oracle
 from dsv4.checks.compat import check
 from dsv4.formats.row_format import BF16_ROWS, RowFormat, plain_rows
-from dsv4.strategies.protocols import CacheLayout, Needs
+from dsv4.strategies.protocols import CacheAccess, CacheLayout, Needs
 from tests.conftest import run_py
 
 LAYOUTS = {"fp16_rows": "Fp16Rows", "my_bf16_rows": "MyBf16Rows"}
@@ -44,16 +44,16 @@ class Fp16Rows:
     def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str):
         return torch.zeros(num_blocks, block_size, head_dim, dtype=torch.float16, device=device)
 
-    def write(self, cache, slots, rows, *, block_size: int) -> None:
-        flat, keep = cache.view(-1, cache.shape[-1]), slots >= 0      # the CPU's scatter (reads the mask)
-        flat[slots[keep].long()] = rows[keep].to(flat.dtype)
-
     def read(self, cache, slots, *, block_size: int):
         rows = cache.view(-1, cache.shape[-1])[slots.clamp(min=0).long()].float()
         return torch.where((slots >= 0)[..., None], rows, torch.zeros((), dtype=rows.dtype))
 
-    def kernel_store(self, cache, block_size: int):
-        return None                          # rows go through `write`
+    def access(self, cache, *, block_size: int, gpu: bool) -> CacheAccess:
+        def write(slots, rows) -> None:
+            flat, keep = cache.view(-1, cache.shape[-1]), slots >= 0  # the CPU's scatter (reads the mask)
+            flat[slots[keep].long()] = rows[keep].to(flat.dtype)
+
+        return CacheAccess(write=write)       # no kernel store: rows go through `write`
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,7 +72,7 @@ class MyBf16Rows:
 
     # two bytes a value too: the rest as Fp16Rows does it
     needs, bytes_per_token, page_bytes = Fp16Rows.needs, Fp16Rows.bytes_per_token, Fp16Rows.page_bytes
-    write, read, kernel_store = Fp16Rows.write, Fp16Rows.read, Fp16Rows.kernel_store
+    read, access = Fp16Rows.read, Fp16Rows.access
 
 
 @pytest.fixture

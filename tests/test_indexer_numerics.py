@@ -240,7 +240,7 @@ def written_pages(lay, B: int, seed: int):
     cache = lay.allocate(num_blocks=3, block_size=B, head_dim=128, device="cpu")
     assert cache.shape == (3, B * (D + S)) and cache.dtype == torch.uint8
     rows = torch.randn(3, 128, generator=torch.Generator().manual_seed(seed))
-    lay.write(cache, torch.tensor([6, -1, 9]), rows, block_size=B)
+    lay.access(cache, block_size=B, gpu=False).write(torch.tensor([6, -1, 9]), rows)
     data, scales = lay.pack(rows)
     for i, slot in ((0, 6), (2, 9)):
         page, t = divmod(slot, B)

@@ -344,7 +344,7 @@ def test_fp8_ds_mla_writer_bytes(fnuz, bs, extra, dtype):
     rows[11] = float("nan")
     rows[15, 3] = float("inf")
     ref = pages.clone()
-    lay.write(ref, slots, rows, block_size=bs)
+    lay.access(ref, block_size=bs, gpu=False).write(slots, rows)
     out = dev(pages)
     write_fp8_ds_mla_kernel(out, dev(slots), dev(rows), block_size=bs, fnuz=fnuz)
     out = out.cpu()
@@ -361,7 +361,7 @@ def test_fp8_ds_mla_writer_many_random_rows(fnuz):
     slots[::7] = -1
     rows = torch.randn(N, 512, generator=g) * torch.exp(torch.randn(N, 1, generator=g) * 3)
     ref = pages.clone()
-    lay.write(ref, slots, rows, block_size=bs)
+    lay.access(ref, block_size=bs, gpu=False).write(slots, rows)
     out = dev(pages)
     write_fp8_ds_mla_kernel(out, dev(slots), dev(rows), block_size=bs, fnuz=fnuz)
     assert torch.equal(out.cpu(), ref)
@@ -379,7 +379,7 @@ def test_plain_row_writer(cache_dtype, row_dtype):
     rows = torch.randn(6, 96, generator=g).to(row_dtype)
     rows[1] = float("nan")
     ref = cache.clone()
-    lay.write(ref, slots, rows, block_size=4)
+    lay.access(ref, block_size=4, gpu=False).write(slots, rows)
     out = dev(cache)
     write_rows_kernel(out, dev(slots), dev(rows))
     assert torch.equal(out.cpu(), ref)
@@ -419,7 +419,7 @@ def test_kv_rows_store_into_the_cache(layout):
     want_faults = torch.ones(3, T, dtype=torch.bool)
     rows, store = kv_rows(kv, weight, rot, slots, want_faults, eps=EPS, dtype=torch.bfloat16)
     want = pages.clone()
-    lay.write(want, store, rows, block_size=bs)
+    lay.access(want, block_size=bs, gpu=False).write(store, rows)
     got, faults = dev(pages), dev(torch.ones(3, T, dtype=torch.bool))
     assert kv_rows_kernel(dev(kv), dev(weight), dev(rot.cos), dev(rot.sin), dev(slots), faults, eps=EPS,
                           dtype=torch.bfloat16, into=row_store(layout, got, bs)) is None
@@ -523,7 +523,7 @@ def test_compress_kernel_stores_fp4_keys(keys, nan):
     ref_faults = torch.ones(3, T, dtype=torch.bool)
     rows, store = comp.entries(scores, plan, ref_state, rot, ref_faults, 2)
     want = pages.clone()
-    lay.write(want, store, IndexerNumerics.FP4.apply(rows), block_size=bs)
+    lay.access(want, block_size=bs, gpu=False).write(store, IndexerNumerics.FP4.apply(rows))
     got, faults, got_state = dev(pages), dev(torch.ones(3, T, dtype=torch.bool)), dev(state)
     into = {"mxfp4": fp4_record_store, "fp8": fp8_key_store}[keys](got, bs, D) if keys in ("mxfp4", "fp8") \
         else row_store(keys, got, bs)
@@ -619,7 +619,7 @@ def test_compress_stores_into_the_cache(R, D, layout):
     pages = random_cache(lay, plan.entries[R].table.pages.numel(), bs, D, gen(53))
     (rows, store, faults, data), _ = compress_both(comp, scores, plan, state, R)
     want = pages.clone()
-    lay.write(want, store, rows, block_size=bs)
+    lay.access(want, block_size=bs, gpu=False).write(store, rows)
     rot = plan.rope_rows(ROPE, shift=R)
     got, got_faults, got_state = dev(pages), dev(torch.ones(3, plan.num_tokens, dtype=torch.bool)), dev(state.data)
     compress_kernel(dev(scores), dev(comp.ape), dev(comp.norm), dev(rot.cos), dev(rot.sin), dev(plan.positions),
@@ -705,7 +705,7 @@ def record_twin(keys, record: str = "mxfp4"):
     lay = (Mxfp4KeyLayout if record == "mxfp4" else Fp8KeyLayout)(head_dim=dim)
     pages = lay.allocate(num_blocks=keys.data.shape[0], block_size=bs, head_dim=dim, device="cpu")
     slots = torch.arange(keys.num_slots)
-    lay.write(pages, slots, keys.read(slots), block_size=bs)
+    lay.access(pages, block_size=bs, gpu=False).write(slots, keys.read(slots))
     rec = PagedCache(name="indexer_keys", layout=lay, data=pages, block_size=bs, head_dim=dim)
     rows = PagedCache(name="indexer_keys", layout=PlainRowLayout(name="bf16", dtype="bfloat16"),
                       data=lay.read(pages, slots, block_size=bs).bfloat16().view(-1, bs, dim), block_size=bs,

@@ -256,7 +256,7 @@ def test_bf16_layout_reads_back_the_rounded_row_exactly():
     assert data.dtype == torch.bfloat16 and data.shape == (4, 3, D)
     rows = torch.randn(12, D, generator=g) * torch.logspace(-3, 3, 12)[:, None]
     slots = torch.randperm(12, generator=g).to(torch.int32)
-    lay.write(data, slots, rows, block_size=3)
+    lay.access(data, block_size=3, gpu=False).write(slots, rows)
     got = lay.read(data, slots, block_size=3)
     assert got.dtype == torch.float32
     assert torch.equal(got, rows.bfloat16().float())                 # bf16-rounded, nothing else
@@ -266,12 +266,12 @@ def test_bf16_layout_reads_back_the_rounded_row_exactly():
     r = lay.read(data, pad, block_size=3)
     assert torch.equal(r[0, 0], rows[0].bfloat16().float()) and bool((r[0, 1] == 0).all())
     before = data.clone()
-    lay.write(data, torch.tensor([-1, -1], dtype=torch.int32), torch.randn(2, D), block_size=3)
+    lay.access(data, block_size=3, gpu=False).write(torch.tensor([-1, -1], dtype=torch.int32), torch.randn(2, D))
     assert torch.equal(data, before)
     # float32 rows are stored as they are
     lay32 = PlainRowLayout(name="float32", dtype="float32")
     d32 = lay32.allocate(num_blocks=4, block_size=3, head_dim=D, device="cpu")
-    lay32.write(d32, slots, rows, block_size=3)
+    lay32.access(d32, block_size=3, gpu=False).write(slots, rows)
     assert torch.equal(lay32.read(d32, slots, block_size=3), rows)
 
 

@@ -331,16 +331,10 @@ def test_the_layer_is_handed_its_ops_not_a_target_it_compares_with_none():
 
 
 # The strategies' reads of where a tensor lives, each (file under dsv4/strategies, function) with its reason.
-# A CacheLayout's `write` and `kernel_store` are handed the cache tensor alone (its Protocol gives them no device
-# and no state of the cache's own), so a layout reads there whether the cache is on a GPU: `kernel_store` once per
-# cache (its PagedCache makes its store with it), `write` per call for the layouts whose GPU rows our Triton writers
-# store. `mm_f32` serves ReferenceLinear, which hands it the weight alone (the layer takes `f32_product` once).
-# Anything else chooses its implementation once, where the device is known (a `prepare`, the layer's build).
+# `mm_f32` serves ReferenceLinear, which hands it the weight alone (the layer takes `f32_product` once).
+# Anything else chooses its implementation once, where the device is known (a `prepare`, the layer's build, a
+# cache layout's `access` when its PagedCache is made).
 DEVICE_READS = {
-    ("cache_layout/plain.py", "write"), ("cache_layout/plain.py", "kernel_store"),
-    ("cache_layout/fp8_ds_mla.py", "write"), ("cache_layout/fp8_ds_mla.py", "kernel_store"),
-    ("cache_layout/fp8_ds_mla_fnuz.py", "write"), ("cache_layout/fp8_ds_mla_fnuz.py", "kernel_store"),
-    ("indexer/key_layouts.py", "kernel_store"),
     ("linear/common.py", "mm_f32"),
 }
 

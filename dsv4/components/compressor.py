@@ -152,7 +152,7 @@ class CompressPart:
 
 def compress_all(parts, plan, rot, faults) -> None:
     """Compressors of one ratio over the same step (CompressPart; a ratio-4 layer's and its indexer's), their
-    closed entries stored into their caches: each through `entries`, its numerics and its layout's `write`
+    closed entries stored into their caches: each through `entries`, its numerics and its cache's writer
     (the torch code; the Triton ops launch the compress kernel instead)."""
     for p in parts:
         rows, store = p.compressor.entries(p.scores, plan, p.state, rot, faults, p.fault_row)
@@ -162,7 +162,7 @@ def compress_all(parts, plan, rot, faults) -> None:
 def launch_compress(parts, plan, rot, faults) -> list:
     """dsv4/kernels/front/compress.py's kernel, one launch for parts (compressor, scores, state, fault_row,
     RowStore or None, FP4 numerics) -> per part None (stored into its RowStore) or (rows, store) for its
-    layout's `write`, as `Compressor.entries` gives them."""
+    cache's writer, as `Compressor.entries` gives them."""
     from dsv4.kernels.front.compress import CompressJob, compress_kernels
 
     first, block = parts[0][0], parts[0][2].block_size

@@ -51,7 +51,7 @@ def kv_rows(kv, weight, rot: RopeRows, slots, faults, *, eps: float, dtype):
 def front_rows(q, kv, weight, rot: RopeRows, slots, faults, cache, *, padded_heads: int, eps: float, dtype,
                iq=None, iq_dtype=None, iq_fp4: bool = False, iq_weights=None, iq_w_scale: float = 1.0):
     """The front of the layer: `q_rows` of q and `kv_rows` of kv, stored into `cache` (a PagedCache) at their
-    slots through its layout's `write`; -> (q rows, None). The indexer's queries (iq and the arguments after
+    slots through the cache's writer; -> (q rows, None). The indexer's queries (iq and the arguments after
     it, which the Triton ops' one launch takes) are left to `Indexer.queries` here (`LayerOps.front_queries`)."""
     q_out = q_rows(q, rot, padded_heads=padded_heads, eps=eps, dtype=dtype)
     rows, store = kv_rows(kv, weight, rot, slots, faults, eps=eps, dtype=dtype)

@@ -7,6 +7,8 @@ flavour converters) share the record. Rows are quantized from their bf16 roundin
 ops do."""
 from __future__ import annotations
 
+from functools import partial
+
 from dsv4.formats.fp8 import FNUZ_NAN
 from dsv4.formats.scatter import kept_rows
 from dsv4.values.sizes import round_up
@@ -73,25 +75,35 @@ def decode_records(data, scales, fp8, *, nope_dim: int = NOPE_BYTES, tile: int =
     return torch.cat((nope, rope), -1)
 
 
-def write_records(layout, cache, slots, rows, *, block_size: int) -> None:
-    """Pack rows with `layout.pack` into their slots (-1: skip) of fp8_ds_mla-geometry pages: on the CPU
-    the kept rows only, on a GPU every row sync-free (`kept_rows`)."""
+def write_kept_records(layout, cache, slots, rows, *, block_size: int) -> None:
+    """Pack the kept rows (slots >= 0) with `layout.pack` into their slots of fp8_ds_mla-geometry pages:
+    the host's writer (it reads how many rows are kept)."""
+    keep = (slots >= 0).nonzero().squeeze(-1)      # zero rows pack and write nothing
+    data, scales = layout.pack(rows.index_select(0, keep))
+    di, si = record_offsets(cache, slots.index_select(0, keep), block_size, data.shape[-1], scales.shape[-1])
+    flat = cache.view(-1)
+    flat[di] = data
+    flat[si] = scales
+
+
+def write_records_sync_free(layout, cache, slots, rows, *, block_size: int) -> None:
+    """`write_kept_records`' bytes, packing every row and reading nothing on the host (`kept_rows`): a
+    GPU's writer, whose writes a captured step replays."""
     import torch
 
     flat = cache.view(-1)
-    if not cache.is_cuda:
-        keep = (slots >= 0).nonzero().squeeze(-1)      # zero rows pack and write nothing
-        data, scales = layout.pack(rows.index_select(0, keep))
-        di, si = record_offsets(cache, slots.index_select(0, keep), block_size, data.shape[-1], scales.shape[-1])
-        flat[di] = data
-        flat[si] = scales
-        return
     src, any_kept = kept_rows(slots)
     data, scales = layout.pack(rows.index_select(0, src))
     di, si = record_offsets(cache, slots.index_select(0, src).clamp(min=0), block_size, data.shape[-1],
                             scales.shape[-1])
     flat[di] = torch.where(any_kept, data, flat[di])
     flat[si] = torch.where(any_kept, scales, flat[si])
+
+
+def records_writer(layout, cache, *, block_size: int, gpu: bool):
+    """The writer (slots, rows) -> None of `layout`'s records into `cache`, for its device: on a GPU the
+    sync-free one, on the host the kept rows alone."""
+    return partial(write_records_sync_free if gpu else write_kept_records, layout, cache, block_size=block_size)
 
 
 def read_records(layout, cache, slots, *, block_size: int, data_bytes: int = DATA_BYTES,

@@ -48,10 +48,11 @@ def stored_keys(layout, rows):
     n, dim = rows.shape[0] * BS, rows.shape[-1]
     data = layout.allocate(num_blocks=rows.shape[0], block_size=BS, head_dim=dim, device=rows.device)
     flat = rows.view(n, dim)
+    keys = PagedCache(name="indexer_keys", layout=layout, data=data, block_size=BS, head_dim=dim)
     for s0 in range(0, n, PIECE):
         slots = torch.arange(s0, min(n, s0 + PIECE), device=rows.device)
-        layout.write(data, slots, flat[slots], block_size=BS)
-    return PagedCache(name="indexer_keys", layout=layout, data=data, block_size=BS, head_dim=dim)
+        keys.write(slots, flat[slots])
+    return keys
 
 
 def as_bf16_rows(keys):

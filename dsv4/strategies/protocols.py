@@ -13,7 +13,7 @@ or added to after build.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from dsv4.formats.fp8_blocks import Fp8Blocks, Fp8Rows, LinearNumerics
 from dsv4.formats.indexer_numerics import IndexerNumerics, QueryFormat
@@ -109,6 +109,16 @@ class OProjWeights:
     wo_a_scale: Tensor | None = None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheAccess:
+    """How rows get into one cache, chosen by its layout once, when the cache is made on its device
+    (`CacheLayout.access`), so that no write asks a tensor where it lives."""
+    write: Callable[[Tensor, Tensor], None]   # (global slots, rows): rows stored at their slots (-1: skip)
+    # how the layer's own kernels store rows as they make them (kernels/front/cache_write.RowStore), None
+    # where they cannot (a CPU cache, a layout they have no store for): then rows go through `write`
+    store: Any = None
+
+
 @runtime_checkable
 class CacheLayout(Protocol):
     """Bytes of one cached KV row, and how rows are written to and read from paged storage."""
@@ -125,11 +135,9 @@ class CacheLayout(Protocol):
     def bytes_per_token(self, head_dim: int) -> int: ...
     def page_bytes(self, block_size: int, head_dim: int) -> int: ...
     def allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: str) -> Tensor: ...
-    def write(self, cache: Tensor, slots: Tensor, rows: Tensor, *, block_size: int) -> None: ...
     def read(self, cache: Tensor, slots: Tensor, *, block_size: int) -> Tensor: ...
-    # how the layer's own kernels store rows into `cache` as they make them (kernels/cache_write.RowStore),
-    # None where they cannot (not a GPU tensor, or a layout they have no store for): then `write`
-    def kernel_store(self, cache: Tensor, block_size: int) -> Any: ...
+    # how rows get into `cache` (its writer and the kernels' store), chosen once for its device (`gpu`)
+    def access(self, cache: Tensor, *, block_size: int, gpu: bool) -> CacheAccess: ...
 
 
 @runtime_checkable

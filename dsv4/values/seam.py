@@ -72,15 +72,21 @@ class PagedCache:
     data: Any                   # layout.allocate(...): one leading page dimension
     block_size: int
     head_dim: int
-    # how our row-making kernels store into `data` directly (the layout's kernel_store), None where they cannot
-    store: Any = field(init=False, default=None, repr=False, compare=False)
+    # how rows get into `data` (the layout's CacheAccess): chosen once, here, where the cache's device is known
+    access: Any = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "store", self.layout.kernel_store(self.data, self.block_size))
+        object.__setattr__(self, "access", self.layout.access(self.data, block_size=self.block_size,
+                                                              gpu=self.data.is_cuda))
+
+    @property
+    def store(self):
+        """How our row-making kernels store into `data` directly (a RowStore), None where they cannot."""
+        return self.access.store
 
     def write(self, slots, rows) -> None:
-        """Store rows at global slots (-1: skip), through the layout."""
-        self.layout.write(self.data, slots, rows, block_size=self.block_size)
+        """Store rows at global slots (-1: skip), through the layout's writer for this cache."""
+        self.access.write(slots, rows)
 
     def read(self, slots):
         return self.layout.read(self.data, slots, block_size=self.block_size)

@@ -208,7 +208,7 @@ def write_rows_kernel(cache, slots, rows, *, num_warps: int = 4) -> None:
 class RowStore:
     """A cache as our row-making kernels (the SWA rows, the compressors' entries) store into it directly,
     with no row tensor in between: the kind of record and the views of its storage they write through.
-    Made once per cache (PagedCache) by its layout's `kernel_store`."""
+    Made once per cache (PagedCache) by its layout's `access`."""
     kind: int                  # the cache's RowFormat.code (a RowCode)
     block_size: int
     data: Any                  # uint8 pages (fp8 and FP4 kinds) or the plain [pages, B, D] rows
@@ -265,7 +265,7 @@ def check_store(into, dim: int, *, fp4: bool = False) -> None:
 
 def row_outputs(who: str, into, faults, fault_row: int, T: int, D: int, device, *, fp4: bool = False):
     """What a row-making kernel writes, checked: into a RowStore `into` (nothing comes back), or rows
-    [T, D] float32 and their slots [T] int32 for a layout's `write`; and row `fault_row` of faults ([F, T]
+    [T, D] float32 and their slots [T] int32 for the cache's writer (`PagedCache.write`); and row `fault_row` of faults ([F, T]
     bool). -> (rows, store, the kernel's (out, store, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride,
     n_slots) arguments, its KIND and BS constexprs); rows and store are None with `into`."""
     import torch

@@ -1,18 +1,20 @@
 """cache_layout=fp8_ds_mla: DeepSeek-V4's fp8 record, byte for byte FlashMLA's "MODEL1" format
 (docs/numerics.md §3.2; the record and its pages: dsv4/formats/fp8_ds_mla.py), OCP e4m3 NoPE bytes. On a
-GPU rows are written by our Triton writer or, inside the layer, stored by its kernels (a RowStore)."""
+GPU rows are written by our Triton writer or, inside the layer, stored by its kernels (a RowStore): chosen
+once per cache (`access`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 from dsv4.formats.fp8 import E4M3_MAX, e4m3_dtype
 from dsv4.formats.fp8_ds_mla import (NOPE_BYTES, check_row_dim, decode_records, encode_records, page_bytes,
-                                     read_records, write_records)
+                                     read_records, records_writer)
 from dsv4.formats.row_format import FP8_DS_MLA, RowFormat
 from dsv4.values.settings import at_least
 from dsv4.strategies.cache_layout.common import FP8_ROWS_ROUNDING_BUDGET
-from dsv4.strategies.protocols import Needs
+from dsv4.strategies.protocols import CacheAccess, Needs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,19 +65,15 @@ class Fp8DsMlaLayout:
         """(data [..., 576], scales [..., 8]) -> [..., 512] float32."""
         return decode_records(data, scales, e4m3_dtype(), nope_dim=self.nope_dim, tile=self.tile)
 
-    def write(self, cache, slots, rows, *, block_size: int) -> None:
-        if cache.is_cuda and (self.nope_dim, self.rope_dim, self.tile) == (NOPE_BYTES, 64, 64):
-            from dsv4.kernels.front.cache_write import write_fp8_ds_mla_kernel
-            write_fp8_ds_mla_kernel(cache, slots, rows, block_size=block_size)
-            return
-        write_records(self, cache, slots, rows, block_size=block_size)
-
     def read(self, cache, slots, *, block_size: int):
         return read_records(self, cache, slots, block_size=block_size, data_bytes=self.data_bytes,
                             scale_bytes=self.scale_bytes)
 
-    def kernel_store(self, cache, block_size: int):
-        if not (cache.is_cuda and (self.nope_dim, self.rope_dim, self.tile) == (NOPE_BYTES, 64, 64)):
-            return None
-        from dsv4.kernels.front.cache_write import fp8_ds_mla_store
-        return fp8_ds_mla_store(cache, block_size)
+    def access(self, cache, *, block_size: int, gpu: bool) -> CacheAccess:
+        """On a GPU our Triton writer and the kernels' store (the record as DSV4 has it: 448 + 64 dims, tiles
+        of 64), else torch's packing (sync-free on a GPU)."""
+        if not (gpu and (self.nope_dim, self.rope_dim, self.tile) == (NOPE_BYTES, 64, 64)):
+            return CacheAccess(write=records_writer(self, cache, block_size=block_size, gpu=gpu))
+        from dsv4.kernels.front.cache_write import fp8_ds_mla_store, write_fp8_ds_mla_kernel
+        return CacheAccess(write=partial(write_fp8_ds_mla_kernel, cache, block_size=block_size),
+                           store=fp8_ds_mla_store(cache, block_size))

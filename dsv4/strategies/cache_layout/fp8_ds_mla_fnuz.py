@@ -17,13 +17,14 @@ converters at the end are therefore lossless both ways.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 from dsv4.formats.fp8_ds_mla import (DATA_BYTES, FNUZ_QUANT_MAX, SCALE_BYTES, check_row_dim, decode_records,
-                                     encode_records, page_bytes, read_records, write_records)
+                                     encode_records, page_bytes, read_records, records_writer)
 from dsv4.formats.row_format import FP8_DS_MLA_FNUZ, RowFormat
 from dsv4.strategies.cache_layout.common import FP8_ROWS_ROUNDING_BUDGET
-from dsv4.strategies.protocols import Needs
+from dsv4.strategies.protocols import CacheAccess, Needs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,18 +67,13 @@ class Fp8DsMlaFnuzLayout:
 
         return decode_records(data, scales, torch.float8_e4m3fnuz)
 
-    def write(self, cache, slots, rows, *, block_size: int) -> None:
-        if cache.is_cuda:
-            from dsv4.kernels.front.cache_write import write_fp8_ds_mla_kernel
-            write_fp8_ds_mla_kernel(cache, slots, rows, block_size=block_size, fnuz=True)
-            return
-        write_records(self, cache, slots, rows, block_size=block_size)
-
     def read(self, cache, slots, *, block_size: int):
         return read_records(self, cache, slots, block_size=block_size)
 
-    def kernel_store(self, cache, block_size: int):
-        if not cache.is_cuda:
-            return None
-        from dsv4.kernels.front.cache_write import fp8_ds_mla_store
-        return fp8_ds_mla_store(cache, block_size, fnuz=True)
+    def access(self, cache, *, block_size: int, gpu: bool) -> CacheAccess:
+        """On a GPU our Triton writer and the kernels' store, in FNUZ bytes; on the host torch's packing."""
+        if not gpu:
+            return CacheAccess(write=records_writer(self, cache, block_size=block_size, gpu=False))
+        from dsv4.kernels.front.cache_write import fp8_ds_mla_store, write_fp8_ds_mla_kernel
+        return CacheAccess(write=partial(write_fp8_ds_mla_kernel, cache, block_size=block_size, fnuz=True),
+                           store=fp8_ds_mla_store(cache, block_size, fnuz=True))

@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 from dsv4.formats.fp8 import E4M3_MAX, E4M3_MIN_SUBNORMAL, e4m3_dtype, e4m3_over
 from dsv4.formats.row_format import RowFormat, RowKind
 from dsv4.formats.scatter import kept_rows
 from dsv4.strategies.cache_layout.common import FP8_ROWS_ROUNDING_BUDGET
-from dsv4.strategies.protocols import Needs, SettingRange
+from dsv4.strategies.protocols import CacheAccess, Needs, SettingRange
 
 # Cached rows are RMS-normed (kv_norm, the compressors' norm) and queries too (per head): their values are
 # ~1 times the norm's weight. Over a scale below 1/448 a typical value passes e4m3's largest and saturates;
@@ -77,7 +78,7 @@ class Fp8PerTensorLayout:
     def quantize(x, scale: float):
         return e4m3_over(x, scale)
 
-    def write(self, cache, slots, rows, *, block_size: int) -> None:
+    def scatter(self, cache, slots, rows) -> None:
         """Rows quantized from their bf16 value, as vLLM's insert op does, at their slots (-1: skip): one
         scatter on every device that never reads how many rows are kept (`kept_rows`), so that a GPU step's
         writes can be captured; the bytes are those of the kept rows alone."""
@@ -97,5 +98,6 @@ class Fp8PerTensorLayout:
         rows = cache.view(-1, cache.shape[-1])[slots.clamp(min=0).long()].float() * self.kv_scale
         return torch.where((slots >= 0)[..., None], rows, torch.zeros((), device=rows.device))
 
-    def kernel_store(self, cache, block_size: int):
-        return None                                # rows go through `write`
+    def access(self, cache, *, block_size: int, gpu: bool) -> CacheAccess:
+        """One writer on every device (`scatter`); the kernels have no store for these rows."""
+        return CacheAccess(write=partial(self.scatter, cache))

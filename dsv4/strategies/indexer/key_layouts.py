@@ -1,6 +1,6 @@
 """The indexer's record layouts (CacheLayouts of its keys): mxfp4's packed FP4 records and the fp8
 options' fp8 records. A key is `data_bytes` of values and `scale_bytes` of scales, and a page of B keys
-holds its B value rows first, then its B scale rows (the fp8_ds_mla page geometry: `write_records`,
+holds its B value rows first, then its B scale rows (the fp8_ds_mla page geometry: `records_writer`,
 `read_records`). Each layout's own are its format (`pack`, `unpack`) and its kernel store.
 
 - fp8 records (`Fp8KeyLayout`; indexer=deepgemm_fp8 and triton_fp8): one key of Di dims is Di e4m3 bytes
@@ -24,9 +24,9 @@ from typing import ClassVar
 
 from dsv4.formats.fp4 import FP4_BLOCK, fp4_decode, fp4_encode, pow2_ceil
 from dsv4.formats.fp8 import E4M3_MAX
-from dsv4.formats.fp8_ds_mla import read_records, write_records
+from dsv4.formats.fp8_ds_mla import read_records, records_writer
 from dsv4.formats.row_format import FP8_KEYS, MXFP4_KEYS, RowFormat
-from dsv4.strategies.protocols import Needs
+from dsv4.strategies.protocols import CacheAccess, Needs
 
 
 def _needs(self, device) -> Needs:
@@ -52,9 +52,6 @@ def _allocate(self, *, num_blocks: int, block_size: int, head_dim: int, device: 
 def _read(self, cache, slots, *, block_size: int):
     return read_records(self, cache, slots, block_size=block_size, data_bytes=self.data_bytes,
                         scale_bytes=self.scale_bytes)
-
-
-_write = write_records          # (layout, cache, slots, rows, *, block_size)
 
 
 AMAX_MIN = 1e-4                 # the smallest amax a scale is taken from (a zero key: scale 2^-22)
@@ -91,7 +88,7 @@ class Fp8KeyLayout:
 
     # the record layouts' shared methods (above)
     needs, bytes_per_token, page_bytes = _needs, _bytes_per_token, _page_bytes
-    allocate, write, read = _allocate, _write, _read
+    allocate, read = _allocate, _read
 
     def pack(self, rows):
         """[N, Di] -> (e4m3 bytes [N, Di] uint8, the float32 scales' bytes [N, 4] uint8), from the
@@ -107,12 +104,14 @@ class Fp8KeyLayout:
 
         return data.contiguous().view(torch.float8_e4m3fn).float() * scales.contiguous().view(torch.float32)
 
-    def kernel_store(self, cache, block_size: int):
-        """On a GPU, the compress kernel stores the keys as these records (dsv4/kernels/front/cache_write.py)."""
-        if not cache.is_cuda:
-            return None
-        from dsv4.kernels.front.cache_write import fp8_key_store
-        return fp8_key_store(cache, block_size, self.head_dim)
+    def access(self, cache, *, block_size: int, gpu: bool) -> CacheAccess:
+        """Keys written as records by torch (sync-free on a GPU), where the compress kernel also stores them
+        (dsv4/kernels/front/cache_write.py)."""
+        store = None
+        if gpu:
+            from dsv4.kernels.front.cache_write import fp8_key_store
+            store = fp8_key_store(cache, block_size, self.head_dim)
+        return CacheAccess(write=records_writer(self, cache, block_size=block_size, gpu=gpu), store=store)
 
 
 def fp8_queries(q, w, w_scale: float):
@@ -160,7 +159,7 @@ class Mxfp4KeyLayout:
 
     # the record layouts' shared methods (above)
     needs, bytes_per_token, page_bytes = _needs, _bytes_per_token, _page_bytes
-    allocate, write, read = _allocate, _write, _read
+    allocate, read = _allocate, _read
 
     def pack(self, rows):
         """[N, Di] -> (codes [N, Di/2] uint8, scales [N, Di/32] uint8): rows FP4-quantized as fp4_sim does
@@ -175,9 +174,11 @@ class Mxfp4KeyLayout:
         codes = torch.stack((data & 15, data >> 4), -1).flatten(-2)
         return fp4_decode(codes, scales, self.block)
 
-    def kernel_store(self, cache, block_size: int):
-        """On a GPU, the compress kernel stores FP4-simulated keys as these records (dsv4/kernels/indexer/hadamard_fp4.py)."""
-        if not cache.is_cuda:
-            return None
-        from dsv4.kernels.front.cache_write import fp4_record_store
-        return fp4_record_store(cache, block_size, self.head_dim)
+    def access(self, cache, *, block_size: int, gpu: bool) -> CacheAccess:
+        """Keys written as records by torch (sync-free on a GPU), where the compress kernel also stores
+        FP4-simulated keys as these records (dsv4/kernels/indexer/hadamard_fp4.py)."""
+        store = None
+        if gpu:
+            from dsv4.kernels.front.cache_write import fp4_record_store
+            store = fp4_record_store(cache, block_size, self.head_dim)
+        return CacheAccess(write=records_writer(self, cache, block_size=block_size, gpu=gpu), store=store)
