@@ -15,8 +15,22 @@ from dsv4.speed.tables import differences, load, regenerate, render
 from tests.conftest import ROOT
 
 DOC, ROWS = ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "bench" / "rows"
+# the rows files the rendering tests read (figures of them are named below), whatever rows are added later
+FIXTURE_FILES = ("2026-12-02_eb6a5d8_nvidia-h200.jsonl", "2026-12-04_9339392_nvidia-h200.jsonl")
 H200 = {"name": "NVIDIA H200", "sm": "sm90", "sms": 132}
 PACKAGES = {"torch": "2.11.0+cu130", "triton": "3.6.0"}
+
+
+def fixture_rows() -> list[dict]:
+    """The rows of FIXTURE_FILES, oldest first, as `load` orders a folder's."""
+    return [r for r in load(ROWS) if any(r in read(ROWS / name) for name in FIXTURE_FILES)]
+
+
+def hand_edit(text: str) -> str:
+    """The document with one cell of the DSV4-Flash decode grid's first row typed over."""
+    start = text.index("\n| c4a |", text.index("<!-- table: grid/dsv4_flash/decode -->")) + 1
+    end = text.index("\n", start)
+    return text[:end] + " 1 |" + text[end:]
 
 
 def given_stamp(date="2026-12-05", commit="abc1234", time=None) -> dict:
@@ -100,7 +114,7 @@ def test_the_grid_writes_its_points_as_rows_of_the_documents_grid_tables():
     assert r["ours"] == {"fastest preset": "flashmla", "ours": 99.0, "triton preset": 101.0, "triton / ours": 1.02,
                          "ours / faster engine": 0.9402, "replay == eager": True}
     assert r["peers"] == {"vLLM": 105.3, "SGLang": 109.4}
-    rows = load(ROWS) + [r | {"stamp": given_stamp("2099-01-01", "fffffff")}]
+    rows = fixture_rows() + [r | {"stamp": given_stamp("2099-01-01", "fffffff")}]
     body = render("grid/dsv4_flash/decode", rows)
     assert "| c4a | 1 @ 8192 | flashmla | 99.0 | 101.0 | 1.02 | 105.3 | 109.4 | 0.9402 | yes |" in body
     assert "| c4a | 16 @ 8192 | flashmla | 114 | 117 | 1.02 | 121 | 125 | 0.943 | - |" in body     # older, kept
@@ -117,7 +131,7 @@ def test_the_indexer_table_writes_the_documents_scores_and_top_k_table():
     assert r["table"] == "indexer/scores_top_k" and r["case"] == {"context": "8k", "indexer": "deepgemm_fp8"}
     assert r["ours"] == {"scores": 10.51, "scores + top-k, `top_k=triton`": 19.87}
     assert r["peers"] == {"scores + top-k, `top_k=flashinfer`": 27.03}
-    body = render("indexer/scores_top_k", load(ROWS) + [r | {"stamp": given_stamp("2099-01-01")}])
+    body = render("indexer/scores_top_k", fixture_rows() + [r | {"stamp": given_stamp("2099-01-01")}])
     assert "\n| 8k | deepgemm_fp8 | 10.51 | **19.87** | 27.03 |\n" in body        # the document's columns, replaced
     assert "\n| 64k | triton_fp8 | 87.6 | 114 | **109** |\n" in body                # the others kept
 
@@ -130,7 +144,7 @@ def test_the_documents_tables_are_what_its_rows_make():
     assert len(re.findall(r"<!-- table: ", text)) >= 11
     assert differences(text, rows) == {}, "run: python bench/tables.py"
     assert regenerate(text, rows) == text
-    edited = text.replace("| c4a | 16 @ 8192 | flashmla | 114 |", "| c4a | 16 @ 8192 | flashmla | 104 |", 1)
+    edited = hand_edit(text)
     assert edited != text and list(differences(edited, rows)) == ["grid/dsv4_flash/decode"]
     with pytest.raises(ValueError, match=r"tables \['nosuch'\] have no rows"):
         regenerate(text + "\n<!-- table: nosuch -->\n<!-- end table -->\n", rows)
@@ -142,8 +156,25 @@ def test_the_generator_script_checks_and_writes(tmp_path, capsys):
     spec.loader.exec_module(script)
     assert script.main(["--check"]) == 0
     doc = tmp_path / "benchmarks.md"
-    doc.write_text(DOC.read_text(encoding="utf-8").replace("| 0.964 |", "| 0.9 |", 1), encoding="utf-8")
+    doc.write_text(hand_edit(DOC.read_text(encoding="utf-8")), encoding="utf-8")
     assert script.main(["--check", "--doc", str(doc)]) == 1
     assert "the table grid/dsv4_flash/decode differs" in capsys.readouterr().out
     assert script.main(["--doc", str(doc)]) == 0 and script.main(["--check", "--doc", str(doc)]) == 0
     assert doc.read_text(encoding="utf-8") == DOC.read_text(encoding="utf-8")
+
+
+def test_a_rows_folder_that_cannot_be_written_is_refused_before_any_table(compose_cfg, tmp_path):
+    """`+bench_rows=PATH` is judged before the GPU is asked for anything (a file in the way here); outside
+    mode=bench the setting is named as having no effect."""
+    from dsv4.app.dispatch import run_config
+    from dsv4.app.job import make_job
+    from dsv4.checks.no_effect import inert_settings
+    from dsv4.values.errors import ConfigError
+
+    (tmp_path / "taken").write_text("")
+    cfg = compose_cfg(["model=dsv4_tiny", "mode=bench", f"+bench_rows={tmp_path / 'taken'}"])
+    with pytest.raises(ConfigError, match=r"^bench_rows=.*taken: .*; fix: \+bench_rows="):
+        run_config(cfg, out_dir=tmp_path / "run")
+    job = make_job(compose_cfg(["model=dsv4_tiny", f"+bench_rows={tmp_path}"]), out_dir=tmp_path / "run")
+    assert inert_settings(job, [f"+bench_rows={tmp_path}"]) == [
+        f"+bench_rows={tmp_path} has no effect: bench_rows is where mode=bench writes"]

@@ -472,7 +472,7 @@ def test_the_sync_free_record_writer_stores_the_host_writers_bytes(lay):
 
 
 @pytest.mark.parametrize("kind", list(LAYOUTS))
-def test_a_host_cache_has_no_kernel_store(kind):
+def test_a_host_cache_has_no_store_for_the_kernels(kind):
     """Our kernels store rows into GPU caches only: a host cache's rows go through its writer."""
     cache = make_cache(kind, 3, 2)
     assert cache.store is None and cache.access.store is None

@@ -131,15 +131,6 @@ def test_each_option_is_a_module_of_its_groups_folder_that_no_other_strategy_imp
             assert not bad, f"{m} imports the option modules {bad}"
 
 
-def test_the_components_choose_their_implementation_once_not_by_the_tensor():
-    """The layer's own pieces run their kernels or their torch code as the `kernels` value resolved when the
-    layer is built says (dsv4.kernels.target.device_target), never by asking a tensor where it lives."""
-    bad = sorted(f"{p.name}:{node.lineno}" for p in (ROOT / "components").glob("*.py")
-                 for node in ast.walk(ast.parse(p.read_text()))
-                 if isinstance(node, ast.Attribute) and node.attr == "is_cuda")
-    assert not bad, f"is_cuda read in dsv4/components: {bad}"
-
-
 def test_the_layer_types_are_one_table_below_everything():
     """dsv4/values/layer_types.py is pure data that imports nothing of ours, and no module but it spells a ratio's
     facts as literals: which ratio has a compressor or an indexer (a ratio compared with 1, 4 or 128), how a
@@ -308,50 +299,41 @@ def _device_reads(path: Path) -> list[tuple[str, int]]:
     return out
 
 
+def kernels_choices(source: str) -> list[str]:
+    """Where `source` takes a `kernels` argument or compares a `kernels` value with None (line, function)."""
+    def kernels(node) -> bool:
+        return getattr(node, "id", None) == "kernels" or getattr(node, "attr", None) == "kernels"
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            sides = [node.left, *node.comparators]
+            if any(kernels(s) for s in sides) and any(isinstance(s, ast.Constant) and s.value is None for s in sides):
+                out.append(f"{node.lineno}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            if any(x.arg == "kernels" for x in a.posonlyargs + a.args + a.kwonlyargs):
+                out.append(f"{node.lineno} ({node.name})")
+    return out
+
+
 def test_the_layer_is_handed_its_ops_not_a_target_it_compares_with_none():
     """The layer's own pieces run the ops the layer chose once when it was built (dsv4/components/layer_ops.py:
     the torch code or our Triton kernels): no function of dsv4/components takes a `kernels` value, and none
     compares one with None to pick its implementation on each call."""
-    def kernels(node) -> bool:
-        return getattr(node, "id", None) == "kernels" or getattr(node, "attr", None) == "kernels"
-
-    bad = []
-    for p in sorted((ROOT / "components").glob("*.py")):
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
-                sides = [node.left, *node.comparators]
-                if any(kernels(s) for s in sides) and any(isinstance(s, ast.Constant) and s.value is None
-                                                          for s in sides):
-                    bad.append(f"{p.name}:{node.lineno}")
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                a = node.args
-                if any(x.arg == "kernels" for x in a.posonlyargs + a.args + a.kwonlyargs):
-                    bad.append(f"{p.name}:{node.lineno} ({node.name})")
+    assert kernels_choices("def f(x, *, kernels=None):\n    if self.kernels is not None:\n        pass\n") == [
+        "1 (f)", "2"], "the rule finds what it is for"
+    bad = [f"{p.name}:{where}" for p in sorted((ROOT / "components").glob("*.py"))
+           for where in kernels_choices(p.read_text())]
     assert not bad, f"`kernels` taken or compared with None in dsv4/components: {bad}"
 
 
-# The strategies' reads of where a tensor lives, each (file under dsv4/strategies, function) with its reason.
-# `mm_f32` serves ReferenceLinear, which hands it the weight alone (the layer takes `f32_product` once).
-# Anything else chooses its implementation once, where the device is known (a `prepare`, the layer's build, a
-# cache layout's `access` when its PagedCache is made).
-DEVICE_READS = {
-    ("linear/common.py", "mm_f32"),
-}
-
-
 def test_no_strategy_or_component_picks_its_implementation_by_a_tensors_device():
-    """No `.is_cuda` read in dsv4/components, and in dsv4/strategies only the reads DEVICE_READS lists (each
-    with its reason): an implementation is chosen once where the device is known, not per call by asking a
-    tensor where it lives."""
+    """No `.is_cuda` read in dsv4/components or dsv4/strategies: an implementation is chosen once where the
+    device is known (a `prepare`, the layer's build, a cache layout's `access` when its PagedCache is made),
+    not per call by asking a tensor where it lives."""
     assert _device_reads(ROOT / "kernels" / "target.py"), "the rule finds what it is for"
-    bad = [f"components/{p.name}:{n}" for p in sorted((ROOT / "components").glob("*.py"))
-           for _, n in _device_reads(p)]
-    seen = set()
-    for p in sorted((ROOT / "strategies").rglob("*.py")):
-        rel = p.relative_to(ROOT / "strategies").as_posix()
-        for where, n in _device_reads(p):
-            seen.add((rel, where))
-            if (rel, where) not in DEVICE_READS:
-                bad.append(f"strategies/{rel}:{n} ({where or 'module level'})")
+    bad = [f"{folder}/{p.relative_to(ROOT / folder).as_posix()}:{n} ({where or 'module level'})"
+           for folder in ("components", "strategies") for p in sorted((ROOT / folder).rglob("*.py"))
+           for where, n in _device_reads(p)]
     assert not bad, f".is_cuda read to pick an implementation: {bad}"
-    assert seen == DEVICE_READS, f"listed but gone (drop them from DEVICE_READS): {sorted(DEVICE_READS - seen)}"

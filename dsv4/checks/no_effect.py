@@ -42,6 +42,8 @@ RULES = (
     Inert(keys=("indexer.top_k",),
           why=lambda job, multirun: "on the CPU the indexer selects with torch.topk"
           if job.device.platform == "cpu" else None),
+    Inert(keys=("bench_rows",),
+          why=lambda job, multirun: None if job.run.mode == "bench" else "bench_rows is where mode=bench writes"),
     Inert(keys=("summary.",),
           why=lambda job, multirun: None if multirun else "summary is read when a sweep (-m) is summarized"),
 )

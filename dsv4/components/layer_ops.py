@@ -69,7 +69,7 @@ TORCH_OPS = TorchOps()
 class TritonOps:
     """Our Triton kernels (dsv4/kernels/front/, the indexer strategy's scoring kernel and top-k) on a GPU's
     tensors: the front in one launch that also makes the indexer's queries and stores the KV rows where the
-    cache's layout has a kernel store, the compressors' step in one launch. `target`: the device's facts.
+    cache's layout has a kernel store, the compressors' step in one launch. `target`: the device's facts, as the layer resolved them.
     A CPU tensor is refused (`check_on_gpu`)."""
     target: Target
     on_gpu: ClassVar[bool] = True
@@ -96,7 +96,7 @@ class TritonOps:
         """front.front_rows in one kernel that, given the indexer's queries iq, makes them too (RoPE, then with
         `iq_fp4` the published FP4 numerics, into `iq_dtype`; for e4m3, with their head weights `iq_weights`
         folded, as `front_kernel` says); it stores the KV rows itself where the cache's layout has a kernel
-        store, otherwise they go through the layout's `write`."""
+        store, otherwise they go through the cache's writer."""
         from dsv4.kernels.front.layer_front import front_kernel
 
         check_on_gpu(q, "front_rows")
@@ -110,7 +110,7 @@ class TritonOps:
     def compress(self, parts, plan, rot: RopeRows, faults) -> None:
         """compressor.compress_all in one launch where the kernel can store every part's entries
         (`kernel_stores`); otherwise a launch per part, storing its entries where it can and its numerics are
-        the rows themselves, else handing them back for its numerics and its layout's `write`."""
+        the rows themselves, else handing them back for its numerics and its cache's writer."""
         for p in parts:
             check_on_gpu(p.scores, "compress")
         if all(p.kernel_stores for p in parts):

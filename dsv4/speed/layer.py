@@ -118,8 +118,6 @@ class _RecordScores:
 def component_us(layer, x, plan, caches) -> dict[str, float]:
     """The step's GEMMs, MQA kernel, o_proj and (ratio 4) indexer scores and top-k, each timed alone in a
     CUDA graph on the inputs the layer gives them."""
-    from dsv4.strategies.linear.common import mm_f32
-
     ops = layer.ops
     mqa, oproj, scores = _Record(layer.mqa_kernel), _Record(layer.o_proj), _Record(ops.index_scores)
     idx = layer.indexer
@@ -141,7 +139,7 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
                graph_time_us(lambda: lin(x, layer.x_proj, out_dtype=torch.float32))}
     else:
         out = {f"x @ [wq_a|wkv] ({name})": graph_time_us(lambda: lin(x, layer.x_proj)),
-               "x @ [compressors|head weights] (f32 out)": graph_time_us(lambda: mm_f32(x, layer.w_tail))}
+               "x @ [compressors|head weights] (f32 out)": graph_time_us(lambda: layer.tail_product(x, layer.w_tail))}
     out[f"qr @ wq_b ({name})" if idx is None else f"qr @ [wq_b|indexer wq_b] ({name})"] = \
         graph_time_us(lambda: lin(qr, layer.q_proj))
     if idx is not None:

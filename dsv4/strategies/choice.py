@@ -1,8 +1,9 @@
 """The strategies of one layer, an option per group: what the builders take and what `check()` judges.
 
-No option is imported here (nor anywhere outside dsv4/strategies/ but the catalogue): each comes from its
-caller -- a configured job, the catalogue's defaults (configs/config.yaml, `catalogue.strategies`) or objects
-of the caller's own -- so that a default is written in one place only.
+No option is imported here (nor outside dsv4/strategies/ but by the catalogue and the benchmarks of
+dsv4/speed/, which time named kernels): each comes from its caller -- a configured job, the catalogue's
+defaults (configs/config.yaml, `catalogue.strategies`) or objects of the caller's own -- so that a default is
+written in one place only.
 """
 from __future__ import annotations
 

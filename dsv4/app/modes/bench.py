@@ -31,6 +31,12 @@ def rows_folder(job: Job) -> Path:
 def run_bench(job, ranks=None) -> None:
     """Every table, printed as it is measured (on rank 0 alone under torchrun: the tensor-parallel step), its
     rows appended to the run's file of rows."""
+    from dsv4.app.targets import unwritable
+
+    folder = rows_folder(job)
+    problem = unwritable(folder)            # judged before any table is measured, as a run's folder is
+    if problem:
+        raise ConfigError(f"bench_rows={folder}: {problem}; fix: +bench_rows=<a folder this process can write>")
     import torch
 
     from dsv4.speed.cases import SERVING_STEP, available_options
@@ -47,7 +53,7 @@ def run_bench(job, ranks=None) -> None:
     if job.device.platform != "cuda" or not torch.cuda.is_available():
         raise ConfigError(f"mode=bench times GPU kernels: deployment gives {job.device.describe()} and this "
                           f"machine has {'a' if torch.cuda.is_available() else 'no'} CUDA GPU")
-    record = open_rows(rows_folder(job))
+    record = open_rows(folder)
     if ranks is not None and ranks.distributed:
         t = bench_tp_step(job, ranks, record=record)
         if t is not None:

@@ -177,7 +177,7 @@ def compress_kernel(scores, ape, norm, cos, sin, positions, step_start, token_re
     entry is stored into `into` (a cache's RowStore) at its slot from `close_slots`, unless it is not all
     finite; without `into` -> (rows [T, head_dim] float32, the entry each token closes, zero where it
     closes none; store [T] int32: its slot, -1 where it closes none or the entry is refused) for the
-    layout's `write`. faults[fault_row] is set where a closed entry is refused.
+    cache's writer. faults[fault_row] is set where a closed entry is refused.
 
     scores, ape, norm, state as CompressJob's; cos/sin [T, 32] at each entry's first position,
     positions/step_start/keep_slots/close_slots [T] int32, token_request [T] int64, state_pages [B, P] int32

@@ -109,7 +109,7 @@ def _kv_part(t, kv_ptr, kv_stride, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, s
     finite = (y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) < BF16_INF_FROM     # finite once rounded to bf16
     bad = tl.min(finite.to(tl.int32), 0) == 0
     slot = tl.load(slot_ptr + t)
-    if KIND == NO_CACHE:                                             # the rows and their slots, for `write`
+    if KIND == NO_CACHE:                                             # the rows and their slots, for the writer
         tl.store(out_ptr + t.to(tl.int64) * D + dims, y)
         tl.store(store_ptr + t, tl.where(bad, -1, slot))
     else:                                                            # stored here (RowStore)
@@ -298,7 +298,7 @@ def kv_rows_kernel(kv, weight, cos, sin, slots, faults, *, eps: float, dtype, in
     float32, slots [T] int32 (-1: none). Each row: RMSNorm with `weight` rounded to `dtype`, then RoPE, in
     float32; refused where it is not all finite once rounded to bf16. With `into` (a cache's RowStore) the
     rows are stored there and nothing is returned; without, -> (rows [T, D] float32, store [T] int32:
-    `slots`, -1 for refused rows) for the cache layout's `write`. Writes faults[0] (a refused row of a
+    `slots`, -1 for refused rows) for the cache's writer (`PagedCache.write`). Writes faults[0] (a refused row of a
     token with a slot) and clears faults[1:] ([F, T] bool, for the layer's later kernels). Sync-free; one
     program per token."""
     return front_kernel(None, kv, weight, cos, sin, slots, faults, padded_heads=0, eps=eps, dtype=dtype, into=into,

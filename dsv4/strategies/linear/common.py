@@ -13,8 +13,10 @@ from dsv4.strategies.protocols import LinearWeight, Needs
 @dataclass(frozen=True, slots=True)
 class FloatLinear:
     """A projection's weight [N, K] in the activation dtype; `row_tile`: rows per product call where the
-    product must not depend on the step's size (batch_invariant=true), 0 for one call."""
+    product must not depend on the step's size (batch_invariant=true), 0 for one call; `product_f32`: the
+    device's float32-result product (`f32_product`), chosen at prepare."""
     weight: Any
+    product_f32: Any
     row_tile: int = 0
 
 
@@ -117,17 +119,11 @@ def _mm_f32_gpu(x, w):
 
 
 def f32_product(*, gpu: bool):
-    """`mm_f32` for one device, chosen once where the device is known (a layer's build): on a GPU the bf16
-    product accumulated into float32 by torch.mm itself, on the CPU the float32 product of the bf16 values."""
+    """x @ w.T with a float32 result, for one device, chosen once where the device is known (a layer's build, a
+    linear's prepare): a float32 product for float32 inputs; for bf16 inputs the bf16 product accumulated and
+    returned in float32 (what the published code gets from x.float() @ w.float() with bf16-valued x and w):
+    on a GPU by torch.mm itself, on the CPU as the float32 product of the bf16 values."""
     return _mm_f32_gpu if gpu else _mm_f32_cpu
-
-
-def mm_f32(x, w):
-    """x @ w.T with a float32 result: a float32 product for float32 inputs; for bf16 inputs the bf16
-    product accumulated and returned in float32 (what the published code gets from x.float() @ w.float()
-    with bf16-valued x and w). `f32_product` of x's device: for callers handed the weight alone
-    (ReferenceLinear), which have no prepared choice."""
-    return f32_product(gpu=x.is_cuda)(x, w)
 
 
 M_ALIGN = 8       # cuBLASLt's block-scaled fp8 matmul on the H200 ran every M that is a multiple of 8

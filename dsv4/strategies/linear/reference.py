@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from dsv4.values.fixed_order import ROW_TILE, in_row_tiles
 from dsv4.formats.fp8_blocks import LinearNumerics
-from dsv4.strategies.linear.common import FloatLinear, mm_f32
+from dsv4.strategies.linear.common import FloatLinear, f32_product
 from dsv4.strategies.protocols import LinearWeight, Needs
 
 
@@ -27,18 +27,19 @@ class ReferenceLinear:
         from dsv4.values.dtypes import torch_dtype
 
         weight = weight.values.to(device=device.torch_device, dtype=torch_dtype(dtype)).contiguous()
-        return FloatLinear(weight=weight, row_tile=ROW_TILE if batch_invariant else 0)
+        return FloatLinear(weight=weight, product_f32=f32_product(gpu=device.platform != "cpu"),
+                           row_tile=ROW_TILE if batch_invariant else 0)
 
     def __call__(self, x, prepared: FloatLinear, *, out_dtype=None):
         if prepared.row_tile:
-            return in_row_tiles(lambda rows: self._product(rows, prepared.weight, out_dtype), x, prepared.row_tile)
-        return self._product(x, prepared.weight, out_dtype)
+            return in_row_tiles(lambda rows: self._product(rows, prepared, out_dtype), x, prepared.row_tile)
+        return self._product(x, prepared, out_dtype)
 
     @staticmethod
-    def _product(x, weight, out_dtype):
+    def _product(x, prepared: FloatLinear, out_dtype):
         import torch
 
         if out_dtype == torch.float32 and x.dtype != torch.float32:
-            return mm_f32(x, weight)
-        y = x @ weight.T
+            return prepared.product_f32(x, prepared.weight)
+        y = x @ prepared.weight.T
         return y if out_dtype is None else y.to(out_dtype)

@@ -22,7 +22,7 @@ class TritonFp8Linear:
     fp8_input: ClassVar[bool] = True
 
     def needs(self, device) -> Needs:
-        # batch_invariant=true: one launch for every row count (kernels/fp8_linear.py fixed_plan)
+        # batch_invariant=true: one launch for every row count (kernels/products/fp8_linear.py fixed_plan)
         return replace(fp8_needs(platforms={"cuda"}, archs=FP8_TRITON_ARCHS, modules=(("triton", "triton"),)),
                        batch_invariant=True)
 

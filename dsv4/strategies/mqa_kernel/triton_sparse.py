@@ -54,7 +54,7 @@ class TritonSparseMQA:
                                  f"setting: add variant=two_pass")
 
     def needs(self, device) -> Needs:
-        # batch_invariant=true: launches fixed whatever the step (kernels/sparse_plan.py FIXED_*)
+        # batch_invariant=true: launches fixed whatever the step (kernels/mqa/sparse_plan.py FIXED_*)
         if self.variant == "hopper":
             return Needs(platforms=frozenset({"cuda"}), archs=HOPPER_ARCHS,
                          row_formats=frozenset({FP8_DS_MLA}), dtypes=HOPPER_DTYPES,
