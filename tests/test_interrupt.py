@@ -13,10 +13,16 @@ import pytest
 from tests.conftest import ROOT
 
 
+def sigint_as_at_a_terminal() -> None:
+    """SIGINT at its default in the child, as a command typed at a terminal has it, even where these tests run
+    as a background job (whose SIGINT the shell ignores, and dsv4, like any program, leaves ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(cwd, *args):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_as_at_a_terminal)
 
 
 def interrupt_when(proc, ready, timeout=240):
@@ -75,7 +81,16 @@ def test_ctrl_c_between_jobs_is_held_until_the_next_job_starts():
     assert ran == [] and not inside.in_job and not inside.held
 
 
-def test_ctrl_c_that_a_library_turns_into_another_error_still_ends_as_interrupted(monkeypatch, capsys):
+@pytest.fixture
+def sigint_default():
+    """This process's SIGINT as at a terminal (see `sigint_as_at_a_terminal`), restored afterwards."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_that_a_library_turns_into_another_error_still_ends_as_interrupted(monkeypatch, capsys,
+                                                                                   sigint_default):
     """A KeyboardInterrupt inside a library's bookkeeping can leave it broken and raise something else; the
     command still ends with the one line and SIGINT's status, not that error."""
     import dsv4.app.cli as cli
