@@ -14,6 +14,8 @@
   python bench/tune_triton.py linear     # linear=triton_fp8's product: launch variants (rows per program, columns,
                                          # K split, activation quantized inside or by its own launch) on DSV4-Flash's
                                          # products by row count, DeepGEMM's fp8_gemm_nt and the bf16 product beside
+  python bench/tune_triton.py products   # the few-row products of DSV4-Flash and DSV4-Pro with their weights cold:
+                                         # launches of linear=triton_fp8's product, DeepGEMM, a copy of the bytes
   python bench/tune_triton.py prefetch   # the 64-head kernel's L2 prefetch off, on and as picked, by program
                                          # length and pool size (pools that L2 holds and larger ones), FlashMLA beside
   python bench/tune_triton.py runs       # 8 and 16 heads on lists as a step plan makes them (MTP tokens sharing
@@ -451,9 +453,70 @@ def linear(rows=(1, 16, 64, 128, 1024, 8192)) -> None:
                       flush=True)
 
 
+PRODUCT_SHAPES = {"dsv4_flash": {"x @ [wq_a|wkv]": (1536, 4096), "qr @ [wq_b|indexer wq_b]": (40960, 1024),
+                                 "z @ wo_b": (4096, 8192)},
+                  "dsv4_pro": {"x @ [wq_a|wkv]": (2048, 7168), "qr @ [wq_b|indexer wq_b]": (73728, 1536),
+                               "z @ wo_b": (7168, 16384)}}
+COLD_BYTES = 256 << 20        # weight copies rotated per timed call: past any L2, every call reads DRAM
+
+
+def products(rows=(1,), splits=(1, 2, 4), stages=(4,)) -> None:
+    """The few-row products with their weights cold (copies rotated past L2, as a layer step reads them): our
+    planned launch and a sweep of launches (bf16 x, quantized inside), DeepGEMM with its act_quant launch, and
+    a device copy of the weight's bytes; µs, and the weight's bytes / time as a share of copy bandwidth."""
+    import deep_gemm
+
+    from dsv4.formats.fp8_blocks import quantize_blocks
+    from dsv4.kernels.products.fp8_linear import act_quant_fp8, fp8_linear, plan
+    from dsv4.kernels.target import target_of
+
+    tgt = target_of(torch.device("cuda"))
+    print("\n| model | product | M | launch | µs | share of copy BW | rel err |\n|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for model, shapes in PRODUCT_SHAPES.items():
+        for product, (N, K) in shapes.items():
+            b = quantize_blocks(torch.randn(N, K, generator=g) * K ** -0.5)
+            nbytes = N * K
+            copies = max(2, -(-COLD_BYTES // nbytes))
+            ws = [(b.weight.cuda(), b.scale.cuda()) for _ in range(copies)]
+            dst = torch.empty_like(ws[0][0])
+            t_copy = graph_time_us(lambda: [dst.copy_(w) for w, _ in ws]) / copies
+            copy_bw = 2 * nbytes / t_copy           # bytes/µs, read + write
+            print(f"| {model} | {product} | - | device copy of the weight | {t_copy:.1f} | 1.0 | - |", flush=True)
+            for M in rows:
+                x = torch.randn(M, K, generator=g).cuda().bfloat16()
+                ref = fp8_linear(x, *ws[0])
+                y = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+
+                def dg():
+                    for w, s in ws:
+                        xq, xs = act_quant_fp8(x, mn_major_scales=True)
+                        deep_gemm.fp8_gemm_nt((xq, xs), (w, s), y)
+                results = [("planned " + str(plan(M, N, K, tgt)), lambda: [fp8_linear(x, w, s) for w, s in ws]),
+                           ("deepgemm + act_quant", dg)]
+                grid = [dict(block_m=16, block_n=bn, split=sp, num_warps=nw, num_stages=st)
+                        for bn, nw in ((64, 4), (128, 4), (256, 8)) for sp in splits for st in stages
+                        if (K // 128) % sp == 0 and (K // 128) // sp >= 2 and N % bn == 0]
+                results += [(" ".join(f"{k}={v}" for k, v in cfg.items()),
+                             lambda cfg=cfg: [fp8_linear(x, w, s, **cfg) for w, s in ws]) for cfg in grid]
+                timed = []
+                for label, fn in results:
+                    try:
+                        out = fn()
+                        out = y if label.startswith("deepgemm") else out[0]
+                        timed.append((label, graph_time_us(fn, calls=2) / copies, rel_err(out, ref)))
+                    except Exception as e:  # noqa: BLE001 - a launch that does not compile is a row, not a stop
+                        timed.append((f"{label} {type(e).__name__}", float("nan"), float("nan")))
+                ok = [t for t in timed[2:] if t[1] == t[1]]
+                best = sorted(ok, key=lambda t: t[1])[:3]
+                for label, us, err in timed[:2] + best:
+                    share = nbytes / us / copy_bw
+                    print(f"| {model} | {product} | {M} | {label} | {us:.1f} | {share:.2f} | {err:.1e} |", flush=True)
+
+
 SWEEPS = {"decode": lambda: (decode(), prologue()), "quick": lambda: decode([CASES[0], CASES[3], CASES[4]]),
           "planned": planned, "split": split, "few": few, "oproj": oproj, "linear": linear, "prefetch": prefetch,
-          "runs": runs}
+          "runs": runs, "products": products}
 
 
 def main() -> None:

@@ -212,6 +212,30 @@ def test_graph_replay_equals_eager_bit_for_bit(backend, top_k):
             assert torch.equal(a.topk[layer], b.topk[layer]) if a.graph_size == xs.shape[0] else True
 
 
+@pytest.mark.parametrize("backend", ["flashmla+deepgemm+fp8", "triton+triton_fp8+fp8"])
+def test_dependent_launch_changes_no_bit(backend, monkeypatch):
+    """Our kernels launched as programmatic dependents (Target.pdl, on sm90+) only start earlier: the steps,
+    replayed and eager, give the same outputs and selections as with the attribute off."""
+    import dsv4.kernels.target as target
+
+    if DEV.arch != "sm90" and DEV.arch != "sm100":
+        pytest.skip("programmatic dependent launch: sm90+")
+    spec, on, W = engine(backend, graphs=True)
+    assert all(m.ops.target.pdl for mods in on.layers.values() for m in mods)
+    monkeypatch.setattr(target, "PDL_SM", 10 ** 9)
+    _, off, _ = engine(backend, graphs=True, weights=W)
+    assert not any(m.ops.target.pdl for mods in off.layers.values() for m in mods)
+    X = {r: x.cuda() for r, x in hidden_for({r: n + 40 for r, n in LENGTHS.items()}, spec.hidden_size, seed=3).items()}
+    schedule = chunked(LENGTHS, 64) + [{r: 1 for r in LENGTHS}, {r: 2 for r in LENGTHS}, {"long": 4, "mid": 4}]
+    (out_on, topk_on), (out_off, topk_off) = drive(on, X, schedule), drive(off, X, schedule)
+    for layer, per in out_on.items():
+        for r, y in per.items():
+            assert torch.equal(y, out_off[layer][r]), (layer, r)
+    for layer, per in topk_on.items():
+        for r, t in per.items():
+            assert torch.equal(t, topk_off[layer][r]), (layer, r)
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_a_layer_forward_makes_no_host_sync(backend):
     """torch's sync debug mode raises on any synchronizing call (.item(), .tolist(), nonzero, a D2H copy)

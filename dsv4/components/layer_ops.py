@@ -81,7 +81,7 @@ class TritonOps:
         from dsv4.kernels.front.layer_front import norm_rows_kernel
 
         check_on_gpu(x, "norm_rows")
-        out = norm_rows_kernel(x, weight, eps=eps, dtype=dtype, fp8=fp8)
+        out = norm_rows_kernel(x, weight, eps=eps, dtype=dtype, fp8=fp8, pdl=self.target.pdl)
         return Fp8Rows(values=out[0], scales=out[1], dtype=dtype) if fp8 else out
 
     def rotate_rows(self, x, rot: RopeRows, dtype=None):
@@ -102,7 +102,8 @@ class TritonOps:
         check_on_gpu(q, "front_rows")
         q_out, rows, iq_out = front_kernel(q, kv, weight, rot.cos, rot.sin, slots, faults, padded_heads=padded_heads,
                                            eps=eps, dtype=dtype, into=cache.store, iq=iq, iq_dtype=iq_dtype,
-                                           iq_fp4=iq_fp4, iq_weights=iq_weights, iq_w_scale=iq_w_scale)
+                                           iq_fp4=iq_fp4, iq_weights=iq_weights, iq_w_scale=iq_w_scale,
+                                           pdl=self.target.pdl)
         if rows is not None:
             cache.write(rows[1], rows[0])
         return q_out, iq_out

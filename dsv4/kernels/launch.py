@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 try:
     from triton import knobs
@@ -41,6 +43,15 @@ _DIRECT_C_LAUNCH = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[
 def _probe(x_ptr):
     """A kernel of no work: whether Triton interprets this process's kernels (`interpreted`)."""
     pass
+
+
+@triton.jit
+def dependent_start(PDL: tl.constexpr):
+    """A programmatic dependent's first step (Target.pdl; nothing without PDL): wait for the kernel before it
+    (its writes visible, its reads of what this one overwrites done), then let the next one launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def interpreted() -> bool:

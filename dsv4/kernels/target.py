@@ -20,6 +20,9 @@ class Target:
     processors: int       # streaming multiprocessors (compute units): what a launch has to fill
     interpret: bool = False
     l2_bytes: int = 0     # its last-level cache: rows of a pool larger than this come from DRAM
+    # programmatic dependent launch (NVIDIA sm90+): a kernel that takes part is launched with the attribute, may
+    # be launched under the previous kernel's tail and waits for that kernel before it reads or writes memory
+    pdl: bool = False
     # batch_invariant=true: every call of a shape does the same sums in the same order, whatever the step's size
     # (its rows, its tokens, its lists' widths); the launch may follow the size only where the sums do not
     fixed_order: bool = False
@@ -53,6 +56,7 @@ def arch_at_least(arch: str, sm: int) -> bool:
 
 
 E4M3_SM = 89          # NVIDIA GPUs from this compute capability on convert OCP e4m3 in hardware
+PDL_SM = 90           # and from this one launch kernels as programmatic dependents (griddepcontrol)
 
 
 def target(*, platform: str, arch: str, torch_device: str, fixed_order: bool = False) -> Target:
@@ -69,7 +73,8 @@ def target(*, platform: str, arch: str, torch_device: str, fixed_order: bool = F
     nvidia = platform == "cuda" and arch.startswith("sm")
     props = torch.cuda.get_device_properties(torch_device)
     return Target(arch=arch if nvidia else platform, native_e4m3=nvidia and arch_at_least(arch, E4M3_SM),
-                  processors=props.multi_processor_count, l2_bytes=props.L2_cache_size, fixed_order=fixed_order)
+                  processors=props.multi_processor_count, l2_bytes=props.L2_cache_size, fixed_order=fixed_order,
+                  pdl=nvidia and arch_at_least(arch, PDL_SM))
 
 
 def device_target(device, *, fixed_order: bool = False) -> Target | None:

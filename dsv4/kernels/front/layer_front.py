@@ -29,7 +29,7 @@ from dsv4.kernels.front.cache_write import NO_CACHE, STORE_POINTERS, fp8_heads, 
 from dsv4.kernels.indexer.hadamard_fp4 import FP4_MAX_DIM, fp4_sim
 from dsv4.kernels.products.fp8_linear import quantize_rows
 from dsv4.formats.row_format import RowCode
-from dsv4.kernels.launch import CompileCase, as_f32, as_i32, launch, rows_dense
+from dsv4.kernels.launch import CompileCase, as_f32, as_i32, dependent_start, launch, rows_dense
 from dsv4.kernels.rounding import BF16_INF_FROM, SOFT_ROUND, TL_DTYPES, round_to, widen
 from dsv4.values.sizes import cdiv, next_pow2
 
@@ -151,9 +151,12 @@ def _front_kernel(q_ptr, q_stride, qo_ptr, H, PH, NQ, iq_ptr, iq_stride, iqo_ptr
                   faults_ptr, T, eps, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, n_slots,
                   D: tl.constexpr, BH: tl.constexpr, NQB: tl.constexpr, DI: tl.constexpr, BHI: tl.constexpr,
                   NIB: tl.constexpr, FP4: tl.constexpr, FP8: tl.constexpr, DTYPE: tl.constexpr,
-                  FAULT_ROWS: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr, SOFT: tl.constexpr):
+                  FAULT_ROWS: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr, SOFT: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Programs 0..NQ-1: query heads (NQB programs per token); the next NI: the indexer's query heads
-    (NIB per token); the next T: KV rows."""
+    (NIB per token); the next T: KV rows. With PDL (a programmatic dependent) each waits for the kernel before
+    it first, and lets the next one launch."""
+    dependent_start(PDL)
     pid = tl.program_id(0)
     if pid < NQ:
         _q_part(pid // NQB, pid % NQB, q_ptr, q_stride, cos_ptr, sin_ptr, qo_ptr, H, PH, eps, D, BH, SOFT)
@@ -168,7 +171,8 @@ def _front_kernel(q_ptr, q_stride, qo_ptr, H, PH, NQ, iq_ptr, iq_stride, iqo_ptr
 
 @triton.jit(do_not_specialize=["s_row", "s_col"])     # DeepGEMM's scale layout: strides follow T
 def _norm_rows_kernel(x_ptr, x_stride, w_ptr, out_ptr, q_ptr, s_ptr, s_row, s_col, N, eps, BLOCK: tl.constexpr,
-                      SOFT: tl.constexpr, FP8: tl.constexpr):
+                      SOFT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_start(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -204,7 +208,7 @@ def _check_dim(D: int) -> None:
 
 def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, eps: float, dtype, into=None,
                  iq=None, iq_dtype=None, iq_fp4: bool = False, iq_weights=None, iq_w_scale: float = 1.0,
-                 heads_per_program: int = 4, num_warps: int = 4):
+                 heads_per_program: int = 4, num_warps: int = 4, pdl: bool = False):
     """The front of the layer in one launch: `q_rows_kernel` on q [T, H, D], `kv_rows_kernel` on kv [T, D] and
     `rotate_rows_kernel` on the indexer's queries iq [T, Hi, Di] (float32 or bf16, stored in `iq_dtype`; with
     `iq_fp4` then rotated and FP4-simulated as the published code does, dsv4/kernels/indexer/hadamard_fp4.py); any may be
@@ -214,7 +218,8 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
 
     With `iq_dtype` float8_e4m3fn the queries come out as `key_layouts.fp8_queries` makes them from the
     bf16-rounded rows and the head weights `iq_weights` [T, Hi] float32 (rows may be strided) with
-    `iq_w_scale`: (e4m3 [T, 1, Hi, Di], the folded weights [T, Hi] float32)."""
+    `iq_w_scale`: (e4m3 [T, 1, Hi, Di], the folded weights [T, Hi] float32). `pdl`: launched as a programmatic
+    dependent (Target.pdl)."""
     import torch
 
     if q is None and kv is None and iq is None:
@@ -275,7 +280,7 @@ def front_kernel(q, kv, weight, cos, sin, slots, faults, *, padded_heads: int, e
                iq.stride(0) if iq is not None else 0, iq_out if iq_out is not None else some, hi, ni,
                iw, iw.stride(0) if fp8 else 0, float(iq_w_scale), iwq, *kv_args, D=D, BH=bh, NQB=nqb, DI=di, BHI=bhi,
                NIB=nib, FP4=bool(iq_fp4), FP8=fp8, DTYPE=TL_DTYPES[str(dtype)], FAULT_ROWS=fault_rows, KIND=kind,
-               BS=bs, SOFT=SOFT_ROUND, num_warps=num_warps)
+               BS=bs, SOFT=SOFT_ROUND, PDL=pdl, launch_pdl=pdl, num_warps=num_warps)
     if fp8:
         iq_out = (iq_out.view(torch.float8_e4m3fn), iwq)
     return q_out, kv_out, iq_out
@@ -305,12 +310,12 @@ def kv_rows_kernel(kv, weight, cos, sin, slots, faults, *, eps: float, dtype, in
                         num_warps=num_warps)[1]
 
 
-def norm_rows_kernel(x, weight, *, eps: float, dtype, fp8: bool = False, num_warps: int = 4):
+def norm_rows_kernel(x, weight, *, eps: float, dtype, fp8: bool = False, num_warps: int = 4, pdl: bool = False):
     """x [T, N] (in `dtype` or float32 -- then rounded to `dtype` first; rows may be strided), weight [N]
     float32 -> [T, N] in `dtype`: x·rsqrt(mean(x²)+eps)·w in float32, as components.norms.rms_norm. With
     `fp8` (N a multiple of 128) the rows as an fp8 linear reads them instead: (e4m3 [T, N], float32 scales
     [T, N/128] in DeepGEMM's block-major layout), `act_quant` of the `dtype` rows. Sync-free; one program
-    per row."""
+    per row; `pdl`: launched as a programmatic dependent (Target.pdl)."""
     import torch
 
     from dsv4.kernels.products.fp8_linear import fp8_scales
@@ -326,7 +331,8 @@ def norm_rows_kernel(x, weight, *, eps: float, dtype, fp8: bool = False, num_war
     if T:
         x = rows_dense(x)
         launch(_norm_rows_kernel, (T,), x, x.stride(0), as_f32(weight), out, q, s, s.stride(0),
-               s.stride(-1), N, eps, BLOCK=next_pow2(N), SOFT=SOFT_ROUND, FP8=fp8, num_warps=num_warps)
+               s.stride(-1), N, eps, BLOCK=next_pow2(N), SOFT=SOFT_ROUND, FP8=fp8, PDL=pdl, launch_pdl=pdl,
+               num_warps=num_warps)
     return (q, s) if fp8 else out
 
 
@@ -346,11 +352,14 @@ def rotate_rows_kernel(x, cos, sin, *, dtype=None, heads_per_program: int = 8, n
 
 
 def compile_cases(gpu) -> list[CompileCase]:
-    """The front, q_lora norm and rotation kernels as their wrappers launch them (`gpu` is not read): bf16 and
+    """The front, q_lora norm and rotation kernels as their wrappers launch them: bf16 and
     float32 activations, the SWA projection's output in them or in float32, 64 heads of 512 dims and the
     indexer's 8 of 128; rows handed back, or stored as fp8_ds_mla records (OCP, with the fp8 indexers' e4m3
     queries; FNUZ) or plain bf16 rows (with the FP4 numerics on the indexer's queries); the norm's rows as they
-    are or as an fp8 linear reads them."""
+    are or as an fp8 linear reads them; as programmatic dependents on NVIDIA GPUs that launch them so."""
+    from dsv4.kernels.target import PDL_SM
+
+    pdl = gpu.backend == "cuda" and gpu.arch >= PDL_SM
     cases = []
     rope = {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     for dt, name in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
@@ -360,7 +369,7 @@ def compile_cases(gpu) -> list[CompileCase]:
                 cases.append(CompileCase(
                     kernel=_front_kernel, constexprs=dict(D=512, BH=4, NQB=16, DI=128, BHI=8, NIB=8, DTYPE=dt,
                                                           FP4=kind == RowCode.PLAIN or fp8, FP8=fp8, FAULT_ROWS=3,
-                                                          KIND=kind, BS=64, SOFT=False),
+                                                          KIND=kind, BS=64, SOFT=False, PDL=pdl),
                     pointers={**rope, **cache, "q_ptr": name, "qo_ptr": name, "iq_ptr": name,
                               "iqo_ptr": "*u8" if fp8 else name, "iw_ptr": "*fp32", "iwq_ptr": "*fp32", "kv_ptr": kv,
                               "w_ptr": "*fp32", "slot_ptr": "*i32", "out_ptr": "*fp32", "store_ptr": "*i32",
@@ -369,7 +378,7 @@ def compile_cases(gpu) -> list[CompileCase]:
                                                                                 "iw_stride"})))
             for fp8 in (False, True):                     # the rows, or as an fp8 linear reads them
                 cases.append(CompileCase(
-                    kernel=_norm_rows_kernel, constexprs=dict(BLOCK=1024, SOFT=False, FP8=fp8),
+                    kernel=_norm_rows_kernel, constexprs=dict(BLOCK=1024, SOFT=False, FP8=fp8, PDL=pdl),
                     pointers={"x_ptr": kv, "w_ptr": "*fp32", "out_ptr": name, "q_ptr": "*fp8e4nv" if fp8 else name,
                               "s_ptr": "*fp32" if fp8 else name},
                     floats=frozenset({"eps"}), divisible=frozenset({"x_stride", "N", "s_row", "s_col"})))

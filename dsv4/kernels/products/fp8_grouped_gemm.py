@@ -14,8 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import CompileCase, as_dense, as_f32, launch
-from dsv4.kernels.target import Target, target_of
+from dsv4.kernels.launch import CompileCase, as_dense, as_f32, dependent_start, launch
+from dsv4.kernels.target import PDL_SM, Target, target_of
 from dsv4.values.sizes import cdiv
 
 BLOCK = 128
@@ -23,7 +23,7 @@ BLOCK = 128
 
 @triton.jit(do_not_specialize=["T"])     # step sizes: one variant for all
 def _grouped_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, z_ptr, T, G, N, K, BM: tl.constexpr, DOT: tl.constexpr,
-                        STAGES: tl.constexpr):
+                        STAGES: tl.constexpr, PDL: tl.constexpr = False):
     pid_m = tl.program_id(0)
     nb = tl.program_id(1)                       # this program's 128 output rows: weight block row nb
     g = tl.program_id(2)
@@ -34,6 +34,7 @@ def _grouped_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, z_ptr, T, G, N, K, BM: tl.
     KB = K // 128
     x_row = (rows.to(tl.int64) * G + g) * K
     w_row = (g.to(tl.int64) * N + n) * K
+    dependent_start(PDL)
     acc = tl.zeros([BM, 128], tl.float32)
     for kb in tl.range(0, KB, num_stages=STAGES):
         a = tl.load(x_ptr + x_row[:, None] + kb * 128 + k[None, :], mask=live[:, None], other=0.0)
@@ -61,20 +62,22 @@ def grouped_fp8_gemm(x, xs, w, ws, *, block_m: int = 64, num_warps: int = 4, num
             or tuple(xs.shape) != (T, G, K // BLOCK):
         raise ValueError(f"grouped fp8 product: x {tuple(x.shape)}, xs {tuple(xs.shape)}, w {tuple(w.shape)}, "
                          f"ws {tuple(ws.shape)}: expected K and N multiples of {BLOCK} and one scale per block")
-    interpret = (target or target_of(x.device)).interpret
+    tgt = target or target_of(x.device)
+    interpret = tgt.interpret
     z = torch.empty(T, G, N, dtype=torch.float32 if interpret else torch.bfloat16, device=x.device)
     if T == 0:
         return z.bfloat16()
     launch(_grouped_fp8_kernel, (cdiv(T, block_m), N // BLOCK, G), as_dense(x), as_f32(xs), as_dense(w),
            as_f32(ws), z, T, G, N, K, BM=block_m, DOT=tl.float32 if interpret else tl.float8e4nv, STAGES=num_stages,
-           num_warps=num_warps)
+           PDL=tgt.pdl, launch_pdl=tgt.pdl, num_warps=num_warps)
     return z.bfloat16()
 
 
 def compile_cases(gpu) -> list[CompileCase]:
-    """The grouped e4m3 product at both allowed token blocks (o_proj=triton_fp8's), 4 stages, on an e4m3 GPU
-    (`gpu` is not read)."""
+    """The grouped e4m3 product at both allowed token blocks (o_proj=triton_fp8's), 4 stages, on an e4m3 GPU,
+    a programmatic dependent where it launches so."""
     pointers = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "z_ptr": "*bf16"}
-    return [CompileCase(kernel=_grouped_fp8_kernel, constexprs=dict(BM=bm, DOT=tl.float8e4nv, STAGES=4),
+    pdl = gpu.arch >= PDL_SM
+    return [CompileCase(kernel=_grouped_fp8_kernel, constexprs=dict(BM=bm, DOT=tl.float8e4nv, STAGES=4, PDL=pdl),
                         pointers=pointers, divisible=frozenset({"N", "K"}), num_warps=warps)
             for bm, warps in ((64, 4), (128, 8))]

@@ -17,6 +17,10 @@ partial sums and the tile's last program to arrive adds them in split order (the
 arrives last) and stores the tile. More rows take 64x256 tiles over the whole of K (64x128 on GPUs with
 ~100 KB of shared memory a program), split over K too where that many tiles would leave SMs idle.
 
+On GPUs that launch kernels as programmatic dependents (Target.pdl) a program waits for the kernel before it
+before it reads anything, and lets the next kernel launch once its sums are made, before it stores them (asking
+L2 for its weight lines before the wait made the products slower: docs/notes/2026-12-07-few-request-levers.md).
+
 Under TRITON_INTERPRET=1 (the CPU tests) the e4m3 rounding is written out in float32 arithmetic (the
 interpreter's own conversion does not round to nearest), the dots take the e4m3 values widened to float32
 (the products the tensor cores form exactly) and the result is stored as float32 and rounded by torch: the
@@ -29,9 +33,10 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsv4.kernels.launch import CompileCase, as_dense, as_f32, launch
-from dsv4.kernels.target import Target, target_of
+from dsv4.kernels.launch import CompileCase, as_dense, as_f32, dependent_start, launch
+from dsv4.kernels.target import PDL_SM, Target, target_of
 from dsv4.values.sizes import cdiv
 
 BLOCK = 128
@@ -92,7 +97,7 @@ def _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K
 def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                        BM: tl.constexpr,
                        BN: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, DOT: tl.constexpr,
-                       STAGES: tl.constexpr, INLINE: tl.constexpr = False):
+                       STAGES: tl.constexpr, INLINE: tl.constexpr = False, PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -100,11 +105,15 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part
     cols = pid_n * BN + tl.arange(0, BN)
     live = rows < M
     per = K // 128 // SPLIT
+    if PDL:         # a programmatic dependent: wait for the kernel before it (whose rows it reads)
+        gdc_wait()
     out = rows.to(tl.int64)[:, None] * N + cols[None, :]
     keep = live[:, None]
     if SPLIT == 1:
         acc = _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, 0, per, BM, BN, QUANT, DOT,
                          STAGES)
+        if PDL:
+            gdc_launch_dependents()
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
     elif INLINE:
         # all SPLIT parts in this program, each from zero, added in split order: the split launch's sums
@@ -112,12 +121,16 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part
         for s in range(SPLIT):
             acc += _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, s * per,
                               s * per + per, BM, BN, QUANT, DOT, STAGES)
+        if PDL:
+            gdc_launch_dependents()
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
     else:
         # each split's partial sums to the workspace; the tile's last program to finish adds them in split
         # order (the same order whoever finishes last) and resets the tile's counter for the next call
         acc = _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, split * per,
                          split * per + per, BM, BN, QUANT, DOT, STAGES)
+        if PDL:
+            gdc_launch_dependents()
         tl.store(part_ptr + split * M * N + out, acc, mask=keep)
         tile = pid_m * tl.num_programs(0) + pid_n
         done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
@@ -130,7 +143,9 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part
 
 
 @triton.jit(do_not_specialize=["M"])
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, s_row, s_col, BM: tl.constexpr, EMULATE: tl.constexpr):
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, s_row, s_col, BM: tl.constexpr, EMULATE: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    dependent_start(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     kb = tl.program_id(1)
     live = rows < M
@@ -334,7 +349,7 @@ def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = Non
         launch(_fp8_linear_kernel, (N // bn, 1 if inline else sp, cdiv(r1 - r0, bm)), xr, xsr, *xs_strides, w, ws,
                yr, part, count_buf, r1 - r0, N, K, BM=bm, BN=bn, SPLIT=sp, QUANT=not fp8_x,
                DOT=tl.float32 if tgt.interpret else tl.float8e4nv, STAGES=p.num_stages, INLINE=inline,
-               num_warps=p.num_warps)
+               PDL=tgt.pdl, launch_pdl=tgt.pdl, num_warps=p.num_warps)
     return y.to(out_dtype)
 
 
@@ -360,9 +375,9 @@ def act_quant_fp8(x, *, mn_major_scales: bool = False, target: Target | None = N
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
     s = fp8_scales(M, K, x.device, mn_major=mn_major_scales)
     if M:
-        emulate = (target or target_of(x.device)).interpret
+        tgt = target or target_of(x.device)
         launch(_act_quant_kernel, (cdiv(M, 32), K // BLOCK), as_dense(x), q, s, M, K, s.stride(0), s.stride(1),
-               BM=32, EMULATE=emulate, num_warps=4)
+               BM=32, EMULATE=tgt.interpret, PDL=tgt.pdl, launch_pdl=tgt.pdl, num_warps=4)
     return q, s
 
 
@@ -377,12 +392,13 @@ def compile_cases(gpu) -> list[CompileCase]:
     launches |= {(fixed_launch(M, N, K, tgt), inline) for M in (1, 256) for N, K in shapes for inline in (False, True)}
     fp8 = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16",
            "part_ptr": "*fp32", "count_ptr": "*i32"}
+    pdl = gpu.arch >= PDL_SM
     cases = [CompileCase(kernel=_fp8_linear_kernel, constexprs=dict(BM=p.block_m, BN=p.block_n, SPLIT=p.split,
                                                                   QUANT=quant, DOT=tl.float8e4nv,
-                                                                  STAGES=p.num_stages, INLINE=inline),
+                                                                  STAGES=p.num_stages, INLINE=inline, PDL=pdl),
                          pointers=fp8 | ({"x_ptr": "*bf16", "xs_ptr": "*bf16"} if quant else {}),
                          divisible=frozenset({"N", "K", "xs_row", "xs_col"}), num_warps=p.num_warps)
              for p, inline in sorted(launches, key=str) for quant in {False, not p.quantize_first}]
-    return cases + [CompileCase(kernel=_act_quant_kernel, constexprs=dict(BM=32, EMULATE=False),
+    return cases + [CompileCase(kernel=_act_quant_kernel, constexprs=dict(BM=32, EMULATE=False, PDL=pdl),
                                 pointers={"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
                                 divisible=frozenset({"K", "s_row", "s_col"}))]

@@ -13,13 +13,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import CompileCase, as_dense, launch
+from dsv4.kernels.launch import CompileCase, as_dense, dependent_start, launch
 from dsv4.values.sizes import cdiv
 
 
 @triton.jit(do_not_specialize=["s_token", "s_block"])     # DeepGEMM's scale strides follow T
 def _inv_rope_fp8_kernel(o_ptr, cos_ptr, sin_ptr, x_ptr, s_ptr, s_token, s_block, n_blocks, groups_per_token,
-                         HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BPP: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, BPP: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_start(PDL)
     pid = tl.program_id(0)
     t = pid // groups_per_token
     blocks = (pid % groups_per_token) * BPP + tl.arange(0, BPP)        # this program's 128-dim blocks
@@ -49,10 +50,10 @@ def _inv_rope_fp8_kernel(o_ptr, cos_ptr, sin_ptr, x_ptr, s_ptr, s_token, s_block
 
 
 def inv_rope_fp8_quant(o, cos, sin, groups: int, *, mn_major_scales: bool = False, blocks_per_program: int = 16,
-                       num_warps: int = 4):
+                       num_warps: int = 4, pdl: bool = False):
     """o [T, H, D] bf16, cos/sin [T, 32] float32 -> (x [T, G, H·D/G] e4m3, s [T, G, H·D/G/128] float32).
     s is contiguous, or with `mn_major_scales` a view of a [blocks, align(T, 4)] buffer (strides (1,
-    blocks/G·align(T, 4), align(T, 4)))."""
+    blocks/G·align(T, 4), align(T, 4))). `pdl`: launched as a programmatic dependent (Target.pdl)."""
     import torch
 
     T, H, D = o.shape
@@ -71,13 +72,17 @@ def inv_rope_fp8_quant(o, cos, sin, groups: int, *, mn_major_scales: bool = Fals
         s_token, s_block = n_blocks, 1
     if T:
         launch(_inv_rope_fp8_kernel, (T * (n_blocks // bpp),), o, as_dense(cos), as_dense(sin), x, s, s_token,
-               s_block, n_blocks, n_blocks // bpp, HEAD_DIM=D, ROPE=64, BPP=bpp, num_warps=num_warps)
+               s_block, n_blocks, n_blocks // bpp, HEAD_DIM=D, ROPE=64, BPP=bpp, PDL=pdl, launch_pdl=pdl,
+               num_warps=num_warps)
     return x.view(T, groups, -1), s
 
 
 def compile_cases(gpu) -> list[CompileCase]:
     """The fused o_proj prologue as inv_rope_fp8_quant launches it (512-dim heads, 16 blocks a program) on an
-    e4m3 GPU (`gpu` is not read)."""
-    return [CompileCase(kernel=_inv_rope_fp8_kernel, constexprs=dict(HEAD_DIM=512, ROPE=64, BPP=16),
+    e4m3 GPU, a programmatic dependent where it launches so."""
+    from dsv4.kernels.target import PDL_SM
+
+    return [CompileCase(kernel=_inv_rope_fp8_kernel, constexprs=dict(HEAD_DIM=512, ROPE=64, BPP=16,
+                                                                    PDL=gpu.arch >= PDL_SM),
                         pointers={"o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "x_ptr": "*fp8e4nv",
                                   "s_ptr": "*fp32"}, divisible=frozenset({"n_blocks", "groups_per_token"}))]

@@ -65,20 +65,24 @@ def o_proj_prologue(device, *, mn_major_scales: bool = False) -> Callable:
     scales."""
     if device.platform == "cpu":
         return inverse_rope_fp8_quant
-    return functools.partial(fused_inverse_rope_fp8_quant, mn_major_scales=mn_major_scales)
+    from dsv4.kernels.target import device_target
+
+    return functools.partial(fused_inverse_rope_fp8_quant, mn_major_scales=mn_major_scales,
+                             pdl=device_target(device).pdl)
 
 
-def fused_inverse_rope_fp8_quant(o, rot, groups: int, *, mn_major_scales: bool = False):
+def fused_inverse_rope_fp8_quant(o, rot, groups: int, *, mn_major_scales: bool = False, pdl: bool = False):
     """The same bytes as `inverse_rope_fp8_quant`, from our fused Triton kernel (one read of o, one
     write of the fp8 bytes), the scales token-major or (`mn_major_scales`) in DeepGEMM's sm90 layout
-    (dsv4/kernels/products/inv_rope_fp8.py). The fp8 options that call it run on GPUs only (check() refuses
-    them elsewhere); `inverse_rope_fp8_quant` is the torch-op version."""
+    (dsv4/kernels/products/inv_rope_fp8.py), launched as a programmatic dependent with `pdl` (Target.pdl). The
+    fp8 options that call it run on GPUs only (check() refuses them elsewhere); `inverse_rope_fp8_quant` is the
+    torch-op version."""
     import torch
 
     from dsv4.kernels.products.inv_rope_fp8 import inv_rope_fp8_quant
 
     return inv_rope_fp8_quant(o if o.dtype == torch.bfloat16 else o.bfloat16(), rot.cos, rot.sin, groups,
-                              mn_major_scales=mn_major_scales)
+                              mn_major_scales=mn_major_scales, pdl=pdl)
 
 
 def quantize_weight_blocks(w):
