@@ -1,4 +1,5 @@
-"""Where a layer's decode step spends its time: the replayed CUDA graph under torch.profiler, kernels by
+"""Where a layer's decode step spends its time: the replayed CUDA graph of the second layer of its type (as the
+layer grid times it; the first also makes the type's per-step kernel plan) under torch.profiler, kernels by
 total time (the tables behind the layer-step optimisations in docs/archive/benchmarks-journal.md); with
 --eager, the host's time in the same forward run without the graph (cProfile, functions by their own time).
 
@@ -19,7 +20,7 @@ from dsv4.checks.catalogue import config_dir
 from dsv4.app.job import make_job
 from dsv4.speed.gpu import require_gpu
 from dsv4.speed.timing import replay_us
-from dsv4.speed.layer import backends, decode_step, engine_for, fill
+from dsv4.speed.layer import backends, decode_step, engine_for, fill, two_of_type
 
 
 def traced(fn, calls: int = 10, *, host: bool = False):
@@ -98,7 +99,8 @@ def host_profile(eng, layer: int, T: int, top: int) -> None:
 
 def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top: int, eager: bool = False,
             show_timeline: bool = False) -> None:
-    eng = engine_for(job, backend, (layer,), nreq=nreq, tokens=tokens, context=context, graphs=True)
+    layers = two_of_type(job.spec, layer)
+    eng = engine_for(job, backend, layers, nreq=nreq, tokens=tokens, context=context, graphs=True)
     rids = list(range(nreq))
     fill(eng, rids, context, seed=1)
     T = nreq * tokens
@@ -107,6 +109,7 @@ def profile(job, backend, layer: int, nreq: int, tokens: int, context: int, top:
         pool.reserve({s.rid: (s.start, s.start + s.count) for s in segs})
     eng.graphs.capture(eng, [T])
     eng.graphs.replay(eng, T, torch.randn(T, job.spec.hidden_size), segs, None, None)
+    layer = layers[-1]
     graph = eng.graphs.captured[T].layer_graphs[(layer, 0)]
     us = replay_us(graph.replay)
     rows = sorted(((t, n, k) for k, (t, n) in traced(graph.replay)[0].items()), reverse=True)
@@ -138,9 +141,11 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--eager", action="store_true", help="also the eager forward's host time by function")
     ap.add_argument("--timeline", action="store_true", help="also one replay's kernels in order, with the gaps")
-    ap.add_argument("overrides", nargs="*", default=["deployment=h200"])
+    ap.add_argument("overrides", nargs="*", default=[], help="Hydra overrides (deployment=h200 unless one is given)")
     a = ap.parse_args()
     require_gpu("bench/profile_layer.py")
+    if not any(o.startswith("deployment=") for o in a.overrides):
+        a.overrides.insert(0, "deployment=h200")
     with initialize_config_dir(version_base="1.3", config_dir=str(config_dir())):
         job = make_job(compose(config_name="config", overrides=a.overrides))
     labels = {b.label: b for b in backends(job)}
