@@ -59,6 +59,12 @@ E4M3_SM = 89          # NVIDIA GPUs from this compute capability on convert OCP 
 PDL_SM = 90           # and from this one launch kernels as programmatic dependents (griddepcontrol)
 
 
+def gpu_launches_dependents(gpu) -> bool:
+    """Whether our kernels compiled for Triton's GPUTarget `gpu` are launched as programmatic dependents (their
+    `compile_cases`): NVIDIA GPUs from PDL_SM on, as `target` sets Target.pdl."""
+    return gpu.backend == "cuda" and gpu.arch >= PDL_SM
+
+
 def target(*, platform: str, arch: str, torch_device: str, fixed_order: bool = False) -> Target:
     """A device (a DeviceInfo's platform, arch and torch device) as our kernels' calls are planned: its
     processors and L2 asked once; under Triton's interpreter the 'interpreter', with a few processors, so that

@@ -357,9 +357,9 @@ def compile_cases(gpu) -> list[CompileCase]:
     indexer's 8 of 128; rows handed back, or stored as fp8_ds_mla records (OCP, with the fp8 indexers' e4m3
     queries; FNUZ) or plain bf16 rows (with the FP4 numerics on the indexer's queries); the norm's rows as they
     are or as an fp8 linear reads them; as programmatic dependents on NVIDIA GPUs that launch them so."""
-    from dsv4.kernels.target import PDL_SM
+    from dsv4.kernels.target import gpu_launches_dependents
 
-    pdl = gpu.backend == "cuda" and gpu.arch >= PDL_SM
+    pdl = gpu_launches_dependents(gpu)
     cases = []
     rope = {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
     for dt, name in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):

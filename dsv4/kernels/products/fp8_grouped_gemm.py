@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from dsv4.kernels.launch import CompileCase, as_dense, as_f32, dependent_start, launch
-from dsv4.kernels.target import PDL_SM, Target, target_of
+from dsv4.kernels.target import Target, gpu_launches_dependents, target_of
 from dsv4.values.sizes import cdiv
 
 BLOCK = 128
@@ -77,7 +77,7 @@ def compile_cases(gpu) -> list[CompileCase]:
     """The grouped e4m3 product at both allowed token blocks (o_proj=triton_fp8's), 4 stages, on an e4m3 GPU,
     a programmatic dependent where it launches so."""
     pointers = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "z_ptr": "*bf16"}
-    pdl = gpu.arch >= PDL_SM
+    pdl = gpu_launches_dependents(gpu)
     return [CompileCase(kernel=_grouped_fp8_kernel, constexprs=dict(BM=bm, DOT=tl.float8e4nv, STAGES=4, PDL=pdl),
                         pointers=pointers, divisible=frozenset({"N", "K"}), num_warps=warps)
             for bm, warps in ((64, 4), (128, 8))]

@@ -36,7 +36,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.kernels.launch import CompileCase, as_dense, as_f32, dependent_start, launch
-from dsv4.kernels.target import PDL_SM, Target, target_of
+from dsv4.kernels.target import Target, gpu_launches_dependents, target_of
 from dsv4.values.sizes import cdiv
 
 BLOCK = 128
@@ -392,7 +392,7 @@ def compile_cases(gpu) -> list[CompileCase]:
     launches |= {(fixed_launch(M, N, K, tgt), inline) for M in (1, 256) for N, K in shapes for inline in (False, True)}
     fp8 = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "y_ptr": "*bf16",
            "part_ptr": "*fp32", "count_ptr": "*i32"}
-    pdl = gpu.arch >= PDL_SM
+    pdl = gpu_launches_dependents(gpu)
     cases = [CompileCase(kernel=_fp8_linear_kernel, constexprs=dict(BM=p.block_m, BN=p.block_n, SPLIT=p.split,
                                                                   QUANT=quant, DOT=tl.float8e4nv,
                                                                   STAGES=p.num_stages, INLINE=inline, PDL=pdl),

@@ -80,9 +80,9 @@ def inv_rope_fp8_quant(o, cos, sin, groups: int, *, mn_major_scales: bool = Fals
 def compile_cases(gpu) -> list[CompileCase]:
     """The fused o_proj prologue as inv_rope_fp8_quant launches it (512-dim heads, 16 blocks a program) on an
     e4m3 GPU, a programmatic dependent where it launches so."""
-    from dsv4.kernels.target import PDL_SM
+    from dsv4.kernels.target import gpu_launches_dependents
 
     return [CompileCase(kernel=_inv_rope_fp8_kernel, constexprs=dict(HEAD_DIM=512, ROPE=64, BPP=16,
-                                                                    PDL=gpu.arch >= PDL_SM),
+                                                                    PDL=gpu_launches_dependents(gpu)),
                         pointers={"o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "x_ptr": "*fp8e4nv",
                                   "s_ptr": "*fp32"}, divisible=frozenset({"n_blocks", "groups_per_token"}))]
