@@ -460,10 +460,11 @@ PRODUCT_SHAPES = {"dsv4_flash": {"x @ [wq_a|wkv]": (1536, 4096), "qr @ [wq_b|ind
 COLD_BYTES = 256 << 20        # weight copies rotated per timed call: past any L2, every call reads DRAM
 
 
-def products(rows=(1,), splits=(1, 2, 4), stages=(4,)) -> None:
+def products(rows=(1, 16), splits=(1, 2, 4, 8), stages=(3, 4)) -> None:
     """The few-row products with their weights cold (copies rotated past L2, as a layer step reads them): our
-    planned launch and a sweep of launches (bf16 x, quantized inside), DeepGEMM with its act_quant launch, and
-    a device copy of the weight's bytes; µs, and the weight's bytes / time as a share of copy bandwidth."""
+    planned launch and a sweep of launches (bf16 x, quantized inside; the dots as 16-row tiles or transposed,
+    `swap`), DeepGEMM with its act_quant launch, and a device copy of the weight's bytes; µs, and the weight's
+    bytes / time as a share of copy bandwidth."""
     import deep_gemm
 
     from dsv4.formats.fp8_blocks import quantize_blocks
@@ -494,8 +495,9 @@ def products(rows=(1,), splits=(1, 2, 4), stages=(4,)) -> None:
                         deep_gemm.fp8_gemm_nt((xq, xs), (w, s), y)
                 results = [("planned " + str(plan(M, N, K, tgt)), lambda: [fp8_linear(x, w, s) for w, s in ws]),
                            ("deepgemm + act_quant", dg)]
-                grid = [dict(block_m=16, block_n=bn, split=sp, num_warps=nw, num_stages=st)
-                        for bn, nw in ((64, 4), (128, 4), (256, 8)) for sp in splits for st in stages
+                grid = [dict(block_m=16, block_n=bn, split=sp, num_warps=nw, num_stages=st, swap=sw)
+                        for bn, nw, sw in ((64, 4, False), (128, 4, False), (64, 4, True), (128, 4, True))
+                        for sp in splits for st in stages
                         if (K // 128) % sp == 0 and (K // 128) // sp >= 2 and N % bn == 0]
                 results += [(" ".join(f"{k}={v}" for k, v in cfg.items()),
                              lambda cfg=cfg: [fp8_linear(x, w, s, **cfg) for w, s in ws]) for cfg in grid]

@@ -78,10 +78,12 @@ def test_plan_spreads_few_rows_over_the_processors():
     from dataclasses import replace
 
     h200 = replace(target_of(torch.device(DEVICE)), processors=132)
-    wo_b = plan(1, 4096, 8192, h200)                      # 64 tiles of 64 columns: K split 8 ways, 512 programs
-    assert (wo_b.block_m, wo_b.block_n, wo_b.split, wo_b.quantize_first) == (16, 64, 8, False)
-    assert plan(1, 40960, 1024, h200).split == 1          # 640 tiles fill the GPU
-    assert plan(1, 1536, 4096, h200).split == 8           # 24 tiles; each part at least 4 of K's 32 blocks
+    # up to 16 rows: 128-column tiles, the dots transposed, K's parts bring the programs nearest to one per SM
+    wo_b = plan(1, 4096, 8192, h200)                      # 32 tiles: K split 4 ways, 128 programs
+    assert (wo_b.block_m, wo_b.block_n, wo_b.split, wo_b.quantize_first, wo_b.swap) == (16, 128, 4, False, True)
+    assert plan(16, 40960, 1024, h200).split == 1         # 320 tiles fill the GPU
+    assert plan(1, 1536, 4096, h200).split == 8           # 12 tiles; each part at least 4 of K's 32 blocks
+    assert plan(1, 7168, 16384, h200).split == 2          # DSV4-Pro's wo_b: 56 tiles, 112 programs
     sm90 = replace(h200, arch="sm90")
     # more rows: quantized once by its own launch; K's parts bring the programs nearest to one per SM
     x_proj = [plan(m, 1536, 4096, sm90) for m in (32, 64, 128, 256)]

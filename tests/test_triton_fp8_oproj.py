@@ -55,6 +55,28 @@ def test_grouped_product_matches_the_fp8_simulation(T, G, N, K, launch):
     assert rel_err(z, want) <= (1e-6 if INTERPRET else 4e-3)
 
 
+@pytest.mark.parametrize("T,G,N,K", [(1, 2, 256, 512), (16, 3, 128, 512)] + ([(1, 8, 1024, 4096), (7, 16, 1024, 4096)]
+                                                                       if not INTERPRET else []))
+@pytest.mark.parametrize("split", [None, 1, 2, 4])
+def test_few_token_launch_adds_its_parts_and_leaves_the_counters_zeroed(T, G, N, K, split):
+    """Up to 16 tokens with counters: the dots transposed, K split over programs, the tile's last program
+    adding the parts; the same sums as the fp8 simulation, and the counters zero again after each call."""
+    from dsv4.kernels.products.fp8_grouped_gemm import counters, grouped_fp8_gemm
+
+    g = torch.Generator(device=DEVICE).manual_seed(T * 11 + G)
+    x, xs = e4m3_blocks(G, K, g, (T,))
+    w, ws = e4m3_blocks(N, K, g, (G,))
+    ws = ws[:, ::128]
+    count = counters(G, N, DEVICE)
+    want = fp8_block_product(x, xs, w, ws).bfloat16()
+    for _ in range(2):                                  # a second call (a graph replay) starts afresh
+        z = grouped_fp8_gemm(x, xs, w, ws, count=count, split=split)
+        assert rel_err(z, want) <= (1e-6 if INTERPRET else 4e-3)
+        assert int(count.abs().sum()) == 0
+    with pytest.raises(ValueError, match="does not divide"):
+        grouped_fp8_gemm(x, xs, w, ws, count=count, split=3)
+
+
 def test_bad_shapes_and_launches_are_refused():
     from dsv4.kernels.products.fp8_grouped_gemm import grouped_fp8_gemm
 

@@ -4,7 +4,9 @@ scale per 1×128 activation block and per 128×128 weight block, float32 sums --
 
 One program per (BN output columns, BM rows, part of K). It walks its K blocks of 128: a tensor-core e4m3
 dot of the activation tile with the weight tile, scaled by the rows' and the block's scales, added in
-float32; the loop is software-pipelined by Triton. The activation comes as e4m3 with its scales (made by
+float32; the loop is software-pipelined by Triton. Up to FEW_ROWS rows the dot is formed transposed (the
+weight tile as the MMA's M, `swap`), so that Hopper's warpgroup MMA reads the weight from shared memory
+rather than the rows being padded to its M of 64. The activation comes as e4m3 with its scales (made by
 the kernel that produced it, e.g. the q_lora norm, or by `act_quant_fp8`), or in its own dtype: then up to
 FEW_ROWS rows each program quantizes its tile as `act_quant` does (amax clamped at 1e-4, the scale
 2^ceil(log2(amax · fp32(1/448))) from the float32 bits, x / scale clamped to ±448 and rounded to e4m3), so
@@ -17,7 +19,7 @@ partial sums and the tile's last program to arrive adds them in split order (the
 arrives last) and stores the tile. More rows take 64x256 tiles over the whole of K (64x128 on GPUs with
 ~100 KB of shared memory a program), split over K too where that many tiles would leave SMs idle.
 
-On GPUs that launch kernels as programmatic dependents (Target.pdl) a program waits for the kernel before it
+On GPUs that launch kernels as programmatic dependents (Target.pdl) a program waits for the previous kernel
 before it reads anything, and lets the next kernel launch once its sums are made, before it stores them (asking
 L2 for its weight lines before the wait made the products slower: docs/notes/2026-12-07-few-request-levers.md).
 
@@ -72,14 +74,18 @@ def quantize_rows(a, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, kb0, kb1, BM: tl.constexpr,
-               BN: tl.constexpr, QUANT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
-    """The tile's float32 sums over K blocks kb0..kb1-1 of 128, from zero: e4m3 dots scaled per block."""
+def part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, XK, kb0, kb1, BM: tl.constexpr,
+              BN: tl.constexpr, QUANT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
+              SWAP: tl.constexpr = False):
+    """The tile's float32 sums over K blocks kb0..kb1-1 of 128, from zero (x's rows XK apart): e4m3 dots
+    scaled per block. With SWAP the dots are formed transposed, the weight tile as the MMA's M and the rows
+    as its N (a warpgroup MMA reading the weight from shared memory, none of its M padded), and the sums
+    transposed back."""
     k = tl.arange(0, 128)
-    x_row = rows.to(tl.int64) * K
+    x_row = rows.to(tl.int64) * XK
     w_row = cols.to(tl.int64) * K
     ws_row = (cols // 128) * (K // 128)
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = tl.zeros([BN, BM] if SWAP else [BM, BN], tl.float32)
     for kb in tl.range(kb0, kb1, num_stages=STAGES):
         if QUANT:
             a = tl.load(x_ptr + x_row[:, None] + kb * 128 + k[None, :], mask=live[:, None], other=0.0)
@@ -89,15 +95,19 @@ def _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K
             sa = tl.load(xs_ptr + rows.to(tl.int64) * xs_row + kb * xs_col, mask=live, other=0.0)
         b = tl.load(w_ptr + w_row[:, None] + kb * 128 + k[None, :])
         sb = tl.load(ws_ptr + ws_row + kb)
-        acc += tl.dot(q.to(DOT), tl.trans(b.to(DOT))) * sa[:, None] * sb[None, :]
-    return acc
+        if SWAP:
+            acc += tl.dot(b.to(DOT), tl.trans(q.to(DOT))) * sa[None, :] * sb[:, None]
+        else:
+            acc += tl.dot(q.to(DOT), tl.trans(b.to(DOT))) * sa[:, None] * sb[None, :]
+    return tl.trans(acc) if SWAP else acc
 
 
 @triton.jit(do_not_specialize=["M", "xs_row", "xs_col"])      # step sizes: one compiled variant for all
 def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                        BM: tl.constexpr,
                        BN: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, DOT: tl.constexpr,
-                       STAGES: tl.constexpr, INLINE: tl.constexpr = False, PDL: tl.constexpr = False):
+                       STAGES: tl.constexpr, INLINE: tl.constexpr = False, PDL: tl.constexpr = False,
+                       SWAP: tl.constexpr = False):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -110,8 +120,8 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part
     out = rows.to(tl.int64)[:, None] * N + cols[None, :]
     keep = live[:, None]
     if SPLIT == 1:
-        acc = _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, 0, per, BM, BN, QUANT, DOT,
-                         STAGES)
+        acc = part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, K, 0, per, BM, BN, QUANT,
+                        DOT, STAGES, SWAP)
         if PDL:
             gdc_launch_dependents()
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
@@ -119,27 +129,34 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part
         # all SPLIT parts in this program, each from zero, added in split order: the split launch's sums
         acc = tl.zeros([BM, BN], tl.float32)
         for s in range(SPLIT):
-            acc += _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, s * per,
-                              s * per + per, BM, BN, QUANT, DOT, STAGES)
+            acc += part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, K, s * per,
+                             s * per + per, BM, BN, QUANT, DOT, STAGES, SWAP)
         if PDL:
             gdc_launch_dependents()
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
     else:
         # each split's partial sums to the workspace; the tile's last program to finish adds them in split
         # order (the same order whoever finishes last) and resets the tile's counter for the next call
-        acc = _part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, split * per,
-                         split * per + per, BM, BN, QUANT, DOT, STAGES)
+        acc = part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, K, split * per,
+                        split * per + per, BM, BN, QUANT, DOT, STAGES, SWAP)
         if PDL:
             gdc_launch_dependents()
-        tl.store(part_ptr + split * M * N + out, acc, mask=keep)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if done == SPLIT - 1:
-            acc = tl.zeros([BM, BN], tl.float32)
-            for s in range(SPLIT):
-                acc += tl.load(part_ptr + s * M * N + out, mask=keep, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
-            tl.atomic_xchg(count_ptr + tile, 0)
+        add_parts(acc, y_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, split, out, keep, M * N, SPLIT)
+
+
+@triton.jit
+def add_parts(acc, y_ptr, part_ptr, count_ptr, tile, split, out, keep, part_stride, SPLIT: tl.constexpr):
+    """A split tile's part: its float32 sums to the workspace (parts `part_stride` apart); the tile's last
+    program to finish adds the parts in split order (the same order whoever finishes last), stores the tile
+    and resets its counter for the next call."""
+    tl.store(part_ptr + split * part_stride + out, acc, mask=keep)
+    done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+    if done == SPLIT - 1:
+        acc = tl.zeros(acc.shape, tl.float32)
+        for s in range(SPLIT):
+            acc += tl.load(part_ptr + s * part_stride + out, mask=keep, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
+        tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -163,6 +180,7 @@ class LinearLaunch:
     num_warps: int
     num_stages: int
     quantize_first: bool  # bf16/float32 x: quantized by its own launch first, not inside every program
+    swap: bool = False    # the dots transposed: the weight tile is the MMA's M, the rows its N (`part_sums`)
 
 
 FEW_ROWS = 16                # up to this many rows the activation is quantized inside the product
@@ -175,8 +193,12 @@ BIG_SHARED = frozenset({"sm90", "sm100", "sm103"})    # ~227 KB of shared memory
 def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
     """The launch for an [M, K] x [N, K]ᵀ product (bench/tune_triton.py linear).
 
-    Up to FEW_ROWS rows: 16-row tiles, each program quantizing its activation tile itself (no launch before
-    it), K split into as many parts as give every SM about two programs. Up to SMALL_M rows the weight's
+    Up to FEW_ROWS rows: 16-row tiles of 128 columns, each program quantizing its activation tile itself (no
+    launch before it), its dots transposed (`swap`: 128 weight rows as a warpgroup MMA's M, read from shared
+    memory, rather than 16 activation rows padded to it), K split into the parts that bring the programs
+    nearest to one per SM, three stages: with the weights cold, 0.75-0.88 of the copy bandwidth on the H100
+    on DSV4-Flash's and DSV4-Pro's large products, where 16-row dots took 0.65-0.82 and DeepGEMM 0.62-0.86
+    (docs/notes/2026-12-07-few-row-products.md). Up to SMALL_M rows the weight's
     bytes are still the cost: 32- or 64-row tiles of 64 columns (128 from WIDE_N), the activation quantized
     by its own launch (a program's share of the quantizing would outweigh it), K split into the parts that
     bring the programs nearest to one per SM (more parts only add partial sums to write and read); a
@@ -196,9 +218,8 @@ def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
         return LinearLaunch(block_m=64, block_n=128, split=split, num_warps=4, num_stages=stages,
                             quantize_first=True)
     if M <= FEW_ROWS:
-        bn = 128 if N // 128 >= target.processors else (64 if N % 64 == 0 and N // 64 >= 8 else 32)
-        return LinearLaunch(block_m=16, block_n=bn, split=split_for(N // bn, K // BLOCK, 2 * target.processors),
-                            num_warps=4, num_stages=4, quantize_first=False)
+        return LinearLaunch(block_m=16, block_n=BLOCK, split=nearest_split(N // BLOCK, K // BLOCK, target.processors),
+                            num_warps=4, num_stages=3, quantize_first=False, swap=True)
     bm = 32 if M <= 32 else 64
     bn = 128 if N >= WIDE_N and N % 128 == 0 else 64 if N % 64 == 0 else 32
     if M >= 128 and cdiv(M, 128) * (N // 64) >= target.processors and N % 64 == 0:
@@ -283,7 +304,7 @@ def _launch_params(p: LinearLaunch, **given) -> LinearLaunch:
 def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = None, count=None,
                block_m: int | None = None, block_n: int | None = None, split: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None, quantize_first: bool | None = None,
-               inline: bool | None = None):
+               swap: bool | None = None, inline: bool | None = None):
     """x [M, K] (bf16/float32 activations; or e4m3 with its scales `xs` [M, K/128] float32, row- or
     block-major) times w [N, K] e4m3 with block scales ws [N/128, K/128] float32 -> y [M, N] in `out_dtype`
     (default: x's dtype; bf16 for e4m3 x): one launch, or two where the plan quantizes x first. `target`:
@@ -318,7 +339,7 @@ def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = Non
     else:
         p = plan(M, N, K, tgt)                   # a step's plan is computed once, then looked up
     given = dict(block_m=block_m, block_n=block_n, split=split, num_warps=num_warps, num_stages=num_stages,
-                 quantize_first=quantize_first)
+                 quantize_first=quantize_first, swap=swap)
     if any(v is not None for v in given.values()):
         p = _launch_params(p, **given)
     if (K // BLOCK) % p.split:
@@ -349,7 +370,7 @@ def fp8_linear(x, w, ws, *, xs=None, out_dtype=None, target: Target | None = Non
         launch(_fp8_linear_kernel, (N // bn, 1 if inline else sp, cdiv(r1 - r0, bm)), xr, xsr, *xs_strides, w, ws,
                yr, part, count_buf, r1 - r0, N, K, BM=bm, BN=bn, SPLIT=sp, QUANT=not fp8_x,
                DOT=tl.float32 if tgt.interpret else tl.float8e4nv, STAGES=p.num_stages, INLINE=inline,
-               PDL=tgt.pdl, launch_pdl=tgt.pdl, num_warps=p.num_warps)
+               PDL=tgt.pdl, SWAP=p.swap, launch_pdl=tgt.pdl, num_warps=p.num_warps)
     return y.to(out_dtype)
 
 
@@ -395,7 +416,8 @@ def compile_cases(gpu) -> list[CompileCase]:
     pdl = gpu_launches_dependents(gpu)
     cases = [CompileCase(kernel=_fp8_linear_kernel, constexprs=dict(BM=p.block_m, BN=p.block_n, SPLIT=p.split,
                                                                   QUANT=quant, DOT=tl.float8e4nv,
-                                                                  STAGES=p.num_stages, INLINE=inline, PDL=pdl),
+                                                                  STAGES=p.num_stages, INLINE=inline, PDL=pdl,
+                                                                  SWAP=p.swap),
                          pointers=fp8 | ({"x_ptr": "*bf16", "xs_ptr": "*bf16"} if quant else {}),
                          divisible=frozenset({"N", "K", "xs_row", "xs_col"}), num_warps=p.num_warps)
              for p, inline in sorted(launches, key=str) for quant in {False, not p.quantize_first}]

@@ -27,12 +27,14 @@ BLOCK = 128
 class Fp8WoA:
     """A layer's `wo_a` on its device as the grouped fp8 products read it, made once at build: e4m3 bytes
     [G, N, K], float32 scales per 128x128 block [G, N/128, K/128], its G groups, and (`target`) the device's
-    facts our Triton product plans by, resolved once (None: the torch product, or a CPU)."""
+    facts our Triton product plans by, resolved once (None: the torch product, or a CPU), and (`count`) its
+    few-token launch's arrival counters (None: one launch shape for every step, batch_invariant)."""
     weight: Tensor
     scale: Tensor
     groups: int
     prologue: Callable      # o, rot, groups -> (e4m3 bytes, scales): `o_proj_prologue` of the device
     target: Target | None = None
+    count: Tensor | None = None
 
 
 SM90 = (1, 128, 128)          # DeepGEMM's sm90 recipe: fp32 scales per 1x128 activation and 128x128 weight block
