@@ -236,8 +236,8 @@ FIXED_M = 64       # rows per tile of fixed_plan's launch, the least of any unde
 def fixed_plan(N: int, K: int, target: Target) -> LinearLaunch:
     """The launch of an [N, K] weight that fixes a row's sums for every row count (Target.fixed_order,
     batch_invariant=true; `fixed_launch` may widen its tile): FIXED_M-row tiles, the activation quantized
-    by its own launch first, the columns as `plan` takes them for a few rows and K split into the parts that
-    bring one row tile's programs nearest to one per SM. The tile's rows and K's split fix the sums (the
+    by its own launch first, 128 columns a tile where that gives one per SM (else 64, or 32 for narrow N) and K
+    split into the parts that bring one row tile's programs nearest to one per SM. The tile's rows and K's split fix the sums (the
     H200 gives other bits at 16, 32 and 64 rows a tile); no one choice is the fastest at every row count:
     16-row tiles are 2x faster at one row and 2-3x slower from 64 (docs/notes/2026-12-04-batch-invariance.md)."""
     big = target.arch in BIG_SHARED
