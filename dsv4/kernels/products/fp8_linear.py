@@ -196,8 +196,8 @@ def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
     Up to FEW_ROWS rows: 16-row tiles of 128 columns, each program quantizing its activation tile itself (no
     launch before it), its dots transposed (`swap`: 128 weight rows as a warpgroup MMA's M, read from shared
     memory, rather than 16 activation rows padded to it), K split into the parts that bring the programs
-    nearest to one per SM, three stages: with the weights cold, 0.75-0.88 of the copy bandwidth on the H100
-    on DSV4-Flash's and DSV4-Pro's large products, where 16-row dots took 0.65-0.82 and DeepGEMM 0.62-0.86
+    nearest to one per SM, three stages: the form that read cold weights nearest the copy bandwidth in a sweep
+    on the H100 over DSV4-Flash's and DSV4-Pro's products, ahead of 16-row dots and of DeepGEMM
     (docs/notes/2026-12-07-few-row-products.md). Up to SMALL_M rows the weight's
     bytes are still the cost: 32- or 64-row tiles of 64 columns (128 from WIDE_N), the activation quantized
     by its own launch (a program's share of the quantizing would outweigh it), K split into the parts that
@@ -236,10 +236,11 @@ FIXED_M = 64       # rows per tile of fixed_plan's launch, the least of any unde
 def fixed_plan(N: int, K: int, target: Target) -> LinearLaunch:
     """The launch of an [N, K] weight that fixes a row's sums for every row count (Target.fixed_order,
     batch_invariant=true; `fixed_launch` may widen its tile): FIXED_M-row tiles, the activation quantized
-    by its own launch first, 128 columns a tile where that gives one per SM (else 64, or 32 for narrow N) and K
-    split into the parts that bring one row tile's programs nearest to one per SM. The tile's rows and K's split fix the sums (the
-    H200 gives other bits at 16, 32 and 64 rows a tile); no one choice is the fastest at every row count:
-    16-row tiles are 2x faster at one row and 2-3x slower from 64 (docs/notes/2026-12-04-batch-invariance.md)."""
+    by its own launch first, 128 columns a tile where that gives one per SM (else 64, or 32 for narrow N) and
+    K split into the parts that bring one row tile's programs nearest to one per SM. The tile's rows and K's
+    split fix the sums (the H200 gives other bits at 16, 32 and 64 rows a tile); no one choice is the fastest
+    at every row count: 16-row tiles are 2x faster at one row and 2-3x slower from 64
+    (docs/notes/2026-12-04-batch-invariance.md)."""
     big = target.arch in BIG_SHARED
     bn = 128 if N // 128 >= target.processors else (64 if N % 64 == 0 and N // 64 >= 8 else 32)
     return LinearLaunch(block_m=FIXED_M, block_n=bn, split=nearest_split(N // bn, K // BLOCK, target.processors),
