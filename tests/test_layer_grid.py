@@ -9,23 +9,35 @@ import pytest
 
 import dsv4
 from dsv4.speed.grid import bench_grid, grid_row, preset_label
-from dsv4.speed.peers import DECODE_POINTS, MODELS, PREFILL_POINTS, TABLE, Point, faster, grid, published
+from dsv4.speed.peers import (DECODE_POINTS, MODELS, PREFILL_POINTS, TABLES, Point, card_of, faster, grid,
+                              published)
 
 
-def test_every_grid_point_has_the_engines_figures():
-    figures = published()
+@pytest.mark.parametrize("card", sorted(TABLES))
+def test_every_grid_point_has_the_engines_figures(card):
+    figures = published(card)
     points = [p for m in MODELS for p in grid(m)]
     assert len(points) == len(MODELS) * 2 * (len(DECODE_POINTS) + len(PREFILL_POINTS)) == len(set(points))
     assert set(figures) == set(points)
     for p in points:
         assert set(figures[p]) <= {"vllm", "sglang"} and "vllm" in figures[p], p
         assert all(0 < us < 1e6 for us in figures[p].values()), p
-    with open(TABLE, newline="") as f:
+    with open(TABLES[card], newline="") as f:
         rows = list(csv.DictReader(f))
     assert {r["version"] for r in rows} == {"0.24.0", "0.5.14"}
-    # two figures quoted in docs/benchmarks.md
-    assert figures[Point("dsv4_flash", "c4a", "decode", 1, 1, 8192)]["vllm"] == 105.3
-    assert figures[Point("dsv4_flash", "c128a", "prefill", 1, 8192, 0)]["sglang"] == 3115.1
+    # figures quoted in docs/benchmarks.md and docs/notes (the faster engine at one request, 8192 context)
+    quoted = {"H200": (("c4a", "decode", 1, 8192, "vllm", 105.3), ("c128a", "prefill", 8192, 0, "sglang", 3115.1)),
+              "H100": (("c4a", "decode", 1, 8192, "vllm", 115.2), ("c128a", "decode", 1, 8192, "vllm", 90.8))}
+    for layer, mode, n, ctx, engine, us in quoted[card]:
+        p = Point("dsv4_flash", layer, mode, *((n, 1, ctx) if mode == "decode" else (1, n, ctx)))
+        assert figures[p][engine] == us
+
+
+def test_a_gpu_is_compared_with_its_own_cards_rows():
+    assert card_of("NVIDIA H200") == "H200" and card_of("NVIDIA H100 80GB HBM3") == "H100"
+    assert published("H100") != published("H200")
+    with pytest.raises(ValueError, match="on the H200 and the H100 only; this GPU is NVIDIA A100"):
+        card_of("NVIDIA A100-SXM4-80GB")
 
 
 def test_a_row_sets_the_fastest_backend_beside_the_faster_engine():
@@ -74,3 +86,6 @@ def test_the_grid_refuses_what_it_cannot_compare(monkeypatch):
     wanted = r"none of the backends \['no \+ such'\] runs here; these do: \['a \+ b \+ c'\]"
     with pytest.raises(ValueError, match=wanted):
         bench_grid(h200, labels=["no + such"])
+    monkeypatch.setattr(grid_mod, "gpu_name", lambda: "NVIDIA B200")
+    with pytest.raises(ValueError, match="this GPU is NVIDIA B200"):
+        bench_grid(h200)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.speed.layer import INVARIANT, backends, base_label, prefill_row, replayed_step, row_label
-from dsv4.speed.peers import LAYER_TYPES, Point, faster, grid, published
+from dsv4.speed.peers import LAYER_TYPES, MODELS, Point, card_of, faster, grid, published
 from dsv4.speed.rows import measurement
 from dsv4.checks.catalogue import backend_presets
 from dsv4.values.device import local_platform
@@ -74,13 +74,17 @@ def grid_measurement(model: str, p: Point, row: list, headers: list[str], *, one
     return measurement(name, case=case, ours=ours | after, peers=peers, columns=[*case, *ours, *peers, *after])
 
 
+def gpu_name() -> str:
+    """This machine's first CUDA GPU, by name."""
+    return torch.cuda.get_device_name()
+
+
 def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "prefill"), echo=None,
                record=None) -> str:
     """The grid of the job's model (DSV4-Flash or DSV4-Pro), `labels` the backends to run (default: all
     that run here), as one table; `record` (dsv4/speed/rows.py) takes each point's row as it is measured."""
-    figures = published()
     spec = job.spec
-    if spec.name not in {p.model for p in figures}:
+    if spec.name not in MODELS:
         raise ValueError(f"model={spec.name}: the engines publish DSV4-Flash and DSV4-Pro only "
                          f"(model=dsv4_flash or model=dsv4_pro)")
     if job.device.platform != local_platform():
@@ -90,6 +94,8 @@ def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "p
     runs = [b for b in here if labels is None or base_label(b.label) in labels]
     if not runs:
         raise ValueError(f"none of the backends {labels} runs here; these do: {[b.label for b in here]}")
+    card = card_of(gpu_name())          # the engines' rows of the card this runs on
+    figures = published(card)
     first = {lt: next(l for l in spec.one_layer_per_type() if spec.layer_type(l) == lt) for lt in layer_types}
     headers = HEADERS[:5] + INVARIANT_HEADERS + HEADERS[5:] if job.combo.batch_invariant else HEADERS
     rows = []
@@ -112,5 +118,6 @@ def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "p
         if echo is not None and times:
             echo(" | ".join(map(str, rows[-1])))
     return (f"{spec.name}: decode (one token per request, replay of the second layer of its type, median µs) and "
-            f"prefill (one request, eager, µs) beside the engines' published latency (dsv4/speed/peers.py):\n"
+            f"prefill (one request, eager, µs) beside the engines' published latency on the {card} "
+            f"(dsv4/speed/peers.py):\n"
             + table(headers, rows, left=(0, 1, 2)))

@@ -1,15 +1,17 @@
-"""The serving engines' published whole-layer latencies on the H200, at the points of the layer grid
-(`bench/layer_table.py --grid peers`), and the grid itself.
+"""The serving engines' published whole-layer latencies on the H200 and the H100, at the points of the layer
+grid (`bench/layer_table.py --grid peers`), and the grid itself.
 
 Source: the DSV4 attention tables of ai-dynamo/aiconfigurator at commit 095f58a (the same files in its
-`aiconfigurator-core` 0.12.0 wheel): `systems/data/h200_sxm/sparse_attention/{vllm/0.24.0,sglang/0.5.14}/
-dsv4_{csa,hca}_{generation,context}_module_perf.parquet`; `peers_h200.csv` keeps the rows of this grid.
+`aiconfigurator-core` 0.12.0 wheel): `systems/data/{h200_sxm,h100_sxm}/sparse_attention/{vllm/0.24.0,
+sglang/0.5.14}/dsv4_{csa,hca}_{generation,context}_module_perf.parquet`; `peers_h200.csv` and `peers_h100.csv`
+keep the rows of this grid (`fp8_block` projections, tensor parallelism 1), the same points on both cards.
 How they were measured (its collectors `collect_dsv4_attn.py`): one real attention layer of the engine
 (vLLM's `DeepseekV4FlashMLAAttention`, SGLang's `self_attn` with its multi-stream overlap) with every
 projection an fp8 128x128 block-scaled DeepGEMM product, captured as one CUDA graph and replayed; the mean of
 back-to-back replays without an L2 flush; dummy weights; fp8_ds_mla KV cache; one token per request in
 decode; tensor parallelism 1. SGLang's ratio-4 rows carry aiconfigurator's own correction for its dummy
-weights' all-equal indexer scores (they send SGLang's top-k down a slow tie-breaking path). Ours are
+weights' all-equal indexer scores (they send SGLang's top-k down a slow tie-breaking path), each card's with
+its own calibration table. Ours are
 medians of replays with random weights: compare at the same point, not to the microsecond.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ PREFILL_POINTS = (4096, 8192, 16384)          # tokens of one request, nothing c
 MODELS = ("dsv4_flash", "dsv4_pro")
 LAYER_TYPES = ("c4a", "c128a")                # the engines publish no SWA-only layer
 
-TABLE = Path(__file__).with_name("peers_h200.csv")
+TABLES = {"H200": Path(__file__).with_name("peers_h200.csv"), "H100": Path(__file__).with_name("peers_h100.csv")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +45,19 @@ class Point:
         return f"{self.requests} @ {self.context}" if self.mode == "decode" else f"prefill {self.tokens}"
 
 
-def published() -> dict[Point, dict[str, float]]:
-    """Each point's latency per engine ("vllm", "sglang"), µs."""
+def card_of(gpu_name: str) -> str:
+    """The card (a key of TABLES) whose published rows a GPU of this name is compared with."""
+    for card in TABLES:
+        if card in gpu_name.upper():
+            return card
+    raise ValueError(f"the engines publish their DSV4 layer latencies on the {' and the '.join(TABLES)} only; "
+                     f"this GPU is {gpu_name}")
+
+
+def published(card: str = "H200") -> dict[Point, dict[str, float]]:
+    """Each point's latency per engine ("vllm", "sglang") on `card` (a key of TABLES), µs."""
     out: dict[Point, dict[str, float]] = {}
-    with open(TABLE, newline="") as f:
+    with open(TABLES[card], newline="") as f:
         for r in csv.DictReader(f):
             p = Point(r["model"], r["layer"], r["mode"], int(r["requests"]), int(r["tokens_per_request"]),
                       int(r["context"]))
