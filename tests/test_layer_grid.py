@@ -54,6 +54,16 @@ def test_a_row_sets_the_fastest_backend_beside_the_faster_engine():
                     {"vllm": 7e3})[9] is None          # a prefill runs eagerly: nothing compared
 
 
+def test_a_decode_row_gives_its_weights_share_of_the_copy_bandwidth():
+    """150 MB of weights in 100 µs on a card that copies at 3000 GB/s: half its bandwidth; the fastest row's,
+    and none without the weights or the bandwidth (a prefill, a grid of prefill points only)."""
+    p = Point("dsv4_flash", "c4a", "decode", 1, 1, 8192)
+    times = {"a + b + c": (100.0, True, 150_000_000), "d + e + f": (120.0, True, 150_000_000)}
+    assert grid_row(p, times, {"vllm": 105.0}, copy_gbps=3000.0)[-1] == pytest.approx(0.5)
+    assert grid_row(p, times, {"vllm": 105.0})[-1] is None
+    assert grid_row(p, {"a + b + c": (100.0, None, None)}, {"vllm": 105.0}, copy_gbps=3000.0)[-1] is None
+
+
 
 def test_a_batch_invariant_row_sets_its_fastest_beside_the_default():
     """batch_invariant=true: the fastest `[batch-invariant]` row and its ratio go after the triton preset's

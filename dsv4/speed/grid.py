@@ -10,12 +10,13 @@ import torch
 from dsv4.speed.layer import INVARIANT, backends, base_label, prefill_row, replayed_step, row_label
 from dsv4.speed.peers import LAYER_TYPES, MODELS, Point, card_of, faster, grid, published
 from dsv4.speed.rows import measurement
+from dsv4.speed.timing import copy_gbps
 from dsv4.checks.catalogue import backend_presets
 from dsv4.values.device import local_platform
 from dsv4.reports.report import table
 
 HEADERS = ["layer", "step", "fastest backend", "ours µs", "triton preset µs", "triton / ours", "vLLM µs",
-           "SGLang µs", "ours / faster engine", "replay == eager"]
+           "SGLang µs", "ours / faster engine", "replay == eager", "weights / copy"]
 INVARIANT_HEADERS = ["batch-invariant µs", "invariant / ours"]     # batch_invariant=true: the fastest such row
 
 
@@ -25,25 +26,31 @@ def preset_label(preset: str) -> str:
     return row_label(chosen["mqa_kernel"], chosen["o_proj"], chosen["linear"])
 
 
-def time_point(job, backend, layer: int, p: Point) -> tuple[float, bool | None]:
-    """µs of `backend` at point p, and whether replay equals eager (None for a prefill: it runs eagerly)."""
+def time_point(job, backend, layer: int, p: Point) -> tuple[float, bool | None, int | None]:
+    """µs of `backend` at point p, whether replay equals eager and the layer's weight bytes (None and None
+    for a prefill: it runs eagerly)."""
     if p.mode == "prefill":
-        return prefill_row(job, backend, layer, tokens=p.tokens)[3] * 1e3, None
+        return prefill_row(job, backend, layer, tokens=p.tokens)[3] * 1e3, None, None
     return replayed_step(job, backend, layer, p.requests, 1, p.context)
 
 
-def grid_row(p: Point, times: dict[str, tuple[float, bool | None]], figures: dict[str, float], *,
-             invariant: bool = False) -> list:
+def grid_row(p: Point, times: dict[str, tuple], figures: dict[str, float], *, invariant: bool = False,
+             copy_gbps: float | None = None) -> list:
     """A point's row: the fastest backend run by default, the triton preset beside it, the engines' figures;
-    with `invariant`, also the fastest batch-invariant row and its ratio to the fastest."""
+    with `invariant`, also the fastest batch-invariant row and its ratio to the fastest. `times`: per
+    backend (µs, replay == eager) or (µs, replay == eager, weight bytes); with the card's measured
+    `copy_gbps`, the last column is the fastest row's weight bytes over its time as a share of that
+    bandwidth (how near a decode step is to reading its weights once at copy speed)."""
     default = [label for label in times if not label.endswith(INVARIANT)] or list(times)   # all else out of memory
     best = min(default, key=lambda label: times[label][0])
-    checked = [same for _, same in times.values() if same is not None]
+    checked = [t[1] for t in times.values() if t[1] is not None]
     ours = times[best][0]
+    weights = times[best][2] if len(times[best]) > 2 else None
+    share = weights / (copy_gbps * 1e3 * ours) if weights and copy_gbps else None
     tri = times.get(preset_label("triton"), (None,))[0]
     _, peer = faster(figures)
     row = [p.layer, p.label(), best, ours, tri, None if tri is None else tri / ours, figures.get("vllm"),
-           figures.get("sglang"), ours / peer, all(checked) if checked else None]
+           figures.get("sglang"), ours / peer, all(checked) if checked else None, share]
     if invariant:
         fixed = min((times[label][0] for label in times if label.endswith(INVARIANT)), default=None)
         row[5:5] = [fixed, None if fixed is None else fixed / ours]          # after the triton preset's µs
@@ -96,6 +103,7 @@ def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "p
         raise ValueError(f"none of the backends {labels} runs here; these do: {[b.label for b in here]}")
     card = card_of(gpu_name())          # the engines' rows of the card this runs on
     figures = published(card)
+    bandwidth = copy_gbps() if "decode" in modes else None
     first = {lt: next(l for l in spec.one_layer_per_type() if spec.layer_type(l) == lt) for lt in layer_types}
     headers = HEADERS[:5] + INVARIANT_HEADERS + HEADERS[5:] if job.combo.batch_invariant else HEADERS
     rows = []
@@ -109,7 +117,7 @@ def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "p
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
         if times:
-            rows.append(grid_row(p, times, figures[p], invariant=job.combo.batch_invariant))
+            rows.append(grid_row(p, times, figures[p], invariant=job.combo.batch_invariant, copy_gbps=bandwidth))
         else:
             rows.append([p.layer, p.label(), "out of memory"] + [None] * (len(headers) - 3))
         if record is not None:
@@ -119,5 +127,6 @@ def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "p
             echo(" | ".join(map(str, rows[-1])))
     return (f"{spec.name}: decode (one token per request, replay of the second layer of its type, median µs) and "
             f"prefill (one request, eager, µs) beside the engines' published latency on the {card} "
-            f"(dsv4/speed/peers.py):\n"
+            f"(dsv4/speed/peers.py); weights / copy: the fastest row's weight bytes over its time, as a share "
+            f"of this card's copy bandwidth, {bandwidth or 0:.0f} GB/s measured:\n"
             + table(headers, rows, left=(0, 1, 2)))

@@ -160,10 +160,15 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
     return out
 
 
+def weight_bytes(layer) -> int:
+    """The layer's weights as stored on its device (its buffers and o_proj's prepared blocks)."""
+    return tensor_bytes(list(layer.buffers())) + tensor_bytes(layer.o_proj_prepared)
+
+
 def floor_bytes(layer, caches, nreq: int, context: int) -> int:
     """What one decode step must move at least: the layer's weights as stored, each request's KV rows
     (window + compressed entries it attends to) and, at ratio 4, its visible indexer keys."""
-    weights = tensor_bytes(list(layer.buffers())) + tensor_bytes(layer.o_proj_prepared)
+    weights = weight_bytes(layer)
     row = caches.swa.layout.bytes_per_token(layer.spec.head_dim)
     kind = by_ratio(layer.ratio)
     entries = context // layer.ratio if kind.compressed else 0
@@ -260,15 +265,16 @@ def engine_for(job, backend: Backend, layers, *, nreq: int, tokens: int, context
     return job_engine(replace(job, combo=backend.combo), weights, pool, ranks=ranks, graphs=gc)
 
 
-def replayed_step(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int) -> tuple[float, bool]:
-    """The second layer of `layer`'s type replayed (µs, median) and whether that replay's output equals the
-    eager forward's bit for bit: a decode row without its eager timing and components."""
+def replayed_step(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int) -> tuple[float, bool, int]:
+    """The second layer of `layer`'s type replayed (µs, median), whether that replay's output equals the
+    eager forward's bit for bit, and the layer's weight bytes: a decode row without its eager timing and
+    components."""
     return decode_row(job, backend, layer, nreq, tokens, context, full=False)
 
 
 def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, context: int, *, full: bool = True):
     """The decode table's row for one step and the step's components timed alone; with full=False only
-    (replay µs, replay == eager)."""
+    (replay µs, replay == eager, the layer's weight bytes)."""
     first, second = two_of_type(job.spec, layer)
     eng = engine_for(job, backend, (first, second), nreq=nreq, tokens=tokens, context=context, graphs=True)
     rids = list(range(nreq))
@@ -290,9 +296,10 @@ def decode_row(job, backend: Backend, layer: int, nreq: int, tokens: int, contex
     eager_out = module(x, eager_plan, caches).out[:T].float()
     same = torch.equal(eager_out, replayed)
     if not full:
+        weights = weight_bytes(module)
         del eng
         torch.cuda.empty_cache()
-        return step_us, same
+        return step_us, same, weights
     first_us = replay_us(cap.layer_graphs[(first, 0)].replay)     # + the type's per-step kernel plan
     plan_us = replay_us(cap.plan_graph.replay)
     # host-bound, so timed EAGER_ROUNDS times (the host's speed drifts more than the GPU's), the medians kept

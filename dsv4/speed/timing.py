@@ -48,6 +48,20 @@ def eager_us(fn, *, calls: int = 20, repeats: int = 7) -> tuple[float, float]:
     return statistics.median(times), statistics.median(host)
 
 
+COPY_BYTES = 1 << 30      # a device copy this large is bound by DRAM on every card here (L2 at most ~60 MB)
+
+
+def copy_gbps() -> float:
+    """This GPU's device-to-device copy bandwidth, GB/s (bytes read + written), measured: the bandwidth a
+    step's weights are read at, at best."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda: dst.copy_(src), calls=2, repeats=5)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * COPY_BYTES / us / 1e3
+
+
 def graph_time_us(fn, *, calls: int = 20, repeats: int = 7) -> float:
     """Median over `repeats` CUDA-graph replays of `calls` calls of fn, per call, in µs."""
     for _ in range(3):
