@@ -100,6 +100,20 @@ def test_plan_spreads_few_rows_over_the_processors():
     assert plan(2048, 512, 4096, sm90).split == 4 and plan(8192, 512, 4096, sm90).split == 1
 
 
+@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("split", [1, 2])
+def test_transposed_and_row_tile_dots_give_the_published_sums(M, split):
+    """Few rows: the dots with the weight tile as the MMA's M (`swap`, as planned) and with the 16 rows as
+    it, from the same quantized rows, both the published block sums."""
+    g = torch.Generator().manual_seed(M + 10 * split)
+    x = activations(M, 512, g, torch.bfloat16)
+    w, ws = weights(256, 512, g)
+    want = block_product(*act_quant(x), w, ws)
+    for swap in (True, False):
+        y = fp8_linear(x, w, ws, out_dtype=torch.float32, swap=swap, split=split)
+        assert rel_err(y, want) < (1e-6 if INTERPRET else 1e-3), swap
+
+
 @pytest.mark.parametrize("M", [1, 20, 64, 200])
 def test_split_products_add_their_parts_and_leave_the_counters_zeroed(M):
     """K's blocks over several programs per tile: the tile's last program adds the parts; the counters are
