@@ -6,6 +6,7 @@
   python bench/layer_table.py --padding --tp-sizes 8 --cases 256x2@8192     # the head-padding table at that step
   python bench/layer_table.py --grid peers [model=dsv4_pro]   # every point the engines publish, beside their figures
   python bench/layer_table.py --grid peers --no-decode        # its prefill points only
+  python bench/layer_table.py --grid peers --no-prefill --max-requests 16   # the few-request decode points
   python bench/layer_table.py --grid peers --rows docs/bench/rows   # its rows where docs/benchmarks.md's come from
 
 Every row measured is also appended, stamped, to a file of rows under --rows (dsv4/speed/rows.py).
@@ -40,6 +41,8 @@ def main() -> None:
     ap.add_argument("--layer-types", nargs="*", default=None, help="e.g. c4a (default: swa c4a c128a)")
     ap.add_argument("--no-prefill", action="store_true")
     ap.add_argument("--no-decode", action="store_true", help="with --grid: its prefill points only")
+    ap.add_argument("--max-requests", type=int, default=None,
+                    help="with --grid: its decode points of at most this many requests only (e.g. 16)")
     ap.add_argument("--padding", action="store_true", help="mode=bench's head-padding table at each case instead")
     ap.add_argument("--tp-sizes", nargs="*", type=int, default=None, help="the padding table's (default: 1 2 4 8)")
     ap.add_argument("--grid", choices=["peers"], default=None,
@@ -80,7 +83,7 @@ def tables(a, job, record) -> None:
     if a.grid:
         try:
             modes = tuple(m for m, off in (("decode", a.no_decode), ("prefill", a.no_prefill)) if not off)
-            print(bench_grid(job, labels=a.backends, modes=modes,
+            print(bench_grid(job, labels=a.backends, modes=modes, max_requests=a.max_requests,
                              **({"layer_types": a.layer_types} if a.layer_types else {}),
                              echo=echo, record=record))
         except ValueError as e:

@@ -33,6 +33,14 @@ def test_every_grid_point_has_the_engines_figures(card):
         assert figures[p][engine] == us
 
 
+def test_the_few_request_points_are_a_part_of_the_grid():
+    few = grid("dsv4_pro", max_requests=16)
+    assert {(p.requests, p.context) for p in few if p.mode == "decode"} == {
+        (n, c) for n, c in DECODE_POINTS if n <= 16} == {(1, 8192), (16, 8192), (1, 65536), (8, 65536), (16, 32768)}
+    assert [p for p in few if p.mode == "prefill"] == [p for p in grid("dsv4_pro") if p.mode == "prefill"]
+    assert set(few) < set(grid("dsv4_pro"))
+
+
 def test_a_gpu_is_compared_with_its_own_cards_rows():
     assert card_of("NVIDIA H200") == "H200" and card_of("NVIDIA H100 80GB HBM3") == "H100"
     assert published("H100") != published("H200")

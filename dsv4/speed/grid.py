@@ -86,10 +86,11 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name()
 
 
-def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "prefill"), echo=None,
-               record=None) -> str:
+def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "prefill"), max_requests=None,
+               echo=None, record=None) -> str:
     """The grid of the job's model (DSV4-Flash or DSV4-Pro), `labels` the backends to run (default: all
-    that run here), as one table; `record` (dsv4/speed/rows.py) takes each point's row as it is measured."""
+    that run here), as one table (`max_requests`: its decode points of at most that many requests); `record`
+    (dsv4/speed/rows.py) takes each point's row as it is measured."""
     spec = job.spec
     if spec.name not in MODELS:
         raise ValueError(f"model={spec.name}: the engines publish DSV4-Flash and DSV4-Pro only "
@@ -107,7 +108,7 @@ def bench_grid(job, *, labels=None, layer_types=LAYER_TYPES, modes=("decode", "p
     first = {lt: next(l for l in spec.one_layer_per_type() if spec.layer_type(l) == lt) for lt in layer_types}
     headers = HEADERS[:5] + INVARIANT_HEADERS + HEADERS[5:] if job.combo.batch_invariant else HEADERS
     rows = []
-    for p in grid(spec.name, layer_types):
+    for p in grid(spec.name, layer_types, max_requests=max_requests):
         if p.mode not in modes:
             continue
         times = {}

@@ -65,9 +65,11 @@ def published(card: str = "H200") -> dict[Point, dict[str, float]]:
     return out
 
 
-def grid(model: str, layers=LAYER_TYPES) -> list[Point]:
-    """The points of `model`, decode then prefill, per layer type."""
-    return [Point(model, lt, "decode", n, 1, c) for lt in layers for n, c in DECODE_POINTS] + \
+def grid(model: str, layers=LAYER_TYPES, *, max_requests: int | None = None) -> list[Point]:
+    """The points of `model`, decode then prefill, per layer type; `max_requests`: only the decode points of at
+    most that many requests (the few-request step's)."""
+    return [Point(model, lt, "decode", n, 1, c) for lt in layers for n, c in DECODE_POINTS
+            if max_requests is None or n <= max_requests] + \
            [Point(model, lt, "prefill", 1, t, 0) for lt in layers for t in PREFILL_POINTS]
 
 
