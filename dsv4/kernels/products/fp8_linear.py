@@ -197,7 +197,7 @@ def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
     launch before it), its dots transposed (`swap`: 128 weight rows as a warpgroup MMA's M, read from shared
     memory, rather than 16 activation rows padded to it), K split into the parts that bring the programs
     nearest to one per SM, three stages: the form that read cold weights nearest the copy bandwidth in a sweep
-    on the H100 over DSV4-Flash's and DSV4-Pro's products, ahead of 16-row dots and of DeepGEMM
+    on the H100 over DSV4-Flash's and DSV4-Pro's products, ahead of 16-row dots, level with DeepGEMM or ahead
     (docs/notes/2026-12-07-few-row-products.md). Up to SMALL_M rows the weight's
     bytes are still the cost: 32- or 64-row tiles of 64 columns (128 from WIDE_N), the activation quantized
     by its own launch (a program's share of the quantizing would outweigh it), K split into the parts that
