@@ -11,7 +11,7 @@ A decode step of up to FEW_TOKENS tokens reads each group's weight about once, s
 there (when the caller keeps the tiles' arrival `counters`, i.e. not under batch_invariant) one program per
 (128 output rows, part of K, group) forms the dots transposed, the weight tile as the MMA's M and the tokens
 as its N, as fp8_linear's few-row launch does (`part_sums`), with K split into the parts that bring the
-programs nearest to one per SM; the tile's last program adds the parts in split order (`add_parts`).
+programs nearest to one per SM; the tile's last program adds the parts in split order (`store_tile`).
 Under TRITON_INTERPRET=1 (CPU tests) the dots take the e4m3 values widened to
 float32, the same products the tensor cores form exactly, and the result is stored as float32 and
 rounded to bf16 by torch: the interpreter's float32 -> bf16 conversion truncates.
@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.kernels.launch import CompileCase, as_dense, as_f32, dependent_start, launch
-from dsv4.kernels.products.fp8_linear import add_parts, nearest_split, part_sums
+from dsv4.kernels.products.fp8_linear import nearest_split, part_sums, store_tile
 from dsv4.kernels.target import Target, gpu_launches_dependents, target_of
 from dsv4.values.sizes import cdiv
 
@@ -77,10 +77,7 @@ def _grouped_few_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, z_ptr, part_ptr, count_ptr
     if PDL:
         gdc_launch_dependents()
     out = (rows.to(tl.int64) * G + g)[:, None] * N + cols[None, :]
-    if SPLIT == 1:
-        tl.store(z_ptr + out, acc.to(z_ptr.dtype.element_ty), mask=live[:, None])
-    else:
-        add_parts(acc, z_ptr, part_ptr, count_ptr, g * (N // 128) + nb, split, out, live[:, None], T * G * N, SPLIT)
+    store_tile(acc, z_ptr, part_ptr, count_ptr, g * (N // 128) + nb, split, out, live[:, None], T * G * N, SPLIT)
 
 
 def counters(G: int, N: int, device):

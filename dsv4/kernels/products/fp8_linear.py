@@ -119,13 +119,7 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part
         gdc_wait()
     out = rows.to(tl.int64)[:, None] * N + cols[None, :]
     keep = live[:, None]
-    if SPLIT == 1:
-        acc = part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, K, 0, per, BM, BN, QUANT,
-                        DOT, STAGES, SWAP)
-        if PDL:
-            gdc_launch_dependents()
-        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
-    elif INLINE:
+    if INLINE and SPLIT > 1:
         # all SPLIT parts in this program, each from zero, added in split order: the split launch's sums
         acc = tl.zeros([BM, BN], tl.float32)
         for s in range(SPLIT):
@@ -135,28 +129,30 @@ def _fp8_linear_kernel(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, y_ptr, part
             gdc_launch_dependents()
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
     else:
-        # each split's partial sums to the workspace; the tile's last program to finish adds them in split
-        # order (the same order whoever finishes last) and resets the tile's counter for the next call
         acc = part_sums(x_ptr, xs_ptr, xs_row, xs_col, w_ptr, ws_ptr, rows, cols, live, K, K, split * per,
                         split * per + per, BM, BN, QUANT, DOT, STAGES, SWAP)
         if PDL:
             gdc_launch_dependents()
-        add_parts(acc, y_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, split, out, keep, M * N, SPLIT)
+        store_tile(acc, y_ptr, part_ptr, count_ptr, pid_m * tl.num_programs(0) + pid_n, split, out, keep, M * N,
+                   SPLIT)
 
 
 @triton.jit
-def add_parts(acc, y_ptr, part_ptr, count_ptr, tile, split, out, keep, part_stride, SPLIT: tl.constexpr):
-    """A split tile's part: its float32 sums to the workspace (parts `part_stride` apart); the tile's last
-    program to finish adds the parts in split order (the same order whoever finishes last), stores the tile
-    and resets its counter for the next call."""
-    tl.store(part_ptr + split * part_stride + out, acc, mask=keep)
-    done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-    if done == SPLIT - 1:
-        acc = tl.zeros(acc.shape, tl.float32)
-        for s in range(SPLIT):
-            acc += tl.load(part_ptr + s * part_stride + out, mask=keep, other=0.0, cache_modifier=".cg")
+def store_tile(acc, y_ptr, part_ptr, count_ptr, tile, split, out, keep, part_stride, SPLIT: tl.constexpr):
+    """A tile's float32 sums `acc` of part `split` of K: stored as they are when K is whole; else to the
+    workspace (parts `part_stride` apart), and the tile's last program to finish adds the parts in split order
+    (the same order whoever finishes last), stores the tile and resets its counter for the next call."""
+    if SPLIT == 1:
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
-        tl.atomic_xchg(count_ptr + tile, 0)
+    else:
+        tl.store(part_ptr + split * part_stride + out, acc, mask=keep)
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            acc = tl.zeros(acc.shape, tl.float32)
+            for s in range(SPLIT):
+                acc += tl.load(part_ptr + s * part_stride + out, mask=keep, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=keep)
+            tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -269,6 +265,7 @@ def _splits(k_blocks: int):
     return [s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= 4] or [1]
 
 
+@functools.lru_cache(maxsize=1024)      # asked per call by the grouped few-token product
 def nearest_split(tiles: int, k_blocks: int, want: int) -> int:
     """The part count that brings tiles x parts nearest to `want` programs (by ratio, the fewer on a tie)."""
     import math
