@@ -78,12 +78,15 @@ def test_plan_spreads_few_rows_over_the_processors():
     from dataclasses import replace
 
     h200 = replace(target_of(torch.device(DEVICE)), processors=132)
-    # up to 16 rows: 128-column tiles, the dots transposed, K's parts bring the programs nearest to one per SM
-    wo_b = plan(1, 4096, 8192, h200)                      # 32 tiles: K split 4 ways, 128 programs
-    assert (wo_b.block_m, wo_b.block_n, wo_b.split, wo_b.quantize_first, wo_b.swap) == (16, 128, 4, False, True)
-    assert plan(16, 40960, 1024, h200).split == 1         # 320 tiles fill the GPU
-    assert plan(1, 1536, 4096, h200).split == 8           # 12 tiles; each part at least 4 of K's 32 blocks
-    assert plan(1, 7168, 16384, h200).split == 2          # DSV4-Pro's wo_b: 56 tiles, 112 programs
+    # up to 16 rows: the dots transposed; 64-column tiles unless 128 fill the GPU; the fewest parts of K (at
+    # most 32 blocks each) that give a program per SM
+    wo_b = plan(1, 4096, 8192, h200)                      # 64 tiles: K in 2 would give 128 programs, in 4 256
+    assert (wo_b.block_m, wo_b.block_n, wo_b.split, wo_b.quantize_first, wo_b.swap) == (16, 64, 4, False, True)
+    q_b = plan(16, 40960, 1024, h200)                     # 320 128-column tiles fill the GPU
+    assert (q_b.block_n, q_b.split) == (128, 1)
+    assert plan(1, 1536, 4096, h200).split == 8           # 24 tiles; each part at least 4 of K's 32 blocks
+    assert plan(1, 2048, 7168, h200).split == 7           # DSV4-Pro's x: 32 tiles; 56 blocks in 7 parts, 224 programs
+    assert plan(1, 7168, 16384, h200).split == 4          # DSV4-Pro's wo_b: 112 tiles; K in 2 leaves 64 blocks a part
     sm90 = replace(h200, arch="sm90")
     # more rows: quantized once by its own launch; K's parts bring the programs nearest to one per SM
     x_proj = [plan(m, 1536, 4096, sm90) for m in (32, 64, 128, 256)]

@@ -189,11 +189,12 @@ BIG_SHARED = frozenset({"sm90", "sm100", "sm103"})    # ~227 KB of shared memory
 def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
     """The launch for an [M, K] x [N, K]ᵀ product (bench/tune_triton.py linear).
 
-    Up to FEW_ROWS rows: 16-row tiles of 128 columns, each program quantizing its activation tile itself (no
-    launch before it), its dots transposed (`swap`: 128 weight rows as a warpgroup MMA's M, read from shared
-    memory, rather than 16 activation rows padded to it), K split into the parts that bring the programs
-    nearest to one per SM, three stages: the form that read cold weights nearest the copy bandwidth in a sweep
-    on the H100 over DSV4-Flash's and DSV4-Pro's products, ahead of 16-row dots, level with DeepGEMM or ahead
+    Up to FEW_ROWS rows: 16-row tiles, each program quantizing its activation tile itself (no launch before
+    it), its dots transposed (`swap`: the weight tile as a warpgroup MMA's M, read from shared memory, rather
+    than 16 activation rows padded to it); 128 columns a tile where that gives a tile per SM, else 64, and K in
+    the fewest parts (`few_split`) that give a program per SM. That form was the fastest of three in the layer
+    replayed on the H100 (DSV4-Flash and DSV4-Pro, 1 and 16 requests), ahead of the parts nearest one program
+    per SM in 128-column tiles, which read cold weights as fast alone but not between the layer's other kernels
     (docs/notes/2026-12-07-few-row-products.md). Up to SMALL_M rows the weight's
     bytes are still the cost: 32- or 64-row tiles of 64 columns (128 from WIDE_N), the activation quantized
     by its own launch (a program's share of the quantizing would outweigh it), K split into the parts that
@@ -214,8 +215,9 @@ def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
         return LinearLaunch(block_m=64, block_n=128, split=split, num_warps=4, num_stages=stages,
                             quantize_first=True)
     if M <= FEW_ROWS:
-        return LinearLaunch(block_m=16, block_n=BLOCK, split=nearest_split(N // BLOCK, K // BLOCK, target.processors),
-                            num_warps=4, num_stages=3, quantize_first=False, swap=True)
+        bn = BLOCK if N // BLOCK >= target.processors else 64
+        return LinearLaunch(block_m=16, block_n=bn, split=few_split(N // bn, K // BLOCK, target.processors),
+                            num_warps=4, num_stages=stages, quantize_first=False, swap=True)
     bm = 32 if M <= 32 else 64
     bn = 128 if N >= WIDE_N and N % 128 == 0 else 64 if N % 64 == 0 else 32
     if M >= 128 and cdiv(M, 128) * (N // 64) >= target.processors and N % 64 == 0:
@@ -263,6 +265,16 @@ def fixed_launch(M: int, N: int, K: int, target: Target) -> LinearLaunch:
 def _splits(k_blocks: int):
     """K's possible parts: the divisors of its blocks that leave each part at least 4 blocks."""
     return [s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= 4] or [1]
+
+
+FEW_PART_BLOCKS = 32     # a few-row program's most K blocks: longer parts leave the weight to too few programs
+
+
+def few_split(tiles: int, k_blocks: int, want: int) -> int:
+    """The fewest parts of K's blocks, each at most FEW_PART_BLOCKS, that give `want` programs (or the most
+    there are): a few-row product's split, where every program streams its part of the weight once."""
+    parts = [s for s in _splits(k_blocks) if k_blocks // s <= FEW_PART_BLOCKS] or _splits(k_blocks)[-1:]
+    return next((s for s in parts if tiles * s >= want), parts[-1])
 
 
 @functools.lru_cache(maxsize=1024)      # asked per call by the grouped few-token product
