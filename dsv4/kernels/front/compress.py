@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from dsv4.formats.row_format import RowCode
-from dsv4.kernels.launch import CompileCase, as_dense, as_f32, as_i32, launch, rows_dense
+from dsv4.kernels.launch import CompileCase, as_dense, as_f32, as_i32, dependent_start, launch, rows_dense
+from dsv4.kernels.target import gpu_launches_dependents, target_of
 from dsv4.values.layer_types import LAYER_TYPES
 from dsv4.values.sizes import next_pow2
 from dsv4.kernels.front.cache_write import NO_CACHE, STORE_POINTERS, row_outputs, store_row
@@ -139,8 +140,10 @@ def _compress_kernel(cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr, keep_ptr, cl
                      R: tl.constexpr, COFF: tl.constexpr, SB: tl.constexpr, RB: tl.constexpr, SOFT: tl.constexpr,
                      D: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr, BS: tl.constexpr,
                      D2: tl.constexpr, BLOCK2: tl.constexpr, KIND2: tl.constexpr, BS2: tl.constexpr,
-                     FP4: tl.constexpr, FP4_2: tl.constexpr, JOBS: tl.constexpr, DTYPE: tl.constexpr):
+                     FP4: tl.constexpr, FP4_2: tl.constexpr, JOBS: tl.constexpr, DTYPE: tl.constexpr,
+                     PDL: tl.constexpr = False):
     """Programs 0..T-1: the first compressor's step per token; with JOBS == 2 the next T: the second's."""
+    dependent_start(PDL)
     pid = tl.program_id(0)
     if pid < T:
         _compress_rows(pid, sc_ptr, sc_stride, ape_ptr, norm_ptr, cos_ptr, sin_ptr, pos_ptr, start_ptr, req_ptr,
@@ -182,7 +185,8 @@ def compress_kernel(scores, ape, norm, cos, sin, positions, step_start, token_re
     scores, ape, norm, state as CompressJob's; cos/sin [T, 32] at each entry's first position,
     positions/step_start/keep_slots/close_slots [T] int32, token_request [T] int64, state_pages [B, P] int32
     (the state table, rows of `state_block`), faults [F, T] bool; `dtype` the activation dtype (float32 if
-    None). Sync-free; one program per token."""
+    None). Sync-free; one program per token, a programmatic dependent where the GPU launches them
+    (Target.pdl)."""
     job = CompressJob(scores=scores, ape=ape, norm=norm, state=state, head_dim=head_dim, fault_row=fault_row,
                       into=into)
     return compress_kernels((job,), cos, sin, positions, step_start, token_request, keep_slots, close_slots,
@@ -224,12 +228,14 @@ def compress_kernels(jobs, cos, sin, positions, step_start, token_request, keep_
     if T:
         pages = as_i32(state_pages)
         (args, const), (args2, const2) = parts[0], parts[-1]       # one job: the second's arguments unused
+        pdl = target_of(faults.device).pdl
         launch(_compress_kernel, (len(jobs) * T,), as_f32(cos), as_f32(sin), as_i32(positions), as_i32(step_start),
                as_dense(token_request), as_i32(keep_slots), as_i32(close_slots), pages, pages.shape[1], faults, T, eps,
                *args, *args2, R=ratio, COFF=coff, SB=state_block, RB=ROWS_PER_CHUNK, SOFT=SOFT_ROUND,
                D=const[0], BLOCK=const[1], KIND=const[2], BS=const[3], D2=const2[0], BLOCK2=const2[1],
                KIND2=const2[2], BS2=const2[3], FP4=const[4], FP4_2=const2[4], JOBS=len(jobs),
-               DTYPE=TL_DTYPES[str(dtype)] if dtype is not None else tl.float32, num_warps=num_warps)
+               DTYPE=TL_DTYPES[str(dtype)] if dtype is not None else tl.float32, PDL=pdl, launch_pdl=pdl,
+               num_warps=num_warps)
     return results
 
 
@@ -241,10 +247,10 @@ def _job_case(n: str, dim: int, coff: int, kind: int, cache: dict) -> tuple[dict
 
 
 def compile_cases(gpu) -> list[CompileCase]:
-    """The compress kernel as compress_kernels launches it (`gpu` is not read): ratios 4 (head_dim 512 and the
-    indexer's 128) and 128; entries handed back, stored as fp8_ds_mla records (OCP, FNUZ) or plain rows, the
-    indexer's keys also as mxfp4 and fp8 records (FP4 numerics); one compressor a launch, or a layer's and its
-    indexer's; bf16 activations (the first case also float32)."""
+    """The compress kernel as compress_kernels launches it (a programmatic dependent where `gpu` launches them so):
+    ratios 4 (head_dim 512 and the indexer's 128) and 128; entries handed back, stored as fp8_ds_mla records
+    (OCP, FNUZ) or plain rows, the indexer's keys also as mxfp4 and fp8 records (FP4 numerics); one compressor a
+    launch, or a layer's and its indexer's; bf16 activations (the first case also float32)."""
     stores = dict(STORE_POINTERS)
     main = [(k.value, stores[k]) for k in (RowCode.NONE, RowCode.FP8_DS_MLA, RowCode.FP8_DS_MLA_FNUZ)]
     # the indexer's keys: plain rows (exact or fp4_sim numerics), mxfp4 or fp8 records (FP4 numerics)
@@ -257,7 +263,7 @@ def compile_cases(gpu) -> list[CompileCase]:
     pairs += [((4, 512, k, c, False), (128, k2, c2, fp4)) for k, c in main[1:2] for k2, c2, fp4 in keys]
     common = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i32", "start_ptr": "*i32", "req_ptr": "*i64",
               "keep_ptr": "*i32", "close_ptr": "*i32", "pages_ptr": "*i32", "faults_ptr": "*i1"}
-    cases = []
+    cases, pdl = [], gpu_launches_dependents(gpu)
     for i, ((ratio, dim, kind, cache, fp4), second) in enumerate(pairs):
         coff = RATIOS[ratio]
         const, ptrs = _job_case("", dim, coff, kind, cache)
@@ -266,6 +272,6 @@ def compile_cases(gpu) -> list[CompileCase]:
         for dt in (tl.bfloat16, tl.float32) if i == 0 else (tl.bfloat16,):
             cases.append(CompileCase(kernel=_compress_kernel, constexprs=dict(
                 R=ratio, COFF=coff, SB=64, RB=ROWS_PER_CHUNK, SOFT=False, JOBS=1 if second is None else 2, FP4=fp4,
-                FP4_2=fp4_2, DTYPE=dt, **const, **const2), pointers={**common, **ptrs, **ptrs2},
+                FP4_2=fp4_2, DTYPE=dt, PDL=pdl, **const, **const2), pointers={**common, **ptrs, **ptrs2},
                 floats=frozenset({"eps"}), divisible=frozenset({"sc_stride", "sc2_stride"})))
     return cases

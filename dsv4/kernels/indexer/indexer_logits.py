@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from dsv4.formats.row_format import FP8_KEYS, MXFP4_KEYS, RowCode
-from dsv4.kernels.launch import CompileCase, as_dense, as_i32, launch, rows_dense
-from dsv4.kernels.target import E4M3_SM, Target, arch_at_least, target_of
+from dsv4.kernels.launch import CompileCase, as_dense, as_i32, dependent_start, launch, rows_dense
+from dsv4.kernels.target import E4M3_SM, Target, arch_at_least, gpu_launches_dependents, target_of
 from dsv4.values.sizes import cdiv, next_pow2
 
 INPUT_PRECISION = {"cuda": "tf32x3", "hip": "bf16x6"}        # per Triton backend, see above
@@ -201,7 +201,8 @@ def _indexer_kernel(q_ptr, w_ptr, w_stride, w_scale, k_ptr, pages_ptr, req_ptr, 
                     n_slots,
                     BS: tl.constexpr, TG: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr,
                     NBLK: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, RECORD: tl.constexpr,
-                    Q_E4M3: tl.constexpr):
+                    Q_E4M3: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_start(PDL)
     g = tl.program_id(0)
     j0 = tl.program_id(1) * (NBLK * BN)
     i = tl.arange(0, TG)
@@ -277,8 +278,9 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
     entry has no page: the torch path reads a zero key), the rest −inf. Records are scored by their exact
     values (the module docstring: bf16 queries against FP4 records, bf16 or e4m3 ones against fp8 records).
     Sync-free; grid (T / TOKENS_PER_PROGRAM, width / (block_n · blocks_per_program)); launch shapes left at
-    0 are the H200's best for the keys' dtype and the step's size (LAUNCH). `target`: the device's facts as
-    the strategy prepared them (default: `target.target_of` q's device)."""
+    0 are the H200's best for the keys' dtype and the step's size (LAUNCH); a programmatic dependent where the
+    GPU launches them (Target.pdl). `target`: the device's facts as the strategy prepared them (default:
+    `target.target_of` q's device)."""
     import torch
 
     e4m3 = q.dtype == torch.float8_e4m3fn
@@ -328,7 +330,7 @@ def indexer_logits(q, w, keys, pages, token_request, counts, *, width: int, w_sc
     launch(_indexer_kernel, grid, as_dense(q.view(torch.uint8) if e4m3 else q), w, w.stride(0), w_scale,
            data, pages, as_dense(token_request), as_i32(counts), out, T, H, DI, pages.shape[1], width,
            keys.num_slots, BS=keys.block_size, TG=tg, HP=hp, DP=dp, BN=block_n, NBLK=blocks_per_program,
-           PREC=precision, STAGES=stages, RECORD=record, Q_E4M3=e4m3,
+           PREC=precision, STAGES=stages, RECORD=record, Q_E4M3=e4m3, PDL=tgt.pdl, launch_pdl=tgt.pdl,
            num_warps=num_warps, num_stages=1)
     return out
 
@@ -337,7 +339,8 @@ def compile_cases(gpu) -> list[CompileCase]:
     """The scoring kernel as indexer_logits launches it on `gpu` (Triton's GPUTarget), 64 heads of 128 dims on
     pages of 64 entries: the planned decode and prefill shapes over plain rows (float32 keys at the backend's
     float32-accurate product), and bf16's over FP4 records (bf16 queries) and fp8 records (e4m3 queries: an
-    e4m3 product where the target has one, else decoded to bf16); pipelined stages on sm90+."""
+    e4m3 product where the target has one, else decoded to bf16); pipelined stages on sm90+, and launched as
+    programmatic dependents where the GPU launches them so."""
     nvidia = gpu.backend == "cuda"
     fp8 = "fp8" if nvidia and gpu.arch >= E4M3_SM else "bf16"
     shapes = [(dtype, plan, RowCode.PLAIN.value, INPUT_PRECISION[gpu.backend] if dtype == "float32" else "bf16")
@@ -351,7 +354,8 @@ def compile_cases(gpu) -> list[CompileCase]:
         cases.append(CompileCase(
             kernel=_indexer_kernel, constexprs=dict(BS=64, TG=TOKENS_PER_PROGRAM, HP=64, DP=128, BN=plan.block_n,
                                                     NBLK=plan.blocks, PREC=prec, RECORD=record, Q_E4M3=e4m3,
-                                                    STAGES=plan.stages if nvidia and gpu.arch >= 90 else 1),
+                                                    STAGES=plan.stages if nvidia and gpu.arch >= 90 else 1,
+                                                    PDL=gpu_launches_dependents(gpu)),
             pointers={"q_ptr": name, "w_ptr": "*fp32", "k_ptr": "*u8" if record != RowCode.PLAIN else name,
                       "pages_ptr": "*i32", "req_ptr": "*i64", "cnt_ptr": "*i32", "out_ptr": "*fp32"},
             floats=frozenset({"w_scale"}), divisible=frozenset({"H", "DI", "width", "w_stride"}),

@@ -28,7 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import CompileCase, as_i32, launch, rows_dense
+from dsv4.kernels.launch import CompileCase, as_i32, dependent_start, launch, rows_dense
+from dsv4.kernels.target import gpu_launches_dependents, target_of
 from dsv4.values.sizes import cdiv, next_pow2
 
 # H200, 128 rows (64 requests x 2 tokens) of 2,048, 16,384 and 32,768 columns, K = 512 (bench/tune_indexer.py)
@@ -204,7 +205,8 @@ def _search(scores_ptr, row, c, gather, cand, ncand, seg, K, out, out_slots, pag
 def _topk_lists_kernel(scores_ptr, row_stride, width, cnt_ptr, pages_ptr, pages_stride, n_pages, req_ptr, local_ptr,
                        slots_ptr, lens_ptr, cand_ptr, cand_stride, ncand_ptr, K, BS, BLOCK: tl.constexpr,
                        RADIX: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SAMPLE: tl.constexpr,
-                       NW: tl.constexpr, CW: tl.constexpr):
+                       NW: tl.constexpr, CW: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_start(PDL)
     t = tl.program_id(0)
     row = t.to(tl.int64) * row_stride
     n = tl.minimum(tl.load(cnt_ptr + t), width)
@@ -254,7 +256,8 @@ def _topk_lists_kernel(scores_ptr, row_stride, width, cnt_ptr, pages_ptr, pages_
 
 @triton.jit
 def _slot_lists_kernel(local_ptr, pages_ptr, pages_stride, n_pages, req_ptr, slots_ptr, lens_ptr, K, BS,
-                       KP: tl.constexpr):
+                       KP: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_start(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, KP)
     local = tl.load(local_ptr + t.to(tl.int64) * K + cols, mask=cols < K, other=-1)
@@ -269,7 +272,7 @@ def slot_lists(local, pages, token_request, *, block_size: int):
     """The rest of `topk_lists`' outputs from a selection made elsewhere: local [T, K] int32 (valid entries
     first, -1 padded), pages [B, P] int32, token_request [T] -> (slots [T, K] int32 through each token's
     table, -1 for padding or an entry without a page; lens [T] int32, the valid entries). One program per
-    token."""
+    token, a programmatic dependent as `topk_lists`."""
     import torch
 
     T, K = local.shape
@@ -278,8 +281,9 @@ def slot_lists(local, pages, token_request, *, block_size: int):
     slots = slots.view(T, K)
     if T:
         pages = as_i32(pages)
+        pdl = target_of(local.device).pdl
         launch(_slot_lists_kernel, (T,), as_i32(local), pages, pages.stride(0), pages.shape[1], token_request, slots,
-               lens, K, block_size, KP=next_pow2(max(K, 16)))
+               lens, K, block_size, KP=next_pow2(max(K, 16)), PDL=pdl, launch_pdl=pdl)
     return slots, lens
 
 
@@ -288,9 +292,9 @@ def topk_lists(scores, counts, pages, token_request, *, topk: int, block_size: i
     """scores [T, width] float32 (entries j < counts[t] visible, the rest never read; rows may be
     strided, as DeepGEMM pads them), counts [T] int32, pages [B, P] int32,
     token_request [T] -> (local [T, topk] int32, slots [T, topk] int32, lens [T] int32). Sync-free; one
-    program per token; launch shapes left at 0 are the module's (`radix`, dividing 32, is the whole-row
-    search's; `cap` at least 2·topk; cap and sample at most 65,535; cap, sample, block and warp_cols powers
-    of two)."""
+    program per token, a programmatic dependent where the GPU launches them (Target.pdl); launch shapes left
+    at 0 are the module's (`radix`, dividing 32, is the whole-row search's; `cap` at least 2·topk; cap and
+    sample at most 65,535; cap, sample, block and warp_cols powers of two)."""
     import torch
 
     T, width = scores.shape
@@ -314,22 +318,24 @@ def topk_lists(scores, counts, pages, token_request, *, topk: int, block_size: i
     if T:
         pages = as_i32(pages)
         scores = rows_dense(scores)
+        pdl = target_of(dev).pdl
         launch(_topk_lists_kernel, (T,), scores, scores.stride(0), width, as_i32(counts), pages, pages.stride(0),
                pages.shape[1], token_request, local, slots, lens, cand if stride else buf, stride,
                ncand if stride else buf, topk, block_size, BLOCK=block, RADIX=radix, KP=next_pow2(max(topk, 16)),
-               CAP=cap, SAMPLE=sample, NW=nw, CW=cw, num_warps=nw)
+               CAP=cap, SAMPLE=sample, NW=nw, CW=cw, PDL=pdl, launch_pdl=pdl, num_warps=nw)
     return local, slots, lens
 
 
 def compile_cases(gpu) -> list[CompileCase]:
-    """The top-k lists at both warp counts (K = 512), and the page lookup of a selection made elsewhere
-    (`gpu` is not read)."""
+    """The top-k lists at both warp counts (K = 512), and the page lookup of a selection made elsewhere; as
+    programmatic dependents on NVIDIA GPUs that launch them so."""
+    pdl = gpu_launches_dependents(gpu)
     lists = {"local_ptr": "*i32", "pages_ptr": "*i32", "req_ptr": "*i64", "slots_ptr": "*i32", "lens_ptr": "*i32"}
     cases = [CompileCase(kernel=_topk_lists_kernel, constexprs=dict(BLOCK=BLOCK, RADIX=RADIX, KP=512, CAP=MIN_CAP,
-                                                                    SAMPLE=SAMPLE, NW=nw, CW=WARP_COLS),
+                                                                    SAMPLE=SAMPLE, NW=nw, CW=WARP_COLS, PDL=pdl),
                          pointers={**lists, "scores_ptr": "*fp32", "cnt_ptr": "*i32", "cand_ptr": "*i32",
                                    "ncand_ptr": "*i32"},
                          divisible=frozenset({"width", "pages_stride", "cand_stride"}), num_warps=nw)
              for nw in (NARROW_WARPS, NUM_WARPS)]
-    return cases + [CompileCase(kernel=_slot_lists_kernel, constexprs=dict(KP=512), pointers=lists,
+    return cases + [CompileCase(kernel=_slot_lists_kernel, constexprs=dict(KP=512, PDL=pdl), pointers=lists,
                                 divisible=frozenset({"pages_stride", "K"}))]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsv4.kernels.launch import CompileCase, launch
+from dsv4.kernels.launch import CompileCase, dependent_start, launch
+from dsv4.kernels.target import gpu_launches_dependents, target_of
 from dsv4.values.sizes import cdiv
 
 BH, DB = 16, 128     # heads and output dims per merge program
@@ -28,7 +29,8 @@ def finish(acc, m, l, sink_l2, out_ptrs, lse_ptrs, hmask, lse_mask):
 
 @triton.jit(do_not_specialize=["T", "S"])
 def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr, T, H, S, BH: tl.constexpr, DB: tl.constexpr,
-                    D: tl.constexpr):
+                    D: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_start(PDL)
     t = tl.program_id(0)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     d0 = tl.program_id(2) * DB
@@ -55,14 +57,17 @@ def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr, T, H, S, BH: tl
 def combine_splits(acc, ml, sink, out, lse, splits: int) -> None:
     """out [T, H, D] (its dtype) and lse [T, H] from the splits' acc and ml (flat, as laid out above).
     One program per (token, BH heads, DB dims): a decode step of one request still spreads over
-    D/DB·H/BH programs."""
+    D/DB·H/BH programs; a programmatic dependent where the GPU launches them (Target.pdl)."""
     T, H, D = out.shape
+    pdl = target_of(out.device).pdl
     launch(_combine_kernel, (T, cdiv(H, BH), cdiv(D, DB)), acc, ml, sink, out, lse, T, H, splits, BH=BH, DB=DB, D=D,
-           num_warps=4, num_stages=1)
+           PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=1)
 
 
 def compile_cases(gpu) -> list[CompileCase]:
-    """The merge as combine_splits launches it after the Hopper kernels (512 dims, bf16 out)."""
-    return [CompileCase(kernel=_combine_kernel, constexprs=dict(BH=BH, DB=DB, D=512), divisible=frozenset({"H"}),
+    """The merge as combine_splits launches it after the Hopper kernels (512 dims, bf16 out), as a programmatic
+    dependent on NVIDIA GPUs that launch them so."""
+    return [CompileCase(kernel=_combine_kernel, constexprs=dict(BH=BH, DB=DB, D=512, PDL=gpu_launches_dependents(gpu)),
+                        divisible=frozenset({"H"}),
                         pointers={"acc_ptr": "*fp32", "ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
                                   "lse_ptr": "*fp32"})]
