@@ -88,7 +88,7 @@ class TritonOps:
         from dsv4.kernels.front.layer_front import rotate_rows_kernel
 
         check_on_gpu(x, "rotate_rows")
-        return rotate_rows_kernel(x, rot.cos, rot.sin, dtype=dtype)
+        return rotate_rows_kernel(x, rot.cos, rot.sin, dtype=dtype, pdl=self.target.pdl)
 
     def front_rows(self, q, kv, weight, rot: RopeRows, slots, faults, cache: PagedCache, *, padded_heads: int,
                    eps: float, dtype, iq=None, iq_dtype=None, iq_fp4: bool = False, iq_weights=None,

@@ -27,7 +27,8 @@ import triton.language as tl
 
 from dsv4.formats.row_format import RowCode
 from dsv4.kernels.indexer.hadamard_fp4 import fp4_record
-from dsv4.kernels.launch import CompileCase, as_i32, launch
+from dsv4.kernels.launch import CompileCase, as_i32, dependent_start, launch
+from dsv4.kernels.target import gpu_launches_dependents, target_of
 from dsv4.kernels.rounding import SOFT_ROUND, round_to, widen
 from dsv4.values.sizes import cdiv, next_pow2
 
@@ -143,7 +144,8 @@ def store_row(y, slot, ok, cache_ptr, cache_bf_ptr, cache_w64_ptr, page_stride, 
 
 @triton.jit
 def _fp8_ds_mla_kernel(rows_ptr, row_stride, slot_ptr, u8_ptr, bf_ptr, w64_ptr, page_stride, n_slots,
-                       BS: tl.constexpr, FNUZ: tl.constexpr, SOFT: tl.constexpr):
+                       BS: tl.constexpr, FNUZ: tl.constexpr, SOFT: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_start(PDL)
     n = tl.program_id(0)
     slot = tl.load(slot_ptr + n)
     if (slot >= 0) & (slot < n_slots):
@@ -155,7 +157,8 @@ def _fp8_ds_mla_kernel(rows_ptr, row_stride, slot_ptr, u8_ptr, bf_ptr, w64_ptr, 
 def write_fp8_ds_mla_kernel(pages, slots, rows, *, block_size: int, fnuz: bool = False, num_warps: int = 2) -> None:
     """Store rows [N, 512] (float32 or bf16) as fp8_ds_mla records (FNUZ e4m3 bytes if `fnuz`) at `slots`
     [N] int32 (-1: skip) of pages [num_blocks, page_bytes] uint8: the bytes Fp8DsMlaLayout().write (or
-    Fp8DsMlaFnuzLayout().write) writes. Sync-free; one program per row."""
+    Fp8DsMlaFnuzLayout().write) writes. Sync-free; one program per row; a programmatic dependent where the GPU
+    launches them (Target.pdl)."""
     import torch
 
     N = slots.shape[0]
@@ -169,13 +172,16 @@ def write_fp8_ds_mla_kernel(pages, slots, rows, *, block_size: int, fnuz: bool =
     pages = pages if pages.is_contiguous() else pages.contiguous()
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    pdl = target_of(pages.device).pdl
     launch(_fp8_ds_mla_kernel, (N,), rows, rows.stride(0), as_i32(slots), pages, pages.view(torch.bfloat16),
            pages.view(torch.int64), pages.shape[1], pages.shape[0] * block_size, BS=block_size, FNUZ=fnuz,
-           SOFT=SOFT_ROUND, num_warps=num_warps)
+           SOFT=SOFT_ROUND, PDL=pdl, launch_pdl=pdl, num_warps=num_warps)
 
 
 @triton.jit
-def _write_rows_kernel(rows_ptr, row_stride, slot_ptr, cache_ptr, n_slots, D, BLOCK: tl.constexpr, SOFT: tl.constexpr):
+def _write_rows_kernel(rows_ptr, row_stride, slot_ptr, cache_ptr, n_slots, D, BLOCK: tl.constexpr, SOFT: tl.constexpr,
+                       PDL: tl.constexpr = False):
+    dependent_start(PDL)
     n = tl.program_id(0)
     slot = tl.load(slot_ptr + n)
     if (slot >= 0) & (slot < n_slots):
@@ -190,7 +196,7 @@ def _write_rows_kernel(rows_ptr, row_stride, slot_ptr, cache_ptr, n_slots, D, BL
 
 def write_rows_kernel(cache, slots, rows, *, num_warps: int = 4) -> None:
     """cache [num_blocks, B, D] float32 or bf16 (PlainRowLayout): row n, rounded to the cache's dtype, at
-    flat slot slots[n] (-1: skip). Sync-free."""
+    flat slot slots[n] (-1: skip). Sync-free; a programmatic dependent where the GPU launches them (Target.pdl)."""
     N = slots.shape[0]
     D = cache.shape[-1]
     if rows.shape[-1] != D:
@@ -200,8 +206,9 @@ def write_rows_kernel(cache, slots, rows, *, num_warps: int = 4) -> None:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     block = min(1024, next_pow2(D))
+    pdl = target_of(cache.device).pdl
     launch(_write_rows_kernel, (N, cdiv(D, block)), rows, rows.stride(0), as_i32(slots), cache,
-           cache.numel() // D, D, BLOCK=block, SOFT=SOFT_ROUND, num_warps=num_warps)
+           cache.numel() // D, D, BLOCK=block, SOFT=SOFT_ROUND, PDL=pdl, launch_pdl=pdl, num_warps=num_warps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,13 +299,15 @@ STORE_POINTERS = tuple((code.value, dict(zip(("cache_ptr", "cache_bf_ptr", "cach
 
 
 def compile_cases(gpu) -> list[CompileCase]:
-    """The cache writers as their wrappers launch them (`gpu` is not read): fp8_ds_mla records from bf16 rows
-    (OCP bytes on pages of 64, FNUZ on pages of 3), plain float32 and bf16 rows."""
+    """The cache writers as their wrappers launch them: fp8_ds_mla records from bf16 rows (OCP bytes on pages of
+    64, FNUZ on pages of 3), plain float32 and bf16 rows; programmatic dependents where `gpu` launches them so."""
+    pdl = gpu_launches_dependents(gpu)
     pages = {"rows_ptr": "*bf16", "slot_ptr": "*i32", "u8_ptr": "*u8", "bf_ptr": "*bf16", "w64_ptr": "*i64"}
-    cases = [CompileCase(kernel=_fp8_ds_mla_kernel, constexprs=dict(BS=bs, FNUZ=fnuz, SOFT=False), pointers=pages,
+    cases = [CompileCase(kernel=_fp8_ds_mla_kernel, constexprs=dict(BS=bs, FNUZ=fnuz, SOFT=False, PDL=pdl),
+                         pointers=pages,
                          divisible=frozenset({"row_stride", "page_stride"}), num_warps=2)
              for bs, fnuz in ((64, False), (3, True))]
-    return cases + [CompileCase(kernel=_write_rows_kernel, constexprs=dict(BLOCK=512, SOFT=False),
+    return cases + [CompileCase(kernel=_write_rows_kernel, constexprs=dict(BLOCK=512, SOFT=False, PDL=pdl),
                                 pointers={"rows_ptr": "*fp32", "slot_ptr": "*i32", "cache_ptr": name},
                                 divisible=frozenset({"row_stride", "D"}))
                     for name in ("*fp32", "*bf16")]

@@ -196,7 +196,9 @@ def _norm_rows_kernel(x_ptr, x_stride, w_ptr, out_ptr, q_ptr, s_ptr, s_row, s_co
 
 
 @triton.jit
-def _rotate_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr):
+def _rotate_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, D: tl.constexpr, BH: tl.constexpr, SOFT: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    dependent_start(PDL)
     _rot_part(tl.program_id(0), tl.program_id(1), x_ptr, H * D, cos_ptr, sin_ptr, out_ptr, H, x_ptr, 0, 1.0, x_ptr,
               D, BH, SOFT, False, False)
 
@@ -336,9 +338,9 @@ def norm_rows_kernel(x, weight, *, eps: float, dtype, fp8: bool = False, num_war
     return (q, s) if fp8 else out
 
 
-def rotate_rows_kernel(x, cos, sin, *, dtype=None, heads_per_program: int = 8, num_warps: int = 4):
+def rotate_rows_kernel(x, cos, sin, *, dtype=None, heads_per_program: int = 8, num_warps: int = 4, pdl: bool = False):
     """x [T, H, D] float32, cos/sin [T, 32] -> [T, H, D] with RoPE on each head's last 64 dims, in float32,
-    stored in `dtype` (float32 if None)."""
+    stored in `dtype` (float32 if None); `pdl`: launched as a programmatic dependent (Target.pdl)."""
     import torch
 
     T, H, D = x.shape
@@ -347,7 +349,7 @@ def rotate_rows_kernel(x, cos, sin, *, dtype=None, heads_per_program: int = 8, n
     if T:
         bh = min(heads_per_program, next_pow2(H))
         launch(_rotate_rows_kernel, (T, cdiv(H, bh)), as_f32(x), as_f32(cos), as_f32(sin), out, H, D=D,
-               BH=bh, SOFT=SOFT_ROUND, num_warps=num_warps)
+               BH=bh, SOFT=SOFT_ROUND, PDL=pdl, launch_pdl=pdl, num_warps=num_warps)
     return out
 
 
@@ -382,6 +384,6 @@ def compile_cases(gpu) -> list[CompileCase]:
                     pointers={"x_ptr": kv, "w_ptr": "*fp32", "out_ptr": name, "q_ptr": "*fp8e4nv" if fp8 else name,
                               "s_ptr": "*fp32" if fp8 else name},
                     floats=frozenset({"eps"}), divisible=frozenset({"x_stride", "N", "s_row", "s_col"})))
-        cases.append(CompileCase(kernel=_rotate_rows_kernel, constexprs=dict(D=128, BH=8, SOFT=False),
+        cases.append(CompileCase(kernel=_rotate_rows_kernel, constexprs=dict(D=128, BH=8, SOFT=False, PDL=pdl),
                                  pointers={**rope, "x_ptr": "*fp32", "out_ptr": name}, divisible=frozenset({"H"})))
     return cases

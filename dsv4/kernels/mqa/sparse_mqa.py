@@ -44,12 +44,12 @@ import triton
 import triton.language as tl
 
 from dsv4.formats.row_format import RowCode
-from dsv4.kernels.launch import CompileCase, as_dense, as_f32, as_i32, launch
+from dsv4.kernels.launch import CompileCase, as_dense, as_f32, as_i32, dependent_start, launch
 from dsv4.kernels.mqa.sparse_plan import (FIXED_LAUNCH, FIXED_SPLITS, FIXED_WORKSPACE_BYTES, READS, HopperLaunch,
                                           TwoPassLaunch, fixed_inline, hopper_group, hopper_splits, plan_kernel,
                                           plan_launch)
 from dsv4.kernels.mqa.split_combine import finish
-from dsv4.kernels.target import E4M3_SM, Target, target_of
+from dsv4.kernels.target import E4M3_SM, Target, gpu_launches_dependents, target_of
 from dsv4.values.sizes import cdiv
 
 if TYPE_CHECKING:
@@ -160,7 +160,8 @@ def _scores_kernel(q_ptr, p_ptr, ml_ptr,
                    H, NC, NB, NBS, qk_scale,
                    S_LAYOUT: tl.constexpr, E_LAYOUT: tl.constexpr, S_BS: tl.constexpr, E_BS: tl.constexpr,
                    HAS_EXTRA: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
-                   NATIVE: tl.constexpr):
+                   NATIVE: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_start(PDL)
     blk = tl.program_id(0)
     t = tl.program_id(1)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -223,7 +224,8 @@ def _pv_kernel(p_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr,
                H, NC, NB, NBS,
                S_LAYOUT: tl.constexpr, E_LAYOUT: tl.constexpr, S_BS: tl.constexpr, E_BS: tl.constexpr,
                HAS_EXTRA: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, D: tl.constexpr, DB: tl.constexpr,
-               NBC: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
+               NBC: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_start(PDL)
     d0 = tl.program_id(0) * DB
     t = tl.program_id(1)
     heads = tl.program_id(2) * BH + tl.arange(0, BH)
@@ -364,7 +366,7 @@ def sparse_mqa(q, kv: SparseKV, *, sink, scale: float, variant: str = "auto",
     e, e_idx, e_len = (extra, e_idx, e_len) if extra is not None else (swa, s_idx, s_len)  # no extra: never read
     common = dict(S_LAYOUT=swa.code, E_LAYOUT=e.code, S_BS=swa.block_size, E_BS=e.block_size,
                   HAS_EXTRA=extra is not None, BN=BN, D=D,
-                  NATIVE=native, DOT=tl.float32 if interpret else tl.bfloat16)
+                  NATIVE=native, DOT=tl.float32 if interpret else tl.bfloat16, PDL=tgt.pdl, launch_pdl=tgt.pdl)
     step = max(1, WORKSPACE_BYTES // (H * NC * 2))
     p = torch.empty(min(T, step) * H * NC, dtype=torch.bfloat16, device=q.device)
     ml = torch.empty(min(T, step) * NB * H * 2, dtype=torch.float32, device=q.device)
@@ -398,7 +400,7 @@ def compile_cases(gpu, rows=READS) -> list[CompileCase]:
         ints = frozenset({"s_w", "e_w", "s_stride", "e_stride", "s_slots", "e_slots", "H", "NC"})
         for plan in (plan_launch(256, 64, 640, 132), plan_launch(1, 64, 640, 132)):
             const = dict(S_LAYOUT=code, E_LAYOUT=code, S_BS=64, E_BS=3, HAS_EXTRA=True, BH=plan.block_h,
-                         BN=plan.block_n, D=512, DOT=tl.bfloat16, NATIVE=native)
+                         BN=plan.block_n, D=512, DOT=tl.bfloat16, NATIVE=native, PDL=gpu_launches_dependents(gpu))
             cases.append(CompileCase(kernel=_scores_kernel, constexprs=const, divisible=ints,
                                      pointers={"q_ptr": "*bf16", "p_ptr": "*bf16", "ml_ptr": "*fp32", **pools},
                                      floats=frozenset({"qk_scale"})))
