@@ -337,3 +337,21 @@ def test_no_strategy_or_component_picks_its_implementation_by_a_tensors_device()
            for folder in ("components", "strategies") for p in sorted((ROOT / folder).rglob("*.py"))
            for where, n in _device_reads(p)]
     assert not bad, f".is_cuda read to pick an implementation: {bad}"
+
+
+def test_every_triton_kernel_is_a_programmatic_dependent():
+    """Each of our Triton kernels takes part in programmatic dependent launch (Target.pdl, docs/design.md): it
+    has a PDL constexpr and waits for the kernel before it (`dependent_start(PDL)`, or its own `gdc_wait`
+    under PDL after a prologue that reads nothing the previous kernel writes). Gluon's are not Triton's."""
+    missing = []
+    for path in (ROOT / "kernels").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef) or not node.name.endswith("_kernel"):
+                continue
+            if not any("triton.jit" in ast.unparse(d) for d in node.decorator_list):
+                continue
+            body = ast.unparse(node)
+            if "PDL" not in [a.arg for a in node.args.args] or not (
+                    "dependent_start(PDL)" in body or ("gdc_wait()" in body and "if PDL" in body)):
+                missing.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert not missing, missing
