@@ -192,9 +192,9 @@ def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
     Up to FEW_ROWS rows: 16-row tiles, each program quantizing its activation tile itself (no launch before
     it), its dots transposed (`swap`: the weight tile as a warpgroup MMA's M, read from shared memory, rather
     than 16 activation rows padded to it); 128 columns a tile where that gives a tile per SM, else 64, and K in
-    the fewest parts (`few_split`) that give a program per SM. That form was the fastest of three in the layer
-    replayed on the H100 (DSV4-Flash and DSV4-Pro, 1 and 16 requests), ahead of the parts nearest one program
-    per SM in 128-column tiles, which read cold weights as fast alone but not between the layer's other kernels
+    the fewest parts (`few_split`) that give a program per SM, four stages where shared memory holds them. That
+    form was the fastest of three plans in the layer replayed on the H100 at seven of eight points (DSV4-Flash
+    and DSV4-Pro, 1 and 16 requests), ahead of 128-column tiles with K in the parts nearest one program per SM and of 16-row dots
     (docs/notes/2026-12-07-few-row-products.md). Up to SMALL_M rows the weight's
     bytes are still the cost: 32- or 64-row tiles of 64 columns (128 from WIDE_N), the activation quantized
     by its own launch (a program's share of the quantizing would outweigh it), K split into the parts that
