@@ -143,6 +143,28 @@ def test_flashmla_adapter_through_the_contract_equals_reference(monkeypatch, arc
     assert len(prep.pages.views) == (2 if extra_w else 1)
 
 
+@pytest.mark.parametrize("gather, sizes, fix", [
+    (0, None, None),                       # never gathers: any step can be captured
+    (1024, None, None),                    # gathers from 1024 tokens; the largest captured step has 256
+    (128, None, "graph.capture_sizes=[1,2,4,8,16,32,64]"),
+    (128, "[1,2,4,8,16,32,64]", None),
+    (1, None, "graph.enabled=false"),      # every step gathers
+    (128, "[1,2,4,8,16,32,64,128]", "graph.capture_sizes=[1,2,4,8,16,32,64]")])
+def test_flashmla_prefill_gather_refuses_only_captured_steps_that_would_gather(compose_cfg, gather, sizes, fix):
+    """The gather path sizes its workspace on the host, so a CUDA graph may capture only steps below
+    prefill_gather_min_tokens: check() refuses graph.capture_sizes that reach it, with sizes that do not."""
+    from dsv4.app.job import make_job
+    from dsv4.checks.compat import check
+
+    extra = [f"graph.capture_sizes={sizes}"] if sizes else []
+    job = make_job(compose_cfg(["deployment=h200", f"mqa_kernel.prefill_gather_min_tokens={gather}", *extra]))
+    problems = [p for p in check(job.combo, job.device) if p.group == "mqa_kernel"]
+    assert [p.fix for p in problems] == ([fix] if fix else [])
+    off = make_job(compose_cfg(["deployment=h200", f"mqa_kernel.prefill_gather_min_tokens={gather}",
+                                "graph.enabled=false"]))
+    assert not [p for p in check(off.combo, off.device) if p.group == "mqa_kernel"]
+
+
 def test_flashmla_prefill_gather_attends_what_the_reference_does(monkeypatch):
     """prefill_gather_min_tokens: the referenced rows gathered once into a bf16 workspace and re-indexed for
     flash_mla_sparse_fwd, through the contract's fake, equal ReferenceMQA on lists with -1 holes, entries

@@ -65,6 +65,7 @@ def make_job(cfg: DictConfig, *, choices: dict[str, str] | None = None, out_dir:
         SummaryView.from_config(OmegaConf.to_container(cfg.summary, resolve=True))
     combo = Combination(spec=spec, strategies=strategies, tp_size=run.tp_size, dtype=run.dtype,
                         world_size=torchrun_world_size() if par.launcher == "auto" else None, graphs=graphs.enabled,
+                        capture_tokens=max(graphs.capture_sizes) if graphs.enabled else 0,
                         index_page_keys=pool.compressed_block_size(4), batch_invariant=run.batch_invariant)
     if choices is None:
         choices = {g: getattr(combo.choice(g), "name", "?") for g in GROUPS} | {"model": spec.name}

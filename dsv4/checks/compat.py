@@ -64,6 +64,7 @@ class Combination:
     dtype: str = "float32"
     world_size: int | None = None      # processes of a torchrun launch (one per rank); None: not launched so
     graphs: bool = False               # graph.enabled: decode steps replayed as CUDA graphs
+    capture_tokens: int = 0            # the most tokens of a captured step: the largest of graph.capture_sizes
     batch_invariant: bool = False      # a request's results independent of the rest of its steps
     index_page_keys: int | None = None  # the pool's entries per ratio-4 page (its indexer keys'); None: unknown
 
@@ -180,10 +181,24 @@ def _graph_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
                         f"{device.describe()}", supported=("false",), fix="graph.enabled=false")]
     out = []
     for group, strat in _needing(c):
-        if not strat.needs(device).graphs:
+        needs = strat.needs(device)
+        if not needs.graphs:
             out.append(Problem(group=group, value=strat.name, reason="cannot be captured in a CUDA graph "
                                "(graph.enabled=true)", fix="graph.enabled=false"))
+        elif needs.graph_tokens and c.capture_tokens > needs.graph_tokens:
+            out.append(Problem(group=group, value=strat.name,
+                               reason=f"its calls of more than {needs.graph_tokens} tokens a step cannot be captured "
+                                      f"in a CUDA graph, and graph.capture_sizes captures steps of "
+                                      f"{c.capture_tokens}", fix=_capture_fix(needs.graph_tokens)))
     return out
+
+
+def _capture_fix(most: int) -> str:
+    """graph.capture_sizes of the default ones that a graph can capture, up to `most` tokens a step."""
+    from dsv4.values.graph_config import DEFAULT_SIZES
+
+    sizes = [s for s in DEFAULT_SIZES if s <= most]
+    return f"graph.capture_sizes=[{','.join(map(str, sizes))}]" if sizes else "graph.enabled=false"
 
 
 def _invariance_rule(c: Combination, device: DeviceInfo) -> list[Problem]:

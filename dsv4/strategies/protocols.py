@@ -66,6 +66,9 @@ class Needs:
     # whether its calls can be captured in a CUDA graph (no host sync, no allocation that depends on
     # values); check() refuses graph.enabled=true with one that cannot
     graphs: bool = True
+    # with `graphs`: the most tokens of a step whose calls a graph can capture (0: any), for an option that
+    # takes another path from more tokens; check() refuses graph.capture_sizes that capture larger steps
+    graph_tokens: int = 0
     # whether it can give a request's results bit for bit the same whatever else is in its steps, and how
     # they are chunked (batch_invariant=true; docs/notes/2026-12-04-batch-invariance.md), and why not where
     # it cannot: check() refuses it then, mode=info lists why. An option that can and whose arithmetic changes

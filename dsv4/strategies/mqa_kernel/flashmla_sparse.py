@@ -14,7 +14,8 @@ package's legacy ones.
 Prefill tokens go through the same decode kernel by default: it reads the fp8 pages in place, while
 `flash_mla_sparse_fwd` first needs the referenced rows dequantized into a bf16 workspace
 (`prefill_gather_min_tokens` switches to that path for steps of at least that many tokens; the
-benchmark decides which is faster on a machine).
+benchmark decides which is faster on a machine). The gather sizes its workspace on the host, so CUDA graphs may
+capture only smaller steps: check() refuses graph.capture_sizes that reach it.
 """
 from __future__ import annotations
 
@@ -86,7 +87,9 @@ class FlashMLASparse:
         return Needs(platforms=frozenset({"cuda"}), archs=frozenset({"sm90", "sm100"}),
                      row_formats=frozenset({FP8_DS_MLA}), padded_heads=frozenset({64, 128}),
                      dtypes=frozenset({"bfloat16"}), modules=(("flash_mla", "sgl-flash-mla"),),
-                     graphs=not self.prefill_gather_min_tokens,    # the gather path sizes its rows by torch.unique
+                     # the gather path sizes its rows by torch.unique: only steps below its tokens can be captured
+                     graphs=self.prefill_gather_min_tokens != 1,
+                     graph_tokens=max(self.prefill_gather_min_tokens - 1, 0),
                      variance="FlashMLA's tile scheduler divides a step's work over SM parts by its batch")
 
     def prepare(self, *, device) -> FlashMLAPrepared:
