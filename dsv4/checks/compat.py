@@ -173,7 +173,8 @@ def _dtype_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
 
 
 def _graph_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
-    """graph.enabled=true needs a GPU and strategies whose calls a CUDA graph can capture."""
+    """graph.enabled=true needs a GPU and strategies whose calls a CUDA graph can capture, at every step size
+    graph.capture_sizes captures."""
     if not c.graphs:
         return []
     if device.platform == "cpu":
