@@ -15,6 +15,7 @@ from dsv4.checks.catalogue import NESTED_GROUPS
 from dsv4.values.device import DeviceInfo
 from dsv4.values.dtypes import ACTIVATION_DTYPES
 from dsv4.values.errors import Problem
+from dsv4.values.graph_config import DEFAULT_SIZES
 from dsv4.formats.fp8_blocks import LinearNumerics
 from dsv4.formats.indexer_numerics import IndexerNumerics
 from dsv4.values.spec import ModelSpec
@@ -196,8 +197,6 @@ def _graph_rule(c: Combination, device: DeviceInfo) -> list[Problem]:
 
 def _capture_fix(most: int) -> str:
     """graph.capture_sizes of the default ones that a graph can capture, up to `most` tokens a step."""
-    from dsv4.values.graph_config import DEFAULT_SIZES
-
     sizes = [s for s in DEFAULT_SIZES if s <= most]
     return f"graph.capture_sizes=[{','.join(map(str, sizes))}]" if sizes else "graph.enabled=false"
 

@@ -180,6 +180,7 @@ class LinearLaunch:
 
 
 FEW_ROWS = 16                # up to this many rows the activation is quantized inside the product
+FEW_PART_BLOCKS = 32         # a few-row program's most K blocks: longer parts leave the weight to too few programs
 SMALL_M = 256                # up to this many rows a product reads its weight about once: bandwidth-bound
 WIDE_N = 4096                # from this many columns 128-column tiles (fewer, longer programs) win up to SMALL_M rows
 BIG_SHARED = frozenset({"sm90", "sm100", "sm103"})    # ~227 KB of shared memory a program: 64x256 tiles, 4 stages
@@ -189,20 +190,20 @@ BIG_SHARED = frozenset({"sm90", "sm100", "sm103"})    # ~227 KB of shared memory
 def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
     """The launch for an [M, K] x [N, K]ᵀ product (bench/tune_triton.py linear).
 
-    Up to FEW_ROWS rows: 16-row tiles, each program quantizing its activation tile itself (no launch before
-    it), its dots transposed (`swap`: the weight tile as a warpgroup MMA's M, read from shared memory, rather
-    than 16 activation rows padded to it); 128 columns a tile where that gives a tile per SM, else 64, and K in
-    the fewest parts (`few_split`) that give a program per SM, four stages where shared memory holds them. That
-    form was the fastest of three plans in the layer replayed on the H100 at seven of eight points (DSV4-Flash
-    and DSV4-Pro, 1 and 16 requests), ahead of 128-column tiles with K in the parts nearest one program per SM and of 16-row dots
-    (docs/notes/2026-12-07-few-row-products.md). Up to SMALL_M rows the weight's
-    bytes are still the cost: 32- or 64-row tiles of 64 columns (128 from WIDE_N), the activation quantized
-    by its own launch (a program's share of the quantizing would outweigh it), K split into the parts that
-    bring the programs nearest to one per SM (more parts only add partial sums to write and read); a
-    product with a tile per SM already takes 128x64 tiles from 128 rows. More rows: 64x256 tiles over the
-    whole of K (64x128 on GPUs with ~100 KB of shared memory a program), or -- where those tiles would leave
-    SMs idle -- 64x128 tiles with K split to fill them. The choices are the fastest of a sweep on the H200
-    at DSV4-Flash's and DSV4-Pro's products (docs/notes/2026-12-04-fp8-products.md)."""
+    Up to FEW_ROWS rows: 16-row tiles, each program quantizing its activation tile itself (no launch before it),
+    its dots transposed (`swap`: the weight tile as a warpgroup MMA's M, read from shared memory, rather than 16
+    activation rows padded to it); 128 columns a tile where that gives a tile per SM, else 64, and K in the
+    fewest parts of at most FEW_PART_BLOCKS blocks that give a program per SM (`split_for`), four stages where
+    shared memory holds them. That form was the fastest of three plans in the layer replayed on the H100 at
+    seven of eight points (DSV4-Flash and DSV4-Pro, 1 and 16 requests), ahead of 128-column tiles with K in the
+    parts nearest one program per SM and of 16-row dots (docs/notes/2026-12-07-few-row-products.md). Up to
+    SMALL_M rows the weight's bytes are still the cost: 32- or 64-row tiles of 64 columns (128 from WIDE_N), the
+    activation quantized by its own launch (a program's share of the quantizing would outweigh it), K split into
+    the parts that bring the programs nearest to one per SM (more parts only add partial sums to write and
+    read); a product with a tile per SM already takes 128x64 tiles from 128 rows. More rows: 64x256 tiles over
+    the whole of K (64x128 on GPUs with ~100 KB of shared memory a program), or -- where those tiles would leave
+    SMs idle -- 64x128 tiles with K split to fill them. The choices are the fastest of a sweep on the H200 at
+    DSV4-Flash's and DSV4-Pro's products (docs/notes/2026-12-04-fp8-products.md)."""
     big = target.arch in BIG_SHARED
     stages = 4 if big else 3
     if M > SMALL_M:
@@ -216,8 +217,9 @@ def plan(M: int, N: int, K: int, target: Target) -> LinearLaunch:
                             quantize_first=True)
     if M <= FEW_ROWS:
         bn = BLOCK if N // BLOCK >= target.processors else 64
-        return LinearLaunch(block_m=16, block_n=bn, split=few_split(N // bn, K // BLOCK, target.processors),
-                            num_warps=4, num_stages=stages, quantize_first=False, swap=True)
+        split = split_for(N // bn, K // BLOCK, target.processors, most_blocks=FEW_PART_BLOCKS)
+        return LinearLaunch(block_m=16, block_n=bn, split=split, num_warps=4, num_stages=stages,
+                            quantize_first=False, swap=True)
     bm = 32 if M <= 32 else 64
     bn = 128 if N >= WIDE_N and N % 128 == 0 else 64 if N % 64 == 0 else 32
     if M >= 128 and cdiv(M, 128) * (N // 64) >= target.processors and N % 64 == 0:
@@ -267,16 +269,6 @@ def _splits(k_blocks: int):
     return [s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= 4] or [1]
 
 
-FEW_PART_BLOCKS = 32     # a few-row program's most K blocks: longer parts leave the weight to too few programs
-
-
-def few_split(tiles: int, k_blocks: int, want: int) -> int:
-    """The fewest parts of K's blocks, each at most FEW_PART_BLOCKS, that give `want` programs (or the most
-    there are): a few-row product's split, where every program streams its part of the weight once."""
-    parts = [s for s in _splits(k_blocks) if k_blocks // s <= FEW_PART_BLOCKS] or _splits(k_blocks)[-1:]
-    return next((s for s in parts if tiles * s >= want), parts[-1])
-
-
 @functools.lru_cache(maxsize=1024)      # asked per call by the grouped few-token product
 def nearest_split(tiles: int, k_blocks: int, want: int) -> int:
     """The part count that brings tiles x parts nearest to `want` programs (by ratio, the fewer on a tie)."""
@@ -285,9 +277,11 @@ def nearest_split(tiles: int, k_blocks: int, want: int) -> int:
     return min(_splits(k_blocks), key=lambda s: (abs(math.log(tiles * s / want)), s))
 
 
-def split_for(tiles: int, k_blocks: int, want: int) -> int:
-    """The fewest parts of K's blocks (each at least 4 blocks) that give `want` programs, or the most there are."""
-    parts = _splits(k_blocks)
+def split_for(tiles: int, k_blocks: int, want: int, *, most_blocks: int = 0) -> int:
+    """The fewest parts of K's blocks (each at least 4 blocks, and at most `most_blocks` where given) that give
+    `want` programs, or the most there are."""
+    parts = [s for s in _splits(k_blocks) if not most_blocks or k_blocks // s <= most_blocks]
+    parts = parts or _splits(k_blocks)[-1:]
     return next((s for s in parts if tiles * s >= want), parts[-1])
 
 
