@@ -509,7 +509,8 @@ def test_backend_presets_are_read_from_their_yaml_and_compose_the_layer_bench():
         ("flashmla_sparse + deepgemm_fp8 + reference", "buckets_64_128", "fp8_ds_mla"),
         ("triton_sparse + triton_fp8 + triton_fp8", "none", "fp8_ds_mla"),
         ("triton_sparse + triton_fp8 + reference", "none", "fp8_ds_mla"),
-        ("triton_sparse + reference + triton_fp8", "none", "fp8_ds_mla")]
+        ("triton_sparse + reference + triton_fp8", "none", "fp8_ds_mla"),
+        ("triton_sparse + deepgemm_fp8 + triton_fp8", "none", "fp8_ds_mla")]
     b200 = backends(dsv4.compose(["deployment=b200"], running=False))
     assert ("flashinfer_sparse + deepgemm_fp8 + deepgemm_fp8", "buckets_pow2", "bf16") in \
         [(b.label, b.combo.head_padding.name, b.combo.cache_layout.name) for b in b200]

@@ -182,6 +182,50 @@ def test_cpu_options_match_the_oracle_with_their_numerics(option, tp_size):
                 assert ref.rel_err(out, other["out"]) > 1e-2
 
 
+@INTERPRETED
+def test_few_row_steps_take_x_products_in_one_launch(monkeypatch):
+    """bf16 activations, linear=triton_fp8 (interpreted): a compressed layer's steps of at most
+    `float_tail_rows` rows multiply x by [wq_a | wkv] and by the compressors' float weights in one launch, longer
+    steps in two products; the outputs are those of the two products apart at every step. batch_invariant
+    keeps them apart (the joint launch's split follows its own plan)."""
+    import dsv4.kernels.products.joint_linear as joint
+    import dsv4.strategies.linear.triton_fp8 as option
+
+    calls = []
+    one_launch = joint.joint_linear
+    monkeypatch.setattr(joint, "joint_linear", lambda x, *a, **k: calls.append(x.shape[0]) or one_launch(x, *a, **k))
+    spec = tiny_spec(o_lora_rank=128)
+    made = {l: in_fp8_blocks(random_layer_weights(spec, l, 5)) for l in (0, 1, 2)}
+    W, fp8 = {l: m[0] for l, m in made.items()}, {l: m[1] for l, m in made.items()}
+    lengths = {"a": 30, "b": 9}
+    X = hidden_for({r: n + 2 for r, n in lengths.items()}, spec.hidden_size, seed=3)
+    schedule = chunked(lengths, 20) + [{r: 1 for r in lengths}] * 2       # 29 rows, then 10, 2 and 2
+    outs = {}
+    for rows in (16, 0):
+        monkeypatch.setattr(option.TritonFp8Linear, "float_tail_rows", rows)
+        eng, _ = make_engine(spec, weights=W, linear=shipped("linear", "triton_fp8"), fp8=fp8, dtype="bfloat16")
+        layers = {spec.compress_ratio(l): eng.layers[l][0] for l in (0, 1, 2)}
+        assert {r: l.joint_rows for r, l in layers.items()} == {1: 0, 4: rows, 128: rows}
+        assert (layers[4].x_joint is None) == (rows == 0)
+        calls.clear()
+        outs[rows], _ = drive(eng, X, schedule)
+        assert calls == ([10, 10, 2, 2, 2, 2] if rows else []), calls      # two compressed layers a step
+    for layer, per in outs[16].items():
+        for rid, out in per.items():
+            assert ref.rel_err(out, outs[0][layer][rid]) < 1e-2, (layer, rid)
+    monkeypatch.setattr(option.TritonFp8Linear, "float_tail_rows", 16)
+    from dsv4.components.builders import build_layer
+    from dsv4.strategies import ExactIndexer, NoHeadPadding, PlainRowLayout, ReferenceMQA, ReferenceOProj, Strategies
+
+    st = Strategies(mqa_kernel=ReferenceMQA(), o_proj=ReferenceOProj(), head_padding=NoHeadPadding(),
+                    cache_layout=PlainRowLayout(name="float32", dtype="float32"), indexer=ExactIndexer(),
+                    linear=shipped("linear", "triton_fp8"))
+    for invariant in (False, True):
+        layer = build_layer(spec=spec, layer=1, weights=W[1], rank=0, tp_size=1, strategies=st,
+                            device=DeviceInfo(platform="cpu"), dtype="bfloat16", fp8=fp8[1], batch_invariant=invariant)
+        assert layer.ratio > 1 and layer.joint_rows == (0 if invariant else 16)
+
+
 def test_fp8_layer_holds_e4m3_weights():
     """The fp8 option keeps the projections' bytes as stored: its layer holds e4m3 weights, one byte per
     value where bf16 takes two, plus a float32 scale per 128x128 block (the compressors' and norms' weights

@@ -29,7 +29,7 @@ from dsv4.kernels.target import device_target
 from dsv4.values.layer_types import by_ratio
 from dsv4.values.seam import SparseKV
 from dsv4.values.spec import ModelSpec
-from dsv4.strategies.linear.common import f32_product
+from dsv4.strategies.linear.common import f32_product, with_tail
 from dsv4.strategies.protocols import (CacheLayout, HeadPaddingPolicy, LinearStrategy, LinearWeight, MQAKernelStrategy,
                                        OProjStrategy, OProjWeights)
 
@@ -114,6 +114,11 @@ class DSV4Attention(torch.nn.Module):
         self.in_sizes = tuple(p.values.shape[0] for p in parts) + (() if self.fused_tail else
                                                                    tuple(t.shape[0] for t in tail))
         self.x_proj = self._prepare("w_in", LinearWeight.cat(parts), device, dtype)
+        # a step of few rows: x's fp8 and float products in one launch, where the option can (float_tail_rows),
+        # the sums its rows get not fixed by the step (batch_invariant keeps them apart) and the tail is bf16
+        self.joint_rows = self.linear.float_tail_rows if tail and not self.fused_tail and not self.batch_invariant \
+            and self.dtype == torch.bfloat16 else 0
+        self.x_joint = with_tail(self.x_proj, self.w_tail) if self.joint_rows else None
         q_parts = [weight("wq_b.weight", weights["wq_b.weight"])] + (
             [weight("indexer.wq_b.weight", indexer.wq_b)] if indexer is not None else [])
         self.q_proj = self._prepare("wq_b", LinearWeight.cat(q_parts), device, dtype)
@@ -186,9 +191,11 @@ class DSV4Attention(torch.nn.Module):
 
     def _project(self, xa, branch: _Branch):
         """A compressed layer's input products: -> qr, kv and the float32 rows of the compressors (and the
-        indexer's head weights); with fp8 linears those rows on the side stream, beside the query path's."""
-        if self.fused_tail:
-            qr_raw, kv_raw, *scores = self.linear(xa, self.x_proj, out_dtype=torch.float32).split_with_sizes(
+        indexer's head weights); with fp8 linears those rows in the same launch up to `joint_rows` rows, else
+        on the side stream, beside the query path's."""
+        if self.fused_tail or xa.shape[0] <= self.joint_rows:
+            joint = self.x_proj if self.fused_tail else self.x_joint
+            qr_raw, kv_raw, *scores = self.linear(xa, joint, out_dtype=torch.float32).split_with_sizes(
                 self.in_sizes, 1)
             return qr_raw, kv_raw, scores
         with branch.side():          # the compressors' bf16 rows, beside the fp8 products of the query path

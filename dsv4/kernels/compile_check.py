@@ -28,7 +28,8 @@ HOPPER_TARGETS = ("cuda:90",)                                                # w
 LAYER_TARGETS = ("cuda:80", "cuda:90", "hip:gfx942")                        # the layer's own kernels
 # the jobs other than a row format's: the modules whose compile_cases each compiles, and its default targets
 JOBS = {
-    "o_proj": (("products.inv_rope_fp8", "products.fp8_grouped_gemm", "products.fp8_linear"), FP8_TARGETS),
+    "o_proj": (("products.inv_rope_fp8", "products.fp8_grouped_gemm", "products.fp8_linear",
+               "products.joint_linear"), FP8_TARGETS),
     "hopper": (("mqa.sparse_mqa_hopper", "mqa.sparse_mqa_hopper_few", "mqa.split_combine"), HOPPER_TARGETS),
     "layer": (("front.layer_front", "front.compress", "front.cache_write", "indexer.fp8_queries",
                "indexer.indexer_logits", "indexer.topk_lists"), LAYER_TARGETS),

@@ -134,9 +134,10 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
     name = lin.name
     if layer.compressor is None:
         out = {f"x @ [wq_a|wkv] ({name})": graph_time_us(lambda: lin(x, layer.x_proj))}
-    elif layer.fused_tail:
+    elif layer.fused_tail or T <= layer.joint_rows:
+        joint = layer.x_proj if layer.fused_tail else layer.x_joint
         out = {f"x @ [wq_a|wkv|compressors|head weights] (f32 out, {name})":
-               graph_time_us(lambda: lin(x, layer.x_proj, out_dtype=torch.float32))}
+               graph_time_us(lambda: lin(x, joint, out_dtype=torch.float32))}
     else:
         out = {f"x @ [wq_a|wkv] ({name})": graph_time_us(lambda: lin(x, layer.x_proj)),
                "x @ [compressors|head weights] (f32 out)": graph_time_us(lambda: layer.tail_product(x, layer.w_tail))}
@@ -187,10 +188,11 @@ class Backend:
 
 
 # besides each backend preset as it ships, its kernel with these output projections too: the triton preset's
-# with the float o_proj its configs/backend/triton.yaml names for GPUs without fp8 products; and every preset
-# whose dense projections are fp8 (`linear`) with them in bf16 too (linear=reference, the preset's own
-# o_proj), timed in the same run
-O_PROJ_SWAPS = {"triton": ("reference",)}
+# with the float o_proj its configs/backend/triton.yaml names for GPUs without fp8 products, and with DeepGEMM's
+# grouped product (faster than ours at one request on the H100: docs/notes/2026-12-07-joint-x-product.md); and
+# every preset whose dense projections are fp8 (`linear`) with them in bf16 too (linear=reference, the preset's
+# own o_proj), timed in the same run
+O_PROJ_SWAPS = {"triton": ("reference", "deepgemm_fp8")}
 # each preset's rows also with these dense projections: float, and the fp8 options its own is made of
 LINEAR_SWAPS = {"flashmla": ("deepgemm_fp8", "triton_fp8", "reference"), "flashinfer": ("reference",),
                 "triton": ("reference",)}

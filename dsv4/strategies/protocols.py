@@ -239,11 +239,14 @@ class LinearStrategy(Protocol):
     (FLOAT), or the published fp8 linear (FP8: activation rows quantized per 128 values, e4m3 weights in
     128x128 blocks, float32 accumulation). The kernel is chosen once, in `prepare`. `fp8_input`: it also
     takes rows already quantized (`Fp8Rows`), which the kernel that makes them writes (the q_lora norm), so
-    that no launch quantizes them in between."""
+    that no launch quantizes them in between. `float_tail_rows`: steps of at most this many rows multiply x by
+    the fp8 projection and the layer's float weights (the compressors') in one launch, float32 out -- the
+    option prepares `common.Fp8Linear`, and `common.with_tail` adds the float weight to it; 0: never."""
     name: str
     error_budget: float      # relative error vs the oracle (the same numerics) this option may add
     numerics: LinearNumerics
     fp8_input: bool
+    float_tail_rows: int
 
     def needs(self, device: DeviceInfo) -> Needs: ...
     def prepare(self, weight: LinearWeight, *, device: DeviceInfo, dtype: str) -> Any: ...   # once, at build

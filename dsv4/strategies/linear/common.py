@@ -24,11 +24,13 @@ class FloatLinear:
 class Fp8Linear:
     """A projection's weight as the checkpoint stores it, on the device: e4m3 [N, K] and float32
     power-of-two scales [N/128, K/128]; `target`: the device's facts its kernel plans by (None: torch);
-    `count`: what its kernel keeps between calls (our Triton product's arrival counters), or None."""
+    `count`: what its kernel keeps between calls (our Triton product's arrival counters), or None; `tail`: a
+    float weight [N_tail, K] multiplied with the same rows in the same launch (`with_tail`), or None."""
     weight: Any
     scale: Any
     target: Any = None
     count: Any = None
+    tail: Any = None
 
 
 def fp8_blocks(weight: LinearWeight, device) -> Fp8Linear:
@@ -54,11 +56,30 @@ def triton_blocks(weight: LinearWeight, device, *, fixed_order: bool = False) ->
     return replace(blocks, count=count, target=device_target(device, fixed_order=fixed_order))
 
 
+def with_tail(prepared: Fp8Linear, tail) -> Fp8Linear:
+    """Our Triton product's blocks with a float weight [N_tail, K] (the compressors' and the indexer's head
+    weights, bf16) multiplied beside them in one launch (dsv4/kernels/products/joint_linear.py), with that
+    launch's own counters: `triton_product` then gives [T, N + N_tail] float32, for steps of at most
+    `float_tail_rows` rows."""
+    from dataclasses import replace
+
+    from dsv4.kernels.products.joint_linear import joint_counters
+
+    return replace(prepared, tail=tail,
+                   count=joint_counters(prepared.weight.shape[0], tail.shape[0], prepared.weight.device))
+
+
 def triton_product(x, prepared: Fp8Linear, out_dtype=None):
-    """x (rows in the activation dtype, or Fp8Rows) times the blocks, through our Triton product."""
+    """x (rows in the activation dtype, or Fp8Rows) times the blocks, through our Triton product; with a float
+    tail (`with_tail`) x's rows times both weights in one launch, float32."""
     from dsv4.formats.fp8_blocks import Fp8Rows
     from dsv4.kernels.products.fp8_linear import fp8_linear
 
+    if prepared.tail is not None:
+        from dsv4.kernels.products.joint_linear import joint_linear
+
+        return joint_linear(x, prepared.weight, prepared.scale, prepared.tail, count=prepared.count,
+                            target=prepared.target)
     if isinstance(x, Fp8Rows):
         return fp8_linear(x.values, prepared.weight, prepared.scale, xs=x.scales, out_dtype=out_dtype or x.dtype,
                           target=prepared.target, count=prepared.count)

@@ -20,6 +20,7 @@ class DeepGemmFp8Linear:
     error_budget: ClassVar[float] = 3e-2        # vs the oracle with fp8 numerics: bf16 rounding moves e4m3 edges
     numerics: ClassVar[LinearNumerics] = LinearNumerics.FP8
     fp8_input: ClassVar[bool] = True
+    float_tail_rows: ClassVar[int] = 0
 
     def needs(self, device) -> Needs:
         return deepgemm_needs()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dsv4.formats.fp8_blocks import LinearNumerics
+from dsv4.kernels import FEW_ROWS
 from dsv4.values.settings import at_least
 from dsv4.strategies.linear.common import (Fp8Linear, deepgemm_needs, deepgemm_product, triton_blocks,
                                            triton_product)
@@ -24,6 +25,11 @@ class DeepGemmTritonFp8Linear:
     error_budget: ClassVar[float] = 3e-2        # vs the oracle with fp8 numerics: bf16 rounding moves e4m3 edges
     numerics: ClassVar[LinearNumerics] = LinearNumerics.FP8
     fp8_input: ClassVar[bool] = True
+
+    @property
+    def float_tail_rows(self) -> int:
+        """x's products in one launch, where our product runs (kernels/products/joint_linear.py)."""
+        return min(self.triton_rows, FEW_ROWS)
 
     def needs(self, device) -> Needs:
         return deepgemm_needs()

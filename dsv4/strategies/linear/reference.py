@@ -17,6 +17,7 @@ class ReferenceLinear:
     error_budget: ClassVar[float] = 0.0         # vs the oracle: the float32 projection
     numerics: ClassVar[LinearNumerics] = LinearNumerics.FLOAT
     fp8_input: ClassVar[bool] = False
+    float_tail_rows: ClassVar[int] = 0
 
     def needs(self, device) -> Needs:
         # batch_invariant=true: products on tiles of a fixed row count (a fixed shape's BLAS call)

@@ -18,6 +18,7 @@ class TorchFp8Linear:
     error_budget: ClassVar[float] = 3e-2        # vs the oracle with fp8 numerics: bf16 rounding moves e4m3 edges
     numerics: ClassVar[LinearNumerics] = LinearNumerics.FP8
     fp8_input: ClassVar[bool] = True
+    float_tail_rows: ClassVar[int] = 0
 
     def needs(self, device) -> Needs:
         return fp8_needs(platforms={"cuda"}, archs={"sm90", "sm100"}, modules=(("triton", "triton"),),

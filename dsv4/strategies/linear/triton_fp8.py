@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from dsv4.formats.fp8_blocks import LinearNumerics
-from dsv4.kernels import FP8_TRITON_ARCHS
+from dsv4.kernels import FEW_ROWS, FP8_TRITON_ARCHS
 from dsv4.strategies.linear.common import Fp8Linear, fp8_needs, triton_blocks, triton_product
 from dsv4.strategies.protocols import LinearWeight, Needs
 
@@ -20,6 +20,7 @@ class TritonFp8Linear:
     error_budget: ClassVar[float] = 3e-2        # vs the oracle with fp8 numerics: bf16 rounding moves e4m3 edges
     numerics: ClassVar[LinearNumerics] = LinearNumerics.FP8
     fp8_input: ClassVar[bool] = True
+    float_tail_rows: ClassVar[int] = FEW_ROWS     # x's products in one launch (kernels/products/joint_linear.py)
 
     def needs(self, device) -> Needs:
         # batch_invariant=true: one launch for every row count (kernels/products/fp8_linear.py fixed_plan)
