@@ -185,14 +185,16 @@ def test_prefetch_asks_only_pools_larger_than_l2():
     assert prefetched_pools(swa, None, 0) == (True, True)
 
 
-def test_split_combine_merges_as_one_softmax():
+@pytest.mark.parametrize("cuts", [(0, 10, 25, 40, 40), (0, 0, 3, 5, 9, 12, 13, 17, 20, 21, 22, 25, 27, 29, 30, 31, 33,
+                                                  35, 36, 38, 40)])
+def test_split_combine_merges_as_one_softmax(cuts):
     """split_combine's merge of per-split (output, max, sum) equals one softmax over all the scores with
-    the sink in the denominator; a head whose every split is empty gets 0 and lse +inf."""
+    the sink in the denominator; a head whose every split is empty gets 0 and lse +inf. Four splits (the last
+    one empty), and twenty (the first empty): more than one step of the merge's SB splits."""
     from dsv4.kernels.mqa.split_combine import combine_splits
 
     g = torch.Generator().manual_seed(21)
     T, H, D, N = 3, 5, 512, 40
-    cuts = (0, 10, 25, 40, 40)                  # four splits, the last one empty
     s2 = torch.randn(T, H, N, generator=g) * 4  # scores x scale x log2(e)
     s2[:, 4] = float("-inf")                     # head 4 sees no row
     v = torch.randn(T, N, D, generator=g)
