@@ -190,7 +190,7 @@ def test_prefetch_asks_only_pools_larger_than_l2():
 def test_split_combine_merges_as_one_softmax(cuts):
     """split_combine's merge of per-split (output, max, sum) equals one softmax over all the scores with
     the sink in the denominator; a head whose every split is empty gets 0 and lse +inf. Four splits (the last
-    one empty), and twenty (the first empty): more than one step of the merge's SB splits."""
+    one empty), and twenty (the first empty)."""
     from dsv4.kernels.mqa.split_combine import combine_splits
 
     g = torch.Generator().manual_seed(21)

@@ -12,7 +12,7 @@ from dsv4.kernels.launch import CompileCase, dependent_start, launch
 from dsv4.kernels.target import gpu_launches_dependents, target_of
 from dsv4.values.sizes import cdiv
 
-BH, DB, SB = 16, 32, 16     # heads, output dims and splits per merge program's step
+BH, DB = 16, 128     # heads and output dims per merge program
 
 
 @triton.jit
@@ -29,9 +29,7 @@ def finish(acc, m, l, sink_l2, out_ptrs, lse_ptrs, hmask, lse_mask):
 
 @triton.jit(do_not_specialize=["T", "S"])
 def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr, T, H, S, BH: tl.constexpr, DB: tl.constexpr,
-                    D: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr = False):
-    """SB splits at a time, their (max, sum) and outputs loaded at once (a loop of one split a step waited on
-    each load in turn: most of a one-request merge), merged into the running ones."""
+                    D: tl.constexpr, PDL: tl.constexpr = False):
     dependent_start(PDL)
     t = tl.program_id(0)
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -39,22 +37,17 @@ def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr, T, H, S, BH: tl
     hmask = heads < H
     dims = d0 + tl.arange(0, DB)
     M = tl.full([BH], float("-inf"), tl.float32)
-    L = tl.zeros([BH], tl.float32)
+    for s in range(0, S):
+        part = (s * T + t).to(tl.int64) * H + heads
+        M = tl.maximum(M, tl.load(ml_ptr + part * 2, mask=hmask, other=float("-inf")))
+    M_use = tl.where(M == float("-inf"), 0.0, M)
     acc = tl.zeros([BH, DB], tl.float32)
-    for s0 in range(0, S, SB):
-        splits = s0 + tl.arange(0, SB)
-        part = (splits[:, None] * T + t).to(tl.int64) * H + heads[None, :]                  # [SB, BH]
-        live = (splits[:, None] < S) & hmask[None, :]
-        m = tl.load(ml_ptr + part * 2, mask=live, other=float("-inf"))
-        ls = tl.load(ml_ptr + part * 2 + 1, mask=live, other=0.0)
-        a = tl.load(acc_ptr + part[:, :, None] * D + dims[None, None, :], mask=live[:, :, None], other=0.0)
-        M_new = tl.maximum(M, tl.max(m, 0))
-        M_use = tl.where(M_new == float("-inf"), 0.0, M_new)
-        kept = tl.exp2(M - M_use)                    # the running sums' weight (0 before any split)
-        w = tl.exp2(m - M_use[None, :])
-        L = L * kept + tl.sum(ls * w, 0)
-        acc = acc * kept[:, None] + tl.sum(a * w[:, :, None], 0)
-        M = M_new
+    L = tl.zeros([BH], tl.float32)
+    for s in range(0, S):
+        part = (s * T + t).to(tl.int64) * H + heads
+        w = tl.exp2(tl.load(ml_ptr + part * 2, mask=hmask, other=float("-inf")) - M_use)
+        L += tl.load(ml_ptr + part * 2 + 1, mask=hmask, other=0.0) * w
+        acc += tl.load(acc_ptr + part[:, None] * D + dims[None, :], mask=hmask[:, None], other=0.0) * w[:, None]
     row = t.to(tl.int64) * H + heads
     sink_l2 = tl.load(sink_ptr + heads, mask=hmask, other=0.0) * 1.4426950408889634      # log2(e)
     finish(acc, M, L, sink_l2, out_ptr + row[:, None] * D + dims[None, :], lse_ptr + row, hmask,
@@ -64,19 +57,17 @@ def _combine_kernel(acc_ptr, ml_ptr, sink_ptr, out_ptr, lse_ptr, T, H, S, BH: tl
 def combine_splits(acc, ml, sink, out, lse, splits: int) -> None:
     """out [T, H, D] (its dtype) and lse [T, H] from the splits' acc and ml (flat, as laid out above).
     One program per (token, BH heads, DB dims): a decode step of one request still spreads over
-    D/DB·H/BH programs, each reading SB splits at once; a programmatic dependent where the GPU launches them
-    (Target.pdl)."""
+    D/DB·H/BH programs; a programmatic dependent where the GPU launches them (Target.pdl)."""
     T, H, D = out.shape
     pdl = target_of(out.device).pdl
     launch(_combine_kernel, (T, cdiv(H, BH), cdiv(D, DB)), acc, ml, sink, out, lse, T, H, splits, BH=BH, DB=DB, D=D,
-           SB=SB, PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=1)
+           PDL=pdl, launch_pdl=pdl, num_warps=4, num_stages=1)
 
 
 def compile_cases(gpu) -> list[CompileCase]:
     """The merge as combine_splits launches it after the Hopper kernels (512 dims, bf16 out), as a programmatic
     dependent on NVIDIA GPUs that launch them so."""
-    return [CompileCase(kernel=_combine_kernel,
-                        constexprs=dict(BH=BH, DB=DB, D=512, SB=SB, PDL=gpu_launches_dependents(gpu)),
+    return [CompileCase(kernel=_combine_kernel, constexprs=dict(BH=BH, DB=DB, D=512, PDL=gpu_launches_dependents(gpu)),
                         divisible=frozenset({"H"}),
                         pointers={"acc_ptr": "*fp32", "ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
                                   "lse_ptr": "*fp32"})]
