@@ -97,11 +97,11 @@ class JointLaunch:
 @functools.lru_cache(maxsize=256)
 def joint_plan(N: int, NT: int, K: int, target: Target) -> JointLaunch:
     """Both weights' K in the fewest parts that give 1.2 programs per SM (or the most there are), three stages.
-    Measured on the H100 (one and 16 rows; DSV4-Flash's ratio-4 and ratio-128 x products with their float
-    weights, DSV4-Pro's ratio-4), µs: 12.3-12.8, 9.1-9.4 and 22.5-25.1 with K in 4 parts both, against 14.4-16.6,
-    9.3-13.3 and 24.8-28.0 with a float tile's K in twice an fp8 tile's parts (the same bytes a program) or in
-    half the parts, and 15.9-16.6, 12.4-12.7 and 28.6-29.5 for the two products apart (cuBLAS's and ours); four
-    stages were no faster."""
+    Measured on the H100, one / 16 rows, µs: DSV4-Flash's ratio-4 x product with its float weights 12.4 / 13.0
+    (K in 4 parts both), against 15.5 / 15.9 with a float tile's K in twice an fp8 tile's parts (2 and 4: the same
+    bytes a program, four stages) and 15.9 / 16.6 for the two products apart (cuBLAS's and ours); its ratio-128
+    layer 9.1 / 9.2 against 12.7 / 13.3 and 12.4 / 12.7; DSV4-Pro's ratio-4 22.5 / 25.1 against 26.4 / 27.5 and
+    28.6 / 29.5. Four stages were no faster (docs/notes/2026-12-07-joint-x-product.md)."""
     parts = k_splits(K // BLOCK)
     tiles = N // BN + cdiv(NT, BN)
     split = next((s for s in parts if 5 * tiles * s >= 6 * target.processors), parts[-1])
