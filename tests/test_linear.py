@@ -210,6 +210,9 @@ def test_few_row_steps_take_x_products_in_one_launch(monkeypatch):
         calls.clear()
         outs[rows], _ = drive(eng, X, schedule)
         assert calls == ([10, 10, 2, 2, 2, 2] if rows else []), calls      # two compressed layers a step
+        from dsv4.components.attention import _Branch
+        empty = layers[4]._project(torch.zeros(0, spec.hidden_size, dtype=torch.bfloat16), _Branch(None))
+        assert [t.shape[0] for t in (empty[0], empty[1], *empty[2])] == [0] * (2 + len(empty[2]))
     for layer, per in outs[16].items():
         for rid, out in per.items():
             assert ref.rel_err(out, outs[0][layer][rid]) < 1e-2, (layer, rid)

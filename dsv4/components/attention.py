@@ -96,7 +96,8 @@ class DSV4Attention(torch.nn.Module):
         checkpoint stores in bf16: accumulated in float32 (the compressors pool in float32; the front kernels
         round qr and kv to the activation dtype as a product in that dtype would). With float linears all of
         it is one product (`x_proj`, its weight the buffer `w_in`); with fp8 ones the float rows are a product
-        of their own (`w_tail`). Then qr -> the query heads and, in ratio-4 layers, the indexer's query heads
+        of their own (`w_tail`), or -- in steps of at most `joint_rows` rows, where the option can -- the same
+        launch as x's fp8 product (`x_joint`: the same tensors). Then qr -> the query heads and, in ratio-4 layers, the indexer's query heads
         (both the published code's linears of the same normalised qr), and z -> the output (`wo_b`)."""
         compressor, indexer = self.compressor, self.indexer
 
@@ -193,7 +194,7 @@ class DSV4Attention(torch.nn.Module):
         """A compressed layer's input products: -> qr, kv and the float32 rows of the compressors (and the
         indexer's head weights); with fp8 linears those rows in the same launch up to `joint_rows` rows, else
         on the side stream, beside the query path's."""
-        if self.fused_tail or xa.shape[0] <= self.joint_rows:
+        if self.fused_tail or (self.x_joint is not None and xa.shape[0] <= self.joint_rows):
             joint = self.x_proj if self.fused_tail else self.x_joint
             qr_raw, kv_raw, *scores = self.linear(xa, joint, out_dtype=torch.float32).split_with_sizes(
                 self.in_sizes, 1)

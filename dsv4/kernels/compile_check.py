@@ -10,7 +10,8 @@ Each argument is TARGET/WHAT; TARGET is cuda:<sm> or hip:<gfx arch>; WHAT names 
 sparse MQA kernels read (sparse_plan.READS: mqa_kernel=triton_sparse's kernels reading such pages; OCP e4m3
 bytes take the hardware conversion where sparse_mqa would use it, NVIDIA sm89+) or one of JOBS: `o_proj`
 (o_proj=triton_fp8's grouped e4m3 product and linear=triton_fp8's product and activation quantizer at their
-planned launches and batch_invariant's fixed ones, NVIDIA sm89+ only), `hopper` (triton_sparse's one-pass
+planned launches and batch_invariant's fixed ones, and its few-row joint launch of x's products, NVIDIA sm89+
+only), `hopper` (triton_sparse's one-pass
 Gluon kernels, sm90 only) or `layer` (the layer's front, compressor, cache-writer and indexer kernels). What is
 compiled is each module's own `compile_cases(gpu)`: the specializations its wrappers launch. Exits non-zero if
 any kernel fails to compile.

@@ -119,14 +119,14 @@ def joint_counters(N: int, NT: int, device):
 def joint_linear(x, w, ws, tail, *, count, target: Target | None = None, split: int | None = None,
                  tail_split: int | None = None, num_stages: int | None = None):
     """x [M, K] bf16 (M <= FEW_ROWS) times w [N, K] e4m3 with block scales ws [N/128, K/128] (the published fp8
-    linear) and times tail [NT, K] in x's dtype (float32 sums) -> [M, N + NT] float32, in one launch. `count`:
+    linear) and times tail [NT, K] bf16 (float32 sums) -> [M, N + NT] float32, in one launch. `count`:
     `joint_counters(N, NT)`; the launch parameters override `joint_plan`."""
     import torch
 
     M, K = x.shape
     N, NT = w.shape[0], tail.shape[0]
-    if x.dtype not in (torch.bfloat16, torch.float16) or tail.dtype != x.dtype:
-        raise ValueError(f"joint linear: x and the float weight in bf16 or fp16, got {x.dtype} and {tail.dtype}")
+    if x.dtype != torch.bfloat16 or tail.dtype != torch.bfloat16:      # the float dots are bf16 tensor-core dots
+        raise ValueError(f"joint linear: x and the float weight in bf16, got {x.dtype} and {tail.dtype}")
     if w.dtype != torch.float8_e4m3fn or K % BLOCK or N % BLOCK or tuple(w.shape) != (N, K) \
             or tuple(ws.shape) != (N // BLOCK, K // BLOCK) or tail.shape[1] != K:
         raise ValueError(f"joint linear: x {tuple(x.shape)}, w {tuple(w.shape)} {w.dtype}, ws {tuple(ws.shape)}, "
