@@ -264,7 +264,7 @@ def fixed_launch(M: int, N: int, K: int, target: Target) -> LinearLaunch:
     return p
 
 
-def k_splits(k_blocks: int):
+def _splits(k_blocks: int):
     """K's possible parts: the divisors of its blocks that leave each part at least 4 blocks."""
     return [s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= 4] or [1]
 
@@ -274,14 +274,14 @@ def nearest_split(tiles: int, k_blocks: int, want: int) -> int:
     """The part count that brings tiles x parts nearest to `want` programs (by ratio, the fewer on a tie)."""
     import math
 
-    return min(k_splits(k_blocks), key=lambda s: (abs(math.log(tiles * s / want)), s))
+    return min(_splits(k_blocks), key=lambda s: (abs(math.log(tiles * s / want)), s))
 
 
 def split_for(tiles: int, k_blocks: int, want: int, *, most_blocks: int = 0) -> int:
     """The fewest parts of K's blocks (each at least 4 blocks, and at most `most_blocks` where given) that give
     `want` programs, or the most there are."""
-    parts = [s for s in k_splits(k_blocks) if not most_blocks or k_blocks // s <= most_blocks]
-    parts = parts or k_splits(k_blocks)[-1:]
+    parts = [s for s in _splits(k_blocks) if not most_blocks or k_blocks // s <= most_blocks]
+    parts = parts or _splits(k_blocks)[-1:]
     return next((s for s in parts if tiles * s >= want), parts[-1])
 
 

@@ -26,8 +26,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from dsv4.kernels import FEW_ROWS
-from dsv4.kernels.launch import CompileCase, as_dense, launch
-from dsv4.kernels.products.fp8_linear import BLOCK, k_splits, part_sums, store_tile
+from dsv4.kernels.launch import CompileCase, as_dense, as_f32, launch
+from dsv4.kernels.products.fp8_linear import BLOCK, part_sums, split_for, store_tile
 from dsv4.kernels.target import Target, gpu_launches_dependents, target_of
 from dsv4.values.sizes import cdiv
 
@@ -102,9 +102,7 @@ def joint_plan(N: int, NT: int, K: int, target: Target) -> JointLaunch:
     bytes a program, four stages) and 15.9 / 16.6 for the two products apart (cuBLAS's and ours); its ratio-128
     layer 9.1 / 9.2 against 12.7 / 13.3 and 12.4 / 12.7; DSV4-Pro's ratio-4 22.5 / 25.1 against 26.4 / 27.5 and
     28.6 / 29.5. Four stages were no faster (docs/notes/2026-12-07-joint-x-product.md)."""
-    parts = k_splits(K // BLOCK)
-    tiles = N // BN + cdiv(NT, BN)
-    split = next((s for s in parts if 5 * tiles * s >= 6 * target.processors), parts[-1])
+    split = split_for(N // BN + cdiv(NT, BN), K // BLOCK, cdiv(6 * target.processors, 5))
     return JointLaunch(split=split, tail_split=split, num_stages=3)
 
 
@@ -145,7 +143,7 @@ def joint_linear(x, w, ws, tail, *, count, target: Target | None = None, split: 
         raise ValueError(f"joint linear: split={sp}, tail_split={tsp} do not both divide K's {K // BLOCK} blocks")
     part = torch.empty(max(sp, tsp), M, N + NT, dtype=torch.float32, device=x.device) if max(sp, tsp) > 1 else y
     grid = ((N // BN) * sp + cdiv(NT, BN) * tsp,)
-    launch(_joint_linear_kernel, grid, as_dense(x), as_dense(w), ws.float().contiguous(), as_dense(tail), y, part,
+    launch(_joint_linear_kernel, grid, as_dense(x), as_dense(w), as_f32(ws), as_dense(tail), y, part,
            count, M, N, NT, K, BM=FEW_ROWS, BN=BN, SPLIT=sp, TSPLIT=tsp,
            DOT=tl.float32 if tgt.interpret else tl.float8e4nv, TDOT=tl.float32 if tgt.interpret else tl.bfloat16,
            STAGES=num_stages or p.num_stages, PDL=tgt.pdl, launch_pdl=tgt.pdl, num_warps=4)
