@@ -97,8 +97,9 @@ class DSV4Attention(torch.nn.Module):
         round qr and kv to the activation dtype as a product in that dtype would). With float linears all of
         it is one product (`x_proj`, its weight the buffer `w_in`); with fp8 ones the float rows are a product
         of their own (`w_tail`), or -- in steps of at most `joint_rows` rows, where the option can -- the same
-        launch as x's fp8 product (`x_joint`: the same tensors). Then qr -> the query heads and, in ratio-4 layers, the indexer's query heads
-        (both the published code's linears of the same normalised qr), and z -> the output (`wo_b`)."""
+        launch as x's fp8 product (`x_joint`: the same tensors). Then qr -> the query heads and, in ratio-4
+        layers, the indexer's query heads (both the published code's linears of the same normalised qr), and
+        z -> the output (`wo_b`)."""
         compressor, indexer = self.compressor, self.indexer
 
         def weight(name: str, values) -> LinearWeight:
@@ -190,12 +191,20 @@ class DSV4Attention(torch.nn.Module):
                       extra_lens=lens, extra_nested=self.indexer is None)
         return LayerStepResult(out=self._output(self._attention(q, kv, plan), rot), topk=topk, faults=faults)
 
+    def one_launch_product(self, rows: int):
+        """The prepared product that gives a compressed layer's x products (qr, kv and the compressors' float32
+        rows) in one launch for a step of `rows` rows: `x_proj` with float linears, `x_joint` up to
+        `joint_rows` rows; None where they are two products."""
+        if self.fused_tail:
+            return self.x_proj
+        return self.x_joint if self.x_joint is not None and rows <= self.joint_rows else None
+
     def _project(self, xa, branch: _Branch):
         """A compressed layer's input products: -> qr, kv and the float32 rows of the compressors (and the
         indexer's head weights); with fp8 linears those rows in the same launch up to `joint_rows` rows, else
         on the side stream, beside the query path's."""
-        if self.fused_tail or (self.x_joint is not None and xa.shape[0] <= self.joint_rows):
-            joint = self.x_proj if self.fused_tail else self.x_joint
+        joint = self.one_launch_product(xa.shape[0])
+        if joint is not None:
             qr_raw, kv_raw, *scores = self.linear(xa, joint, out_dtype=torch.float32).split_with_sizes(
                 self.in_sizes, 1)
             return qr_raw, kv_raw, scores

@@ -134,8 +134,7 @@ def component_us(layer, x, plan, caches) -> dict[str, float]:
     name = lin.name
     if layer.compressor is None:
         out = {f"x @ [wq_a|wkv] ({name})": graph_time_us(lambda: lin(x, layer.x_proj))}
-    elif layer.fused_tail or (layer.x_joint is not None and T <= layer.joint_rows):
-        joint = layer.x_proj if layer.fused_tail else layer.x_joint
+    elif (joint := layer.one_launch_product(T)) is not None:
         out = {f"x @ [wq_a|wkv|compressors|head weights] (f32 out, {name})":
                graph_time_us(lambda: lin(x, joint, out_dtype=torch.float32))}
     else:
